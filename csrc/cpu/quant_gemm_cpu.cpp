@@ -1,0 +1,181 @@
+// CPU kernels of the FP4 / INT4 family: the fallback users get, so real kernels, not a reference.
+//
+// Both variants walk column blocks of B (contiguous int32 words along N), so the inner loops run
+// over N with unit stride and the compiler vectorizes decode + FMA (built with AVX2/FMA on x86-64).
+//   decode (M <= 16): every packed word is read once for all M rows; per group the kernel sums
+//     a[m,k] * code_value[k,n] in fp32 and applies the scale (and zero point) once per group:
+//       FP4: acc += s * sum_k a*v          U4: acc += s * (sum_k a*q - z * sum_k a)
+//   tiled (M > 16): each task dequantizes a [K, tile_n] panel to fp32 once and multiplies all M
+//     rows against it with the BLAS micro-GEMM; the dense weight never exists beyond one panel
+//     per thread.
+#include <ATen/Parallel.h>
+#include <c10/util/irange.h>
+
+#include <cstring>
+#include <vector>
+
+#include "ops/quant_gemm.h"
+
+namespace torch_marlin {
+namespace {
+
+constexpr int64_t kBlockN = 64;  // columns per inner block (fits a [16 x 64] fp32 accumulator in L1)
+
+// Branch-free E2M1 magnitude decode the vectorizer accepts (same values as fp4_e2m1_to_float).
+inline float fp4_value(uint32_t code) {
+  const uint32_t em = code & 7u;
+  // Normal codes (E > 0): exponent E + 126, mantissa bit M at bit 22. Subnormal: 0 or 0.5.
+  const uint32_t normal = (em << 22) + (126u << 23);
+  const uint32_t sub = (em & 1u) ? 0x3F000000u : 0u;
+  uint32_t bits = (em & 6u) ? normal : sub;
+  bits |= (code & 8u) << 28;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Fills vals[r][n] (r in 0..7) with the decoded codes of one packed row for columns [0, nb).
+// U4 codes decode to their unsigned value; the zero point is applied per group by the caller.
+template <QuantFormat F>
+inline void decode_word_row(const int32_t* __restrict words, int64_t nb, float (*__restrict vals)[kBlockN]) {
+  for (int r = 0; r < 8; ++r) {
+    for (int64_t n = 0; n < nb; ++n) {
+      const uint32_t code = (uint32_t(words[n]) >> (4 * r)) & 15u;
+      vals[r][n] = F == QuantFormat::FP4 ? fp4_value(code) : float(code);
+    }
+  }
+}
+
+template <QuantFormat F>
+void decode_block(const QuantGemmArgs& a, const float* __restrict A, const float* __restrict S,
+                  const uint8_t* __restrict Z, const float* __restrict bias, int64_t n0, int64_t nb,
+                  float* __restrict C) {
+  const int64_t M = a.M, K = a.K, N = a.N, gs = a.group_size;
+  const int32_t* B = a.B.data_ptr<int32_t>();
+  float acc[kDecodeMaxM][kBlockN] = {};
+  float gacc[kDecodeMaxM][kBlockN];
+  float vals[8][kBlockN];
+  for (int64_t g = 0; g < K / gs; ++g) {
+    for (int64_t m = 0; m < M; ++m) std::fill(gacc[m], gacc[m] + nb, 0.f);
+    for (int64_t kw = g * gs / 8; kw < (g + 1) * gs / 8; ++kw) {
+      decode_word_row<F>(B + kw * N + n0, nb, vals);
+      for (int64_t m = 0; m < M; ++m) {
+        const float* am = A + m * K + kw * 8;
+        for (int r = 0; r < 8; ++r) {
+          const float av = am[r];
+          for (int64_t n = 0; n < nb; ++n) gacc[m][n] += av * vals[r][n];
+        }
+      }
+    }
+    const float* s = S + g * N + n0;
+    if (F == QuantFormat::FP4) {
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < nb; ++n) acc[m][n] += s[n] * gacc[m][n];
+    } else {
+      const uint8_t* z = Z + g * N + n0;
+      for (int64_t m = 0; m < M; ++m) {
+        float asum = 0.f;
+        for (int64_t k = g * gs; k < (g + 1) * gs; ++k) asum += A[m * K + k];
+        for (int64_t n = 0; n < nb; ++n) acc[m][n] += s[n] * (gacc[m][n] - float(z[n] & 15u) * asum);
+      }
+    }
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < nb; ++n) C[m * N + n0 + n] = acc[m][n] + (bias ? bias[n0 + n] : 0.f);
+}
+
+// Dequantizes columns [n0, n0 + nb) of B into panel[K][ld] (fp32).
+template <QuantFormat F>
+void dequant_panel(const QuantGemmArgs& a, const float* __restrict S, const uint8_t* __restrict Z, int64_t n0,
+                   int64_t nb, float* __restrict panel, int64_t ld) {
+  const int64_t K = a.K, N = a.N, gs = a.group_size;
+  const int32_t* B = a.B.data_ptr<int32_t>();
+  float vals[8][kBlockN];
+  for (int64_t c0 = 0; c0 < nb; c0 += kBlockN) {
+    const int64_t cb = std::min(kBlockN, nb - c0);
+    for (int64_t kw = 0; kw < K / 8; ++kw) {
+      decode_word_row<F>(B + kw * N + n0 + c0, cb, vals);
+      const int64_t g = kw * 8 / gs;
+      const float* s = S + g * N + n0 + c0;
+      const uint8_t* z = F == QuantFormat::U4 ? Z + g * N + n0 + c0 : nullptr;
+      for (int r = 0; r < 8; ++r) {
+        float* out = panel + (kw * 8 + r) * ld + c0;
+        if (F == QuantFormat::FP4) {
+          for (int64_t n = 0; n < cb; ++n) out[n] = vals[r][n] * s[n];
+        } else {
+          for (int64_t n = 0; n < cb; ++n) out[n] = (vals[r][n] - float(z[n] & 15u)) * s[n];
+        }
+      }
+    }
+  }
+}
+
+template <QuantFormat F>
+void gemm_impl(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C) {
+  const at::Tensor Af = a.A.to(at::kFloat).contiguous();
+  const at::Tensor Sf = a.scales.to(at::kFloat).contiguous();
+  const at::Tensor biasf = a.bias.defined() ? a.bias.to(at::kFloat).contiguous() : at::Tensor();
+  const bool direct = C.scalar_type() == at::kFloat;
+  at::Tensor Cf = direct ? C : at::empty({a.M, a.N}, C.options().dtype(at::kFloat));
+  const float* A = Af.data_ptr<float>();
+  const float* S = Sf.data_ptr<float>();
+  const uint8_t* Z = F == QuantFormat::U4 ? a.zeros.data_ptr<uint8_t>() : nullptr;
+  const float* bias = biasf.defined() ? biasf.data_ptr<float>() : nullptr;
+  float* Cp = Cf.data_ptr<float>();
+  const int64_t tile_n = plan.params.tile_n;
+  const int64_t n_tiles = plan.params.n_tiles;
+
+  if (plan.variant == GemmVariant::Decode) {
+    at::parallel_for(0, n_tiles, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n0 = t * tile_n;
+        for (int64_t c = n0; c < std::min(n0 + tile_n, a.N); c += kBlockN)
+          decode_block<F>(a, A, S, Z, bias, c, std::min(kBlockN, a.N - c), Cp);
+      }
+    });
+  } else {
+    at::parallel_for(0, n_tiles, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> panel(size_t(a.K) * tile_n);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n0 = t * tile_n, nb = std::min(tile_n, a.N - n0);
+        dequant_panel<F>(a, S, Z, n0, nb, panel.data(), nb);
+        // Inside parallel_for the BLAS call runs single-threaded: one panel per worker.
+        const at::Tensor P = at::from_blob(panel.data(), {a.K, nb}, at::kFloat);
+        at::Tensor out = Cf.narrow(1, n0, nb);
+        at::mm_out(out, Af, P);
+        if (bias) out.add_(biasf.narrow(0, n0, nb));
+      }
+    });
+  }
+  if (!direct) C.copy_(Cf);
+}
+
+template <QuantFormat F>
+void dequant_impl(const QuantGemmArgs& a, at::Tensor& W) {
+  const at::Tensor Sf = a.scales.to(at::kFloat).contiguous();
+  const bool direct = W.scalar_type() == at::kFloat;
+  at::Tensor Wf = direct ? W : at::empty({a.K, a.N}, W.options().dtype(at::kFloat));
+  const uint8_t* Z = F == QuantFormat::U4 ? a.zeros.data_ptr<uint8_t>() : nullptr;
+  const int64_t n_tiles = (a.N + kBlockN - 1) / kBlockN;
+  at::parallel_for(0, n_tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kBlockN;
+      dequant_panel<F>(a, Sf.data_ptr<float>(), Z, n0, std::min(kBlockN, a.N - n0), Wf.data_ptr<float>() + n0, a.N);
+    }
+  });
+  if (!direct) W.copy_(Wf);
+}
+
+}  // namespace
+
+void quant_gemm_cpu(const GemmPlan& plan, const QuantGemmArgs& args, at::Tensor& C) {
+  if (args.format == QuantFormat::FP4) gemm_impl<QuantFormat::FP4>(plan, args, C);
+  else gemm_impl<QuantFormat::U4>(plan, args, C);
+}
+
+void quant_dequant_cpu(const QuantGemmArgs& args, at::Tensor& W) {
+  if (args.format == QuantFormat::FP4) dequant_impl<QuantFormat::FP4>(args, W);
+  else dequant_impl<QuantFormat::U4>(args, W);
+}
+
+}  // namespace torch_marlin

@@ -1,0 +1,73 @@
+// FP4 E2M1 / INT4 fused-dequant GEMM: the launch parameters and format helpers shared
+// byte-for-byte by the host (C++), the Metal kernels (MSL) and the CUDA kernels.
+//
+// Included by MSL (__METAL_VERSION__), nvcc (__CUDACC__) and plain C++. Keep it to the common
+// subset: fixed-width unsigned fields only, no pointers, no bool (its size differs), no
+// constructors. The host fills the struct once in the planner and every backend reads the same
+// fields, so a launch-geometry bug shows up identically in the Metal-on-CPU harness.
+#pragma once
+
+#include "torch_marlin/portable.h"
+
+TM_NAMESPACE_BEGIN
+
+// ---- Format constants (docs/formats.md) ------------------------------------------------------
+// B_packed is int32 [K/8, N]: 8 four-bit codes along K per word, LSB first
+// (bits 0-3 = row k+0 ... bits 28-31 = row k+7). The GPTQ qweight layout.
+#define TM_PACK_FACTOR 8u
+// INT4 zero points: uint8 [K/group_size, N], value 0..15; w = (q - z) * s. S4 is z = 8.
+#define TM_U4_SYMMETRIC_ZERO 8u
+
+// Which weight format a kernel dequantizes.
+#define TM_FORMAT_FP4 0u
+#define TM_FORMAT_U4 1u
+
+// ---- Launch parameters -------------------------------------------------------------------------
+struct QuantGemmParams {
+  tm_u32 M;            // rows of A and C
+  tm_u32 K;            // reduction length; multiple of 8 and of group_size
+  tm_u32 N;            // columns of B and C (any value; edge tiles are masked)
+  tm_u32 group_size;   // K rows sharing one scale (and zero point); multiple of 8
+  tm_u32 tile_m;       // output tile rows of the chosen kernel
+  tm_u32 tile_n;       // output tile columns of the chosen kernel
+  tm_u32 m_tiles;      // ceil(M / tile_m)
+  tm_u32 n_tiles;      // ceil(N / tile_n)
+  tm_u32 k_parallel;   // number of K slices; 1 = no split, partials go straight to C
+  tm_u32 k_slice_len;  // K rows per slice (multiple of the kernel's K step); last slice may be short
+  tm_u32 num_groups;   // threadgroups / blocks in a 1-D (striped) grid; 0 for 2-D grids
+  tm_u32 has_bias;     // 1: C += bias[N] in the epilogue (after the K reduction)
+};
+
+#if TM_HOST_CXX
+static_assert(sizeof(QuantGemmParams) == 12 * 4, "QuantGemmParams must stay 12 x u32: MSL/CUDA mirror it");
+static_assert(alignof(QuantGemmParams) == 4, "QuantGemmParams alignment");
+#endif
+
+// Parameters of the deterministic K-parallel reduction (second dispatch):
+// C[m, n] = sum_{s=0}^{k_parallel-1} workspace[s][m][n] (+ bias[n]), summed in slice order.
+struct QuantReduceParams {
+  tm_u32 M;
+  tm_u32 N;
+  tm_u32 k_parallel;
+  tm_u32 has_bias;
+};
+
+#if TM_HOST_CXX
+static_assert(sizeof(QuantReduceParams) == 4 * 4, "QuantReduceParams must stay 4 x u32");
+#endif
+
+// ---- Portable reference dequant (host, CUDA, MSL). Kernels may use faster bit tricks but must
+// agree with these bit for bit. ------------------------------------------------------------------
+
+// FP4 E2M1 (bias 1): s eem. E=0 -> M * 0.5; E>0 -> 2^(E-1) * (1 + M/2). Exact in fp16/bf16/fp32.
+TM_FN float fp4_e2m1_to_float(tm_u32 code) {
+  const tm_u32 e = (code >> 1) & 3u;
+  const tm_u32 m = code & 1u;
+  const float mag = (e == 0u) ? 0.5f * float(m) : float(1u << (e - 1u)) * (1.0f + 0.5f * float(m));
+  return (code & 8u) ? -mag : mag;
+}
+
+// The 4-bit code of row k (relative to the word's first row) in a packed word.
+TM_FN tm_u32 tm_nibble(tm_u32 word, tm_u32 row_in_word) { return (word >> (4u * row_in_word)) & 15u; }
+
+TM_NAMESPACE_END

@@ -1,0 +1,44 @@
+// FP4 / INT4 op family: validated arguments and the per-backend entry points the registration
+// unit (quant_gemm.cpp) calls. Backends implement these; they never re-check arguments.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "plan/plan.h"
+
+namespace torch_marlin {
+
+// Arguments after validation: every tensor contiguous and on A's device (or the weights' device
+// for dequant), dtypes as documented in docs/formats.md.
+struct QuantGemmArgs {
+  QuantFormat format = QuantFormat::FP4;
+  int64_t M = 0, K = 0, N = 0, group_size = 0;
+  DType dtype = DType::F16;  // activation dtype (gemm) or scales dtype (dequant)
+  at::Tensor A;              // [M, K] fp16/bf16/fp32 (undefined for dequant)
+  at::Tensor B;              // int32 [K/8, N]
+  at::Tensor scales;         // [K/group_size, N], dtype of A
+  at::Tensor zeros;          // uint8 [K/group_size, N] for U4; undefined for FP4
+  at::Tensor bias;           // [N], dtype of A; undefined when absent
+};
+
+DType to_dtype(at::ScalarType t);
+
+// ---- CPU (csrc/cpu/quant_gemm_cpu.cpp) ----
+void quant_gemm_cpu(const GemmPlan& plan, const QuantGemmArgs& args, at::Tensor& C);
+void quant_dequant_cpu(const QuantGemmArgs& args, at::Tensor& W);
+
+#ifdef TM_WITH_MPS
+// ---- MPS (csrc/mps/quant_gemm_mps.mm) ----
+DeviceCaps mps_device_caps();
+void quant_gemm_mps(const GemmPlan& plan, const QuantGemmArgs& args, at::Tensor& C, at::Tensor& workspace);
+void quant_dequant_mps(const QuantGemmArgs& args, at::Tensor& W);
+#endif
+
+#ifdef TM_WITH_CUDA
+// ---- CUDA (csrc/cuda/quant_gemm.cu) ----
+DeviceCaps cuda_device_caps(int device_index);
+void quant_gemm_cuda(const GemmPlan& plan, const QuantGemmArgs& args, at::Tensor& C, at::Tensor& workspace);
+void quant_dequant_cuda(const QuantGemmArgs& args, at::Tensor& W);
+#endif
+
+}  // namespace torch_marlin

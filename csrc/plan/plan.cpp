@@ -1,0 +1,229 @@
+#include "plan/plan.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace torch_marlin {
+
+const char* variant_name(GemmVariant v) {
+  switch (v) {
+    case GemmVariant::Auto: return "auto";
+    case GemmVariant::Decode: return "decode";
+    case GemmVariant::Tiled: return "tiled";
+    case GemmVariant::TiledStaged: return "tiled_staged";
+    case GemmVariant::Striped: return "striped";
+  }
+  return "?";
+}
+
+const char* backend_name(Backend b) {
+  switch (b) {
+    case Backend::CPU: return "cpu";
+    case Backend::Metal: return "metal";
+    case Backend::CUDA: return "cuda";
+  }
+  return "?";
+}
+
+const char* dtype_name(DType d) {
+  switch (d) {
+    case DType::F16: return "half";
+    case DType::BF16: return "bfloat";
+    case DType::F32: return "float";
+  }
+  return "?";
+}
+
+const char* format_name(QuantFormat f) { return f == QuantFormat::FP4 ? "fp4" : "u4"; }
+
+DeviceCaps default_metal_caps() {
+  DeviceCaps caps;
+  caps.backend = Backend::Metal;
+  caps.compute_units = 8;
+  caps.max_shared_memory = 32768;
+  return caps;
+}
+
+namespace {
+
+uint32_t ceil_div(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 1) / b); }
+
+void set_tiles(GemmPlan& p, int64_t M, int64_t N, uint32_t tile_m, uint32_t tile_n) {
+  p.params.tile_m = tile_m;
+  p.params.tile_n = tile_n;
+  p.params.m_tiles = ceil_div(M, tile_m);
+  p.params.n_tiles = ceil_div(N, tile_n);
+}
+
+// K slices: k_slice_len is a multiple of `k_step` so a slice never splits a kernel iteration.
+void set_k_parallel(GemmPlan& p, int64_t K, uint32_t k_parallel, uint32_t k_step) {
+  const uint32_t k_steps = ceil_div(K, k_step);
+  k_parallel = std::max<uint32_t>(1, std::min(k_parallel, k_steps));
+  const uint32_t steps_per_slice = ceil_div(k_steps, k_parallel);
+  p.params.k_slice_len = steps_per_slice * k_step;
+  // Recompute so no slice is empty (e.g. 10 steps / 4 slices -> 3,3,3,1 not 3,3,3,3).
+  p.params.k_parallel = ceil_div(K, p.params.k_slice_len);
+}
+
+void set_reduction(GemmPlan& p, const char* reduce_kernel, uint32_t threads) {
+  const QuantGemmParams& q = p.params;
+  if (q.k_parallel <= 1) return;
+  p.workspace_bytes = size_t(q.k_parallel) * q.M * q.N * sizeof(float);
+  p.reduce_kernel = reduce_kernel;
+  p.reduce_threads[0] = threads;
+  p.reduce_grid[0] = ceil_div(int64_t(q.M) * q.N, threads);
+}
+
+// K slices that fill the machine when the output alone has too few tiles to do so (seed
+// stripe_partitioning.md §3.1): only when K is long enough that each slice still has work.
+uint32_t k_split_for(int64_t tiles, int64_t K, uint32_t k_step, int compute_units, int waves,
+                     uint32_t min_steps_per_slice) {
+  const int64_t want = int64_t(compute_units) * waves;
+  if (tiles >= want) return 1;
+  const int64_t k_steps = (K + k_step - 1) / k_step;
+  const int64_t by_units = (want + tiles - 1) / tiles;
+  const int64_t by_k = k_steps / min_steps_per_slice;
+  return uint32_t(std::max<int64_t>(1, std::min<int64_t>({by_units, by_k, 16})));
+}
+
+std::string metal_name(const char* stem, QuantFormat f, DType d) {
+  return std::string(stem) + "_" + format_name(f) + "_" + dtype_name(d);
+}
+
+// ---- Metal (and the Metal-on-CPU harness) --------------------------------------------------
+// Kernels in metal/quant_gemm.metal; names are <stem>_<format>_<dtype>.
+void plan_metal(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DType d,
+                const DeviceCaps& caps) {
+  constexpr uint32_t kTile = 64, kTileK = 32, kThreads = 128;
+  switch (p.variant) {
+    case GemmVariant::Decode: {
+      // 4 simdgroups x 32 lanes; a lane owns one output column for all M <= 16 rows, the four
+      // simdgroups split the threadgroup's K range and meet in threadgroup memory.
+      constexpr uint32_t kDecodeTileN = 32, kDecodeKStep = 32;
+      set_tiles(p, M, N, uint32_t(kDecodeMaxM), kDecodeTileN);
+      set_k_parallel(p, K, k_split_for(p.params.n_tiles, K, kDecodeKStep, caps.compute_units, 4, 8),
+                     kDecodeKStep);
+      p.kernel = metal_name("marlin_gemv", f, d);
+      p.grid[0] = p.params.n_tiles;
+      p.grid[1] = p.params.k_parallel;
+      p.threads[0] = kThreads;
+      break;
+    }
+    case GemmVariant::Tiled:
+    case GemmVariant::TiledStaged: {
+      set_tiles(p, M, N, kTile, kTile);
+      set_k_parallel(p, K, 1, kTileK);
+      p.kernel = metal_name(p.variant == GemmVariant::Tiled ? "marlin_gemm_fused" : "marlin_gemm", f, d);
+      p.grid[0] = p.params.n_tiles;
+      p.grid[1] = p.params.m_tiles;
+      p.threads[0] = kThreads;
+      break;
+    }
+    case GemmVariant::Striped: {
+      set_tiles(p, M, N, kTile, kTile);
+      const int64_t tiles = int64_t(p.params.m_tiles) * p.params.n_tiles;
+      set_k_parallel(p, K, k_split_for(tiles, K, kTileK, caps.compute_units, 2, 4), kTileK);
+      const int64_t work = tiles * p.params.k_parallel;
+      // Seed §4.3: a fixed number of threadgroups that each walk a contiguous stripe of work.
+      const int64_t target = int64_t(caps.compute_units) * (M * N > (1 << 20) ? 4 : 2);
+      p.params.num_groups = uint32_t(std::max<int64_t>(1, std::min(work, target)));
+      p.kernel = metal_name("marlin_gemm_striped", f, d);
+      p.grid[0] = p.params.num_groups;
+      p.threads[0] = kThreads;
+      break;
+    }
+    case GemmVariant::Auto: break;
+  }
+  set_reduction(p, (std::string("marlin_reduce_partials_") + dtype_name(d)).c_str(), 256);
+}
+
+// ---- CUDA -----------------------------------------------------------------------------------
+// Kernels in csrc/cuda/quant_gemm.cu; `kernel` is a tag the launcher switches on.
+void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DType d,
+               const DeviceCaps& caps) {
+  switch (p.variant) {
+    case GemmVariant::Decode: {
+      // One thread per 4 output columns (a 16-byte load of packed words), 128 threads per block.
+      constexpr uint32_t kTileN = 512, kKStep = 64;
+      set_tiles(p, M, N, uint32_t(kDecodeMaxM), kTileN);
+      set_k_parallel(p, K, k_split_for(p.params.n_tiles, K, kKStep, caps.compute_units, 4, 4), kKStep);
+      p.grid[0] = p.params.n_tiles;
+      p.grid[1] = p.params.k_parallel;
+      p.threads[0] = 128;
+      break;
+    }
+    default: {
+      // Tensor-core tiles (mma.sync m16n8k16): 64x128 output tile, 256 threads, K step 64.
+      constexpr uint32_t kTileM = 64, kTileN = 128, kKStep = 64;
+      set_tiles(p, M, N, kTileM, kTileN);
+      const int64_t tiles = int64_t(p.params.m_tiles) * p.params.n_tiles;
+      set_k_parallel(p, K, k_split_for(tiles, K, kKStep, caps.compute_units, 1, 8), kKStep);
+      p.variant = p.params.k_parallel > 1 ? GemmVariant::Striped : GemmVariant::Tiled;
+      p.grid[0] = p.params.n_tiles;
+      p.grid[1] = p.params.m_tiles;
+      p.grid[2] = p.params.k_parallel;
+      p.threads[0] = 256;
+      break;
+    }
+  }
+  p.kernel = std::string(variant_name(p.variant)) + "_" + format_name(f) + "_" + dtype_name(d);
+  set_reduction(p, "reduce_partials", 256);
+}
+
+// ---- CPU ------------------------------------------------------------------------------------
+// Decode: tasks over column blocks, every packed word read once for all rows. Tiled: tasks over
+// column panels; each task dequantizes its [K, tile_n] panel once into an fp32 buffer and
+// multiplies every row of A against it.
+void plan_cpu(GemmPlan& p, int64_t M, int64_t K, int64_t N) {
+  if (p.variant == GemmVariant::Decode) {
+    set_tiles(p, M, N, uint32_t(kDecodeMaxM), 64);
+  } else {
+    p.variant = GemmVariant::Tiled;
+    set_tiles(p, M, N, uint32_t(std::max<int64_t>(M, 1)), 128);
+  }
+  set_k_parallel(p, K, 1, TM_PACK_FACTOR);
+  p.kernel = std::string("cpu_") + variant_name(p.variant);
+  p.grid[0] = p.params.n_tiles;
+}
+
+}  // namespace
+
+GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, int64_t group_size,
+                         DType dtype, bool has_bias, const DeviceCaps& caps, GemmVariant force) {
+  if (M < 0 || K <= 0 || N <= 0 || group_size <= 0 || K % TM_PACK_FACTOR != 0 ||
+      group_size % TM_PACK_FACTOR != 0 || K % group_size != 0 || M > UINT32_MAX || K > UINT32_MAX ||
+      N > UINT32_MAX) {
+    throw std::invalid_argument("plan_quant_gemm: invalid shape (op-level checks should have caught this)");
+  }
+  GemmPlan p;
+  p.params.M = uint32_t(M);
+  p.params.K = uint32_t(K);
+  p.params.N = uint32_t(N);
+  p.params.group_size = uint32_t(group_size);
+  p.params.has_bias = has_bias ? 1u : 0u;
+  p.params.k_parallel = 1;
+
+  if (force != GemmVariant::Auto) {
+    p.variant = force;
+  } else if (M <= kDecodeMaxM) {
+    p.variant = GemmVariant::Decode;
+  } else if (caps.backend == Backend::Metal) {
+    // Stripes + K-parallel only pay when the output alone cannot fill the GPU.
+    const int64_t tiles = int64_t((M + 63) / 64) * ((N + 63) / 64);
+    p.variant = (tiles < caps.compute_units * 2 && K / 32 >= 16) ? GemmVariant::Striped : GemmVariant::Tiled;
+  } else {
+    p.variant = GemmVariant::Tiled;
+  }
+  if (p.variant == GemmVariant::Decode && M > kDecodeMaxM) {
+    throw std::invalid_argument("plan_quant_gemm: the decode variant handles M <= 16 only");
+  }
+
+  switch (caps.backend) {
+    case Backend::Metal: plan_metal(p, format, M, K, N, dtype, caps); break;
+    case Backend::CUDA: plan_cuda(p, format, M, K, N, dtype, caps); break;
+    case Backend::CPU: plan_cpu(p, M, K, N); break;
+  }
+  return p;
+}
+
+}  // namespace torch_marlin

@@ -1,0 +1,90 @@
+"""Builds torch_marlin._C against the installed torch.
+
+    pip install --no-build-isolation -e .
+
+CPU sources always; the MPS sources (csrc/mps/*.mm with the metal/ kernels embedded as a string)
+only on macOS; the CUDA sources only when the installed torch has CUDA and nvcc is found.
+Set TORCH_MARLIN_NO_CUDA=1 to skip CUDA even then.
+"""
+
+import glob
+import os
+import platform
+import sys
+
+from setuptools import find_packages, setup
+
+import torch
+from torch.utils import cpp_extension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+
+def rel(pattern):
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+
+
+def want_cuda():
+    if os.environ.get("TORCH_MARLIN_NO_CUDA") == "1":
+        return False
+    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+
+
+def build_extension():
+    sources = rel("csrc/ops/*.cpp") + rel("csrc/plan/*.cpp") + rel("csrc/cpu/*.cpp")
+    include_dirs = [os.path.join(ROOT, "csrc"), os.path.join(ROOT, "csrc/include")]
+    cxx = ["-O3", "-std=c++17"]
+    nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+    define_macros = []
+    extra_link = []
+
+    if sys.platform == "darwin":
+        import embed_metal  # scripts/embed_metal.py: metal/*.metal -> a C++ string header
+
+        gen_dir = os.path.join(ROOT, "build", "generated")
+        embed_metal.write_header(os.path.join(ROOT, "metal"), os.path.join(ROOT, "csrc/include"),
+                                 os.path.join(gen_dir, "metal_library_source.h"))
+        include_dirs.append(gen_dir)
+        sources += rel("csrc/mps/*.mm")
+        define_macros.append(("TM_WITH_MPS", "1"))
+        extra_link += ["-framework", "Metal", "-framework", "Foundation"]
+    elif platform.machine() in ("x86_64", "AMD64"):
+        # The CPU kernels are written for the compiler's auto-vectorizer; AVX2+FMA is the floor of
+        # every x86-64 machine that runs LLMs. TORCH_MARLIN_CPU_BASELINE=1 builds for plain x86-64.
+        if os.environ.get("TORCH_MARLIN_CPU_BASELINE") != "1":
+            cxx += ["-mavx2", "-mfma", "-mf16c"]
+
+    ext_cls = cpp_extension.CppExtension
+    if want_cuda():
+        sources += rel("csrc/cuda/*.cu")
+        define_macros.append(("TM_WITH_CUDA", "1"))
+        arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+        if not arch:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+        ext_cls = cpp_extension.CUDAExtension
+
+    return ext_cls(
+        name="torch_marlin._C",
+        sources=sources,
+        include_dirs=include_dirs,
+        define_macros=define_macros,
+        extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+        extra_link_args=extra_link,
+    )
+
+
+setup(
+    name="torch_marlin",
+    version="0.1.0",
+    description="Weight-quantized (FP4 / INT4 / trellis) GEMM kernels for PyTorch: Metal, CUDA and CPU",
+    packages=find_packages(include=["torch_marlin", "torch_marlin.*"]),
+    python_requires=">=3.9",
+    # torch is deliberately not listed: pip would resolve it to a multi-GB CUDA build on machines
+    # where a CPU torch is installed under another name. The README installs torch first and
+    # torch_marlin/__init__.py checks torch >= 2.4 at import.
+    install_requires=["numpy>=1.24", "safetensors>=0.4", "tqdm>=4.60"],
+    ext_modules=[build_extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    zip_safe=False,
+)

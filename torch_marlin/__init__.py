@@ -1,0 +1,18 @@
+"""torch_marlin: weight-quantized GEMM for PyTorch (Metal/MPS, CUDA, CPU).
+
+Ops live under ``torch.ops.marlin``; :class:`MarlinLinear` is the drop-in module.
+"""
+
+import torch
+
+_MIN_TORCH = (2, 4)
+if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < _MIN_TORCH:
+    raise ImportError(f"torch_marlin needs torch >= 2.4, found {torch.__version__}")
+
+from . import _C  # noqa: E402,F401  (registers torch.ops.marlin.*)
+from . import ops  # noqa: E402,F401  (fake kernels for torch.compile)
+from .dispatch import plan_gemm  # noqa: E402
+from .modules import MarlinLinear  # noqa: E402
+
+__all__ = ["MarlinLinear", "plan_gemm", "ops"]
+__version__ = "0.1.0"

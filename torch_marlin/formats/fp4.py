@@ -1,0 +1,49 @@
+"""FP4 E2M1 weights: ``w[k, n] = e2m1(code[k, n]) * scales[k // group_size, n]``.
+
+E2M1 (1 sign, 2 exponent bits with bias 1, 1 mantissa bit) codes 0..7 are
+0, 0.5, 1, 1.5, 2, 3, 4, 6; codes 8..15 are the same magnitudes negated.
+"""
+
+import torch
+
+from .int4_packing import group_view, pack_int4, unpack_int4
+
+E2M1_VALUES = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32
+)
+E2M1_MAX = 6.0
+
+
+def pack_fp4_weights(codes: torch.Tensor) -> torch.Tensor:
+    """Packs E2M1 codes ``[K, N]`` (0..15) into the int32 ``[K/8, N]`` container."""
+    return pack_int4(codes)
+
+
+def quantize_fp4(w: torch.Tensor, group_size: int = 128, scale_dtype: torch.dtype = torch.float16):
+    """Quantizes a ``[K, N]`` float weight (the transpose of ``nn.Linear.weight``) to FP4 E2M1.
+
+    Per group of ``group_size`` rows along K and per column: ``scale = absmax / 6`` so the largest
+    magnitude maps to the top code, then each value rounds to the nearest E2M1 magnitude.
+    Returns ``(B_packed int32 [K/8, N], scales [K/group_size, N] of scale_dtype)``.
+    """
+    if w.dim() != 2:
+        raise ValueError(f"w must be 2-D [K, N], got shape {tuple(w.shape)}")
+    wf = w.detach().to(torch.float32)
+    g = group_view(wf, group_size)
+    scales = (g.abs().amax(dim=1) / E2M1_MAX).to(scale_dtype)
+    # Quantize against the scale as stored, so dequant(quant(w)) uses exactly what the kernel sees.
+    s = scales.to(torch.float32)
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    x = (g / s.unsqueeze(1)).reshape_as(wf)
+    mags = E2M1_VALUES[:8].to(wf.device)
+    code = (x.abs().unsqueeze(-1) - mags).abs().argmin(dim=-1)  # nearest magnitude (ties -> smaller)
+    code = code + 8 * (x < 0).to(code.dtype)
+    return pack_int4(code), scales
+
+
+def dequant_fp4_reference(B_packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Dense fp32 ``[K, N]`` weight from packed FP4 codes and per-group scales."""
+    codes = unpack_int4(B_packed).to(torch.int64)
+    vals = E2M1_VALUES.to(B_packed.device)[codes]
+    s = scales.to(torch.float32).repeat_interleave(group_size, dim=0)
+    return vals * s

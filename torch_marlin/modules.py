@@ -1,0 +1,104 @@
+"""``MarlinLinear``: a drop-in ``nn.Linear`` with FP4 E2M1 or INT4 (zero-point) weights."""
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import ops
+from .formats import int4_packing
+from .formats.fp4 import dequant_fp4_reference, quantize_fp4
+from .formats.u4 import dequant_u4_reference, quantize_u4
+
+FORMATS = ("fp4", "u4")
+
+
+def _flatten(x: torch.Tensor, in_features: int, name: str) -> torch.Tensor:
+    if x.dim() == 0 or x.shape[-1] != in_features:
+        raise ValueError(f"{name}: input must have last dimension in_features={in_features}, got shape {tuple(x.shape)}")
+    return x.reshape(-1, in_features)
+
+
+class MarlinLinear(nn.Module):
+    """``y = x @ W^T + b`` with ``W`` stored as 4-bit codes, per-group scales (and zero points).
+
+    Buffers (all persistent, so ``state_dict`` round-trips): ``B_packed`` int32 ``[K/8, N]``,
+    ``scales`` ``[K/group_size, N]``, ``zeros`` uint8 ``[K/group_size, N]`` (``u4`` only) and
+    ``bias`` ``[N]``. ``K = in_features``, ``N = out_features``. Any leading batch dimensions;
+    fp16, bf16 or fp32 inputs (scales and bias follow the input dtype). The op picks the decode
+    kernel for M <= 16 rows and the prefill kernel above (see :func:`torch_marlin.plan_gemm`).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, format: str = "fp4",
+                 group_size: int = 128, dtype: torch.dtype = torch.float16, device=None):
+        super().__init__()
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+        if in_features <= 0 or in_features % 8 != 0:
+            raise ValueError(f"in_features must be a positive multiple of 8, got {in_features}")
+        if out_features <= 0:
+            raise ValueError(f"out_features must be positive, got {out_features}")
+        int4_packing.check_group_size(in_features, group_size)
+        self.in_features, self.out_features = in_features, out_features
+        self.format, self.group_size = format, group_size
+        K, N, G = in_features, out_features, in_features // group_size
+        self.register_buffer("B_packed", torch.zeros(K // 8, N, dtype=torch.int32, device=device))
+        self.register_buffer("scales", torch.ones(G, N, dtype=dtype, device=device))
+        if format == "u4":
+            self.register_buffer("zeros", torch.full((G, N), 8, dtype=torch.uint8, device=device))
+        else:
+            self.zeros = None
+        if bias:
+            self.register_buffer("bias", torch.zeros(N, dtype=dtype, device=device))
+        else:
+            self.bias = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, format: str = "fp4", group_size: int = 128,
+                    dtype: Optional[torch.dtype] = None, symmetric: bool = False) -> "MarlinLinear":
+        """Quantizes ``linear`` (round to nearest per group). ``dtype`` of scales/bias defaults to
+        the layer's dtype when it is a 16-bit float, else float16. ``symmetric`` applies to u4."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"from_linear expects nn.Linear, got {type(linear).__name__}")
+        w = linear.weight.detach()
+        if dtype is None:
+            dtype = w.dtype if w.dtype in (torch.float16, torch.bfloat16) else torch.float16
+        mod = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, format=format,
+                  group_size=group_size, dtype=dtype, device=w.device)
+        wt = w.t().to(torch.float32)  # [K, N]
+        if format == "fp4":
+            B, s = quantize_fp4(wt, group_size, scale_dtype=dtype)
+        else:
+            B, s, z = quantize_u4(wt, group_size, symmetric=symmetric, scale_dtype=dtype)
+            mod.zeros.copy_(z)
+        mod.B_packed.copy_(B)
+        mod.scales.copy_(s)
+        if linear.bias is not None:
+            mod.bias.copy_(linear.bias.detach().to(dtype))
+        return mod
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The dense fp32 weight ``[out_features, in_features]`` (for tests and debugging)."""
+        if self.format == "fp4":
+            w = dequant_fp4_reference(self.B_packed, self.scales, self.group_size)
+        else:
+            w = dequant_u4_reference(self.B_packed, self.scales, self.zeros, self.group_size)
+        return w.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = _flatten(x, self.in_features, "MarlinLinear")
+        scales = self.scales if self.scales.dtype == x.dtype else self.scales.to(x.dtype)
+        bias = self.bias
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        if self.format == "fp4":
+            y = ops.gemm_fp4(x2, self.B_packed, scales, self.group_size, bias)
+        else:
+            y = ops.gemm_u4(x2, self.B_packed, scales, self.zeros, self.group_size, bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        bits = 4 * self.in_features * self.out_features + 16 * (self.in_features // self.group_size) * self.out_features
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"format={self.format}, group_size={self.group_size}, scales_dtype={self.scales.dtype}, "
+                f"bits_per_weight={bits / (self.in_features * self.out_features):.3f}")

@@ -1,0 +1,51 @@
+"""Python faces of the ``torch.ops.marlin`` ops and their fake (meta) kernels.
+
+The fake kernels only compute output shapes and dtypes, so ``torch.compile`` can trace modules
+that call the ops, with symbolic M included. Argument checking lives in the C++ op.
+"""
+
+from typing import Optional
+
+import torch
+
+from . import _C  # noqa: F401  (the ops must be registered before register_fake)
+
+
+@torch.library.register_fake("marlin::gemm_fp4")
+def _gemm_fp4_fake(A, B_packed, scales, group_size, bias=None):
+    return A.new_empty((A.shape[0], B_packed.shape[1]))
+
+
+@torch.library.register_fake("marlin::gemm_u4")
+def _gemm_u4_fake(A, B_packed, scales, zeros, group_size, bias=None):
+    return A.new_empty((A.shape[0], B_packed.shape[1]))
+
+
+@torch.library.register_fake("marlin::dequant_fp4")
+def _dequant_fp4_fake(B_packed, scales, group_size):
+    return scales.new_empty((B_packed.shape[0] * 8, B_packed.shape[1]))
+
+
+@torch.library.register_fake("marlin::dequant_u4")
+def _dequant_u4_fake(B_packed, scales, zeros, group_size):
+    return scales.new_empty((B_packed.shape[0] * 8, B_packed.shape[1]))
+
+
+def gemm_fp4(A: torch.Tensor, B_packed: torch.Tensor, scales: torch.Tensor, group_size: int,
+             bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``A[M, K] @ dequant_fp4(B_packed, scales)[K, N] (+ bias)`` in A's dtype, fp32 accumulation."""
+    return torch.ops.marlin.gemm_fp4(A, B_packed, scales, group_size, bias)
+
+
+def gemm_u4(A: torch.Tensor, B_packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+            group_size: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``A[M, K] @ dequant_u4(B_packed, scales, zeros)[K, N] (+ bias)``."""
+    return torch.ops.marlin.gemm_u4(A, B_packed, scales, zeros, group_size, bias)
+
+
+def dequant_fp4(B_packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    return torch.ops.marlin.dequant_fp4(B_packed, scales, group_size)
+
+
+def dequant_u4(B_packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    return torch.ops.marlin.dequant_u4(B_packed, scales, zeros, group_size)
