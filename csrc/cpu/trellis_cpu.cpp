@@ -1,0 +1,281 @@
+// CPU kernels of the trellis family: the fallback users get, so real kernels, not a reference.
+//
+// Every kernel works on column blocks whose start is a multiple of 16, so one block covers whole
+// trellis tiles; one tile row (16 indices) is 2*bits contiguous bytes, read as one little-endian
+// 64-bit load and split with constant shifts (the bit width is a template parameter).
+//   decode_rows (<= 16 rows): each tile row is decoded once into grid values and used for every
+//     row; sums run per scale group without the scale, the scale is applied once per group:
+//       C[m,n] = sv[n] * sum_g s[g,n] * sum_{k in g} (A[m,k] * su[k]) * grid[idx[k,n]]
+//   panel_rows (> 16 rows): a [k_chunk, nb] fp32 panel of the full w (grid*scale*su*sv) is
+//     decoded once and multiplied against all rows with BLAS, so no dense copy of the weight
+//     exists beyond one panel per worker.
+//   MoE: x rows are gathered in expert order once; stage 1 computes silu(gate)*up per (expert,
+//     column block), stage 2 the down projection per (expert, column block) — so each expert's
+//     weights are decoded once per call — and stage 3 sums the top_k rows per token in slot
+//     order (deterministic, no atomics).
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "ops/trellis.h"
+
+namespace torch_marlin {
+namespace {
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "tile rows are read as little-endian 64-bit words");
+
+constexpr int64_t kMaxDecodeRows = kDecodeMaxM;  // 16
+constexpr int64_t kMaxDecodeCols = 64;
+
+// One trellis matrix W[K, N] (one expert's slice for the MoE), raw pointers.
+struct TView {
+  const uint8_t* packed;
+  const float* scales;
+  const float* grid;
+  const float* su;
+  const float* sv;
+  int64_t K, N, group_size, tiles_k, tiles_n, packed_bytes, n_groups;
+};
+
+TView make_view(const TrellisWeights& w, int64_t K, int64_t N, int64_t bits, int64_t group_size, int64_t expert) {
+  TView v;
+  v.K = K;
+  v.N = N;
+  v.group_size = group_size;
+  v.tiles_k = (K + 15) / 16;
+  v.tiles_n = (N + 15) / 16;
+  v.packed_bytes = 32 * bits;
+  v.n_groups = (K + group_size - 1) / group_size;
+  v.packed = w.packed.data_ptr<uint8_t>() + expert * v.tiles_k * v.tiles_n * v.packed_bytes;
+  v.scales = w.scales.data_ptr<float>() + expert * v.n_groups * N;
+  v.grid = w.grid.data_ptr<float>() + expert * (int64_t(1) << bits);
+  v.su = w.su.data_ptr<float>() + expert * K;
+  v.sv = w.sv.data_ptr<float>() + expert * N;
+  return v;
+}
+
+// vals[n] = grid[idx[k, n0 + n]] for n < nb, k = tk * 16 + r; n0 is a multiple of 16.
+template <int BITS>
+inline void decode_tile_row(const TView& w, int64_t tk, int64_t r, int64_t n0, int64_t nb, float* __restrict vals) {
+  constexpr int64_t kRowBytes = 2 * BITS;
+  constexpr uint64_t kMask = (uint64_t(1) << BITS) - 1;
+  const uint8_t* row = w.packed + (tk * w.tiles_n + n0 / 16) * w.packed_bytes + r * kRowBytes;
+  for (int64_t t = 0; t * 16 < nb; ++t, row += w.packed_bytes) {
+    uint64_t bits = 0;
+    std::memcpy(&bits, row, kRowBytes);
+    float* out = vals + t * 16;
+    if (nb - t * 16 >= 16) {
+      for (int j = 0; j < 16; ++j) out[j] = w.grid[(bits >> (j * BITS)) & kMask];
+    } else {
+      for (int64_t j = 0; j < nb - t * 16; ++j) out[j] = w.grid[(bits >> (j * BITS)) & kMask];
+    }
+  }
+}
+
+// out[m, n] (row stride ldo) = sum_k X[m, k] * w[k, n0 + n] for m < rows <= 16, n < nb <= 64.
+template <int BITS>
+void decode_rows(const TView& w, const float* __restrict X, int64_t ldx, int64_t rows, int64_t n0, int64_t nb,
+                 float* __restrict out, int64_t ldo) {
+  float acc[kMaxDecodeRows][kMaxDecodeCols] = {};
+  float gacc[kMaxDecodeRows][kMaxDecodeCols];
+  float vals[kMaxDecodeCols];
+  const int64_t tiles_per_group = w.group_size / 16;
+  for (int64_t g = 0; g < w.n_groups; ++g) {
+    for (int64_t m = 0; m < rows; ++m) std::fill(gacc[m], gacc[m] + nb, 0.f);
+    const int64_t tk_end = std::min((g + 1) * tiles_per_group, w.tiles_k);
+    for (int64_t tk = g * tiles_per_group; tk < tk_end; ++tk) {
+      const int64_t r_end = std::min<int64_t>(16, w.K - tk * 16);
+      for (int64_t r = 0; r < r_end; ++r) {
+        const int64_t k = tk * 16 + r;
+        decode_tile_row<BITS>(w, tk, r, n0, nb, vals);
+        const float su = w.su[k];
+        for (int64_t m = 0; m < rows; ++m) {
+          const float a = X[m * ldx + k] * su;
+          float* __restrict ga = gacc[m];
+          for (int64_t n = 0; n < nb; ++n) ga[n] += a * vals[n];
+        }
+      }
+    }
+    const float* __restrict s = w.scales + g * w.N + n0;
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t n = 0; n < nb; ++n) acc[m][n] += s[n] * gacc[m][n];
+  }
+  const float* __restrict sv = w.sv + n0;
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t n = 0; n < nb; ++n) out[m * ldo + n] = acc[m][n] * sv[n];
+}
+
+// P[k - k0, n] (row stride ldp) = w[k, n0 + n] (fully dequantized) for k in [k0, k0 + kc).
+template <int BITS>
+void dequant_rows(const TView& w, int64_t k0, int64_t kc, int64_t n0, int64_t nb, float* __restrict P, int64_t ldp) {
+  const float* __restrict sv = w.sv + n0;
+  for (int64_t k = k0; k < k0 + kc; ++k) {
+    float* __restrict row = P + (k - k0) * ldp;
+    decode_tile_row<BITS>(w, k / 16, k % 16, n0, nb, row);
+    const float* __restrict s = w.scales + (k / w.group_size) * w.N + n0;
+    const float su = w.su[k];
+    for (int64_t n = 0; n < nb; ++n) row[n] *= s[n] * su * sv[n];
+  }
+}
+
+// out[m, n] = sum_k X[m, k] * w[k, n0 + n] for any rows, via [kc, nb] panels and BLAS.
+// `panel` must hold kc * nb floats. Called inside parallel_for: the BLAS call runs single-threaded.
+template <int BITS>
+void panel_rows(const TView& w, const float* X, int64_t ldx, int64_t rows, int64_t n0, int64_t nb, float* out,
+                int64_t ldo, int64_t kc, float* panel) {
+  at::Tensor O = at::from_blob(out, {rows, nb}, {ldo, 1}, at::kFloat);
+  O.zero_();
+  for (int64_t k0 = 0; k0 < w.K; k0 += kc) {
+    const int64_t kn = std::min(kc, w.K - k0);
+    dequant_rows<BITS>(w, k0, kn, n0, nb, panel, nb);
+    const at::Tensor Xk = at::from_blob(const_cast<float*>(X) + k0, {rows, kn}, {ldx, 1}, at::kFloat);
+    const at::Tensor P = at::from_blob(panel, {kn, nb}, at::kFloat);
+    O.addmm_(Xk, P);
+  }
+}
+
+// Either path by row count; nb <= 64 when rows <= 16.
+template <int BITS>
+void matmul_block(const TView& w, const float* X, int64_t ldx, int64_t rows, int64_t n0, int64_t nb, float* out,
+                  int64_t ldo, int64_t kc, std::vector<float>& panel) {
+  if (rows <= kMaxDecodeRows && nb <= kMaxDecodeCols) {
+    decode_rows<BITS>(w, X, ldx, rows, n0, nb, out, ldo);
+  } else {
+    panel.resize(size_t(kc * nb));
+    panel_rows<BITS>(w, X, ldx, rows, n0, nb, out, ldo, kc, panel.data());
+  }
+}
+
+template <int BITS>
+void gemm_impl(const TrellisPlan& plan, const TrellisGemmArgs& a, at::Tensor& C) {
+  const at::Tensor Af = a.A.to(at::kFloat).contiguous();
+  const bool direct = C.scalar_type() == at::kFloat;
+  at::Tensor Cf = direct ? C : at::empty({a.M, a.N}, C.options().dtype(at::kFloat));
+  const TView w = make_view(a.w, a.K, a.N, a.bits, a.group_size, 0);
+  const float* X = Af.data_ptr<float>();
+  float* Cp = Cf.data_ptr<float>();
+  const int64_t tile_n = plan.params.tile_n, kc = plan.k_chunk;
+  const bool decode = plan.variant == GemmVariant::Decode;
+  at::parallel_for(0, plan.params.n_tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> panel;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * tile_n, nb = std::min(tile_n, a.N - n0);
+      if (decode) {
+        for (int64_t c = n0; c < n0 + nb; c += kMaxDecodeCols)
+          decode_rows<BITS>(w, X, a.K, a.M, c, std::min(kMaxDecodeCols, n0 + nb - c), Cp + c, a.N);
+      } else {
+        panel.resize(size_t(kc * tile_n));
+        panel_rows<BITS>(w, X, a.K, a.M, n0, nb, Cp + n0, a.N, kc, panel.data());
+      }
+    }
+  });
+  if (!direct) C.copy_(Cf);
+}
+
+template <int BITS>
+void dequant_impl(const TrellisGemmArgs& a, at::Tensor& W) {
+  const TView w = make_view(a.w, a.K, a.N, a.bits, a.group_size, 0);
+  float* Wp = W.data_ptr<float>();
+  at::parallel_for(0, w.tiles_k, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t tk = t0; tk < t1; ++tk) {
+      const int64_t k0 = tk * 16;
+      dequant_rows<BITS>(w, k0, std::min<int64_t>(16, a.K - k0), 0, a.N, Wp + k0 * a.N, a.N);
+    }
+  });
+}
+
+inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+
+template <int BITS>
+void moe_impl(const TrellisPlan& plan, const TrellisMoeArgs& a, at::Tensor& y) {
+  const int64_t H = a.hidden, I = a.intermediate, R = a.T * a.top_k;
+  const int64_t kc = plan.k_chunk;
+  const at::Tensor Xs = a.x.to(at::kFloat).index_select(0, a.sorted_token.to(at::kLong)).contiguous();  // [R, H]
+  at::Tensor rows_h = at::empty({R, I}, Xs.options());
+  at::Tensor rows_y = at::empty({R, H}, Xs.options());
+  const int32_t* off = a.expert_offsets.data_ptr<int32_t>();
+  const float* X = Xs.data_ptr<float>();
+  float* Hp = rows_h.data_ptr<float>();
+  float* Yp = rows_y.data_ptr<float>();
+
+  // Stage 1: h = silu(x @ gate_e) * (x @ up_e) for the rows routed to expert e.
+  const int64_t nb1 = plan.params.tile_n, blocks1 = plan.main.grid[0];
+  at::parallel_for(0, a.E * blocks1, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> panel, g, u;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = i / blocks1, n0 = (i % blocks1) * nb1, nb = std::min(nb1, I - n0);
+      const int64_t r0 = off[e], rows = off[e + 1] - off[e];
+      if (rows == 0) continue;
+      g.resize(size_t(rows * nb));
+      u.resize(size_t(rows * nb));
+      const TView wg = make_view(a.gate, H, I, a.bits, a.group_size, e);
+      const TView wu = make_view(a.up, H, I, a.bits, a.group_size, e);
+      matmul_block<BITS>(wg, X + r0 * H, H, rows, n0, nb, g.data(), nb, kc, panel);
+      matmul_block<BITS>(wu, X + r0 * H, H, rows, n0, nb, u.data(), nb, kc, panel);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t n = 0; n < nb; ++n) Hp[(r0 + r) * I + n0 + n] = silu(g[r * nb + n]) * u[r * nb + n];
+    }
+  });
+
+  // Stage 2: y_rows = h @ down_e.
+  const int64_t nb2 = nb1, blocks2 = plan.down.grid[0];
+  at::parallel_for(0, a.E * blocks2, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> panel;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = i / blocks2, n0 = (i % blocks2) * nb2, nb = std::min(nb2, H - n0);
+      const int64_t r0 = off[e], rows = off[e + 1] - off[e];
+      if (rows == 0) continue;
+      const TView wd = make_view(a.down, I, H, a.bits, a.group_size, e);
+      matmul_block<BITS>(wd, Hp + r0 * I, I, rows, n0, nb, Yp + r0 * H + n0, H, kc, panel);
+    }
+  });
+
+  // Stage 3: y[t] = sum_j p[t, j] * y_rows[slot_row[t, j]], in slot order.
+  const bool direct = y.scalar_type() == at::kFloat;
+  at::Tensor yf = direct ? y : at::empty({a.T, H}, y.options().dtype(at::kFloat));
+  float* out = yf.data_ptr<float>();
+  const int32_t* slot_row = a.slot_row.data_ptr<int32_t>();
+  const float* probs = a.probs.data_ptr<float>();
+  at::parallel_for(0, a.T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* o = out + t * H;
+      std::fill(o, o + H, 0.f);
+      for (int64_t j = 0; j < a.top_k; ++j) {
+        const float p = probs[t * a.top_k + j];
+        const float* src = Yp + int64_t(slot_row[t * a.top_k + j]) * H;
+        for (int64_t n = 0; n < H; ++n) o[n] += p * src[n];
+      }
+    }
+  });
+  if (!direct) y.copy_(yf);
+}
+
+}  // namespace
+
+void trellis_gemm_cpu(const TrellisPlan& plan, const TrellisGemmArgs& args, at::Tensor& C) {
+  switch (args.bits) {
+    case 2: gemm_impl<2>(plan, args, C); break;
+    case 3: gemm_impl<3>(plan, args, C); break;
+    default: gemm_impl<4>(plan, args, C); break;
+  }
+}
+
+void trellis_dequant_cpu(const TrellisPlan&, const TrellisGemmArgs& args, at::Tensor& W) {
+  switch (args.bits) {
+    case 2: dequant_impl<2>(args, W); break;
+    case 3: dequant_impl<3>(args, W); break;
+    default: dequant_impl<4>(args, W); break;
+  }
+}
+
+void trellis_moe_cpu(const TrellisPlan& plan, const TrellisMoeArgs& args, at::Tensor& y) {
+  switch (args.bits) {
+    case 2: moe_impl<2>(plan, args, y); break;
+    case 3: moe_impl<3>(plan, args, y); break;
+    default: moe_impl<4>(plan, args, y); break;
+  }
+}
+
+}  // namespace torch_marlin

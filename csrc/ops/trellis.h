@@ -1,0 +1,53 @@
+// Trellis op family: validated arguments and the per-backend entry points the registration unit
+// (trellis.cpp) calls. Backends implement these; they never re-check arguments.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "plan/trellis_plan.h"
+
+namespace torch_marlin {
+
+// One trellis-quantized matrix W[K, N] (docs/formats.md): every tensor contiguous, on the op's
+// device. packed uint8 [ceil(K/16), ceil(N/16), 32*bits]; scales f32 [ceil(K/group_size), N];
+// grid f32 [2^bits]; su f32 [K]; sv f32 [N]. For the MoE each tensor has a leading expert dim.
+struct TrellisWeights {
+  at::Tensor packed, scales, grid, su, sv;
+};
+
+struct TrellisGemmArgs {
+  int64_t M = 0, K = 0, N = 0, bits = 0, group_size = 0;
+  DType dtype = DType::F32;  // of A and C
+  at::Tensor A;              // [M, K]
+  TrellisWeights w;
+};
+
+// Routed MoE: rows are (token, slot) pairs sorted by expert. `expert_offsets` int32 [E + 1]:
+// expert e owns sorted rows [offsets[e], offsets[e+1]); `sorted_token` int32 [T*top_k]: the token
+// of each sorted row; `slot_row` int32 [T*top_k]: sorted row of (token t, slot j) at t*top_k + j.
+struct TrellisMoeArgs {
+  int64_t T = 0, hidden = 0, intermediate = 0, E = 0, top_k = 0, bits = 0, group_size = 0;
+  DType dtype = DType::F32;  // of x and y
+  at::Tensor x;              // [T, hidden]
+  TrellisWeights gate, up;   // [E, ...] of W[hidden, intermediate]
+  TrellisWeights down;       // [E, ...] of W[intermediate, hidden]
+  at::Tensor probs;          // f32 [T, top_k]
+  at::Tensor expert_offsets, sorted_token, slot_row;
+};
+
+// ---- CPU (csrc/cpu/trellis_cpu.cpp) ----
+void trellis_gemm_cpu(const TrellisPlan& plan, const TrellisGemmArgs& args, at::Tensor& C);
+void trellis_dequant_cpu(const TrellisPlan& plan, const TrellisGemmArgs& args, at::Tensor& W);
+void trellis_moe_cpu(const TrellisPlan& plan, const TrellisMoeArgs& args, at::Tensor& y);
+
+#ifdef TM_WITH_MPS
+// ---- MPS (csrc/mps/trellis_mps.mm) ----
+// Caps come from mps_device_caps() (csrc/ops/quant_gemm.h). `rows_h` / `rows_y` are f32
+// scratch of [T*top_k, intermediate] / [T*top_k, hidden] the op allocates.
+void trellis_gemm_mps(const TrellisPlan& plan, const TrellisGemmArgs& args, at::Tensor& C);
+void trellis_dequant_mps(const TrellisPlan& plan, const TrellisGemmArgs& args, at::Tensor& W);
+void trellis_moe_mps(const TrellisPlan& plan, const TrellisMoeArgs& args, at::Tensor& rows_h, at::Tensor& rows_y,
+                     at::Tensor& y);
+#endif
+
+}  // namespace torch_marlin
