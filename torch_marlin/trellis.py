@@ -215,7 +215,7 @@ class TrellisMoE(nn.Module):
 
     def route(self, x2: torch.Tensor):
         """``(expert_ids int64 [T, top_k], expert_probs f32 [T, top_k])`` from the router."""
-        logits = self.router(x2).float()
+        logits = self.router(x2).detach().float()  # inference only: the trellis ops have no autograd
         probs = F.softmax(logits, dim=-1)
         p, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:

@@ -180,14 +180,15 @@ def fit_lloyd_max(samples: torch.Tensor, levels: int, iters: int = 40) -> torch.
     q = (torch.arange(levels, dtype=torch.float32) + 0.5) / levels
     c = torch.quantile(x[: 1 << 24].cpu(), q).to(x.device)
     xs, _ = torch.sort(x)
+    # Prefix sums of the sorted samples (fp64: long sums) give every cell's mass in O(levels).
+    csum = torch.cat([xs.new_zeros(1, dtype=torch.float64), torch.cumsum(xs.double(), 0)])
     for _ in range(iters):
         # Decision thresholds are the midpoints; with sorted data each cell is a contiguous range.
         edges = torch.searchsorted(xs, (c[1:] + c[:-1]) / 2)
         bounds = torch.cat([edges.new_zeros(1), edges, edges.new_full((1,), xs.numel())])
-        csum = torch.cat([xs.new_zeros(1), torch.cumsum(xs.double(), 0).float()])
-        cnt = (bounds[1:] - bounds[:-1]).float()
+        cnt = (bounds[1:] - bounds[:-1]).double()
         sums = csum[bounds[1:]] - csum[bounds[:-1]]
-        new_c = torch.where(cnt > 0, sums / cnt.clamp(min=1), c)
+        new_c = torch.where(cnt > 0, sums / cnt.clamp(min=1), c.double()).float()
         if torch.allclose(new_c, c, atol=1e-7, rtol=0):
             c = new_c
             break
