@@ -15,6 +15,10 @@
 //     order (deterministic, no atomics).
 #include <ATen/Parallel.h>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -56,9 +60,41 @@ TView make_view(const TrellisWeights& w, int64_t K, int64_t N, int64_t bits, int
   return v;
 }
 
+#if defined(__AVX2__)
+// The codebook in registers: levels 0-7 and 8-15 (4-bit) as two 8-lane vectors, looked up with a
+// lane permute, so decoding 8 indices costs a shift, a mask and one or two permutes.
+struct GridRegs {
+  __m256 lo, hi;
+};
+
+template <int BITS>
+inline GridRegs load_grid(const float* grid) {
+  float tmp[16] = {};
+  for (int i = 0; i < (1 << BITS); ++i) tmp[i] = grid[i];
+  return GridRegs{_mm256_loadu_ps(tmp), _mm256_loadu_ps(tmp + 8)};
+}
+
+// 8 values from 8 consecutive BITS-bit indices in the low 8*BITS bits of `word`.
+template <int BITS>
+inline __m256 lookup8(uint32_t word, const GridRegs& g) {
+  const __m256i shifts = _mm256_setr_epi32(0, BITS, 2 * BITS, 3 * BITS, 4 * BITS, 5 * BITS, 6 * BITS, 7 * BITS);
+  const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(word)), shifts),
+                                       _mm256_set1_epi32((1 << BITS) - 1));
+  const __m256 lo = _mm256_permutevar8x32_ps(g.lo, idx);
+  if (BITS < 4) return lo;
+  // Bit 3 of the index selects the upper half: move it to the sign bit for blendv.
+  return _mm256_blendv_ps(lo, _mm256_permutevar8x32_ps(g.hi, idx), _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+#else
+struct GridRegs {};
+template <int BITS>
+inline GridRegs load_grid(const float*) { return GridRegs{}; }
+#endif
+
 // vals[n] = grid[idx[k, n0 + n]] for n < nb, k = tk * 16 + r; n0 is a multiple of 16.
 template <int BITS>
-inline void decode_tile_row(const TView& w, int64_t tk, int64_t r, int64_t n0, int64_t nb, float* __restrict vals) {
+inline void decode_tile_row(const TView& w, const GridRegs& g, int64_t tk, int64_t r, int64_t n0, int64_t nb,
+                            float* __restrict vals) {
   constexpr int64_t kRowBytes = 2 * BITS;
   constexpr uint64_t kMask = (uint64_t(1) << BITS) - 1;
   const uint8_t* row = w.packed + (tk * w.tiles_n + n0 / 16) * w.packed_bytes + r * kRowBytes;
@@ -67,7 +103,12 @@ inline void decode_tile_row(const TView& w, int64_t tk, int64_t r, int64_t n0, i
     std::memcpy(&bits, row, kRowBytes);
     float* out = vals + t * 16;
     if (nb - t * 16 >= 16) {
+#if defined(__AVX2__)
+      _mm256_storeu_ps(out, lookup8<BITS>(uint32_t(bits), g));
+      _mm256_storeu_ps(out + 8, lookup8<BITS>(uint32_t(bits >> (8 * BITS)), g));
+#else
       for (int j = 0; j < 16; ++j) out[j] = w.grid[(bits >> (j * BITS)) & kMask];
+#endif
     } else {
       for (int64_t j = 0; j < nb - t * 16; ++j) out[j] = w.grid[(bits >> (j * BITS)) & kMask];
     }
@@ -81,6 +122,7 @@ void decode_rows(const TView& w, const float* __restrict X, int64_t ldx, int64_t
   float acc[kMaxDecodeRows][kMaxDecodeCols] = {};
   float gacc[kMaxDecodeRows][kMaxDecodeCols];
   float vals[kMaxDecodeCols];
+  const GridRegs gr = load_grid<BITS>(w.grid);
   const int64_t tiles_per_group = w.group_size / 16;
   for (int64_t g = 0; g < w.n_groups; ++g) {
     for (int64_t m = 0; m < rows; ++m) std::fill(gacc[m], gacc[m] + nb, 0.f);
@@ -89,7 +131,7 @@ void decode_rows(const TView& w, const float* __restrict X, int64_t ldx, int64_t
       const int64_t r_end = std::min<int64_t>(16, w.K - tk * 16);
       for (int64_t r = 0; r < r_end; ++r) {
         const int64_t k = tk * 16 + r;
-        decode_tile_row<BITS>(w, tk, r, n0, nb, vals);
+        decode_tile_row<BITS>(w, gr, tk, r, n0, nb, vals);
         const float su = w.su[k];
         for (int64_t m = 0; m < rows; ++m) {
           const float a = X[m * ldx + k] * su;
@@ -111,9 +153,10 @@ void decode_rows(const TView& w, const float* __restrict X, int64_t ldx, int64_t
 template <int BITS>
 void dequant_rows(const TView& w, int64_t k0, int64_t kc, int64_t n0, int64_t nb, float* __restrict P, int64_t ldp) {
   const float* __restrict sv = w.sv + n0;
+  const GridRegs gr = load_grid<BITS>(w.grid);
   for (int64_t k = k0; k < k0 + kc; ++k) {
     float* __restrict row = P + (k - k0) * ldp;
-    decode_tile_row<BITS>(w, k / 16, k % 16, n0, nb, row);
+    decode_tile_row<BITS>(w, gr, k / 16, k % 16, n0, nb, row);
     const float* __restrict s = w.scales + (k / w.group_size) * w.N + n0;
     const float su = w.su[k];
     for (int64_t n = 0; n < nb; ++n) row[n] *= s[n] * su * sv[n];

@@ -22,10 +22,12 @@ constexpr uint32_t kMetalDequantThreads = TM_TRELLIS_TILE_ELEMS;
 constexpr uint32_t kMetalCombineThreads = 256;
 
 // CPU geometry (csrc/cpu/trellis_cpu.cpp): tasks over column blocks; the prefill kernel
-// dequantizes [k_chunk, tile_n] panels so the fp32 panel stays in L2.
+// dequantizes [k_chunk, tile_n] fp32 panels and hands each to one BLAS call. Long chunks keep the
+// BLAS calls few and large (256-row chunks measured 5x slower than one call: per-call overhead and
+// small-panel packing); 4096 rows x 128 columns bounds a worker's panel at 2 MiB.
 constexpr uint32_t kCpuDecodeTileN = 64;
 constexpr uint32_t kCpuPrefillTileN = 128;
-constexpr uint32_t kCpuKChunk = 256;
+constexpr uint32_t kCpuKChunk = 4096;
 constexpr uint32_t kCpuMoeTileN = 64;
 
 void check_common(int64_t K, int64_t N, int64_t bits, int64_t group_size, const char* who) {
