@@ -231,21 +231,14 @@ at::Tensor moe_trellis(const at::Tensor& x, const at::Tensor& gate_packed, const
   check_device(expert_probs, dev, op, "expert_probs", "x");
   at::Tensor y = at::empty({T, H}, x.options());
   if (T == 0) return y;
-  // Routing with device-generic ATen ops (the same on CPU and MPS): a stable sort of the
-  // flattened (token, slot) pairs by expert groups each expert's rows contiguously.
-  const at::Tensor flat = expert_ids.reshape({-1}).to(at::kLong);
   if (dev.is_cpu()) {
-    // Cheap on the host; on a GPU the kernels skip out-of-range ids instead of syncing here.
+    // Cheap on the host; on a GPU the kernels clamp bad routing instead of syncing here.
+    const at::Tensor flat = expert_ids.reshape({-1});
     const int64_t lo = flat.min().item<int64_t>(), hi = flat.max().item<int64_t>();
     TORCH_CHECK_VALUE(lo >= 0 && hi < E, op, ": expert_ids must be in [0, ", E, "), got values in [", lo, ", ", hi,
                       "]");
   }
-  const at::Tensor order = std::get<1>(flat.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false));
-  const at::Tensor counts = at::bincount(flat.clamp(0, E - 1), {}, E);
-  a.expert_offsets = at::cat({at::zeros({1}, counts.options()), counts.cumsum(0)}).to(at::kInt).contiguous();
-  a.sorted_token = at::div(order, top_k, "floor").to(at::kInt).contiguous();
-  a.slot_row = at::empty_like(order).scatter_(0, order, at::arange(order.numel(), order.options()))
-                   .to(at::kInt).contiguous();
+  trellis_route(expert_ids, E, a);
   a.T = T;
   a.hidden = H;
   a.intermediate = intermediate;
