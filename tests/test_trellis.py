@@ -140,10 +140,12 @@ def test_plan_policy_metal_and_cpu():
     p = tm.plan_trellis(17, 4096, 1000, 4, 128, torch.bfloat16, device="metal")
     assert p["variant"] == "tiled" and p["kernel"] == "gemm_trellis_packed_bfloat"
     assert p["grid"] == (16, 1, 1) and p["threads"] == (128, 1, 1) and (p["tile_m"], p["tile_n"]) == (64, 64)
-    assert tm.plan_trellis(100, 64, 64, 2, 32, torch.float32, variant="decode" if False else "tiled")["kernel"] \
-        == "cpu_trellis_prefill"
+    assert tm.plan_trellis(100, 64, 64, 2, 32, torch.float32, variant="tiled")["kernel"] == "cpu_trellis_prefill"
+    assert tm.plan_trellis(3, 64, 64, 2, 32, torch.float32, variant="tiled")["kernel"] == "cpu_trellis_prefill"
     with pytest.raises(ValueError, match="M <= 16"):
         tm.plan_trellis(17, 64, 64, 2, 32, torch.float32, variant="decode")
+    with pytest.raises(ValueError, match="32-bit indices"):
+        tm.plan_trellis(1 << 20, 8192, 64, 2, 32, torch.float16, device="metal")  # M*K = 2^33
 
 
 # ---- moe_trellis ----------------------------------------------------------------------------------

@@ -37,6 +37,16 @@ void check_common(int64_t K, int64_t N, int64_t bits, int64_t group_size, const 
   }
 }
 
+// The Metal kernels index with 32-bit unsigned arithmetic: refuse problems where an element or
+// byte index could wrap (the CPU kernels use 64-bit indices).
+void check_metal_indices(std::initializer_list<uint64_t> extents, const char* who) {
+  for (uint64_t e : extents) {
+    if (e >= (uint64_t(1) << 32)) {
+      throw std::invalid_argument(std::string(who) + ": problem too large for the Metal kernels' 32-bit indices");
+    }
+  }
+}
+
 TrellisParams base_params(int64_t M, int64_t K, int64_t N, int64_t bits, int64_t group_size) {
   TrellisParams p{};
   p.M = uint32_t(M);
@@ -80,6 +90,9 @@ TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int
   const bool decode = p.variant == GemmVariant::Decode;
   switch (caps.backend) {
     case Backend::Metal: {
+      check_metal_indices({uint64_t(M) * uint64_t(K), uint64_t(M) * uint64_t(N),
+                           uint64_t(p.params.tiles_k) * p.params.tiles_n * p.params.packed_bytes},
+                          "plan_trellis_gemm");
       const std::string suffix = std::string("_") + dtype_name(dtype);
       if (decode) {
         set_tiles(p.params, M, N, uint32_t(kDecodeMaxM), kMetalDecodeTileN);
@@ -115,6 +128,8 @@ TrellisPlan plan_trellis_dequant(int64_t K, int64_t N, int64_t bits, int64_t gro
   set_tiles(p.params, K, N, TM_TRELLIS_TILE, TM_TRELLIS_TILE);
   switch (caps.backend) {
     case Backend::Metal:
+      check_metal_indices({uint64_t(K) * uint64_t(N), uint64_t(p.params.tiles_k) * p.params.tiles_n * p.params.packed_bytes},
+                          "plan_trellis_dequant");
       p.main.kernel = "dequant_trellis";
       p.main.grid[0] = p.params.tiles_n;
       p.main.grid[1] = p.params.tiles_k;
@@ -150,6 +165,12 @@ TrellisPlan plan_trellis_moe(int64_t tokens, int64_t hidden, int64_t intermediat
     case Backend::Metal: {
       // Grid (column blocks, experts): a threadgroup owns one expert's column block and walks
       // that expert's routed rows in chunks of 16, so each expert's weights stream once per block.
+      const uint64_t R = uint64_t(tokens) * uint64_t(top_k);
+      check_metal_indices({R * uint64_t(hidden), R * uint64_t(intermediate),
+                           uint64_t(num_experts) * p.params.tiles_k * p.params.tiles_n * p.params.packed_bytes,
+                           uint64_t(num_experts) * p.params.n_groups * uint64_t(intermediate),
+                           uint64_t(num_experts) * p.params.down_n_groups * uint64_t(hidden)},
+                          "plan_trellis_moe");
       const std::string suffix = std::string("_") + dtype_name(dtype);
       set_tiles(p.params, kDecodeMaxM, intermediate, uint32_t(kDecodeMaxM), kMetalDecodeTileN);
       p.main.kernel = "moe_trellis_gate_up" + suffix;
