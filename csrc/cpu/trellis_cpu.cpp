@@ -91,6 +91,27 @@ template <int BITS>
 inline GridRegs load_grid(const float*) { return GridRegs{}; }
 #endif
 
+// The 2*BITS bytes of one tile row as a little-endian integer. Fixed-size loads only: a 6-byte
+// memcpy (3-bit) measured ~5x slower than two loads of 4 + 2 bytes.
+template <int BITS>
+inline uint64_t load_row_bits(const uint8_t* row) {
+  if (BITS == 2) {
+    uint32_t v;
+    std::memcpy(&v, row, 4);
+    return v;
+  } else if (BITS == 3) {
+    uint32_t lo;
+    uint16_t hi;
+    std::memcpy(&lo, row, 4);
+    std::memcpy(&hi, row + 4, 2);
+    return uint64_t(lo) | (uint64_t(hi) << 32);
+  } else {
+    uint64_t v;
+    std::memcpy(&v, row, 8);
+    return v;
+  }
+}
+
 // vals[n] = grid[idx[k, n0 + n]] for n < nb, k = tk * 16 + r; n0 is a multiple of 16.
 template <int BITS>
 inline void decode_tile_row(const TView& w, const GridRegs& g, int64_t tk, int64_t r, int64_t n0, int64_t nb,
@@ -99,8 +120,7 @@ inline void decode_tile_row(const TView& w, const GridRegs& g, int64_t tk, int64
   constexpr uint64_t kMask = (uint64_t(1) << BITS) - 1;
   const uint8_t* row = w.packed + (tk * w.tiles_n + n0 / 16) * w.packed_bytes + r * kRowBytes;
   for (int64_t t = 0; t * 16 < nb; ++t, row += w.packed_bytes) {
-    uint64_t bits = 0;
-    std::memcpy(&bits, row, kRowBytes);
+    const uint64_t bits = load_row_bits<BITS>(row);
     float* out = vals + t * 16;
     if (nb - t * 16 >= 16) {
 #if defined(__AVX2__)
