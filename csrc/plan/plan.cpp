@@ -226,4 +226,22 @@ GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, in
   return p;
 }
 
+GemmPlan plan_quant_dequant_metal(QuantFormat format, int64_t K, int64_t N, int64_t group_size, DType dtype) {
+  if (K <= 0 || N <= 0 || group_size <= 0 || K % TM_PACK_FACTOR != 0 || group_size % TM_PACK_FACTOR != 0 ||
+      K % group_size != 0 || K > UINT32_MAX || N > UINT32_MAX || (K / TM_PACK_FACTOR) * N > UINT32_MAX) {
+    throw std::invalid_argument("plan_quant_dequant_metal: invalid shape");
+  }
+  constexpr uint32_t kThreads = 256;  // kDequantThreads in metal/quant_gemm.metal
+  GemmPlan p;
+  p.params.K = uint32_t(K);
+  p.params.N = uint32_t(N);
+  p.params.group_size = uint32_t(group_size);
+  p.params.k_parallel = 1;
+  p.params.k_slice_len = uint32_t(K);
+  p.kernel = metal_name("dequant", format, dtype);
+  p.grid[0] = ceil_div((K / TM_PACK_FACTOR) * N, kThreads);
+  p.threads[0] = kThreads;
+  return p;
+}
+
 }  // namespace torch_marlin
