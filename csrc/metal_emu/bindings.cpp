@@ -42,7 +42,9 @@ metal_emu::Schedule parse_schedule(const std::string& s) {
   if (s == "forward") return metal_emu::Schedule::Forward;
   if (s == "reverse") return metal_emu::Schedule::Reverse;
   if (s == "random") return metal_emu::Schedule::Random;
-  TORCH_CHECK_VALUE(false, "schedule must be forward/reverse/random, got '", s, "'");
+  if (s == "simd_ahead") return metal_emu::Schedule::SimdAhead;
+  if (s == "simd_ahead_reverse") return metal_emu::Schedule::SimdAheadReverse;
+  TORCH_CHECK_VALUE(false, "schedule must be forward/reverse/random/simd_ahead/simd_ahead_reverse, got '", s, "'");
 }
 
 py::dict plan_to_dict(const GemmPlan& p) {
@@ -87,7 +89,7 @@ std::tuple<at::Tensor, py::dict> gemm(const std::string& format, const at::Tenso
                                       const at::Tensor& scales_in, const c10::optional<at::Tensor>& zeros_in,
                                       const c10::optional<at::Tensor>& bias_in, int64_t group_size,
                                       const std::string& variant, int compute_units, const std::string& schedule,
-                                      uint64_t seed, int workers) {
+                                      uint64_t seed, int workers, const std::string& prefix) {
   const QuantFormat f = parse_format(format);
   check_cpu(A_in, "A");
   TORCH_CHECK_VALUE(A_in.dim() == 2 && B_in.dim() == 2, "metal_emu: A and B_packed must be 2-D");
@@ -115,12 +117,12 @@ std::tuple<at::Tensor, py::dict> gemm(const std::string& format, const at::Tenso
   void* bias_ptr = bias.defined() ? bias.data_ptr() : C.data_ptr();
   void* ws_ptr = ws.defined() ? ws.data_ptr() : C.data_ptr();
   QuantGemmParams params = plan.params;
-  run(plan.kernel, plan.grid, plan.threads[0],
+  run(prefix + plan.kernel, plan.grid, plan.threads[0],
       {A.data_ptr(), B.data_ptr(), scales.data_ptr(), zeros_ptr, bias_ptr, C.data_ptr(), ws_ptr, &params}, schedule,
       seed, workers);
   if (!plan.reduce_kernel.empty()) {
     QuantReduceParams rp{params.M, params.N, params.k_parallel, params.has_bias};
-    run(plan.reduce_kernel, plan.reduce_grid, plan.reduce_threads[0], {ws_ptr, bias_ptr, C.data_ptr(), &rp}, schedule,
+    run(prefix + plan.reduce_kernel, plan.reduce_grid, plan.reduce_threads[0], {ws_ptr, bias_ptr, C.data_ptr(), &rp}, schedule,
         seed, workers);
   }
   return {C, plan_to_dict(plan)};
@@ -149,6 +151,20 @@ at::Tensor dequant(const std::string& format, const at::Tensor& B_in, const at::
   return W;
 }
 
+// Any registered kernel on raw tensors (buffers in order; the harness self-tests use it).
+void dispatch_raw(const std::string& kernel, std::vector<int64_t> grid, int64_t threads,
+                  const std::vector<at::Tensor>& buffers, const std::string& schedule, uint64_t seed, int workers) {
+  TORCH_CHECK_VALUE(grid.size() == 3, "grid must have 3 entries");
+  const uint32_t g[3] = {uint32_t(grid[0]), uint32_t(grid[1]), uint32_t(grid[2])};
+  std::vector<void*> ptrs;
+  for (const auto& t : buffers) {
+    check_cpu(t, "buffer");
+    TORCH_CHECK_VALUE(t.is_contiguous(), "buffers must be contiguous");
+    ptrs.push_back(t.data_ptr());
+  }
+  run(kernel, g, uint32_t(threads), ptrs, schedule, seed, workers);
+}
+
 py::dict last_stats() {
   const auto s = metal_emu::last_dispatch_stats();
   py::dict d;
@@ -165,9 +181,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Metal-on-CPU harness for metal/quant_gemm.metal (test-time only)";
   m.def("gemm", &gemm, py::arg("format"), py::arg("A"), py::arg("B_packed"), py::arg("scales"), py::arg("zeros"),
         py::arg("bias"), py::arg("group_size"), py::arg("variant") = "auto", py::arg("compute_units") = 0,
-        py::arg("schedule") = "forward", py::arg("seed") = 0, py::arg("workers") = 0);
+        py::arg("schedule") = "forward", py::arg("seed") = 0, py::arg("workers") = 0, py::arg("prefix") = "");
   m.def("dequant", &dequant, py::arg("format"), py::arg("B_packed"), py::arg("scales"), py::arg("zeros"),
         py::arg("group_size"), py::arg("schedule") = "forward", py::arg("seed") = 0, py::arg("workers") = 0);
+  m.def("dispatch_raw", &dispatch_raw, py::arg("kernel"), py::arg("grid"), py::arg("threads"), py::arg("buffers"),
+        py::arg("schedule") = "forward", py::arg("seed") = 0, py::arg("workers") = 0);
   m.def("kernel_names", &metal_emu::kernel_names);
+  m.def("set_dropped_barrier", &metal_emu::set_dropped_barrier, py::arg("name"));
   m.def("last_stats", &last_stats);
 }

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <exception>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -57,6 +58,7 @@ struct Fiber {
   ucontext_t ctx;
   FState state = FState::Runnable;
   unsigned parity = 0;
+  unsigned matrix_parity = 0;
 };
 
 struct Worker {
@@ -68,10 +70,11 @@ struct Worker {
   const KernelEntry* kernel = nullptr;
   void* const* buffers = nullptr;
   uint3 tgid{0, 0, 0};
-  std::vector<unsigned char> arena = std::vector<unsigned char>(kArenaBytes);
+  std::vector<unsigned char> arena = std::vector<unsigned char>(kArenaBytes, 0xFF);  // poisoned
   size_t arena_used = 0;
   std::vector<std::pair<unsigned, size_t>> slots;
   std::vector<uint64_t> exchange;
+  std::vector<float> matrix_exchange;
   uint64_t barrier_rounds = 0, simd_rounds = 0;
   size_t max_tg_bytes = 0;
 };
@@ -119,6 +122,7 @@ void run_threadgroup(Worker& w, Schedule schedule, uint64_t seed) {
   w.slots.clear();
   const unsigned nsg = (n + 31u) / 32u;
   w.exchange.assign(size_t(nsg) * 2 * 32, ~uint64_t(0));
+  w.matrix_exchange.assign(size_t(nsg) * 2 * 192, std::numeric_limits<float>::quiet_NaN());
   while (w.stacks.size() < n) w.stacks.emplace_back(new char[kStackBytes]);
   w.fibers.resize(n);
   for (unsigned i = 0; i < n; ++i) {
@@ -130,20 +134,40 @@ void run_threadgroup(Worker& w, Schedule schedule, uint64_t seed) {
     makecontext(&f.ctx, fiber_entry, 0);
     f.state = FState::Runnable;
     f.parity = 0;
+    f.matrix_parity = 0;
   }
   std::mt19937_64 rng(seed ^ (uint64_t(w.tgid.x) * 0x9E3779B97F4A7C15ull) ^ (uint64_t(w.tgid.y) << 40) ^
                       (uint64_t(w.tgid.z) << 52));
   std::vector<unsigned> order;
   order.reserve(n);
+  const bool eager = schedule == Schedule::SimdAhead || schedule == Schedule::SimdAheadReverse;
+  auto run_fiber = [&w](unsigned i) {
+    w.current = i;
+    swapcontext(&w.sched, &w.fibers[i].ctx);
+  };
   for (;;) {
-    order.clear();
-    for (unsigned i = 0; i < n; ++i)
-      if (w.fibers[i].state == FState::Runnable) order.push_back(i);
-    if (schedule == Schedule::Reverse) std::reverse(order.begin(), order.end());
-    if (schedule == Schedule::Random) std::shuffle(order.begin(), order.end(), rng);
-    for (unsigned i : order) {
-      w.current = i;
-      swapcontext(&w.sched, &w.fibers[i].ctx);
+    if (eager) {
+      // One simdgroup at a time, releasing its simdgroup barriers on the spot.
+      for (unsigned s = 0; s < nsg; ++s) {
+        const unsigned sg = schedule == Schedule::SimdAheadReverse ? nsg - 1 - s : s;
+        const unsigned lo = sg * 32u, hi = std::min(n, lo + 32u);
+        for (;;) {
+          for (unsigned i = lo; i < hi; ++i)
+            if (w.fibers[i].state == FState::Runnable) run_fiber(i);
+          bool all_sg = true;
+          for (unsigned i = lo; i < hi; ++i) all_sg = all_sg && w.fibers[i].state == FState::WaitSG;
+          if (!all_sg) break;
+          for (unsigned i = lo; i < hi; ++i) w.fibers[i].state = FState::Runnable;
+          ++w.simd_rounds;
+        }
+      }
+    } else {
+      order.clear();
+      for (unsigned i = 0; i < n; ++i)
+        if (w.fibers[i].state == FState::Runnable) order.push_back(i);
+      if (schedule == Schedule::Reverse) std::reverse(order.begin(), order.end());
+      if (schedule == Schedule::Random) std::shuffle(order.begin(), order.end(), rng);
+      for (unsigned i : order) run_fiber(i);
     }
     // Nobody can run: release what may be released, or report why nothing can be.
     unsigned done = 0, at_tg = 0;
@@ -213,6 +237,27 @@ uint64_t* simd_exchange(unsigned& lane) {
   const unsigned sg = w.current / 32u;
   const unsigned parity = f.parity++ & 1u;
   return w.exchange.data() + (size_t(sg) * 2 + parity) * 32;
+}
+
+namespace {
+std::string g_dropped_barrier;
+}
+
+bool barrier_dropped(const char* name) { return !g_dropped_barrier.empty() && g_dropped_barrier == name; }
+void set_dropped_barrier(const std::string& name) { g_dropped_barrier = name; }
+
+unsigned current_lane() {
+  Worker& w = current_worker();
+  return w.current % 32u;
+}
+
+float* simd_matrix_exchange(unsigned& lane) {
+  Worker& w = current_worker();
+  Fiber& f = w.fibers[w.current];
+  lane = w.current % 32u;
+  const unsigned sg = w.current / 32u;
+  const unsigned parity = f.matrix_parity++ & 1u;
+  return w.matrix_exchange.data() + (size_t(sg) * 2 + parity) * 192;
 }
 
 void register_kernel(const char* name, const void* fn, KernelTrampoline tramp, int num_buffers) {

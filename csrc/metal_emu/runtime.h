@@ -10,7 +10,12 @@ namespace metal_emu {
 
 // Order in which the runnable threads of a threadgroup run between two synchronization points.
 // A correct kernel gives the same result under every order; a missing barrier usually does not.
-enum class Schedule : int { Forward = 0, Reverse = 1, Random = 2 };
+//  Forward / Reverse / Random: every runnable thread runs (in that order) until it blocks; then
+//    barriers whose participants all arrived are released. Simdgroups move in lockstep.
+//  SimdAhead / SimdAheadReverse: a simdgroup's barriers are released as soon as its 32 lanes
+//    arrive, so simdgroup 0 (or the last one) runs as far as it can before the others start:
+//    exposes a missing threadgroup barrier between simdgroups that lockstep hides.
+enum class Schedule : int { Forward = 0, Reverse = 1, Random = 2, SimdAhead = 3, SimdAheadReverse = 4 };
 
 struct DispatchDesc {
   std::string kernel;                  // registered name (the host_name of the instantiation)
@@ -27,6 +32,10 @@ struct DispatchDesc {
 void dispatch(const DispatchDesc& d);
 
 std::vector<std::string> kernel_names();
+
+// Barrier-switch build only: drop the barrier tagged `name` ("" = drop none). Not thread-safe
+// against a running dispatch; set it between dispatches.
+void set_dropped_barrier(const std::string& name);
 
 // Stats of the last dispatch on this process (for tests of the executor itself).
 struct DispatchStats {
