@@ -36,7 +36,8 @@ using namespace torch_marlin;
 #define TM_THREADGROUP_ARRAY(T, name, dims) threadgroup T name dims
 #endif
 
-#if defined(TM_METAL_EMULATOR)
+// The Metal-on-CPU harness and the address-space check supply their own instantiation hook.
+#if defined(TM_EMU_REGISTER_KERNEL)
 #define TM_INSTANTIATE(name, ...) TM_EMU_REGISTER_KERNEL(name, __VA_ARGS__)
 #else
 #define TM_INSTANTIATE(name, ...) \
