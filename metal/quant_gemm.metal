@@ -135,11 +135,14 @@ template <uint FMT, typename T>
       load_word<FMT, T>(B, scales, zeros, p, k, col, word, s, z);
       float w[8];
       dequant_word<FMT>(word, s, z, w);
-      for (uint m = 0; m < M; ++m) {
-        device const T* a = A + m * p.K + k;  // same address on every lane: a broadcast load
-        float d = 0.0f;
-        for (uint j = 0; j < 8u; ++j) d += float(a[j]) * w[j];
-        acc[m] += d;
+      // Constant trip count so acc[] stays in registers; rows >= M are skipped uniformly.
+      for (uint m = 0; m < kDecodeRows; ++m) {
+        if (m < M) {
+          device const T* a = A + m * p.K + k;  // same address on every lane: a broadcast load
+          float d = 0.0f;
+          for (uint j = 0; j < 8u; ++j) d += float(a[j]) * w[j];
+          acc[m] += d;
+        }
       }
     }
   }
@@ -195,7 +198,7 @@ inline void fused_tile(device const T* A, device const uint* B, device const T* 
       const uint r = i / kTileK;
       const uint c = i % kTileK;
       const uint m = row0 + r;
-      a_tile[r * kAStride + c] = (m < p.M && c < k_rows) ? A[m * p.K + kb + c] : T(0);
+      a_tile[r * kAStride + c] = (m < p.M && c < k_rows) ? A[m * p.K + kb + c] : T(0.0f);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:fused_a_ready]
     for (uint kt = 0; kt < k_rows / 8u; ++kt) {
@@ -285,7 +288,7 @@ inline void staged_load(device const T* A, device const uint* B, device const T*
     const uint r = i / kTileK;
     const uint c = i % kTileK;
     const uint m = row0 + r;
-    As[i] = (m < p.M && c < k_rows) ? A[m * p.K + kb + c] : T(0);
+    As[i] = (m < p.M && c < k_rows) ? A[m * p.K + kb + c] : T(0.0f);
   }
   // 4 word rows x 64 columns; adjacent threads take adjacent columns (coalesced).
   for (uint i = lid; i < (kTileK / 8u) * kTileN; i += kThreads) {
