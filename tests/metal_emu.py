@@ -106,3 +106,28 @@ def load(verbose=False):
     )
     _modules["mod"] = mod
     return mod
+
+
+# ---- the ops "as Metal": same signatures as torch.ops.marlin.*, CPU tensors in and out -----------
+# Extra keywords: variant ("auto" = the planner's policy), compute_units (0 = default_metal_caps),
+# schedule / seed (thread order of the executor). gemm_* return C; pass return_plan=True for
+# (C, plan).
+
+def gemm_fp4(A, B_packed, scales, group_size, bias=None, *, variant="auto", compute_units=0, schedule="forward",
+             seed=0, return_plan=False):
+    C, plan = load().gemm("fp4", A, B_packed, scales, None, bias, group_size, variant, compute_units, schedule, seed)
+    return (C, plan) if return_plan else C
+
+
+def gemm_u4(A, B_packed, scales, zeros, group_size, bias=None, *, variant="auto", compute_units=0,
+            schedule="forward", seed=0, return_plan=False):
+    C, plan = load().gemm("u4", A, B_packed, scales, zeros, bias, group_size, variant, compute_units, schedule, seed)
+    return (C, plan) if return_plan else C
+
+
+def dequant_fp4(B_packed, scales, group_size, *, schedule="forward", seed=0):
+    return load().dequant("fp4", B_packed, scales, None, group_size, schedule, seed)
+
+
+def dequant_u4(B_packed, scales, zeros, group_size, *, schedule="forward", seed=0):
+    return load().dequant("u4", B_packed, scales, zeros, group_size, schedule, seed)
