@@ -193,6 +193,11 @@ def test_dispatch_policy_metal():
     assert p["variant"] == "decode" and p["k_parallel"] > 1 and p["grid"][1] == p["k_parallel"]
 
 
+def test_metal_plan_rejects_32bit_overflow():
+    with pytest.raises(ValueError, match="below 2"):
+        torch_marlin.plan_gemm("fp4", 70000, 65536, 64, 128, torch.float16, device="metal")
+
+
 @pytest.mark.parametrize("M", [1, 16, 17, 80])
 def test_harness_runs_the_policy_plan(emu, M):
     # variant="auto": the harness asks the planner exactly as the MPS op does.

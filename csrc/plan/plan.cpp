@@ -135,6 +135,12 @@ void plan_metal(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTy
     case GemmVariant::Auto: break;
   }
   set_reduction(p, (std::string("marlin_reduce_partials_") + dtype_name(d)).c_str(), 256);
+  // The kernels index with 32-bit uints (cheaper on Apple GPUs); see docs/limitations.md.
+  if (uint64_t(M) * uint64_t(K) > UINT32_MAX || uint64_t(K / TM_PACK_FACTOR) * uint64_t(N) > UINT32_MAX ||
+      uint64_t(M) * uint64_t(N) * p.params.k_parallel > UINT32_MAX) {
+    throw std::invalid_argument(
+        "plan_quant_gemm: the Metal kernels need M*K, K/8*N and k_parallel*M*N below 2^32; split the call");
+  }
 }
 
 // ---- CUDA -----------------------------------------------------------------------------------
