@@ -109,15 +109,10 @@ inline void store_fragment(simdgroup_matrix<float, 8, 8> frag, threadgroup float
 
 // ---- decode: M <= 16 ------------------------------------------------------------------------------
 template <uint FMT, typename T>
-[[kernel]] void marlin_gemv(device const T* A [[buffer(0)]], device const uint* B [[buffer(1)]],
-                            device const T* scales [[buffer(2)]], device const uchar* zeros [[buffer(3)]],
-                            device const T* bias [[buffer(4)]], device T* C [[buffer(5)]],
-                            device float* workspace [[buffer(6)]], constant QuantGemmParams& p [[buffer(7)]],
-                            uint3 tgid [[threadgroup_position_in_grid]],
-                            uint lid [[thread_index_in_threadgroup]],
-                            uint sgid [[simdgroup_index_in_threadgroup]],
-                            uint lane [[thread_index_in_simdgroup]]) {
-  TM_THREADGROUP_ARRAY(float, partial, [kSimdgroups][kDecodeRows][kDecodeCols]);  // 8 KiB
+inline void gemv_impl(device const T* A, device const uint* B, device const T* scales, device const uchar* zeros,
+                      device const T* bias, device T* C, device float* workspace, constant QuantGemmParams& p,
+                      threadgroup float* partial /* [kSimdgroups][kDecodeRows][kDecodeCols] */, uint3 tgid,
+                      uint lid, uint sgid, uint lane) {
   const uint col = tgid.x * kDecodeCols + lane;  // 32 lanes: 32 adjacent words, one 128-byte load
   const uint k_slice = tgid.y;
   const uint k_begin = k_slice * p.k_slice_len;
@@ -146,15 +141,15 @@ template <uint FMT, typename T>
       }
     }
   }
-  for (uint m = 0; m < kDecodeRows; ++m) partial[sgid][m][lane] = acc[m];
+  for (uint m = 0; m < kDecodeRows; ++m) partial[(sgid * kDecodeRows + m) * kDecodeCols + lane] = acc[m];
   threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:gemv_meet]
   for (uint i = lid; i < kDecodeRows * kDecodeCols; i += kThreads) {
     const uint m = i / kDecodeCols;
-    const uint c = i % kDecodeCols;
-    const uint n = tgid.x * kDecodeCols + c;
+    const uint n = tgid.x * kDecodeCols + i % kDecodeCols;
     if (m < M && n < p.N) {
       // Fixed simdgroup order: the result does not depend on scheduling.
-      float v = ((partial[0][m][c] + partial[1][m][c]) + partial[2][m][c]) + partial[3][m][c];
+      const uint stride = kDecodeRows * kDecodeCols;
+      float v = ((partial[i] + partial[stride + i]) + partial[2u * stride + i]) + partial[3u * stride + i];
       if (p.k_parallel > 1u) {
         workspace[(k_slice * M + m) * p.N + n] = v;
       } else {
@@ -165,6 +160,19 @@ template <uint FMT, typename T>
   }
 }
 
+template <uint FMT, typename T>
+[[kernel]] void marlin_gemv(device const T* A [[buffer(0)]], device const uint* B [[buffer(1)]],
+                            device const T* scales [[buffer(2)]], device const uchar* zeros [[buffer(3)]],
+                            device const T* bias [[buffer(4)]], device T* C [[buffer(5)]],
+                            device float* workspace [[buffer(6)]], constant QuantGemmParams& p [[buffer(7)]],
+                            uint3 tgid [[threadgroup_position_in_grid]],
+                            uint lid [[thread_index_in_threadgroup]],
+                            uint sgid [[simdgroup_index_in_threadgroup]],
+                            uint lane [[thread_index_in_simdgroup]]) {
+  TM_THREADGROUP_ARRAY(float, partial, [kSimdgroups * kDecodeRows * kDecodeCols]);  // 8 KiB
+  gemv_impl<FMT, T>(A, B, scales, zeros, bias, C, workspace, p, partial, tgid, lid, sgid, lane);
+}
+
 // ---- fused 64x64 tile: dequant in registers -----------------------------------------------------
 // Simdgroup s owns rows (s/2)*32.. +32 and columns (s%2)*32.. +32 of the tile: a 4x4 grid of 8x8
 // fp32 accumulators. Per 8-row K step, each lane dequantizes one column of the simdgroup's 8x32 B
@@ -172,7 +180,7 @@ template <uint FMT, typename T>
 // barriers guard that stage. The seed stages 8x8 with lanes 0-7; 8x32 with all lanes reads the
 // same words with 4x fewer barriers and no idle lanes.
 template <uint FMT, typename T>
-inline void fused_tile(device const T* A, device const uint* B, device const T* scales, device const uchar* zeros,
+inline void fused_tile_impl(device const T* A, device const uint* B, device const T* scales, device const uchar* zeros,
                        device const T* bias, device T* C, device float* workspace, constant QuantGemmParams& p,
                        threadgroup T* a_tile, threadgroup T* b_stage, threadgroup float* c_stage, uint tile_row,
                        uint tile_col, uint k_slice, uint lid, uint sgid, uint lane) {
@@ -243,7 +251,7 @@ template <uint FMT, typename T>
   TM_THREADGROUP_ARRAY(T, a_tile, [kTileM * kAStride]);
   TM_THREADGROUP_ARRAY(T, b_stage, [kSimdgroups * 8 * kStageCols]);
   TM_THREADGROUP_ARRAY(float, c_stage, [kSimdgroups * 64]);
-  fused_tile<FMT, T>(A, B, scales, zeros, bias, C, workspace, p, a_tile, b_stage, c_stage, tgid.y, tgid.x, tgid.z,
+  fused_tile_impl<FMT, T>(A, B, scales, zeros, bias, C, workspace, p, a_tile, b_stage, c_stage, tgid.y, tgid.x, tgid.z,
                      lid, sgid, lane);
 }
 
@@ -271,7 +279,7 @@ template <uint FMT, typename T>
   for (uint w = w_begin; w < w_end; ++w) {  // uniform across the threadgroup
     const uint tile_linear = w / kp;
     const uint k_slice = w % kp;
-    fused_tile<FMT, T>(A, B, scales, zeros, bias, C, workspace, p, a_tile, b_stage, c_stage,
+    fused_tile_impl<FMT, T>(A, B, scales, zeros, bias, C, workspace, p, a_tile, b_stage, c_stage,
                        tile_linear % p.m_tiles, tile_linear / p.m_tiles, k_slice, lid, sgid, lane);
   }
 }
@@ -307,17 +315,9 @@ inline void staged_load(device const T* A, device const uint* B, device const T*
 }
 
 template <uint FMT, typename T>
-[[kernel]] void marlin_gemm(device const T* A [[buffer(0)]], device const uint* B [[buffer(1)]],
-                            device const T* scales [[buffer(2)]], device const uchar* zeros [[buffer(3)]],
-                            device const T* bias [[buffer(4)]], device T* C [[buffer(5)]],
-                            device float* workspace [[buffer(6)]], constant QuantGemmParams& p [[buffer(7)]],
-                            uint3 tgid [[threadgroup_position_in_grid]],
-                            uint lid [[thread_index_in_threadgroup]],
-                            uint sgid [[simdgroup_index_in_threadgroup]],
-                            uint lane [[thread_index_in_simdgroup]]) {
-  // 2 x (A 64x32 + B 32x64) elements: 16 KiB for half/bfloat, 32 KiB for float. The epilogue
-  // reuses the front of it as fp32 staging once the K loop is over.
-  TM_THREADGROUP_ARRAY(T, smem, [2 * (kTileM * kTileK + kTileK * kTileN)]);
+inline void staged_impl(device const T* A, device const uint* B, device const T* scales, device const uchar* zeros,
+                        device const T* bias, device T* C, device float* workspace, constant QuantGemmParams& p,
+                        threadgroup T* smem, uint3 tgid, uint lid, uint sgid, uint lane) {
   threadgroup T* As[2] = {smem, smem + kTileM * kTileK};
   threadgroup T* Bs[2] = {smem + 2 * kTileM * kTileK, smem + 2 * kTileM * kTileK + kTileK * kTileN};
   const uint row0 = tgid.y * kTileM;
@@ -361,6 +361,22 @@ template <uint FMT, typename T>
     for (uint ni = 0; ni < 4u; ++ni)
       store_fragment<T>(acc[mi][ni], my_c, bias, C, workspace, p, sg_first_row + mi * 8u, col0 + sg_col + ni * 8u,
                         k_slice, lane);
+}
+
+
+template <uint FMT, typename T>
+[[kernel]] void marlin_gemm(device const T* A [[buffer(0)]], device const uint* B [[buffer(1)]],
+                            device const T* scales [[buffer(2)]], device const uchar* zeros [[buffer(3)]],
+                            device const T* bias [[buffer(4)]], device T* C [[buffer(5)]],
+                            device float* workspace [[buffer(6)]], constant QuantGemmParams& p [[buffer(7)]],
+                            uint3 tgid [[threadgroup_position_in_grid]],
+                            uint lid [[thread_index_in_threadgroup]],
+                            uint sgid [[simdgroup_index_in_threadgroup]],
+                            uint lane [[thread_index_in_simdgroup]]) {
+  // 2 x (A 64x32 + B 32x64) elements: 16 KiB for half/bfloat, 32 KiB for float. The epilogue
+  // reuses the front of it as fp32 staging once the K loop is over.
+  TM_THREADGROUP_ARRAY(T, smem, [2 * (kTileM * kTileK + kTileK * kTileN)]);
+  staged_impl<FMT, T>(A, B, scales, zeros, bias, C, workspace, p, smem, tgid, lid, sgid, lane);
 }
 
 // ---- deterministic K-parallel reduction -----------------------------------------------------------

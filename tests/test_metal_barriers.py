@@ -130,6 +130,22 @@ def test_device_atomics_across_os_threads(emu):
     assert int(counter) == 16 * 128
 
 
+def test_threadgroup_memory_limit_is_enforced(emu):
+    out = torch.zeros(128)
+    with pytest.raises(RuntimeError, match="threadgroup memory over 32768 bytes"):
+        emu.dispatch_raw("selftest_too_much_tg", [1, 1, 1], 128, [out])
+
+
+@pytest.mark.parametrize("variant,expected", [
+    # docs/metal.md: decode 4x16x32 fp32 partials; fused A 64x40 + B stage 4x8x32 (half) + fp32
+    # epilogue stage 4x64; staged 2 x (64x32 + 32x64) half.
+    ("decode", 8192), ("tiled", 5120 + 2048 + 1024), ("tiled_staged", 16384)])
+def test_threadgroup_memory_budget(emu, variant, expected):
+    A, B, s, _ = problem(5 if variant == "decode" else 64)
+    emu.gemm("fp4", A, B, s, None, None, GS, variant, 0, "forward", 0, 1)
+    assert emu.last_stats()["max_threadgroup_bytes"] == expected
+
+
 def test_unknown_kernel_is_an_error(emu):
     with pytest.raises(RuntimeError, match="no kernel named"):
         emu.dispatch_raw("nonexistent", [1, 1, 1], 32, [])

@@ -75,6 +75,7 @@ struct Worker {
   std::vector<std::pair<unsigned, size_t>> slots;
   std::vector<uint64_t> exchange;
   std::vector<float> matrix_exchange;
+  std::string error;  // set by a kernel-side failure; the failing fiber is abandoned
   uint64_t barrier_rounds = 0, simd_rounds = 0;
   size_t max_tg_bytes = 0;
 };
@@ -153,7 +154,7 @@ void run_threadgroup(Worker& w, Schedule schedule, uint64_t seed) {
         const unsigned lo = sg * 32u, hi = std::min(n, lo + 32u);
         for (;;) {
           for (unsigned i = lo; i < hi; ++i)
-            if (w.fibers[i].state == FState::Runnable) run_fiber(i);
+            if (w.fibers[i].state == FState::Runnable && w.error.empty()) run_fiber(i);
           bool all_sg = true;
           for (unsigned i = lo; i < hi; ++i) all_sg = all_sg && w.fibers[i].state == FState::WaitSG;
           if (!all_sg) break;
@@ -167,8 +168,10 @@ void run_threadgroup(Worker& w, Schedule schedule, uint64_t seed) {
         if (w.fibers[i].state == FState::Runnable) order.push_back(i);
       if (schedule == Schedule::Reverse) std::reverse(order.begin(), order.end());
       if (schedule == Schedule::Random) std::shuffle(order.begin(), order.end(), rng);
-      for (unsigned i : order) run_fiber(i);
+      for (unsigned i : order)
+        if (w.error.empty()) run_fiber(i);
     }
+    if (!w.error.empty()) throw std::runtime_error(w.error);
     // Nobody can run: release what may be released, or report why nothing can be.
     unsigned done = 0, at_tg = 0;
     bool released = false;
@@ -220,10 +223,13 @@ void* threadgroup_slot(unsigned id, size_t bytes, size_t align) {
   size_t off = (w.arena_used + std::max<size_t>(align, 16) - 1) / std::max<size_t>(align, 16) *
                std::max<size_t>(align, 16);
   if (off + bytes > kMaxThreadgroupBytes) {
-    // Thrown on a fiber stack would be unsafe: abort with a clear message instead.
-    fprintf(stderr, "metal_emu: threadgroup memory over %zu bytes (%zu requested)\n", kMaxThreadgroupBytes,
-            off + bytes);
-    std::abort();
+    // Cannot throw through the fiber's stack: park the fiber for good and let the scheduler throw.
+    w.error = "metal_emu: threadgroup memory over " + std::to_string(kMaxThreadgroupBytes) + " bytes (" +
+              std::to_string(off + bytes) + " requested)" + where(w);
+    Fiber& f = w.fibers[w.current];
+    f.state = FState::Done;
+    swapcontext(&f.ctx, &w.sched);
+    std::abort();  // never resumed
   }
   w.slots.emplace_back(id, off);
   w.arena_used = off + bytes;

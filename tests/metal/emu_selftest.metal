@@ -54,6 +54,17 @@ using namespace metal;
   out[lid] = 1.0f;
 }
 
+// 40 KiB of threadgroup memory: more than any Apple GPU grants; the harness refuses it.
+[[kernel]] void selftest_too_much_tg(device float* out [[buffer(0)]],
+                                     uint3 tgid [[threadgroup_position_in_grid]], uint lid [[thread_index_in_threadgroup]],
+                                     uint sgid [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
+  TM_THREADGROUP_ARRAY(float, big, [10240]);
+  big[lid] = 1.0f;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[lid] = big[lid];
+}
+
+TM_INSTANTIATE_PLAIN("selftest_too_much_tg", selftest_too_much_tg)
 TM_INSTANTIATE_PLAIN("selftest_simd", selftest_simd)
 TM_INSTANTIATE_PLAIN("selftest_atomic", selftest_atomic)
 TM_INSTANTIATE_PLAIN("selftest_poison", selftest_poison)
