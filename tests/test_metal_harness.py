@@ -5,8 +5,8 @@ On Linux (CI) the kernels run in the Metal-on-CPU harness (tests/metal_emu.py, d
 through the same planner (csrc/plan/plan.cpp, Backend::Metal) the MPS backend encodes. On a Mac
 with MPS, TestMPS runs the registered ops on the GPU over the same shapes.
 
-Runtime on the 2-core CI machine: ~2 min for the first harness build (cached under
-build/metal_emu/), then about a minute of tests.
+Runtime on the shared 2-core dev machine: ~2 min for the first harness build (cached under
+build/metal_emu/, shared with test_metal_barriers.py), then ~60-70 s of tests.
 """
 
 import itertools
@@ -188,6 +188,10 @@ def test_dispatch_policy_metal():
     assert p["variant"] == "striped" and p["kernel"] == "marlin_gemm_striped_u4_half"
     assert p["k_parallel"] > 1 and p["reduce_kernel"] == "marlin_reduce_partials_half"
     assert p["grid"][1:] == (1, 1) and p["grid"][0] == p["num_groups"]
+    # An MPS tensor's device plans exactly like "metal" (what MarlinLinear on MPS runs).
+    for M in (1, 17, 64):
+        assert torch_marlin.plan_gemm("fp4", M, K, N, 128, device="mps") == \
+            torch_marlin.plan_gemm("fp4", M, K, N, 128, device="metal")
     # Decode splits K over grid.y when N alone has too few columns for the GPU.
     p = torch_marlin.plan_gemm("fp4", 1, 8192, 256, 128, torch.float16, device="metal")
     assert p["variant"] == "decode" and p["k_parallel"] > 1 and p["grid"][1] == p["k_parallel"]
