@@ -25,7 +25,8 @@
 // library (scripts/embed_metal.py concatenates them): names here carry a tr_ / kTr prefix.
 #include <metal_stdlib>
 
-#include "torch_marlin/trellis_msl.h"  // constants, TrMat, the GEMV core, tr_meet
+// trellis_msl.h: constants, TrMat, the GEMV core, tr_meet (shared with trellis_moe.metal)
+#include "torch_marlin/trellis_msl.h"
 
 using namespace metal;
 using namespace torch_marlin;
@@ -164,21 +165,23 @@ template <typename T>
 }
 
 // ---- standalone dequant: W[K, N] f32 ------------------------------------------------------------
-// ((grid * scale) * su) * sv: the reference's order of the fp32 products.
-[[kernel]] void dequant_trellis(device const uchar* packed [[buffer(0)]], device const float* scales [[buffer(1)]],
-                                device const float* grid [[buffer(2)]], device const float* su [[buffer(3)]],
-                                device const float* sv [[buffer(4)]], device float* W [[buffer(5)]],
-                                constant TrellisParams& p [[buffer(6)]],
-                                uint3 tgid [[threadgroup_position_in_grid]],
-                                uint lid [[thread_index_in_threadgroup]],
-                                uint sgid [[simdgroup_index_in_threadgroup]],
-                                uint lane [[thread_index_in_simdgroup]]) {
+// ((grid * scale) * su) * sv: the reference's order of the fp32 products. A template (only
+// TW = float is instantiated) so every kernel goes through the same instantiation hook.
+template <typename TW>
+[[kernel]] void dequant_trellis_kernel(device const uchar* packed [[buffer(0)]],
+                                       device const float* scales [[buffer(1)]], device const float* grid [[buffer(2)]],
+                                       device const float* su [[buffer(3)]], device const float* sv [[buffer(4)]],
+                                       device TW* W [[buffer(5)]], constant TrellisParams& p [[buffer(6)]],
+                                       uint3 tgid [[threadgroup_position_in_grid]],
+                                       uint lid [[thread_index_in_threadgroup]],
+                                       uint sgid [[simdgroup_index_in_threadgroup]],
+                                       uint lane [[thread_index_in_simdgroup]]) {
   const uint k = tgid.y * TM_TRELLIS_TILE + lid / TM_TRELLIS_TILE;
   const uint n = tgid.x * TM_TRELLIS_TILE + lid % TM_TRELLIS_TILE;
   if (lid >= TM_TRELLIS_TILE_ELEMS || k >= p.K || n >= p.N) return;
   device const uchar* tile = packed + trellis_tile_offset(tgid.y, tgid.x, p.tiles_n, p.packed_bytes);
   const uint idx = trellis_unpack_index(tile, lid, p.bits);
-  W[k * p.N + n] = ((grid[idx] * scales[(k / p.group_size) * p.N + n]) * su[k]) * sv[n];
+  W[k * p.N + n] = TW(((grid[idx] * scales[(k / p.group_size) * p.N + n]) * su[k]) * sv[n]);
 }
 
 // ---- instantiations: the host builds the same names (trellis_plan.cpp) ---------------------------
@@ -191,7 +194,4 @@ TM_TRELLIS_INSTANTIATE_DTYPE(float, float)
 #if __METAL_VERSION__ >= 310
 TM_TRELLIS_INSTANTIATE_DTYPE(bfloat, bfloat)
 #endif
-
-#if defined(TM_EMU_REGISTER_KERNEL)
-TM_EMU_REGISTER_KERNEL("dequant_trellis", dequant_trellis)
-#endif
+TM_INSTANTIATE("dequant_trellis", dequant_trellis_kernel<float>)
