@@ -6,13 +6,13 @@
 //   decode_rows (<= 16 rows): each tile row is decoded once into grid values and used for every
 //     row; sums run per scale group without the scale, the scale is applied once per group:
 //       C[m,n] = sv[n] * sum_g s[g,n] * sum_{k in g} (A[m,k] * su[k]) * grid[idx[k,n]]
-//   panel_rows (> 16 rows): a [k_chunk, nb] fp32 panel of the full w (grid*scale*su*sv) is
-//     decoded once and multiplied against all rows with BLAS, so no dense copy of the weight
-//     exists beyond one panel per worker.
-//   MoE: x rows are gathered in expert order once; stage 1 computes silu(gate)*up per (expert,
-//     column block), stage 2 the down projection per (expert, column block) — so each expert's
-//     weights are decoded once per call — and stage 3 sums the top_k rows per token in slot
-//     order (deterministic, no atomics).
+//   blas_rows (> 16 rows): column chunks (<= k_chunk * 128 floats) of the full w
+//     (grid*scale*su*sv) are decoded once by all threads, then one BLAS call multiplies every row
+//     against the chunk; the dense weight never exists beyond one chunk.
+//   MoE: x rows are gathered in expert order once; stage 1 computes silu(gate)*up, stage 2 the
+//     down projection (decode path per (expert, column block) for experts with <= 16 rows, the
+//     BLAS path per expert above) — so each expert's weights are decoded once per call — and
+//     stage 3 sums the top_k rows per token in slot order (deterministic, no atomics).
 #include <ATen/Parallel.h>
 
 #if defined(__AVX2__)
@@ -21,6 +21,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "ops/trellis.h"
@@ -169,6 +170,76 @@ void decode_rows(const TView& w, const float* __restrict X, int64_t ldx, int64_t
     for (int64_t n = 0; n < nb; ++n) out[m * ldo + n] = acc[m][n] * sv[n];
 }
 
+#if defined(__AVX2__)
+// Register-resident strip: out[m, 0 .. 16) = C[m, n0 .. n0+16) for R <= 4 rows, n0 a multiple of 16 with all 16
+// columns inside N. Per tile row: one row load, two codebook permutes, the group's scale folded
+// into the 16 values, then 2 FMAs per row into 2R accumulators that never leave registers.
+template <int BITS, int R>
+void decode_strip16(const TView& w, const GridRegs& gr, const float* __restrict X, int64_t ldx, int64_t n0,
+                    float* __restrict out, int64_t ldo) {
+  __m256 acc[R][2];
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  const int64_t tiles_per_group = w.group_size / 16;
+  const uint8_t* col_tiles = w.packed + (n0 / 16) * w.packed_bytes;
+  for (int64_t g = 0; g < w.n_groups; ++g) {
+    const __m256 s0 = _mm256_loadu_ps(w.scales + g * w.N + n0);
+    const __m256 s1 = _mm256_loadu_ps(w.scales + g * w.N + n0 + 8);
+    const int64_t tk_end = std::min((g + 1) * tiles_per_group, w.tiles_k);
+    for (int64_t tk = g * tiles_per_group; tk < tk_end; ++tk) {
+      const uint8_t* tile = col_tiles + tk * w.tiles_n * w.packed_bytes;
+      const int64_t r_end = std::min<int64_t>(16, w.K - tk * 16);
+      for (int64_t r = 0; r < r_end; ++r) {
+        const int64_t k = tk * 16 + r;
+        const uint64_t bits = load_row_bits<BITS>(tile + r * 2 * BITS);
+        const __m256 v0 = _mm256_mul_ps(lookup8<BITS>(uint32_t(bits), gr), s0);
+        const __m256 v1 = _mm256_mul_ps(lookup8<BITS>(uint32_t(bits >> (8 * BITS)), gr), s1);
+        const float su = w.su[k];
+        for (int i = 0; i < R; ++i) {
+          const __m256 a = _mm256_set1_ps(X[i * ldx + k] * su);
+          acc[i][0] = _mm256_fmadd_ps(a, v0, acc[i][0]);
+          acc[i][1] = _mm256_fmadd_ps(a, v1, acc[i][1]);
+        }
+      }
+    }
+  }
+  const __m256 sv0 = _mm256_loadu_ps(w.sv + n0), sv1 = _mm256_loadu_ps(w.sv + n0 + 8);
+  for (int i = 0; i < R; ++i) {
+    _mm256_storeu_ps(out + i * ldo, _mm256_mul_ps(acc[i][0], sv0));
+    _mm256_storeu_ps(out + i * ldo + 8, _mm256_mul_ps(acc[i][1], sv1));
+  }
+}
+
+// All rows (<= 16) for columns [n0, n0 + 16) (out at column n0): row chunks of up to 4.
+template <int BITS>
+void decode_cols16(const TView& w, const GridRegs& gr, const float* X, int64_t ldx, int64_t rows, int64_t n0,
+                   float* out, int64_t ldo) {
+  for (int64_t m = 0; m < rows; m += 4) {
+    const float* Xm = X + m * ldx;
+    float* om = out + m * ldo;
+    switch (std::min<int64_t>(4, rows - m)) {
+      case 1: decode_strip16<BITS, 1>(w, gr, Xm, ldx, n0, om, ldo); break;
+      case 2: decode_strip16<BITS, 2>(w, gr, Xm, ldx, n0, om, ldo); break;
+      case 3: decode_strip16<BITS, 3>(w, gr, Xm, ldx, n0, om, ldo); break;
+      default: decode_strip16<BITS, 4>(w, gr, Xm, ldx, n0, om, ldo); break;
+    }
+  }
+}
+#endif
+
+// Decode path for columns [c0, c1) (c0 a multiple of 16), <= 16 rows: out[m, n - c0] (row stride
+// ldo). AVX2 strips for whole 16-column tiles, the portable block for the rest.
+template <int BITS>
+void decode_range(const TView& w, const float* X, int64_t ldx, int64_t rows, int64_t c0, int64_t c1, float* out,
+                  int64_t ldo) {
+  int64_t c = c0;
+#if defined(__AVX2__)
+  const GridRegs gr = load_grid<BITS>(w.grid);
+  for (; c + 16 <= c1; c += 16) decode_cols16<BITS>(w, gr, X, ldx, rows, c, out + (c - c0), ldo);
+#endif
+  for (; c < c1; c += kMaxDecodeCols)
+    decode_rows<BITS>(w, X, ldx, rows, c, std::min(kMaxDecodeCols, c1 - c), out + (c - c0), ldo);
+}
+
 // P[k - k0, n] (row stride ldp) = w[k, n0 + n] (fully dequantized) for k in [k0, k0 + kc).
 template <int BITS>
 void dequant_rows(const TView& w, int64_t k0, int64_t kc, int64_t n0, int64_t nb, float* __restrict P, int64_t ldp) {
@@ -183,31 +254,43 @@ void dequant_rows(const TView& w, int64_t k0, int64_t kc, int64_t n0, int64_t nb
   }
 }
 
-// out[m, n] = sum_k X[m, k] * w[k, n0 + n] for any rows, via [kc, nb] panels and BLAS.
-// `panel` must hold kc * nb floats. Called inside parallel_for: the BLAS call runs single-threaded.
-template <int BITS>
-void panel_rows(const TView& w, const float* X, int64_t ldx, int64_t rows, int64_t n0, int64_t nb, float* out,
-                int64_t ldo, int64_t kc, float* panel) {
-  at::Tensor O = at::from_blob(out, {rows, nb}, {ldo, 1}, at::kFloat);
-  O.zero_();
-  for (int64_t k0 = 0; k0 < w.K; k0 += kc) {
-    const int64_t kn = std::min(kc, w.K - k0);
-    dequant_rows<BITS>(w, k0, kn, n0, nb, panel, nb);
-    const at::Tensor Xk = at::from_blob(const_cast<float*>(X) + k0, {rows, kn}, {ldx, 1}, at::kFloat);
-    const at::Tensor P = at::from_blob(panel, {kn, nb}, at::kFloat);
-    O.addmm_(Xk, P);
+// Reusable per-thread panel: first-touch page faults of a fresh multi-MB buffer cost more than
+// the dequant itself on small VMs (the FP4/INT4 CPU path learned the same).
+float* panel_buffer(size_t floats) {
+  thread_local std::unique_ptr<float[]> buf;
+  thread_local size_t cap = 0;
+  if (floats > cap) {
+    buf.reset(new float[floats]);
+    cap = floats;
   }
+  return buf.get();
 }
 
-// Either path by row count; nb <= 64 when rows <= 16.
+// out[m, n] (row stride ldo) = sum_k X[m, k] * w[k, n] for all n < w.N, any number of rows.
+// Column chunks of at most kc * 128 fp32 (the planner's k_chunk) are dequantized by all threads,
+// then multiplied by one BLAS call from the calling thread (BLAS parallelizes it). Calling BLAS
+// per tile from inside parallel_for oversubscribed the cores (measured 25x slower under load).
+// Must not be called from inside a parallel region.
 template <int BITS>
-void matmul_block(const TView& w, const float* X, int64_t ldx, int64_t rows, int64_t n0, int64_t nb, float* out,
-                  int64_t ldo, int64_t kc, std::vector<float>& panel) {
-  if (rows <= kMaxDecodeRows && nb <= kMaxDecodeCols) {
-    decode_rows<BITS>(w, X, ldx, rows, n0, nb, out, ldo);
-  } else {
-    panel.resize(size_t(kc * nb));
-    panel_rows<BITS>(w, X, ldx, rows, n0, nb, out, ldo, kc, panel.data());
+void blas_rows(const TView& w, const float* X, int64_t ldx, int64_t rows, float* out, int64_t ldo, int64_t kc) {
+  const int64_t chunk_floats = kc * 128;
+  const int64_t max_cols = std::max<int64_t>(16, chunk_floats / w.K / 16 * 16);
+  const int64_t cols = std::min(max_cols, w.N);
+  float* panel = panel_buffer(size_t(w.K * cols));
+  const at::Tensor Xt = at::from_blob(const_cast<float*>(X), {rows, w.K}, {ldx, 1}, at::kFloat);
+  for (int64_t c0 = 0; c0 < w.N; c0 += max_cols) {
+    const int64_t cw = std::min(max_cols, w.N - c0);
+    at::parallel_for(0, (cw + kMaxDecodeCols - 1) / kMaxDecodeCols, 1, [&](int64_t b0, int64_t b1) {
+      const int64_t lo = b0 * kMaxDecodeCols, hi = std::min(b1 * kMaxDecodeCols, cw);
+      dequant_rows<BITS>(w, 0, w.K, c0 + lo, hi - lo, panel + lo, cw);
+    });
+    const at::Tensor P = at::from_blob(panel, {w.K, cw}, at::kFloat);
+    at::Tensor O = at::from_blob(out + c0, {rows, cw}, {ldo, 1}, at::kFloat);
+    if (ldo == cw) {
+      at::mm_out(O, Xt, P);
+    } else {
+      O.copy_(at::mm(Xt, P));
+    }
   }
 }
 
@@ -219,21 +302,17 @@ void gemm_impl(const TrellisPlan& plan, const TrellisGemmArgs& a, at::Tensor& C)
   const TView w = make_view(a.w, a.K, a.N, a.bits, a.group_size, 0);
   const float* X = Af.data_ptr<float>();
   float* Cp = Cf.data_ptr<float>();
-  const int64_t tile_n = plan.params.tile_n, kc = plan.k_chunk;
-  const bool decode = plan.variant == GemmVariant::Decode;
-  at::parallel_for(0, plan.params.n_tiles, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> panel;
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * tile_n, nb = std::min(tile_n, a.N - n0);
-      if (decode) {
-        for (int64_t c = n0; c < n0 + nb; c += kMaxDecodeCols)
-          decode_rows<BITS>(w, X, a.K, a.M, c, std::min(kMaxDecodeCols, n0 + nb - c), Cp + c, a.N);
-      } else {
-        panel.resize(size_t(kc * tile_n));
-        panel_rows<BITS>(w, X, a.K, a.M, n0, nb, Cp + n0, a.N, kc, panel.data());
+  if (plan.variant == GemmVariant::Decode) {
+    const int64_t tile_n = plan.params.tile_n;
+    at::parallel_for(0, plan.params.n_tiles, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n0 = t * tile_n;
+        decode_range<BITS>(w, X, a.K, a.M, n0, std::min(n0 + tile_n, a.N), Cp + n0, a.N);
       }
-    }
-  });
+    });
+  } else {
+    blas_rows<BITS>(w, X, a.K, a.M, Cp, a.N, plan.k_chunk);
+  }
   if (!direct) C.copy_(Cf);
 }
 
@@ -263,37 +342,55 @@ void moe_impl(const TrellisPlan& plan, const TrellisMoeArgs& a, at::Tensor& y) {
   float* Hp = rows_h.data_ptr<float>();
   float* Yp = rows_y.data_ptr<float>();
 
+  // Experts with at most 16 routed rows take the decode path, threaded over (expert, column
+  // block); experts with more rows take the BLAS path one expert at a time (BLAS threads it).
+  std::vector<int64_t> big;
+  for (int64_t e = 0; e < a.E; ++e)
+    if (off[e + 1] - off[e] > kMaxDecodeRows) big.push_back(e);
+
   // Stage 1: h = silu(x @ gate_e) * (x @ up_e) for the rows routed to expert e.
   const int64_t nb1 = plan.params.tile_n, blocks1 = plan.main.grid[0];
   at::parallel_for(0, a.E * blocks1, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> panel, g, u;
+    float g[kMaxDecodeRows * kMaxDecodeCols], u[kMaxDecodeRows * kMaxDecodeCols];
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t e = i / blocks1, n0 = (i % blocks1) * nb1, nb = std::min(nb1, I - n0);
+      const int64_t e = i / blocks1, n0 = (i % blocks1) * nb1;
       const int64_t r0 = off[e], rows = off[e + 1] - off[e];
-      if (rows == 0) continue;
-      g.resize(size_t(rows * nb));
-      u.resize(size_t(rows * nb));
+      if (rows == 0 || rows > kMaxDecodeRows) continue;
       const TView wg = make_view(a.gate, H, I, a.bits, a.group_size, e);
       const TView wu = make_view(a.up, H, I, a.bits, a.group_size, e);
-      matmul_block<BITS>(wg, X + r0 * H, H, rows, n0, nb, g.data(), nb, kc, panel);
-      matmul_block<BITS>(wu, X + r0 * H, H, rows, n0, nb, u.data(), nb, kc, panel);
+      const int64_t n1 = std::min(n0 + nb1, I), nb = n1 - n0;
+      decode_range<BITS>(wg, X + r0 * H, H, rows, n0, n1, g, nb);
+      decode_range<BITS>(wu, X + r0 * H, H, rows, n0, n1, u, nb);
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t n = 0; n < nb; ++n) Hp[(r0 + r) * I + n0 + n] = silu(g[r * nb + n]) * u[r * nb + n];
     }
   });
+  for (int64_t e : big) {
+    const int64_t r0 = off[e], rows = off[e + 1] - off[e];
+    at::Tensor U = at::empty({rows, I}, Xs.options());
+    blas_rows<BITS>(make_view(a.gate, H, I, a.bits, a.group_size, e), X + r0 * H, H, rows, Hp + r0 * I, I, kc);
+    blas_rows<BITS>(make_view(a.up, H, I, a.bits, a.group_size, e), X + r0 * H, H, rows, U.data_ptr<float>(), I, kc);
+    const float* Up = U.data_ptr<float>();
+    at::parallel_for(0, rows * I, 4096, [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) Hp[r0 * I + j] = silu(Hp[r0 * I + j]) * Up[j];
+    });
+  }
 
   // Stage 2: y_rows = h @ down_e.
   const int64_t nb2 = nb1, blocks2 = plan.down.grid[0];
   at::parallel_for(0, a.E * blocks2, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> panel;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t e = i / blocks2, n0 = (i % blocks2) * nb2, nb = std::min(nb2, H - n0);
+      const int64_t e = i / blocks2, n0 = (i % blocks2) * nb2;
       const int64_t r0 = off[e], rows = off[e + 1] - off[e];
-      if (rows == 0) continue;
+      if (rows == 0 || rows > kMaxDecodeRows) continue;
       const TView wd = make_view(a.down, I, H, a.bits, a.group_size, e);
-      matmul_block<BITS>(wd, Hp + r0 * I, I, rows, n0, nb, Yp + r0 * H + n0, H, kc, panel);
+      decode_range<BITS>(wd, Hp + r0 * I, I, rows, n0, std::min(n0 + nb2, H), Yp + r0 * H + n0, H);
     }
   });
+  for (int64_t e : big) {
+    const int64_t r0 = off[e], rows = off[e + 1] - off[e];
+    blas_rows<BITS>(make_view(a.down, I, H, a.bits, a.group_size, e), Hp + r0 * I, I, rows, Yp + r0 * H, H, kc);
+  }
 
   // Stage 3: y[t] = sum_j p[t, j] * y_rows[slot_row[t, j]], in slot order.
   const bool direct = y.scalar_type() == at::kFloat;

@@ -21,13 +21,13 @@ constexpr uint32_t kMetalDecodeTileN = 32;
 constexpr uint32_t kMetalDequantThreads = TM_TRELLIS_TILE_ELEMS;
 constexpr uint32_t kMetalCombineThreads = 256;
 
-// CPU geometry (csrc/cpu/trellis_cpu.cpp): tasks over column blocks; the prefill kernel
-// dequantizes [k_chunk, tile_n] fp32 panels and hands each to one BLAS call. Long chunks keep the
-// BLAS calls few and large (256-row chunks measured 5x slower than one call: per-call overhead and
-// small-panel packing); 4096 rows x 128 columns bounds a worker's panel at 2 MiB.
+// CPU geometry (csrc/cpu/trellis_cpu.cpp): decode tasks over 64-column blocks; the prefill path
+// dequantizes column chunks of at most k_chunk * 128 fp32 (8 MiB) with all threads and hands each
+// chunk to one BLAS call (few, large calls; BLAS per tile inside the parallel region
+// oversubscribed the cores).
 constexpr uint32_t kCpuDecodeTileN = 64;
 constexpr uint32_t kCpuPrefillTileN = 128;
-constexpr uint32_t kCpuKChunk = 4096;
+constexpr uint32_t kCpuKChunk = 16384;
 constexpr uint32_t kCpuMoeTileN = 64;
 
 void check_common(int64_t K, int64_t N, int64_t bits, int64_t group_size, const char* who) {
