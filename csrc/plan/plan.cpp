@@ -138,35 +138,50 @@ void plan_metal(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTy
 }
 
 // ---- CUDA -----------------------------------------------------------------------------------
-// Kernels in csrc/cuda/quant_gemm.cu; `kernel` is a tag the launcher switches on.
+// Kernels in csrc/cuda/quant_gemm.cu; `kernel` is a tag the launcher switches on (docs/cuda.md).
+//  - fp32 activations: "simt_<fmt>_float", a plain CUDA-core kernel (8 rows x 128 columns per block).
+//  - Decode (M <= 16): "decode_<fmt>_<dtype>", mma.sync m16n8k16 with M padded to 16; a block is
+//    8 warps over 32 columns, the warps interleave 32-row K chunks and meet in shared memory; grid.y
+//    is the number of K slices (fp32 partials + reduce_partials when > 1).
+//  - Larger M: "tc<BM>_<fmt>_<dtype>", BM x 128 output tiles (BM = 64 or 128), 8 warps, K step 64,
+//    4-stage cp.async pipeline; grid.z K slices when the tiles alone cannot fill the SMs.
 void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DType d,
                const DeviceCaps& caps) {
-  switch (p.variant) {
-    case GemmVariant::Decode: {
-      // One thread per 4 output columns (a 16-byte load of packed words), 128 threads per block.
-      constexpr uint32_t kTileN = 512, kKStep = 64;
-      set_tiles(p, M, N, uint32_t(kDecodeMaxM), kTileN);
-      set_k_parallel(p, K, k_split_for(p.params.n_tiles, K, kKStep, caps.compute_units, 4, 4), kKStep);
-      p.grid[0] = p.params.n_tiles;
-      p.grid[1] = p.params.k_parallel;
-      p.threads[0] = 128;
-      break;
-    }
-    default: {
-      // Tensor-core tiles (mma.sync m16n8k16): 64x128 output tile, 256 threads, K step 64.
-      constexpr uint32_t kTileM = 64, kTileN = 128, kKStep = 64;
-      set_tiles(p, M, N, kTileM, kTileN);
-      const int64_t tiles = int64_t(p.params.m_tiles) * p.params.n_tiles;
-      set_k_parallel(p, K, k_split_for(tiles, K, kKStep, caps.compute_units, 1, 8), kKStep);
-      p.variant = p.params.k_parallel > 1 ? GemmVariant::Striped : GemmVariant::Tiled;
-      p.grid[0] = p.params.n_tiles;
-      p.grid[1] = p.params.m_tiles;
-      p.grid[2] = p.params.k_parallel;
-      p.threads[0] = 256;
-      break;
-    }
+  std::string stem;
+  if (d == DType::F32) {
+    constexpr uint32_t kRows = 8, kCols = 128;
+    p.variant = GemmVariant::Tiled;
+    set_tiles(p, M, N, kRows, kCols);
+    set_k_parallel(p, K, 1, TM_PACK_FACTOR);
+    p.grid[0] = p.params.n_tiles;
+    p.grid[1] = p.params.m_tiles;
+    p.threads[0] = kCols;
+    stem = "simt";
+  } else if (p.variant == GemmVariant::Decode) {
+    // 256 threads; K slices are whole multiples of 256 rows (8 warps x one 32-row chunk each) so
+    // every warp of a slice has work; slices of at least 512 rows keep the partial traffic small.
+    constexpr uint32_t kTileN = 32, kKStep = 256;
+    set_tiles(p, M, N, uint32_t(kDecodeMaxM), kTileN);
+    set_k_parallel(p, K, k_split_for(p.params.n_tiles, K, kKStep, caps.compute_units, 4, 2), kKStep);
+    p.grid[0] = p.params.n_tiles;
+    p.grid[1] = p.params.k_parallel;
+    p.threads[0] = 256;
+    stem = "decode";
+  } else {
+    // Tensor-core tiles: 64x128 for M <= 64 (less padding waste), else 128x128.
+    const uint32_t tile_m = M <= 64 ? 64 : 128;
+    constexpr uint32_t kTileN = 128, kKStep = 64;
+    set_tiles(p, M, N, tile_m, kTileN);
+    const int64_t tiles = int64_t(p.params.m_tiles) * p.params.n_tiles;
+    set_k_parallel(p, K, k_split_for(tiles, K, kKStep, caps.compute_units, 1, 8), kKStep);
+    p.variant = p.params.k_parallel > 1 ? GemmVariant::Striped : GemmVariant::Tiled;
+    p.grid[0] = p.params.n_tiles;
+    p.grid[1] = p.params.m_tiles;
+    p.grid[2] = p.params.k_parallel;
+    p.threads[0] = 256;
+    stem = tile_m == 64 ? "tc64" : "tc128";
   }
-  p.kernel = std::string(variant_name(p.variant)) + "_" + format_name(f) + "_" + dtype_name(d);
+  p.kernel = stem + "_" + format_name(f) + "_" + dtype_name(d);
   set_reduction(p, "reduce_partials", 256);
 }
 
