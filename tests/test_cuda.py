@@ -51,6 +51,8 @@ def run_op(fmt, A, B, s, z, group_size, bias):
 
 def check_close(C, ref, dtype):
     assert C.dtype == dtype and C.shape == ref.shape
+    if ref.numel() == 0:
+        return
     Cf = C.float()
     assert torch.isfinite(Cf).all(), "non-finite output"
     scale = ref.abs().max().clamp_min(1e-6)

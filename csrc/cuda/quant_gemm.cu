@@ -6,8 +6,8 @@
 //              spare; CUDA-core FMAs would be compute-bound at M = 16). Packed weights stream
 //              straight from global memory into registers with 16-byte loads, each word read once
 //              for all rows. 8 warps per block split the block's K slice and reduce in shared
-//              memory in a fixed order; grid.y K slices write fp32 partials that reduce_partials
-//              sums in slice order (deterministic).
+//              memory in a fixed order; grid.y K slices write fp32 partials and the last block of
+//              each tile sums them in slice order (deterministic, no second launch).
 //   tc64/tc128 M > 16. BM x 128 tiles, 8 warps, 4-stage cp.async pipeline for A, packed B, scales
 //              and zeros; B dequantized in registers right before the mma.
 //   simt       fp32 activations: a plain CUDA-core kernel (correct, not fast).
@@ -31,6 +31,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <vector>
 
@@ -54,18 +55,17 @@ __device__ __forceinline__ u32 shift_left(u32 x) {
 
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) { return __byte_perm(a, b, sel); }
 
-__device__ __forceinline__ uint4 ldg_stream_v4(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
   const u32 s = static_cast<u32>(__cvta_generic_to_shared(smem));
   const int n = pred ? 16 : 0;  // 0: zero-fill the 16 bytes, read nothing
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+// 8- and 4-byte copies (scales, zero points); .ca is the only form for sizes under 16.
+template <int BYTES>
+__device__ __forceinline__ void cp_async_small(void* smem, const void* gmem, bool pred) {
+  const u32 s = static_cast<u32>(__cvta_generic_to_shared(smem));
+  const int n = pred ? BYTES : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(s), "l"(gmem), "n"(BYTES), "r"(n));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -81,7 +81,7 @@ template <>
 struct Tr<__half> {
   using T2 = __half2;
   static __device__ __forceinline__ void mma(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -106,7 +106,7 @@ template <>
 struct Tr<__nv_bfloat16> {
   using T2 = __nv_bfloat162;
   static __device__ __forceinline__ void mma(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -205,31 +205,72 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[4][4], const u32 (&b)[4][
                                           const APairs& hi) {
   const u32 a0[4] = {lo.p[0], hi.p[0], lo.p[1], hi.p[1]};
   const u32 a1[4] = {lo.p[2], hi.p[2], lo.p[3], hi.p[3]};
+  // Step-major: the two mmas into one accumulator are 4 instructions apart, not back to back.
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    Tr<T>::mma(acc[j], a0, b[j][0], b[j][1]);
-    Tr<T>::mma(acc[j], a1, b[j][2], b[j][3]);
-  }
+  for (int j = 0; j < 4; ++j) Tr<T>::mma(acc[j], a0, b[j][0], b[j][1]);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) Tr<T>::mma(acc[j], a1, b[j][2], b[j][3]);
 }
 
 // Output element (row offset, column offset inside the lane's 8 columns) of accumulator acc[j][c].
 __device__ __forceinline__ int acc_row(int g, int c) { return g + ((c & 2) ? 8 : 0); }
 __device__ __forceinline__ int acc_col(int t, int j, int c) { return 8 * t + ((c & 1) ? 4 : 0) + j; }
 
+// K-parallel epilogue, after a block has written its fp32 partial tile to ws[slice]: the last of the
+// k_parallel blocks of an output tile to arrive (a per-tile counter) sums the partials of every
+// slice in slice order (+ bias) and writes C, then re-arms the counter. The sum order is fixed, so
+// the result is bitwise reproducible whichever block comes last; no second launch is needed.
+// Counters are per (device, stream) and start at zero (quant_gemm_cuda).
+template <typename T>
+__device__ void last_block_reduce(const QuantGemmParams& p, u32 tile, u32 m0, u32 rows, u32 n0, u32 cols,
+                                  const float* ws, const T* bias, T* C, int* counters) {
+  __shared__ int is_last;
+  __threadfence();  // this block's partials are visible device-wide before it is counted
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(counters + tile, 1) == int(p.k_parallel) - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  const size_t plane = size_t(p.M) * p.N;
+  for (u32 v = threadIdx.x; v < rows * cols; v += blockDim.x) {
+    const u32 row = m0 + v / cols, n = n0 + v % cols;
+    if (row >= p.M || n >= p.N) continue;
+    const float* src = ws + size_t(row) * p.N + n;
+    float sum = 0.f;
+    for (u32 s = 0; s < p.k_parallel; ++s) sum += __ldcg(src + s * plane);  // L2: skip stale L1 lines
+    if (p.has_bias) sum += Tr<T>::to_f(bias[n]);
+    C[size_t(row) * p.N + n] = Tr<T>::from_f(sum);
+  }
+  if (threadIdx.x == 0) counters[tile] = 0;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Decode kernel: M <= 16
 // ---------------------------------------------------------------------------------------------
+// Bytes in flight decide a memory-bound kernel's speed, so the packed weights do not go through
+// registers: each lane streams its own 16-byte B chunks (plus its scales and zero points) through
+// a private cp.async ring in shared memory, kDecStages chunks deep. A lane only ever reads back
+// what it copied itself, so the ring needs no barriers. A (tiny, L1/L2-resident) is read with
+// ordinary loads one chunk ahead.
 constexpr int kDecWarps = 8;
-constexpr int kDecUnroll = 4;  // K chunks each warp has in flight
+constexpr int kDecStages = 8;
+constexpr int kDecRingSlots = kDecWarps * kDecStages * 32;
+constexpr int kDecSmemBytes = kDecRingSlots * (16 + 8 + 4);  // B, scales, zeros
+static_assert(kDecSmemBytes >= kDecWarps * 16 * 32 * 4, "the reduction reuses the ring");
 
 template <typename T, u32 FMT>
-__global__ void __launch_bounds__(256) decode_kernel(QuantGemmParams p, u32 Np, const T* __restrict__ A,
-                                                     const u32* __restrict__ B, const T* __restrict__ S,
-                                                     const uint8_t* __restrict__ Z, const T* __restrict__ bias,
-                                                     T* __restrict__ C, float* __restrict__ ws) {
-  __shared__ float red[kDecWarps][16][32];
+__global__ void __launch_bounds__(256, 3) decode_kernel(QuantGemmParams p, u32 Np, const T* __restrict__ A,
+                                                        const u32* __restrict__ B, const T* __restrict__ S,
+                                                        const uint8_t* __restrict__ Z, const T* __restrict__ bias,
+                                                        T* __restrict__ C, float* __restrict__ ws,
+                                                        int* __restrict__ counters) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint4* ringB = reinterpret_cast<uint4*>(smem);
+  uint2* ringS = reinterpret_cast<uint2*>(smem + kDecRingSlots * 16);
+  u32* ringZ = reinterpret_cast<u32*>(smem + kDecRingSlots * 24);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
+  const int slot0 = warp * kDecStages * 32 + lane;
   const u32 n0 = blockIdx.x * 32u;
   const u32 col = n0 + 4u * g;
   const u32 slice = blockIdx.y;
@@ -240,6 +281,30 @@ __global__ void __launch_bounds__(256) decode_kernel(QuantGemmParams p, u32 Np, 
   const bool col_ok = col < Np;
   const bool row_lo = u32(g) < p.M, row_hi = u32(g + 8) < p.M;
   const u32 num_groups = p.K / p.group_size;
+  // This warp's chunks: c_begin + warp + 8 i (interleaved so the 8 warps read adjacent rows).
+  const int n_w = c_begin + warp < c_end ? int((c_end - c_begin - warp + kDecWarps - 1) / kDecWarps) : 0;
+
+  auto issue = [&](int i) {
+    if (i < n_w) {
+      const int slot = slot0 + (i % kDecStages) * 32;
+      const u32 kr = (c_begin + warp + u32(kDecWarps) * i) * 4u + t;  // packed row
+      const bool ok = col_ok && kr < kw_end;
+      const u32 grp = min(kr * 8u / p.group_size, num_groups - 1u);
+      cp_async16(ringB + slot, ok ? B + size_t(kr) * Np + col : B, ok);
+      cp_async_small<8>(ringS + slot, ok ? S + size_t(grp) * Np + col : S, ok);
+      if constexpr (FMT == TM_FORMAT_U4) cp_async_small<4>(ringZ + slot, ok ? Z + size_t(grp) * Np + col : Z, ok);
+    }
+    cp_async_commit();  // always, so wait_group counts stay aligned with chunk indices
+  };
+  auto load_a = [&](int i, uint4& lo, uint4& hi) {
+    lo = make_uint4(0, 0, 0, 0);
+    hi = lo;
+    if (i >= n_w) return;
+    const u32 kr = (c_begin + warp + u32(kDecWarps) * i) * 4u + t;
+    if (kr >= kw_end) return;
+    if (row_lo) lo = __ldg(reinterpret_cast<const uint4*>(A + size_t(g) * p.K + kr * 8u));
+    if (row_hi) hi = __ldg(reinterpret_cast<const uint4*>(A + size_t(g + 8) * p.K + kr * 8u));
+  };
 
   float acc[4][4];
 #pragma unroll
@@ -247,51 +312,42 @@ __global__ void __launch_bounds__(256) decode_kernel(QuantGemmParams p, u32 Np, 
 #pragma unroll
     for (int c = 0; c < 4; ++c) acc[j][c] = 0.f;
 
-  for (u32 cb = c_begin; cb < c_end; cb += kDecWarps * kDecUnroll) {
-    uint4 bw[kDecUnroll], alo[kDecUnroll], ahi[kDecUnroll];
-    uint2 sc[kDecUnroll];
-    u32 zz[kDecUnroll];
-    // Issue every load of the batch before any use so kDecUnroll 16-byte loads are in flight.
 #pragma unroll
-    for (int u = 0; u < kDecUnroll; ++u) {
-      const u32 c = cb + u32(u * kDecWarps + warp);
-      const u32 kr = c * 4u + t;  // packed row
-      const bool ok = c < c_end && kr < kw_end;
-      bw[u] = make_uint4(0, 0, 0, 0);
-      alo[u] = make_uint4(0, 0, 0, 0);
-      ahi[u] = make_uint4(0, 0, 0, 0);
-      sc[u] = make_uint2(0, 0);
-      zz[u] = 0;
-      if (ok && col_ok) {
-        bw[u] = ldg_stream_v4(B + size_t(kr) * Np + col);
-        const u32 grp = min(kr * 8u / p.group_size, num_groups - 1u);
-        sc[u] = __ldg(reinterpret_cast<const uint2*>(S + size_t(grp) * Np + col));
-        if constexpr (FMT == TM_FORMAT_U4) zz[u] = __ldg(reinterpret_cast<const u32*>(Z + size_t(grp) * Np + col));
-      }
-      if (ok && row_lo) alo[u] = __ldg(reinterpret_cast<const uint4*>(A + size_t(g) * p.K + kr * 8u));
-      if (ok && row_hi) ahi[u] = __ldg(reinterpret_cast<const uint4*>(A + size_t(g + 8) * p.K + kr * 8u));
-    }
-#pragma unroll
-    for (int u = 0; u < kDecUnroll; ++u) {
-      ColQ<T> q[4];
-      make_colq<T, FMT>(q, sc[u], zz[u]);
-      u32 b[4][4];
-      mma_chunk_b<T, FMT>(b, bw[u], q);
-      mma_chunk<T>(acc, b, a_pairs(alo[u]), a_pairs(ahi[u]));
-    }
+  for (int i = 0; i < kDecStages - 1; ++i) issue(i);
+  uint4 alo, ahi;
+  load_a(0, alo, ahi);
+  for (int i = 0; i < n_w; ++i) {
+    cp_async_wait<kDecStages - 2>();  // this lane's chunk i has landed
+    const int slot = slot0 + (i % kDecStages) * 32;
+    const uint4 words = ringB[slot];
+    const uint2 sc = ringS[slot];
+    const u32 zz = FMT == TM_FORMAT_U4 ? ringZ[slot] : 0u;
+    uint4 nlo, nhi;
+    load_a(i + 1, nlo, nhi);
+    issue(i + kDecStages - 1);  // into the slot read in iteration i - 1
+    ColQ<T> q[4];
+    make_colq<T, FMT>(q, sc, zz);
+    u32 b[4][4];
+    mma_chunk_b<T, FMT>(b, words, q);
+    mma_chunk<T>(acc, b, a_pairs(alo), a_pairs(ahi));
+    alo = nlo;
+    ahi = nhi;
   }
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with its ring: reuse it for the reduction
 
   // Fixed-order reduction of the 8 warps' partial tiles.
+  float* red = reinterpret_cast<float*>(smem);  // [warp][16][32]
 #pragma unroll
   for (int j = 0; j < 4; ++j)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) red[warp][j * 4 + c][lane] = acc[j][c];
+    for (int c = 0; c < 4; ++c) red[(warp * 16 + j * 4 + c) * 32 + lane] = acc[j][c];
   __syncthreads();
   for (int v = threadIdx.x; v < 16 * 32; v += blockDim.x) {
     const int e = v >> 5, l = v & 31;
     float sum = 0.f;
 #pragma unroll
-    for (int w = 0; w < kDecWarps; ++w) sum += red[w][e][l];
+    for (int w = 0; w < kDecWarps; ++w) sum += red[(w * 16 + e) * 32 + l];
     const int j = e >> 2, c = e & 3;
     const u32 row = acc_row(l >> 2, c);
     const u32 n = n0 + acc_col(l & 3, j, c);
@@ -303,6 +359,7 @@ __global__ void __launch_bounds__(256) decode_kernel(QuantGemmParams p, u32 Np, 
       C[size_t(row) * p.N + n] = Tr<T>::from_f(sum);
     }
   }
+  if (p.k_parallel > 1) last_block_reduce<T>(p, blockIdx.x, 0, 16, n0, 32, ws, bias, C, counters);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -324,16 +381,18 @@ struct TcSmem {
 // First packed row of the tile whose group is the group of packed row r (scale rows are copied
 // only once per group and tile).
 __device__ __forceinline__ int group_src_row(u32 k0, int r, u32 gs, u32 num_groups) {
+  if (gs % kTcBK == 0) return 0;  // the usual case: the whole K tile is one group
   const u32 grp = min((k0 + 8u * r) / gs, num_groups - 1u);
   const int first = int(grp * gs) - int(k0);
   return first > 0 ? first / 8 : 0;
 }
 
 template <typename T, u32 FMT, int WM>
-__global__ void __launch_bounds__(kTcThreads) tc_kernel(QuantGemmParams p, u32 Np, const T* __restrict__ A,
+__global__ void __launch_bounds__(kTcThreads, 2) tc_kernel(QuantGemmParams p, u32 Np, const T* __restrict__ A,
                                                         const u32* __restrict__ B, const T* __restrict__ S,
                                                         const uint8_t* __restrict__ Z, const T* __restrict__ bias,
-                                                        T* __restrict__ C, float* __restrict__ ws) {
+                                                        T* __restrict__ C, float* __restrict__ ws,
+                                                        int* __restrict__ counters) {
   using L = TcSmem<T, WM>;
   constexpr int BM = L::BM;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -493,10 +552,12 @@ __global__ void __launch_bounds__(kTcThreads) tc_kernel(QuantGemmParams p, u32 N
       }
     }
   }
+  if (p.k_parallel > 1)
+    last_block_reduce<T>(p, blockIdx.y * gridDim.x + blockIdx.x, m0, BM, n0, kTcBN, ws, bias, C, counters);
 }
 
 // ---------------------------------------------------------------------------------------------
-// Deterministic K-slice reduction, plain fp32 kernel, standalone dequant
+// Plain fp32 kernel, standalone dequant
 // ---------------------------------------------------------------------------------------------
 template <typename T>
 __device__ __forceinline__ float to_float(T x) {
@@ -521,19 +582,6 @@ __device__ __forceinline__ __half from_float<__half>(float x) {
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
-}
-
-// C[m, n] = sum over slices in slice order (+ bias): bitwise reproducible.
-template <typename T>
-__global__ void reduce_partials_kernel(QuantReduceParams r, const float* __restrict__ ws,
-                                       const T* __restrict__ bias, T* __restrict__ C) {
-  const size_t total = size_t(r.M) * r.N;
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < total; i += size_t(gridDim.x) * blockDim.x) {
-    float sum = 0.f;
-    for (u32 s = 0; s < r.k_parallel; ++s) sum += ws[s * total + i];
-    if (r.has_bias) sum += to_float(bias[i % r.N]);
-    C[i] = from_float<T>(sum);
-  }
 }
 
 template <u32 FMT>
@@ -602,6 +650,22 @@ at::Tensor pad_cols(const at::Tensor& t, int64_t Np) {
   return out;
 }
 
+// Per-tile arrival counters of the in-kernel K-slice reduction. One zeroed buffer per (device,
+// stream): kernels on one stream run in order and every last block re-arms its counter, so a
+// buffer is always all-zero when the next launch on that stream starts. (Per stream, because
+// kernels on different streams may overlap.) Growing replaces the buffer; the old one returns to
+// the caching allocator, which hands it out again only in stream order.
+int* tile_counters(int64_t n, const at::Device& dev, cudaStream_t stream) {
+  static std::mutex mu;
+  static std::map<std::pair<int, cudaStream_t>, at::Tensor> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  at::Tensor& t = cache[{int(dev.index()), stream}];
+  if (!t.defined() || t.numel() < n) {
+    t = at::zeros({std::max<int64_t>(n, 4096)}, at::TensorOptions().dtype(at::kInt).device(dev));
+  }
+  return t.data_ptr<int>();
+}
+
 int grid_for(size_t total, int threads) {
   const size_t blocks = (total + threads - 1) / threads;
   return int(std::min<size_t>(blocks, 65535u * 8u));
@@ -614,14 +678,14 @@ void check_launch(const char* what) {
 
 template <typename T, u32 FMT, int WM>
 void launch_tc(const GemmPlan& plan, u32 Np, const T* A, const u32* B, const T* S, const uint8_t* Z, const T* bias,
-               T* C, float* ws, cudaStream_t stream) {
+               T* C, float* ws, int* counters, cudaStream_t stream) {
   constexpr int bytes = TcSmem<T, WM>::bytes;
   static std::once_flag once;  // per instantiation; the opt-in limit is per function
   std::call_once(once, [] {
     C10_CUDA_CHECK(cudaFuncSetAttribute(tc_kernel<T, FMT, WM>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   });
   const dim3 grid(plan.grid[0], plan.grid[1], plan.grid[2]);
-  tc_kernel<T, FMT, WM><<<grid, kTcThreads, bytes, stream>>>(plan.params, Np, A, B, S, Z, bias, C, ws);
+  tc_kernel<T, FMT, WM><<<grid, kTcThreads, bytes, stream>>>(plan.params, Np, A, B, S, Z, bias, C, ws, counters);
   check_launch(plan.kernel.c_str());
 }
 
@@ -640,24 +704,28 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
   T* pC = reinterpret_cast<T*>(C.data_ptr());
   float* pws = ws.defined() ? ws.data_ptr<float>() : nullptr;
   TORCH_CHECK(plan.params.k_parallel <= 1 || pws != nullptr, "torch_marlin: K-parallel plan without workspace");
+  int* counters = nullptr;
+  if (plan.params.k_parallel > 1) {
+    counters = tile_counters(int64_t(plan.params.m_tiles) * plan.params.n_tiles, a.A.device(), stream);
+  }
 
   const std::string& k = plan.kernel;
   if (k.rfind("decode_", 0) == 0) {
+    static std::once_flag once;
+    std::call_once(once, [] {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<T, FMT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          kDecSmemBytes));
+    });
     const dim3 grid(plan.grid[0], plan.grid[1], 1);
-    decode_kernel<T, FMT><<<grid, plan.threads[0], 0, stream>>>(plan.params, u32(Np), pA, pB, pS, pZ, pbias, pC, pws);
+    decode_kernel<T, FMT><<<grid, plan.threads[0], kDecSmemBytes, stream>>>(plan.params, u32(Np), pA, pB, pS, pZ,
+                                                                          pbias, pC, pws, counters);
     check_launch(k.c_str());
   } else if (k.rfind("tc64_", 0) == 0) {
-    launch_tc<T, FMT, 2>(plan, u32(Np), pA, pB, pS, pZ, pbias, pC, pws, stream);
+    launch_tc<T, FMT, 2>(plan, u32(Np), pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
   } else if (k.rfind("tc128_", 0) == 0) {
-    launch_tc<T, FMT, 4>(plan, u32(Np), pA, pB, pS, pZ, pbias, pC, pws, stream);
+    launch_tc<T, FMT, 4>(plan, u32(Np), pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
   } else {
     TORCH_CHECK(false, "torch_marlin: unknown CUDA kernel tag '", k, "'");
-  }
-  if (plan.params.k_parallel > 1) {
-    QuantReduceParams r{plan.params.M, plan.params.N, plan.params.k_parallel, plan.params.has_bias};
-    const int threads = int(plan.reduce_threads[0]);
-    reduce_partials_kernel<T><<<grid_for(size_t(r.M) * r.N, threads), threads, 0, stream>>>(r, pws, pbias, pC);
-    check_launch(plan.reduce_kernel.c_str());
   }
 }
 

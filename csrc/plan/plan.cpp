@@ -158,11 +158,17 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     p.threads[0] = kCols;
     stem = "simt";
   } else if (p.variant == GemmVariant::Decode) {
-    // 256 threads; K slices are whole multiples of 256 rows (8 warps x one 32-row chunk each) so
-    // every warp of a slice has work; slices of at least 512 rows keep the partial traffic small.
-    constexpr uint32_t kTileN = 32, kKStep = 256;
+    // 256 threads; K slices are whole multiples of 256 rows (8 warps x one 32-row chunk each).
+    // The kernel is memory-bound and its blocks all run in one wave: as many K slices as keep
+    // the resident block slots (kDecodeBlocksPerSM per SM, the kernel's __launch_bounds__) full,
+    // but never a second wave, and slices of at least 1024 rows so each warp's cp.async ring has
+    // chunks to keep in flight.
+    constexpr uint32_t kTileN = 32, kKStep = 256, kDecodeBlocksPerSM = 3;
     set_tiles(p, M, N, uint32_t(kDecodeMaxM), kTileN);
-    set_k_parallel(p, K, k_split_for(p.params.n_tiles, K, kKStep, caps.compute_units, 4, 2), kKStep);
+    const int64_t capacity = int64_t(caps.compute_units) * kDecodeBlocksPerSM;
+    const int64_t by_slots = std::max<int64_t>(1, capacity / p.params.n_tiles);
+    const int64_t by_k = std::max<int64_t>(1, K / 1024);
+    set_k_parallel(p, K, uint32_t(std::min<int64_t>({by_slots, by_k, 16})), kKStep);
     p.grid[0] = p.params.n_tiles;
     p.grid[1] = p.params.k_parallel;
     p.threads[0] = 256;
@@ -182,7 +188,9 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     stem = tile_m == 64 ? "tc64" : "tc128";
   }
   p.kernel = stem + "_" + format_name(f) + "_" + dtype_name(d);
-  set_reduction(p, "reduce_partials", 256);
+  // K slices are summed inside the GEMM kernel by the last block of each tile to finish (no second
+  // dispatch; reduce_grid/threads unused): the workspace is still [k_parallel][M][N] fp32.
+  set_reduction(p, "last_block_reduce", 256);
 }
 
 // ---- CPU ------------------------------------------------------------------------------------
