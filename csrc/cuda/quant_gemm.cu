@@ -258,12 +258,14 @@ constexpr int kDecRingSlots = kDecWarps * kDecStages * 32;
 constexpr int kDecSmemBytes = kDecRingSlots * (16 + 8 + 4);  // B, scales, zeros
 static_assert(kDecSmemBytes >= kDecWarps * 16 * 32 * 4, "the reduction reuses the ring");
 
-template <typename T, u32 FMT>
-__global__ void __launch_bounds__(256, 3) decode_kernel(QuantGemmParams p, u32 Np, const T* __restrict__ A,
-                                                        const u32* __restrict__ B, const T* __restrict__ S,
-                                                        const uint8_t* __restrict__ Z, const T* __restrict__ bias,
-                                                        T* __restrict__ C, float* __restrict__ ws,
-                                                        int* __restrict__ counters) {
+// kHi: M > 8, so rows 8..15 of the m16 tile are live (otherwise their A registers stay zero and
+// their permutes are skipped). gs_shift = log2(group_size), or -1 when it is not a power of two.
+template <typename T, u32 FMT, bool kHi>
+__global__ void __launch_bounds__(256, 3) decode_kernel(QuantGemmParams p, u32 Np, int gs_shift,
+                                                        const T* __restrict__ A, const u32* __restrict__ B,
+                                                        const T* __restrict__ S, const uint8_t* __restrict__ Z,
+                                                        const T* __restrict__ bias, T* __restrict__ C,
+                                                        float* __restrict__ ws, int* __restrict__ counters) {
   extern __shared__ __align__(16) unsigned char smem[];
   uint4* ringB = reinterpret_cast<uint4*>(smem);
   uint2* ringS = reinterpret_cast<uint2*>(smem + kDecRingSlots * 16);
@@ -279,31 +281,38 @@ __global__ void __launch_bounds__(256, 3) decode_kernel(QuantGemmParams p, u32 N
   const u32 kw_end = p.K / 8u;
   const u32 c_begin = k_begin / 32u, c_end = (k_end + 31u) / 32u;
   const bool col_ok = col < Np;
-  const bool row_lo = u32(g) < p.M, row_hi = u32(g + 8) < p.M;
-  const u32 num_groups = p.K / p.group_size;
-  // This warp's chunks: c_begin + warp + 8 i (interleaved so the 8 warps read adjacent rows).
-  const int n_w = c_begin + warp < c_end ? int((c_end - c_begin - warp + kDecWarps - 1) / kDecWarps) : 0;
+  const bool row_lo = u32(g) < p.M, row_hi = kHi && u32(g + 8) < p.M;
+  // Each warp owns a contiguous run of 32-row chunks of the slice (8 runs, one per warp).
+  const u32 per_warp = (c_end - c_begin + kDecWarps - 1) / kDecWarps;
+  const u32 wc0 = c_begin + warp * per_warp;
+  const int n_w = wc0 < c_end ? int(min(per_warp, c_end - wc0)) : 0;
+  const u32 kr0 = wc0 * 4u + t;  // the lane's packed row in its first chunk
+  const u32* bp = B + size_t(kr0) * Np + col;
+  const size_t b_step = size_t(4) * Np;
+  const T* ap_lo = A + size_t(g) * p.K + size_t(kr0) * 8u;
+  const T* ap_hi = ap_lo + size_t(8) * p.K;
 
-  auto issue = [&](int i) {
+  auto issue = [&](int i, int slot) {
     if (i < n_w) {
-      const int slot = slot0 + (i % kDecStages) * 32;
-      const u32 kr = (c_begin + warp + u32(kDecWarps) * i) * 4u + t;  // packed row
+      const u32 kr = kr0 + 4u * u32(i);
       const bool ok = col_ok && kr < kw_end;
-      const u32 grp = min(kr * 8u / p.group_size, num_groups - 1u);
-      cp_async16(ringB + slot, ok ? B + size_t(kr) * Np + col : B, ok);
-      cp_async_small<8>(ringS + slot, ok ? S + size_t(grp) * Np + col : S, ok);
-      if constexpr (FMT == TM_FORMAT_U4) cp_async_small<4>(ringZ + slot, ok ? Z + size_t(grp) * Np + col : Z, ok);
+      const u32 grp = gs_shift >= 0 ? (kr * 8u) >> gs_shift : kr * 8u / p.group_size;
+      const size_t so = size_t(grp) * Np + col;
+      const int sl = slot0 + slot * 32;
+      cp_async16(ringB + sl, ok ? bp + b_step * u32(i) : B, ok);
+      cp_async_small<8>(ringS + sl, ok ? S + so : S, ok);
+      if constexpr (FMT == TM_FORMAT_U4) cp_async_small<4>(ringZ + sl, ok ? Z + so : Z, ok);
     }
     cp_async_commit();  // always, so wait_group counts stay aligned with chunk indices
   };
   auto load_a = [&](int i, uint4& lo, uint4& hi) {
     lo = make_uint4(0, 0, 0, 0);
     hi = lo;
-    if (i >= n_w) return;
-    const u32 kr = (c_begin + warp + u32(kDecWarps) * i) * 4u + t;
-    if (kr >= kw_end) return;
-    if (row_lo) lo = __ldg(reinterpret_cast<const uint4*>(A + size_t(g) * p.K + kr * 8u));
-    if (row_hi) hi = __ldg(reinterpret_cast<const uint4*>(A + size_t(g + 8) * p.K + kr * 8u));
+    const bool ok = i < n_w && kr0 + 4u * u32(i) < kw_end;
+    if (ok && row_lo) lo = __ldg(reinterpret_cast<const uint4*>(ap_lo + 32 * i));
+    if constexpr (kHi) {
+      if (ok && row_hi) hi = __ldg(reinterpret_cast<const uint4*>(ap_hi + 32 * i));
+    }
   };
 
   float acc[4][4];
@@ -313,25 +322,34 @@ __global__ void __launch_bounds__(256, 3) decode_kernel(QuantGemmParams p, u32 N
     for (int c = 0; c < 4; ++c) acc[j][c] = 0.f;
 
 #pragma unroll
-  for (int i = 0; i < kDecStages - 1; ++i) issue(i);
+  for (int i = 0; i < kDecStages - 1; ++i) issue(i, i);
   uint4 alo, ahi;
   load_a(0, alo, ahi);
-  for (int i = 0; i < n_w; ++i) {
-    cp_async_wait<kDecStages - 2>();  // this lane's chunk i has landed
-    const int slot = slot0 + (i % kDecStages) * 32;
-    const uint4 words = ringB[slot];
-    const uint2 sc = ringS[slot];
-    const u32 zz = FMT == TM_FORMAT_U4 ? ringZ[slot] : 0u;
-    uint4 nlo, nhi;
-    load_a(i + 1, nlo, nhi);
-    issue(i + kDecStages - 1);  // into the slot read in iteration i - 1
-    ColQ<T> q[4];
-    make_colq<T, FMT>(q, sc, zz);
-    u32 b[4][4];
-    mma_chunk_b<T, FMT>(b, words, q);
-    mma_chunk<T>(acc, b, a_pairs(alo), a_pairs(ahi));
-    alo = nlo;
-    ahi = nhi;
+  for (int i0 = 0; i0 < n_w; i0 += kDecStages) {
+    // Unrolled by the ring depth so every slot index is a compile-time constant.
+#pragma unroll
+    for (int u = 0; u < kDecStages; ++u) {
+      const int i = i0 + u;
+      if (i >= n_w) break;
+      cp_async_wait<kDecStages - 2>();  // this lane's chunk i has landed
+      const int sl = slot0 + u * 32;
+      const uint4 words = ringB[sl];
+      const uint2 sc = ringS[sl];
+      const u32 zz = FMT == TM_FORMAT_U4 ? ringZ[sl] : 0u;
+      uint4 nlo, nhi;
+      load_a(i + 1, nlo, nhi);
+      issue(i + kDecStages - 1, (u + kDecStages - 1) % kDecStages);  // the slot read last iteration
+      ColQ<T> q[4];
+      make_colq<T, FMT>(q, sc, zz);
+      u32 b[4][4];
+      mma_chunk_b<T, FMT>(b, words, q);
+      APairs lo = a_pairs(alo), hi;
+      if constexpr (kHi) hi = a_pairs(ahi);
+      else hi = APairs{{0u, 0u, 0u, 0u}};
+      mma_chunk<T>(acc, b, lo, hi);
+      alo = nlo;
+      ahi = nhi;
+    }
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with its ring: reuse it for the reduction
@@ -381,14 +399,14 @@ struct TcSmem {
 // First packed row of the tile whose group is the group of packed row r (scale rows are copied
 // only once per group and tile).
 __device__ __forceinline__ int group_src_row(u32 k0, int r, u32 gs, u32 num_groups) {
-  if (gs % kTcBK == 0) return 0;  // the usual case: the whole K tile is one group
   const u32 grp = min((k0 + 8u * r) / gs, num_groups - 1u);
   const int first = int(grp * gs) - int(k0);
   return first > 0 ? first / 8 : 0;
 }
 
 template <typename T, u32 FMT, int WM>
-__global__ void __launch_bounds__(kTcThreads, 2) tc_kernel(QuantGemmParams p, u32 Np, const T* __restrict__ A,
+__global__ void __launch_bounds__(kTcThreads, 2) tc_kernel(QuantGemmParams p, u32 Np, int gs_shift,
+                                                           const T* __restrict__ A,
                                                         const u32* __restrict__ B, const T* __restrict__ S,
                                                         const uint8_t* __restrict__ Z, const T* __restrict__ bias,
                                                         T* __restrict__ C, float* __restrict__ ws,
@@ -409,6 +427,17 @@ __global__ void __launch_bounds__(kTcThreads, 2) tc_kernel(QuantGemmParams p, u3
 
   auto stage_ptr = [&](int st) { return smem + size_t(st) * L::stage_bytes; };
 
+  // Per-thread copy assignments are fixed for the whole K loop; only k0 moves. A: BM rows x 8
+  // chunks of 8 values, chunk swizzled by row parity (conflict-free fragment reads). B: 8 packed
+  // rows x 32 chunks of 4 words, chunk swizzled by (row & 3) << 1.
+  constexpr int kAChunks = BM * 8 / kTcThreads;
+  const int a_row0 = tid >> 3, a_c = tid & 7;
+  const T* a_src0 = A + size_t(m0 + a_row0) * p.K + 8 * a_c;
+  const int b_row = tid >> 5, b_c = tid & 31;
+  const bool b_col_ok = n0 + 4u * b_c < Np;
+  const u32* b_src0 = B + size_t(b_row) * Np + n0 + 4u * b_c;
+  const bool one_group = p.group_size % kTcBK == 0;  // the usual case: a K tile is one group
+
   // Issues the cp.async copies of K tile `kt` (relative to the slice) into stage `st`.
   auto load_tile = [&](int kt, int st) {
     unsigned char* base = stage_ptr(st);
@@ -417,25 +446,34 @@ __global__ void __launch_bounds__(kTcThreads, 2) tc_kernel(QuantGemmParams p, u3
     T* sS = reinterpret_cast<T*>(base + L::a_elems * 2 + L::b_words * 4);
     uint8_t* sZ = base + L::a_elems * 2 + L::b_words * 4 + L::s_elems * 2;
     const u32 k0 = k_begin + u32(kt) * kTcBK;
-    // A: BM rows x 8 chunks of 8 values; chunk swizzled by row parity (conflict-free fragment reads).
+    const bool a_k_ok = k0 + 8u * a_c < k_end;
 #pragma unroll
-    for (int i = tid; i < BM * 8; i += kTcThreads) {
-      const int row = i >> 3, c = i & 7;
-      const u32 gr = m0 + row, gk = k0 + 8u * c;
-      const bool ok = gr < p.M && gk < k_end;
-      const T* src = ok ? A + size_t(gr) * p.K + gk : A;
-      cp_async16(sA + row * kTcBK + ((c ^ ((row & 1) << 2)) * 8), src, ok);
+    for (int q = 0; q < kAChunks; ++q) {
+      const int row = a_row0 + q * (kTcThreads / 8);
+      const bool ok = a_k_ok && m0 + row < p.M;
+      cp_async16(sA + row * kTcBK + ((a_c ^ ((row & 1) << 2)) * 8),
+                 ok ? a_src0 + size_t(q) * (kTcThreads / 8) * p.K + k0 : A, ok);
     }
-    // B: 8 packed rows x 32 chunks of 4 words; chunk swizzled by (row & 3) << 1.
     {
-      const int row = tid >> 5, c = tid & 31;
-      const u32 gr = k0 / 8u + row, gc = n0 + 4u * c;
-      const bool ok = gr < k_end / 8u && gr < kw_total && gc < Np;
-      const u32* src = ok ? B + size_t(gr) * Np + gc : B;
-      cp_async16(sB + row * kTcBN + ((c ^ ((row & 3) << 1)) * 4), src, ok);
+      const bool ok = b_col_ok && k0 / 8u + b_row < k_end / 8u;
+      cp_async16(sB + b_row * kTcBN + ((b_c ^ ((b_row & 3) << 1)) * 4), ok ? b_src0 + size_t(k0 / 8u) * Np : B, ok);
     }
     // Scales (and zeros): one row per group present in the tile, at the group's first packed row.
-    if (tid < 8 * 16) {
+    if (one_group) {
+      if (tid < 16) {
+        const u32 grp = gs_shift >= 0 ? k0 >> gs_shift : k0 / p.group_size;
+        const u32 gc = n0 + 8u * tid;
+        const bool ok = gc < Np;
+        cp_async16(sS + 8 * tid, ok ? S + size_t(grp) * Np + gc : S, ok);
+        if constexpr (FMT == TM_FORMAT_U4) {
+          if (tid < 8) {
+            const u32 zc = n0 + 16u * tid;
+            const bool zok = zc < Np;
+            cp_async16(sZ + 16 * tid, zok ? Z + size_t(grp) * Np + zc : Z, zok);
+          }
+        }
+      }
+    } else if (tid < 8 * 16) {
       const int row = tid >> 4, c = tid & 15;
       const u32 grp = min((k0 + 8u * row) / p.group_size, num_groups - 1u);
       if (group_src_row(k0, row, p.group_size, num_groups) == row) {
@@ -486,7 +524,7 @@ __global__ void __launch_bounds__(kTcThreads, 2) tc_kernel(QuantGemmParams p, u3
       const int rb = 4 * s + t;
       const int cb = wn * 8 + g;
       const uint4 words = *reinterpret_cast<const uint4*>(sB + rb * kTcBN + ((cb ^ ((rb & 3) << 1)) * 4));
-      const int sr = group_src_row(k0, rb, p.group_size, num_groups);
+      const int sr = one_group ? 0 : group_src_row(k0, rb, p.group_size, num_groups);
       const uint2 s4 = *reinterpret_cast<const uint2*>(sS + sr * kTcBN + wn * 32 + 4 * g);
       u32 z4 = 0;
       if constexpr (FMT == TM_FORMAT_U4) z4 = *reinterpret_cast<const u32*>(sZ + sr * kTcBN + wn * 32 + 4 * g);
@@ -677,7 +715,7 @@ void check_launch(const char* what) {
 }
 
 template <typename T, u32 FMT, int WM>
-void launch_tc(const GemmPlan& plan, u32 Np, const T* A, const u32* B, const T* S, const uint8_t* Z, const T* bias,
+void launch_tc(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const u32* B, const T* S, const uint8_t* Z, const T* bias,
                T* C, float* ws, int* counters, cudaStream_t stream) {
   constexpr int bytes = TcSmem<T, WM>::bytes;
   static std::once_flag once;  // per instantiation; the opt-in limit is per function
@@ -685,7 +723,21 @@ void launch_tc(const GemmPlan& plan, u32 Np, const T* A, const u32* B, const T* 
     C10_CUDA_CHECK(cudaFuncSetAttribute(tc_kernel<T, FMT, WM>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   });
   const dim3 grid(plan.grid[0], plan.grid[1], plan.grid[2]);
-  tc_kernel<T, FMT, WM><<<grid, kTcThreads, bytes, stream>>>(plan.params, Np, A, B, S, Z, bias, C, ws, counters);
+  tc_kernel<T, FMT, WM><<<grid, kTcThreads, bytes, stream>>>(plan.params, Np, gs_shift, A, B, S, Z, bias, C, ws, counters);
+  check_launch(plan.kernel.c_str());
+}
+
+template <typename T, u32 FMT, bool kHi>
+void launch_decode(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const u32* B, const T* S, const uint8_t* Z,
+                   const T* bias, T* C, float* ws, int* counters, cudaStream_t stream) {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<T, FMT, kHi>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        kDecSmemBytes));
+  });
+  const dim3 grid(plan.grid[0], plan.grid[1], 1);
+  decode_kernel<T, FMT, kHi><<<grid, plan.threads[0], kDecSmemBytes, stream>>>(plan.params, Np, gs_shift, A, B, S, Z,
+                                                                               bias, C, ws, counters);
   check_launch(plan.kernel.c_str());
 }
 
@@ -704,6 +756,7 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
   T* pC = reinterpret_cast<T*>(C.data_ptr());
   float* pws = ws.defined() ? ws.data_ptr<float>() : nullptr;
   TORCH_CHECK(plan.params.k_parallel <= 1 || pws != nullptr, "torch_marlin: K-parallel plan without workspace");
+  const int gs_shift = (a.group_size & (a.group_size - 1)) == 0 ? __builtin_ctzll(uint64_t(a.group_size)) : -1;
   int* counters = nullptr;
   if (plan.params.k_parallel > 1) {
     counters = tile_counters(int64_t(plan.params.m_tiles) * plan.params.n_tiles, a.A.device(), stream);
@@ -711,19 +764,12 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
 
   const std::string& k = plan.kernel;
   if (k.rfind("decode_", 0) == 0) {
-    static std::once_flag once;
-    std::call_once(once, [] {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<T, FMT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          kDecSmemBytes));
-    });
-    const dim3 grid(plan.grid[0], plan.grid[1], 1);
-    decode_kernel<T, FMT><<<grid, plan.threads[0], kDecSmemBytes, stream>>>(plan.params, u32(Np), pA, pB, pS, pZ,
-                                                                          pbias, pC, pws, counters);
-    check_launch(k.c_str());
+    if (a.M > 8) launch_decode<T, FMT, true>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    else launch_decode<T, FMT, false>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
   } else if (k.rfind("tc64_", 0) == 0) {
-    launch_tc<T, FMT, 2>(plan, u32(Np), pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    launch_tc<T, FMT, 2>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
   } else if (k.rfind("tc128_", 0) == 0) {
-    launch_tc<T, FMT, 4>(plan, u32(Np), pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    launch_tc<T, FMT, 4>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
   } else {
     TORCH_CHECK(false, "torch_marlin: unknown CUDA kernel tag '", k, "'");
   }
