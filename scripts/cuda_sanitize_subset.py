@@ -3,8 +3,8 @@
     compute-sanitizer --tool memcheck  python scripts/cuda_sanitize_subset.py
     compute-sanitizer --tool racecheck python scripts/cuda_sanitize_subset.py
 
-Covers: decode (K-parallel and not, fp16/bf16, fp4/u4), tc64 and tc128 (K-parallel and not,
-padded N, partial K tile), reduce_partials, the fp32 simt kernel and both dequant kernels. Also
+Covers: decode with 1/2/4 m16 tiles (K-parallel and not, fp16/bf16, fp4/u4), tc128 (K-parallel
+and not, padded N, partial K tile), the in-kernel K-slice reduction, the fp32 simt kernel and both dequant kernels. Also
 checks each result against the fp32 reference so a silent wrong answer fails the run.
 """
 import torch
@@ -16,7 +16,9 @@ torch.manual_seed(0)
 CASES = [  # fmt, M, K, N, group_size, dtype
     ("fp4", 3, 4096, 96, 128, torch.float16),     # decode, K-parallel
     ("u4", 16, 288, 200, 32, torch.bfloat16),     # decode, one slice, padded N, partial chunk
-    ("fp4", 40, 2048, 136, 64, torch.bfloat16),   # tc64, K-parallel
+    ("fp4", 40, 2048, 136, 64, torch.bfloat16),   # decode with 4 m16 tiles, K-parallel
+    ("u4", 24, 512, 96, 128, torch.float16),      # decode with 2 m16 tiles
+    ("fp4", 100, 2048, 136, 128, torch.float16),  # tc128, K-parallel
     ("u4", 130, 288, 200, 32, torch.float16),     # tc128, one slice, padded N, partial K tile
     ("u4", 5, 256, 72, 64, torch.float32),        # simt
 ]

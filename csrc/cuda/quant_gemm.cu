@@ -2,14 +2,14 @@
 //
 // Every launch executes a GemmPlan from plan_cuda (csrc/plan/plan.cpp); the kernel tag says which
 // kernel, the params struct carries the geometry. Kernels:
-//   decode_*   M <= 16. mma.sync m16n8k16 with M padded to 16 (tensor cores have throughput to
+//   decode_*   M <= 64. mma.sync m16n8k16 with M padded to 16, 32 or 64 (tensor cores have throughput to
 //              spare; CUDA-core FMAs would be compute-bound at M = 16). Packed weights stream
 //              straight from global memory into registers with 16-byte loads, each word read once
 //              for all rows. 8 warps per block split the block's K slice and reduce in shared
 //              memory in a fixed order; grid.y K slices write fp32 partials and the last block of
 //              each tile sums them in slice order (deterministic, no second launch).
-//   tc64/tc128 M > 16. BM x 128 tiles, 8 warps, 4-stage cp.async pipeline for A, packed B, scales
-//              and zeros; B dequantized in registers right before the mma.
+//   tc128      M > 64. 128 x 128 tiles, 8 warps, 4-stage cp.async pipeline for A, packed B,
+//              scales and zeros; B dequantized in registers right before the mma.
 //   simt       fp32 activations: a plain CUDA-core kernel (correct, not fast).
 //   dequant    standalone dequant to a dense [K, N] tensor.
 //
@@ -253,15 +253,23 @@ __device__ void last_block_reduce(const QuantGemmParams& p, u32 tile, u32 m0, u3
 // what it copied itself, so the ring needs no barriers. A (tiny, L1/L2-resident) is read with
 // ordinary loads one chunk ahead.
 constexpr int kDecWarps = 8;
-constexpr int kDecStages = 8;
+constexpr int kDecStages = 6;
 constexpr int kDecRingSlots = kDecWarps * kDecStages * 32;
-constexpr int kDecSmemBytes = kDecRingSlots * (16 + 8 + 4);  // B, scales, zeros
-static_assert(kDecSmemBytes >= kDecWarps * 16 * 32 * 4, "the reduction reuses the ring");
+constexpr int kDecSmemBytes = kDecRingSlots * (16 + 8 + 4);  // B, scales, zeros: 43 KB
+static_assert(kDecSmemBytes >= kDecWarps * 16 * 32 * 4, "the reduction (one m16 tile at a time) reuses the ring");
+// Resident blocks per SM the planner assumes (registers and the 43 KB ring allow them):
+// MT = 1 with M <= 8: 4; MT = 1 with M > 8: 3; MT = 2 or 4: 2. Mirrored in plan_cuda.
+template <int MT, bool kHi>
+constexpr int dec_min_blocks() {
+  return MT == 1 ? (kHi ? 3 : 4) : 2;
+}
 
-// kHi: M > 8, so rows 8..15 of the m16 tile are live (otherwise their A registers stay zero and
-// their permutes are skipped). gs_shift = log2(group_size), or -1 when it is not a power of two.
-template <typename T, u32 FMT, bool kHi>
-__global__ void __launch_bounds__(256, 3) decode_kernel(QuantGemmParams p, u32 Np, int gs_shift,
+// MT: m16 tiles (M <= 16 MT); every dequantized weight feeds MT mma rows, so the same streaming
+// kernel serves M up to 64. kHi (MT = 1): M > 8, so rows 8..15 of the tile are live (otherwise
+// their A registers stay zero and their permutes are skipped). gs_shift = log2(group_size), or -1
+// when it is not a power of two.
+template <typename T, u32 FMT, bool kHi, int MT>
+__global__ void __launch_bounds__(256, dec_min_blocks<MT, kHi>()) decode_kernel(QuantGemmParams p, u32 Np, int gs_shift,
                                                         const T* __restrict__ A, const u32* __restrict__ B,
                                                         const T* __restrict__ S, const uint8_t* __restrict__ Z,
                                                         const T* __restrict__ bias, T* __restrict__ C,
@@ -315,16 +323,18 @@ __global__ void __launch_bounds__(256, 3) decode_kernel(QuantGemmParams p, u32 N
     }
   };
 
-  float acc[4][4];
+  float acc[MT][4][4];
 #pragma unroll
-  for (int j = 0; j < 4; ++j)
+  for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) acc[j][c] = 0.f;
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[mi][j][c] = 0.f;
 
 #pragma unroll
   for (int i = 0; i < kDecStages - 1; ++i) issue(i, i);
   uint4 alo, ahi;
-  load_a(0, alo, ahi);
+  if constexpr (MT == 1) load_a(0, alo, ahi);
   for (int i0 = 0; i0 < n_w; i0 += kDecStages) {
     // Unrolled by the ring depth so every slot index is a compile-time constant.
 #pragma unroll
@@ -337,47 +347,64 @@ __global__ void __launch_bounds__(256, 3) decode_kernel(QuantGemmParams p, u32 N
       const uint2 sc = ringS[sl];
       const u32 zz = FMT == TM_FORMAT_U4 ? ringZ[sl] : 0u;
       uint4 nlo, nhi;
-      load_a(i + 1, nlo, nhi);
+      if constexpr (MT == 1) load_a(i + 1, nlo, nhi);  // one chunk ahead
       issue(i + kDecStages - 1, (u + kDecStages - 1) % kDecStages);  // the slot read last iteration
       ColQ<T> q[4];
       make_colq<T, FMT>(q, sc, zz);
       u32 b[4][4];
       mma_chunk_b<T, FMT>(b, words, q);
-      APairs lo = a_pairs(alo), hi;
-      if constexpr (kHi) hi = a_pairs(ahi);
-      else hi = APairs{{0u, 0u, 0u, 0u}};
-      mma_chunk<T>(acc, b, lo, hi);
-      alo = nlo;
-      ahi = nhi;
+      if constexpr (MT == 1) {
+        APairs lo = a_pairs(alo), hi;
+        if constexpr (kHi) hi = a_pairs(ahi);
+        else hi = APairs{{0u, 0u, 0u, 0u}};
+        mma_chunk<T>(acc[0], b, lo, hi);
+        alo = nlo;
+        ahi = nhi;
+      } else {
+        // Several m16 tiles: A is loaded at use (registers go to the accumulators).
+        const bool kok = kr0 + 4u * u32(i) < kw_end;
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+          const u32 r = 16u * mi + g;
+          uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
+          if (kok && r < p.M) lo = __ldg(reinterpret_cast<const uint4*>(ap_lo + size_t(16 * mi) * p.K + 32 * i));
+          if (kok && r + 8u < p.M) hi = __ldg(reinterpret_cast<const uint4*>(ap_hi + size_t(16 * mi) * p.K + 32 * i));
+          mma_chunk<T>(acc[mi], b, a_pairs(lo), a_pairs(hi));
+        }
+      }
     }
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with its ring: reuse it for the reduction
 
-  // Fixed-order reduction of the 8 warps' partial tiles.
+  // Fixed-order reduction of the 8 warps' partial tiles, one m16 tile at a time.
   float* red = reinterpret_cast<float*>(smem);  // [warp][16][32]
 #pragma unroll
-  for (int j = 0; j < 4; ++j)
+  for (int mi = 0; mi < MT; ++mi) {
+    if (mi > 0) __syncthreads();  // the previous tile's sums have been read
 #pragma unroll
-    for (int c = 0; c < 4; ++c) red[(warp * 16 + j * 4 + c) * 32 + lane] = acc[j][c];
-  __syncthreads();
-  for (int v = threadIdx.x; v < 16 * 32; v += blockDim.x) {
-    const int e = v >> 5, l = v & 31;
-    float sum = 0.f;
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
-    for (int w = 0; w < kDecWarps; ++w) sum += red[(w * 16 + e) * 32 + l];
-    const int j = e >> 2, c = e & 3;
-    const u32 row = acc_row(l >> 2, c);
-    const u32 n = n0 + acc_col(l & 3, j, c);
-    if (row >= p.M || n >= p.N) continue;
-    if (p.k_parallel > 1) {
-      ws[(size_t(slice) * p.M + row) * p.N + n] = sum;
-    } else {
-      if (p.has_bias) sum += Tr<T>::to_f(bias[n]);
-      C[size_t(row) * p.N + n] = Tr<T>::from_f(sum);
+      for (int c = 0; c < 4; ++c) red[(warp * 16 + j * 4 + c) * 32 + lane] = acc[mi][j][c];
+    __syncthreads();
+    for (int v = threadIdx.x; v < 16 * 32; v += blockDim.x) {
+      const int e = v >> 5, l = v & 31;
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < kDecWarps; ++w) sum += red[(w * 16 + e) * 32 + l];
+      const int j = e >> 2, c = e & 3;
+      const u32 row = 16u * mi + acc_row(l >> 2, c);
+      const u32 n = n0 + acc_col(l & 3, j, c);
+      if (row >= p.M || n >= p.N) continue;
+      if (p.k_parallel > 1) {
+        ws[(size_t(slice) * p.M + row) * p.N + n] = sum;
+      } else {
+        if (p.has_bias) sum += Tr<T>::to_f(bias[n]);
+        C[size_t(row) * p.N + n] = Tr<T>::from_f(sum);
+      }
     }
   }
-  if (p.k_parallel > 1) last_block_reduce<T>(p, blockIdx.x, 0, 16, n0, 32, ws, bias, C, counters);
+  if (p.k_parallel > 1) last_block_reduce<T>(p, blockIdx.x, 0, 16 * MT, n0, 32, ws, bias, C, counters);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -727,16 +754,16 @@ void launch_tc(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const u32
   check_launch(plan.kernel.c_str());
 }
 
-template <typename T, u32 FMT, bool kHi>
+template <typename T, u32 FMT, bool kHi, int MT>
 void launch_decode(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const u32* B, const T* S, const uint8_t* Z,
                    const T* bias, T* C, float* ws, int* counters, cudaStream_t stream) {
   static std::once_flag once;
   std::call_once(once, [] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<T, FMT, kHi>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<T, FMT, kHi, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         kDecSmemBytes));
   });
   const dim3 grid(plan.grid[0], plan.grid[1], 1);
-  decode_kernel<T, FMT, kHi><<<grid, plan.threads[0], kDecSmemBytes, stream>>>(plan.params, Np, gs_shift, A, B, S, Z,
+  decode_kernel<T, FMT, kHi, MT><<<grid, plan.threads[0], kDecSmemBytes, stream>>>(plan.params, Np, gs_shift, A, B, S, Z,
                                                                                bias, C, ws, counters);
   check_launch(plan.kernel.c_str());
 }
@@ -764,10 +791,12 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
 
   const std::string& k = plan.kernel;
   if (k.rfind("decode_", 0) == 0) {
-    if (a.M > 8) launch_decode<T, FMT, true>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
-    else launch_decode<T, FMT, false>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
-  } else if (k.rfind("tc64_", 0) == 0) {
-    launch_tc<T, FMT, 2>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    const uint32_t mt = plan.params.tile_m / 16u;
+    TORCH_CHECK(plan.params.tile_m % 16u == 0 && a.M <= int64_t(plan.params.tile_m), "torch_marlin: bad decode tile");
+    if (mt == 4) launch_decode<T, FMT, true, 4>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    else if (mt == 2) launch_decode<T, FMT, true, 2>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    else if (a.M > 8) launch_decode<T, FMT, true, 1>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    else launch_decode<T, FMT, false, 1>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
   } else if (k.rfind("tc128_", 0) == 0) {
     launch_tc<T, FMT, 4>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
   } else {

@@ -46,6 +46,8 @@ DeviceCaps default_metal_caps() {
 
 namespace {
 
+constexpr int64_t kCudaDecodeMaxM = 64;  // plan_cuda: decode tiles of 16, 32 or 64 rows
+
 uint32_t ceil_div(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 1) / b); }
 
 void set_tiles(GemmPlan& p, int64_t M, int64_t N, uint32_t tile_m, uint32_t tile_n) {
@@ -140,10 +142,10 @@ void plan_metal(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTy
 // ---- CUDA -----------------------------------------------------------------------------------
 // Kernels in csrc/cuda/quant_gemm.cu; `kernel` is a tag the launcher switches on (docs/cuda.md).
 //  - fp32 activations: "simt_<fmt>_float", a plain CUDA-core kernel (8 rows x 128 columns per block).
-//  - Decode (M <= 16): "decode_<fmt>_<dtype>", mma.sync m16n8k16 with M padded to 16; a block is
+//  - Decode (M <= 64): "decode_<fmt>_<dtype>", mma.sync m16n8k16 with M padded to 16/32/64; a block is
 //    8 warps over 32 columns, the warps interleave 32-row K chunks and meet in shared memory; grid.y
 //    is the number of K slices (fp32 partials + reduce_partials when > 1).
-//  - Larger M: "tc<BM>_<fmt>_<dtype>", BM x 128 output tiles (BM = 64 or 128), 8 warps, K step 64,
+//  - Larger M: "tc128_<fmt>_<dtype>", 128 x 128 output tiles, 8 warps, K step 64,
 //    4-stage cp.async pipeline; grid.z K slices when the tiles alone cannot fill the SMs.
 void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DType d,
                const DeviceCaps& caps) {
@@ -160,12 +162,15 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
   } else if (p.variant == GemmVariant::Decode) {
     // 256 threads; K slices are whole multiples of 256 rows (8 warps x one 32-row chunk each).
     // The kernel is memory-bound and its blocks all run in one wave: as many K slices as keep
-    // the resident block slots (kDecodeBlocksPerSM per SM, the kernel's __launch_bounds__) full,
-    // but never a second wave, and slices of at least 1024 rows so each warp's cp.async ring has
-    // chunks to keep in flight.
-    constexpr uint32_t kTileN = 32, kKStep = 256, kDecodeBlocksPerSM = 3;
-    set_tiles(p, M, N, uint32_t(kDecodeMaxM), kTileN);
-    const int64_t capacity = int64_t(caps.compute_units) * kDecodeBlocksPerSM;
+    // the resident block slots full (blocks per SM as decode_kernel's __launch_bounds__ say),
+    // never a second wave, and slices of at least 1024 rows so each warp's cp.async ring has
+    // chunks to keep in flight. On CUDA this family serves M <= 64 (tile_m = 16, 32 or 64):
+    // each dequantized weight feeds up to 4 m16 mma tiles.
+    constexpr uint32_t kTileN = 32, kKStep = 256;
+    const uint32_t tile_m = M <= 16 ? 16 : (M <= 32 ? 32 : 64);
+    const int64_t blocks_per_sm = tile_m == 16 ? (M <= 8 ? 4 : 3) : 2;
+    set_tiles(p, M, N, tile_m, kTileN);
+    const int64_t capacity = int64_t(caps.compute_units) * blocks_per_sm;
     const int64_t by_slots = std::max<int64_t>(1, capacity / p.params.n_tiles);
     const int64_t by_k = std::max<int64_t>(1, K / 1024);
     set_k_parallel(p, K, uint32_t(std::min<int64_t>({by_slots, by_k, 16})), kKStep);
@@ -174,8 +179,8 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     p.threads[0] = 256;
     stem = "decode";
   } else {
-    // Tensor-core tiles: 64x128 for M <= 64 (less padding waste), else 128x128.
-    const uint32_t tile_m = M <= 64 ? 64 : 128;
+    // Tensor-core tiles: 128x128 (M <= 64 normally takes the decode family above).
+    const uint32_t tile_m = 128;
     constexpr uint32_t kTileN = 128, kKStep = 64;
     set_tiles(p, M, N, tile_m, kTileN);
     const int64_t tiles = int64_t(p.params.m_tiles) * p.params.n_tiles;
@@ -185,7 +190,7 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     p.grid[1] = p.params.m_tiles;
     p.grid[2] = p.params.k_parallel;
     p.threads[0] = 256;
-    stem = tile_m == 64 ? "tc64" : "tc128";
+    stem = "tc128";
   }
   p.kernel = stem + "_" + format_name(f) + "_" + dtype_name(d);
   // K slices are summed inside the GEMM kernel by the last block of each tile to finish (no second
@@ -230,6 +235,9 @@ GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, in
     p.variant = force;
   } else if (M <= kDecodeMaxM) {
     p.variant = GemmVariant::Decode;
+  } else if (caps.backend == Backend::CUDA && M <= kCudaDecodeMaxM && dtype != DType::F32) {
+    // CUDA's decode kernel streams the weights once for up to 4 m16 tensor-core tiles.
+    p.variant = GemmVariant::Decode;
   } else if (caps.backend == Backend::Metal) {
     // Stripes + K-parallel only pay when the output alone cannot fill the GPU.
     const int64_t tiles = int64_t((M + 63) / 64) * ((N + 63) / 64);
@@ -237,8 +245,9 @@ GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, in
   } else {
     p.variant = GemmVariant::Tiled;
   }
-  if (p.variant == GemmVariant::Decode && M > kDecodeMaxM) {
-    throw std::invalid_argument("plan_quant_gemm: the decode variant handles M <= 16 only");
+  const int64_t decode_max = caps.backend == Backend::CUDA ? kCudaDecodeMaxM : kDecodeMaxM;
+  if (p.variant == GemmVariant::Decode && M > decode_max) {
+    throw std::invalid_argument("plan_quant_gemm: the decode variant handles M <= 16 only (64 on CUDA)");
   }
 
   switch (caps.backend) {
