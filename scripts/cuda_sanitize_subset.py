@@ -20,6 +20,8 @@ CASES = [  # fmt, M, K, N, group_size, dtype
     ("u4", 24, 512, 96, 128, torch.float16),      # decode with 2 m16 tiles
     ("fp4", 100, 2048, 136, 128, torch.float16),  # tc128, K-parallel
     ("u4", 130, 288, 200, 32, torch.float16),     # tc128, one slice, padded N, partial K tile
+    ("fp4", 5, 1536, 72, 96, torch.float16),      # decode, per-weight scales (group not 2^n)
+    ("u4", 12, 1536, 72, 16, torch.bfloat16),     # decode, per-weight scales, rows 8..15 live
     ("u4", 5, 256, 72, 64, torch.float32),        # simt
 ]
 worst = 0.0

@@ -94,6 +94,16 @@ def test_n_multiple_of_16_not_64(fmt, dtype, M):
     case(fmt, M, 512, 144, 128, dtype, True)
 
 
+@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("group_size", [16, 96])
+@pytest.mark.parametrize("M", [1, 9, 20, 100])
+def test_other_group_sizes(fmt, dtype, group_size, M):
+    # Group sizes that are not a power of two >= 32 take the per-weight-scale decode path (the
+    # matrix above, with 32/64/128, takes the folded-scale one) and the multi-group K tiles of tc128.
+    case(fmt, M, 1536, 200, group_size, dtype, True)
+
+
 # ---- K-parallel (stripes + deterministic reduction) ----------------------------------------------
 def plan_for(M, K, N, dtype):
     return torch_marlin.plan_gemm("fp4", M, K, N, 128, dtype=dtype, device="cuda")

@@ -31,6 +31,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <map>
 #include <mutex>
 #include <vector>
@@ -159,6 +160,22 @@ __device__ __forceinline__ u32 dequant_pair(u32 w, const ColQ<T>& q) {
   }
 }
 
+// Scale-free dequant for the folded path (the per-group scale is applied to fp32 partial sums):
+// FP4 in fp16 stays at 2^-14 x value (the 2^14 goes into the fp32 scale); bf16 is rescaled here
+// (its 2^-126 form is subnormal, which the tensor cores must not see); U4 is q - z.
+template <typename T, u32 FMT, int P>
+__device__ __forceinline__ u32 dequant_pair_fold(u32 w, typename Tr<T>::T2 z2) {
+  using T2 = typename Tr<T>::T2;
+  if constexpr (FMT == TM_FORMAT_FP4) {
+    const u32 bits = Tr<T>::template fp4_bits<P>(w);
+    if constexpr (std::is_same<T, __half>::value) return bits;
+    else return as_u32(__hmul2(as_t2<T2>(bits), Tr<T>::dup(t_from_bits<T>(Tr<T>::kFp4Rescale))));
+  } else {
+    const u32 x = (shift_left<-4 * P>(w) & 0x000F000Fu) | Tr<T>::kMagic;
+    return as_u32(__hsub2(as_t2<T2>(x), z2));
+  }
+}
+
 // Four columns' constants from 4 scales (8 bytes) and 4 zero points (4 bytes).
 template <typename T, u32 FMT>
 __device__ __forceinline__ void make_colq(ColQ<T> (&q)[4], uint2 s4, u32 z4) {
@@ -255,29 +272,33 @@ __device__ void last_block_reduce(const QuantGemmParams& p, u32 tile, u32 m0, u3
 constexpr int kDecWarps = 8;
 constexpr int kDecStages = 6;
 constexpr int kDecRingSlots = kDecWarps * kDecStages * 32;
-constexpr int kDecSmemBytes = kDecRingSlots * (16 + 8 + 4);  // B, scales, zeros: 43 KB
+constexpr int kDecSmemBytes = kDecRingSlots * (16 + 16 + 4);  // B, scales, zeros: 54 KB
 static_assert(kDecSmemBytes >= kDecWarps * 16 * 32 * 4, "the reduction (one m16 tile at a time) reuses the ring");
 // Resident blocks per SM the planner assumes (registers and the 43 KB ring allow them):
-// MT = 1 with M <= 8: 4; MT = 1 with M > 8: 3; MT = 2 or 4: 2. Mirrored in plan_cuda.
-template <int MT, bool kHi>
+// MT = 1 with M <= 8: 4 (3 with kFold); MT = 1 with M > 8: 3 (2 with kFold); MT = 2 or 4: 2.
+// Mirrored in plan_cuda.
+// kFold (MT = 1, group_size a power of two >= 32): the per-group scale multiplies fp32 partial
+// sums (16 FMAs per group) instead of every dequantized weight pair (16 multiplies per chunk).
+template <int MT, bool kHi, bool kFold>
 constexpr int dec_min_blocks() {
-  return MT == 1 ? (kHi ? 3 : 4) : 2;
+  return MT == 1 ? (kFold ? (kHi ? 2 : 3) : (kHi ? 3 : 4)) : 2;
 }
 
 // MT: m16 tiles (M <= 16 MT); every dequantized weight feeds MT mma rows, so the same streaming
 // kernel serves M up to 64. kHi (MT = 1): M > 8, so rows 8..15 of the tile are live (otherwise
 // their A registers stay zero and their permutes are skipped). gs_shift = log2(group_size), or -1
 // when it is not a power of two.
-template <typename T, u32 FMT, bool kHi, int MT>
-__global__ void __launch_bounds__(256, dec_min_blocks<MT, kHi>()) decode_kernel(QuantGemmParams p, u32 Np, int gs_shift,
+template <typename T, u32 FMT, bool kHi, int MT, bool kFold>
+__global__ void __launch_bounds__(256, dec_min_blocks<MT, kHi, kFold>()) decode_kernel(QuantGemmParams p, u32 Np, int gs_shift,
                                                         const T* __restrict__ A, const u32* __restrict__ B,
                                                         const T* __restrict__ S, const uint8_t* __restrict__ Z,
                                                         const T* __restrict__ bias, T* __restrict__ C,
                                                         float* __restrict__ ws, int* __restrict__ counters) {
   extern __shared__ __align__(16) unsigned char smem[];
   uint4* ringB = reinterpret_cast<uint4*>(smem);
-  uint2* ringS = reinterpret_cast<uint2*>(smem + kDecRingSlots * 16);
-  u32* ringZ = reinterpret_cast<u32*>(smem + kDecRingSlots * 24);
+  uint4* ringS = reinterpret_cast<uint4*>(smem + kDecRingSlots * 16);  // 8 B used unless kFold
+  u32* ringZ = reinterpret_cast<u32*>(smem + kDecRingSlots * 32);
+  static_assert(!kFold || MT == 1, "folded scales only for one m16 tile");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int slot0 = warp * kDecStages * 32 + lane;
@@ -308,8 +329,19 @@ __global__ void __launch_bounds__(256, dec_min_blocks<MT, kHi>()) decode_kernel(
       const size_t so = size_t(grp) * Np + col;
       const int sl = slot0 + slot * 32;
       cp_async16(ringB + sl, ok ? bp + b_step * u32(i) : B, ok);
-      cp_async_small<8>(ringS + sl, ok ? S + so : S, ok);
-      if constexpr (FMT == TM_FORMAT_U4) cp_async_small<4>(ringZ + sl, ok ? Z + so : Z, ok);
+      if constexpr (kFold) {
+        // Scales of the lane's 8 output columns (8t..8t+7) and zeros of its 4 B columns, once per
+        // group (at the group's first chunk, or the run's first).
+        if (i == 0 || ((wc0 + u32(i)) * 32u & (p.group_size - 1u)) == 0) {
+          const u32 sc_col = n0 + 8u * t;
+          const bool sok = sc_col < Np;
+          cp_async16(ringS + sl, sok ? S + size_t(grp) * Np + sc_col : S, sok);
+          if constexpr (FMT == TM_FORMAT_U4) cp_async_small<4>(ringZ + sl, col_ok ? Z + so : Z, col_ok);
+        }
+      } else {
+        cp_async_small<8>(ringS + sl, ok ? S + so : S, ok);
+        if constexpr (FMT == TM_FORMAT_U4) cp_async_small<4>(ringZ + sl, ok ? Z + so : Z, ok);
+      }
     }
     cp_async_commit();  // always, so wait_group counts stay aligned with chunk indices
   };
@@ -331,6 +363,30 @@ __global__ void __launch_bounds__(256, dec_min_blocks<MT, kHi>()) decode_kernel(
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[mi][j][c] = 0.f;
 
+  // kFold: per-group partial sums, the group's 8 output-column scales and 4 (magic + zero) pairs.
+  float accg[4][4];
+  float s8[8];
+  typename Tr<T>::T2 zf[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    zf[j] = Tr<T>::dup(Tr<T>::from_f(Tr<T>::kMagicF));
+#pragma unroll
+    for (int c = 0; c < 4; ++c) accg[j][c] = 0.f;
+  }
+#pragma unroll
+  for (int c = 0; c < 8; ++c) s8[c] = 0.f;
+  auto flush = [&]() {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      acc[0][j][0] = fmaf(accg[j][0], s8[j], acc[0][j][0]);
+      acc[0][j][1] = fmaf(accg[j][1], s8[4 + j], acc[0][j][1]);
+      acc[0][j][2] = fmaf(accg[j][2], s8[j], acc[0][j][2]);
+      acc[0][j][3] = fmaf(accg[j][3], s8[4 + j], acc[0][j][3]);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) accg[j][c] = 0.f;
+    }
+  };
+
 #pragma unroll
   for (int i = 0; i < kDecStages - 1; ++i) issue(i, i);
   uint4 alo, ahi;
@@ -344,20 +400,51 @@ __global__ void __launch_bounds__(256, dec_min_blocks<MT, kHi>()) decode_kernel(
       cp_async_wait<kDecStages - 2>();  // this lane's chunk i has landed
       const int sl = slot0 + u * 32;
       const uint4 words = ringB[sl];
-      const uint2 sc = ringS[sl];
-      const u32 zz = FMT == TM_FORMAT_U4 ? ringZ[sl] : 0u;
+      uint2 sc = make_uint2(0, 0);
+      u32 zz = 0;
+      if constexpr (kFold) {
+        if (i == 0 || ((wc0 + u32(i)) * 32u & (p.group_size - 1u)) == 0) {  // warp-uniform
+          if (i > 0) flush();
+          const uint4 sv = ringS[sl];
+          const T* sp = reinterpret_cast<const T*>(&sv);
+          // FP4 in fp16 is dequantized at 2^-14 x value; fold the 2^14 into the fp32 scale.
+          constexpr float f = (FMT == TM_FORMAT_FP4 && std::is_same<T, __half>::value) ? 16384.f : 1.f;
+#pragma unroll
+          for (int c = 0; c < 8; ++c) s8[c] = Tr<T>::to_f(sp[c]) * f;
+          if constexpr (FMT == TM_FORMAT_U4) {
+            const u32 z4 = ringZ[sl];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) zf[j] = Tr<T>::dup(Tr<T>::from_f(Tr<T>::kMagicF + float((z4 >> (8 * j)) & 0xFFu)));
+          }
+        }
+      } else {
+        sc = *reinterpret_cast<const uint2*>(&ringS[sl]);
+        if constexpr (FMT == TM_FORMAT_U4) zz = ringZ[sl];
+      }
       uint4 nlo, nhi;
       if constexpr (MT == 1) load_a(i + 1, nlo, nhi);  // one chunk ahead
       issue(i + kDecStages - 1, (u + kDecStages - 1) % kDecStages);  // the slot read last iteration
-      ColQ<T> q[4];
-      make_colq<T, FMT>(q, sc, zz);
       u32 b[4][4];
-      mma_chunk_b<T, FMT>(b, words, q);
+      if constexpr (kFold) {
+        const u32 w[4] = {words.x, words.y, words.z, words.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          b[j][0] = dequant_pair_fold<T, FMT, 0>(w[j], zf[j]);
+          b[j][1] = dequant_pair_fold<T, FMT, 1>(w[j], zf[j]);
+          b[j][2] = dequant_pair_fold<T, FMT, 2>(w[j], zf[j]);
+          b[j][3] = dequant_pair_fold<T, FMT, 3>(w[j], zf[j]);
+        }
+      } else {
+        ColQ<T> q[4];
+        make_colq<T, FMT>(q, sc, zz);
+        mma_chunk_b<T, FMT>(b, words, q);
+      }
       if constexpr (MT == 1) {
         APairs lo = a_pairs(alo), hi;
         if constexpr (kHi) hi = a_pairs(ahi);
         else hi = APairs{{0u, 0u, 0u, 0u}};
-        mma_chunk<T>(acc[0], b, lo, hi);
+        if constexpr (kFold) mma_chunk<T>(accg, b, lo, hi);
+        else mma_chunk<T>(acc[0], b, lo, hi);
         alo = nlo;
         ahi = nhi;
       } else {
@@ -373,6 +460,9 @@ __global__ void __launch_bounds__(256, dec_min_blocks<MT, kHi>()) decode_kernel(
         }
       }
     }
+  }
+  if constexpr (kFold) {
+    if (n_w > 0) flush();
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with its ring: reuse it for the reduction
@@ -449,7 +539,6 @@ __global__ void __launch_bounds__(kTcThreads, 2) tc_kernel(QuantGemmParams p, u3
   const u32 k_begin = slice * p.k_slice_len;
   const u32 k_end = min(p.K, k_begin + p.k_slice_len);
   const int kt_count = int((k_end - k_begin + kTcBK - 1) / kTcBK);
-  const u32 kw_total = p.K / 8u;
   const u32 num_groups = p.K / p.group_size;
 
   auto stage_ptr = [&](int st) { return smem + size_t(st) * L::stage_bytes; };
@@ -754,16 +843,16 @@ void launch_tc(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const u32
   check_launch(plan.kernel.c_str());
 }
 
-template <typename T, u32 FMT, bool kHi, int MT>
+template <typename T, u32 FMT, bool kHi, int MT, bool kFold = false>
 void launch_decode(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const u32* B, const T* S, const uint8_t* Z,
                    const T* bias, T* C, float* ws, int* counters, cudaStream_t stream) {
   static std::once_flag once;
   std::call_once(once, [] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<T, FMT, kHi, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<T, FMT, kHi, MT, kFold>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         kDecSmemBytes));
   });
   const dim3 grid(plan.grid[0], plan.grid[1], 1);
-  decode_kernel<T, FMT, kHi, MT><<<grid, plan.threads[0], kDecSmemBytes, stream>>>(plan.params, Np, gs_shift, A, B, S, Z,
+  decode_kernel<T, FMT, kHi, MT, kFold><<<grid, plan.threads[0], kDecSmemBytes, stream>>>(plan.params, Np, gs_shift, A, B, S, Z,
                                                                                bias, C, ws, counters);
   check_launch(plan.kernel.c_str());
 }
@@ -795,7 +884,12 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
     TORCH_CHECK(plan.params.tile_m % 16u == 0 && a.M <= int64_t(plan.params.tile_m), "torch_marlin: bad decode tile");
     if (mt == 4) launch_decode<T, FMT, true, 4>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
     else if (mt == 2) launch_decode<T, FMT, true, 2>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
-    else if (a.M > 8) launch_decode<T, FMT, true, 1>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    else if (gs_shift >= 5 && a.M > 8)
+      launch_decode<T, FMT, true, 1, true>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    else if (gs_shift >= 5)
+      launch_decode<T, FMT, false, 1, true>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    else if (a.M > 8)
+      launch_decode<T, FMT, true, 1>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
     else launch_decode<T, FMT, false, 1>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
   } else if (k.rfind("tc128_", 0) == 0) {
     launch_tc<T, FMT, 4>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);

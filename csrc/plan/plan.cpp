@@ -168,7 +168,11 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     // each dequantized weight feeds up to 4 m16 mma tiles.
     constexpr uint32_t kTileN = 32, kKStep = 256;
     const uint32_t tile_m = M <= 16 ? 16 : (M <= 32 ? 32 : 64);
-    const int64_t blocks_per_sm = tile_m == 16 ? (M <= 8 ? 4 : 3) : 2;
+    // Mirrors dec_min_blocks in csrc/cuda/quant_gemm.cu; "fold" = per-group scales applied to fp32
+    // partial sums, used for one m16 tile when group_size is a power of two >= 32.
+    const uint32_t gs = p.params.group_size;
+    const bool fold = tile_m == 16 && gs >= 32 && (gs & (gs - 1)) == 0;
+    const int64_t blocks_per_sm = tile_m == 16 ? (fold ? (M <= 8 ? 3 : 2) : (M <= 8 ? 4 : 3)) : 2;
     set_tiles(p, M, N, tile_m, kTileN);
     const int64_t capacity = int64_t(caps.compute_units) * blocks_per_sm;
     const int64_t by_slots = std::max<int64_t>(1, capacity / p.params.n_tiles);
