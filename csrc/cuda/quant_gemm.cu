@@ -270,14 +270,6 @@ __device__ void last_block_reduce(const QuantGemmParams& p, u32 tile, u32 m0, u3
 // what it copied itself, so the ring needs no barriers. A (tiny, L1/L2-resident) is read with
 // ordinary loads one chunk ahead.
 constexpr int kDecWarps = 8;
-// Warps side by side along N (each owns 32 columns) x warps along K (splitting the slice). Wider
-// blocks read longer contiguous runs of each packed row (32 * 4 * kDecWarpsN bytes).
-#ifndef TM_DEC_WARPS_N
-#define TM_DEC_WARPS_N 4
-#endif
-constexpr int kDecWarpsN = TM_DEC_WARPS_N;
-constexpr int kDecWarpsK = kDecWarps / kDecWarpsN;
-static_assert(kDecWarpsN * kDecWarpsK == kDecWarps, "warp grid");
 constexpr int kDecStages = 6;
 constexpr int kDecRingSlots = kDecWarps * kDecStages * 32;
 constexpr int kDecSmemBytes = kDecRingSlots * (16 + 16 + 4);  // B, scales, zeros: 54 KB
@@ -310,9 +302,7 @@ __global__ void __launch_bounds__(256, dec_min_blocks<MT, kHi, kFold>()) decode_
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int slot0 = warp * kDecStages * 32 + lane;
-  const int wn = warp % kDecWarpsN, wk = warp / kDecWarpsN;
-  const u32 nb = blockIdx.x * (32u * kDecWarpsN);  // the block's first column
-  const u32 n0 = nb + 32u * wn;                    // the warp's first column
+  const u32 n0 = blockIdx.x * 32u;
   const u32 col = n0 + 4u * g;
   const u32 slice = blockIdx.y;
   const u32 k_begin = slice * p.k_slice_len;
@@ -321,9 +311,9 @@ __global__ void __launch_bounds__(256, dec_min_blocks<MT, kHi, kFold>()) decode_
   const u32 c_begin = k_begin / 32u, c_end = (k_end + 31u) / 32u;
   const bool col_ok = col < Np;
   const bool row_lo = u32(g) < p.M, row_hi = kHi && u32(g + 8) < p.M;
-  // Each warp owns a contiguous run of 32-row chunks of the slice (kDecWarpsK runs).
-  const u32 per_warp = (c_end - c_begin + kDecWarpsK - 1) / kDecWarpsK;
-  const u32 wc0 = c_begin + wk * per_warp;
+  // Each warp owns a contiguous run of 32-row chunks of the slice (8 runs, one per warp).
+  const u32 per_warp = (c_end - c_begin + kDecWarps - 1) / kDecWarps;
+  const u32 wc0 = c_begin + warp * per_warp;
   const int n_w = wc0 < c_end ? int(min(per_warp, c_end - wc0)) : 0;
   const u32 kr0 = wc0 * 4u + t;  // the lane's packed row in its first chunk
   const u32* bp = B + size_t(kr0) * Np + col;
@@ -477,8 +467,8 @@ __global__ void __launch_bounds__(256, dec_min_blocks<MT, kHi, kFold>()) decode_
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with its ring: reuse it for the reduction
 
-  // Fixed-order reduction over the kDecWarpsK warps of each column group, one m16 tile at a time.
-  float* red = reinterpret_cast<float*>(smem);  // [wk][wn][16][32] = [warp][16][32]
+  // Fixed-order reduction of the 8 warps' partial tiles, one m16 tile at a time.
+  float* red = reinterpret_cast<float*>(smem);  // [warp][16][32]
 #pragma unroll
   for (int mi = 0; mi < MT; ++mi) {
     if (mi > 0) __syncthreads();  // the previous tile's sums have been read
@@ -487,14 +477,14 @@ __global__ void __launch_bounds__(256, dec_min_blocks<MT, kHi, kFold>()) decode_
 #pragma unroll
       for (int c = 0; c < 4; ++c) red[(warp * 16 + j * 4 + c) * 32 + lane] = acc[mi][j][c];
     __syncthreads();
-    for (int v = threadIdx.x; v < kDecWarpsN * 16 * 32; v += blockDim.x) {
-      const int vn = v / (16 * 32), e = (v >> 5) & 15, l = v & 31;
+    for (int v = threadIdx.x; v < 16 * 32; v += blockDim.x) {
+      const int e = v >> 5, l = v & 31;
       float sum = 0.f;
 #pragma unroll
-      for (int w = 0; w < kDecWarpsK; ++w) sum += red[((w * kDecWarpsN + vn) * 16 + e) * 32 + l];
+      for (int w = 0; w < kDecWarps; ++w) sum += red[(w * 16 + e) * 32 + l];
       const int j = e >> 2, c = e & 3;
       const u32 row = 16u * mi + acc_row(l >> 2, c);
-      const u32 n = nb + 32u * vn + acc_col(l & 3, j, c);
+      const u32 n = n0 + acc_col(l & 3, j, c);
       if (row >= p.M || n >= p.N) continue;
       if (p.k_parallel > 1) {
         ws[(size_t(slice) * p.M + row) * p.N + n] = sum;
@@ -504,8 +494,7 @@ __global__ void __launch_bounds__(256, dec_min_blocks<MT, kHi, kFold>()) decode_
       }
     }
   }
-  if (p.k_parallel > 1)
-    last_block_reduce<T>(p, blockIdx.x, 0, 16 * MT, nb, 32 * kDecWarpsN, ws, bias, C, counters);
+  if (p.k_parallel > 1) last_block_reduce<T>(p, blockIdx.x, 0, 16 * MT, n0, 32, ws, bias, C, counters);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -143,9 +143,8 @@ void plan_metal(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTy
 // Kernels in csrc/cuda/quant_gemm.cu; `kernel` is a tag the launcher switches on (docs/cuda.md).
 //  - fp32 activations: "simt_<fmt>_float", a plain CUDA-core kernel (8 rows x 128 columns per block).
 //  - Decode (M <= 64): "decode_<fmt>_<dtype>", mma.sync m16n8k16 with M padded to 16/32/64; a block is
-//    4 x 2 warps over 128 columns, the 2 warps of a column group split the K slice and meet in
-//    shared memory; grid.y is the number of K slices (fp32 partials summed in slice order by the
-//    last block of each tile, inside the same kernel).
+//    8 warps over 32 columns, the warps interleave 32-row K chunks and meet in shared memory; grid.y
+//    is the number of K slices (fp32 partials + reduce_partials when > 1).
 //  - Larger M: "tc128_<fmt>_<dtype>", 128 x 128 output tiles, 8 warps, K step 64,
 //    4-stage cp.async pipeline; grid.z K slices when the tiles alone cannot fill the SMs.
 void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DType d,
@@ -167,9 +166,7 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     // never a second wave, and slices of at least 1024 rows so each warp's cp.async ring has
     // chunks to keep in flight. On CUDA this family serves M <= 64 (tile_m = 16, 32 or 64):
     // each dequantized weight feeds up to 4 m16 mma tiles.
-    // Block: 4 warps side by side along N (128 columns) x 2 along K (kDecWarpsN / kDecWarpsK in
-    // the kernel); slices are whole multiples of 64 rows (one 32-row chunk per K warp).
-    constexpr uint32_t kTileN = 128, kKStep = 64;
+    constexpr uint32_t kTileN = 32, kKStep = 256;
     const uint32_t tile_m = M <= 16 ? 16 : (M <= 32 ? 32 : 64);
     // Mirrors dec_min_blocks in csrc/cuda/quant_gemm.cu; "fold" = per-group scales applied to fp32
     // partial sums, used for one m16 tile when group_size is a power of two >= 32.
@@ -179,11 +176,8 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     set_tiles(p, M, N, tile_m, kTileN);
     const int64_t capacity = int64_t(caps.compute_units) * blocks_per_sm;
     const int64_t by_slots = std::max<int64_t>(1, capacity / p.params.n_tiles);
-    const int64_t by_k = std::max<int64_t>(1, K / 512);
-    // fp32 partials (k_parallel x M x N x 4 bytes, written and read back) stay under ~1/4 of the
-    // packed weight bytes (K x N / 2).
-    const int64_t by_traffic = std::max<int64_t>(1, K / (32 * M));
-    set_k_parallel(p, K, uint32_t(std::min<int64_t>({by_slots, by_k, by_traffic, 16})), kKStep);
+    const int64_t by_k = std::max<int64_t>(1, K / 1024);
+    set_k_parallel(p, K, uint32_t(std::min<int64_t>({by_slots, by_k, 16})), kKStep);
     p.grid[0] = p.params.n_tiles;
     p.grid[1] = p.params.k_parallel;
     p.threads[0] = 256;
