@@ -275,13 +275,13 @@ constexpr int kDecRingSlots = kDecWarps * kDecStages * 32;
 constexpr int kDecSmemBytes = kDecRingSlots * (16 + 16 + 4);  // B, scales, zeros: 54 KB
 static_assert(kDecSmemBytes >= kDecWarps * 16 * 32 * 4, "the reduction (one m16 tile at a time) reuses the ring");
 // Resident blocks per SM the planner assumes (registers and the 43 KB ring allow them):
-// MT = 1 with M <= 8: 4 (3 with kFold); MT = 1 with M > 8: 3 (2 with kFold); MT = 2 or 4: 2.
+// MT = 1 with M <= 8: 4 (3 with kFold); MT = 1 with M > 8: 3; MT = 2 or 4: 2.
 // Mirrored in plan_cuda.
-// kFold (MT = 1, group_size a power of two >= 32): the per-group scale multiplies fp32 partial
+// kFold (MT = 1, M <= 8, group_size a power of two >= 32): the per-group scale multiplies fp32 partial
 // sums (16 FMAs per group) instead of every dequantized weight pair (16 multiplies per chunk).
 template <int MT, bool kHi, bool kFold>
 constexpr int dec_min_blocks() {
-  return MT == 1 ? (kFold ? (kHi ? 2 : 3) : (kHi ? 3 : 4)) : 2;
+  return MT == 1 ? (kFold ? 3 : (kHi ? 3 : 4)) : 2;
 }
 
 // MT: m16 tiles (M <= 16 MT); every dequantized weight feeds MT mma rows, so the same streaming
@@ -884,9 +884,7 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
     TORCH_CHECK(plan.params.tile_m % 16u == 0 && a.M <= int64_t(plan.params.tile_m), "torch_marlin: bad decode tile");
     if (mt == 4) launch_decode<T, FMT, true, 4>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
     else if (mt == 2) launch_decode<T, FMT, true, 2>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
-    else if (gs_shift >= 5 && a.M > 8)
-      launch_decode<T, FMT, true, 1, true>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
-    else if (gs_shift >= 5)
+    else if (gs_shift >= 5 && a.M <= 8)  // measured: folding helps only without rows 8..15
       launch_decode<T, FMT, false, 1, true>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
     else if (a.M > 8)
       launch_decode<T, FMT, true, 1>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);

@@ -149,8 +149,9 @@ void plan_metal(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTy
 // Kernels in csrc/cuda/quant_gemm.cu; `kernel` is a tag the launcher switches on (docs/cuda.md).
 //  - fp32 activations: "simt_<fmt>_float", a plain CUDA-core kernel (8 rows x 128 columns per block).
 //  - Decode (M <= 64): "decode_<fmt>_<dtype>", mma.sync m16n8k16 with M padded to 16/32/64; a block is
-//    8 warps over 32 columns, the warps interleave 32-row K chunks and meet in shared memory; grid.y
-//    is the number of K slices (fp32 partials + reduce_partials when > 1).
+//    8 warps over 32 columns; each warp streams a contiguous run of 32-row K chunks and the 8 meet
+//    in shared memory; grid.y is the number of K slices (fp32 partials, summed in slice order by
+//    the last block of each tile inside the same kernel).
 //  - Larger M: "tc128_<fmt>_<dtype>", 128 x 128 output tiles, 8 warps, K step 64,
 //    4-stage cp.async pipeline; grid.z K slices when the tiles alone cannot fill the SMs.
 void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DType d,
@@ -175,10 +176,10 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     constexpr uint32_t kTileN = 32, kKStep = 256;
     const uint32_t tile_m = M <= 16 ? 16 : (M <= 32 ? 32 : 64);
     // Mirrors dec_min_blocks in csrc/cuda/quant_gemm.cu; "fold" = per-group scales applied to fp32
-    // partial sums, used for one m16 tile when group_size is a power of two >= 32.
+    // partial sums, used for M <= 8 when group_size is a power of two >= 32.
     const uint32_t gs = p.params.group_size;
-    const bool fold = tile_m == 16 && gs >= 32 && (gs & (gs - 1)) == 0;
-    const int64_t blocks_per_sm = tile_m == 16 ? (fold ? (M <= 8 ? 3 : 2) : (M <= 8 ? 4 : 3)) : 2;
+    const bool fold = M <= 8 && gs >= 32 && (gs & (gs - 1)) == 0;
+    const int64_t blocks_per_sm = tile_m == 16 ? (fold ? 3 : (M <= 8 ? 4 : 3)) : 2;
     set_tiles(p, M, N, tile_m, kTileN);
     const int64_t capacity = int64_t(caps.compute_units) * blocks_per_sm;
     const int64_t by_slots = std::max<int64_t>(1, capacity / p.params.n_tiles);
