@@ -4,6 +4,9 @@
     python scripts/bench.py --device cuda        # on a GPU (CUDA-event timing)
     python scripts/bench.py --shapes 4096x4096 --m 1,16 --formats fp4
 
+The full CUDA suite of docs/benchmarks.md (L2 flushed between repetitions, cuBLAS fp16 and
+torch._weight_int4pack_mm baselines, % of measured copy bandwidth) is scripts/bench_cuda.py.
+
 For every (K x N, M, format) it prints the median time, the effective weight bandwidth (bytes of
 packed weights + scales (+ zero points) read once, divided by the time) and the speed ratio
 against torch.matmul with dense weights of the activation dtype (> 1 means torch_marlin is faster).
@@ -168,7 +171,9 @@ def main():
     for K, N in parse_shapes(args.shapes):
         W = (torch.randn(K, N) * 0.02).to(device=device, dtype=dtype)
         W32 = W.float() if fp32_baseline else None
-        kernels = {fmt: quantized_case(fmt, K, N, args.group_size, dtype, device) for fmt in args.formats.split(",")}
+        # Trellis kernels exist for CPU and MPS only.
+        fmts = [f for f in args.formats.split(",") if device.type != "cuda" or not f.startswith("trellis")]
+        kernels = {fmt: quantized_case(fmt, K, N, args.group_size, dtype, device) for fmt in fmts}
         for M in (int(m) for m in args.m.split(",")):
             A = torch.randn(M, K, device=device).to(dtype)
             t_dense = bench(lambda: torch.matmul(A, W), device, args.reps)
