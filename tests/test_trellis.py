@@ -395,3 +395,21 @@ def test_debug_logging():
     for name in ("A:", "scales:", "grid:", "su:", "sv:"):
         assert name in r.stderr
     assert "has_nan=False" in r.stderr and "min=" in r.stderr
+
+
+def test_modules_trace_with_torch_compile():
+    # fullgraph: the rotations are plain torch ops and the trellis ops have fake kernels, so
+    # dynamo/AOT trace the modules without graph breaks (aot_eager: no inductor compile time).
+    torch.manual_seed(0)
+    lin = tm.TrellisLinear.from_linear(nn.Linear(64, 48), bits=3, group_size=32, dtype=torch.float32)
+    x = torch.randn(5, 64)
+    compiled = torch.compile(lin, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), lin(x))
+    H, I, E = 32, 48, 3
+    moe = tm.TrellisMoE.from_experts([nn.Linear(H, I, bias=False) for _ in range(E)],
+                                     [nn.Linear(H, I, bias=False) for _ in range(E)],
+                                     [nn.Linear(I, H, bias=False) for _ in range(E)],
+                                     nn.Linear(H, E, bias=False), top_k=2, bits=4, group_size=32,
+                                     dtype=torch.float32)
+    xm = torch.randn(6, H)
+    torch.testing.assert_close(torch.compile(moe, fullgraph=True, backend="aot_eager")(xm), moe(xm))
