@@ -195,3 +195,48 @@ def test_every_barrier_is_needed(emu):
             assert not all(passes(tag, s) for s in SCHEDULES), f"dropping {tag} went unnoticed"
     finally:
         emu.set_dropped_barrier("")
+
+
+# ---- native MPS (only on a Mac): the registered ops on the GPU against the same references ---------
+
+@pytest.mark.skipif(not torch.backends.mps.is_available(), reason="needs an Apple GPU (MPS)")
+class TestMPS:
+    @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+    @pytest.mark.parametrize("M", [1, 16, 17, 100])
+    def test_gemm_mps(self, dtype, M):
+        K, N, bits, gs = 200, 77, 3, 32
+        w = random_trellis(K, N, bits, gs, seed=M)
+        A = torch.randn(M, K).to(dtype)
+        dev = torch.device("mps")
+        C = torch.ops.marlin.gemm_trellis(A.to(dev), *(t.to(dev) for t in w), K, N, bits, gs)
+        check_close(C.cpu(), A, dense(w, K, N, bits, gs), dtype)
+
+    def test_dequant_mps(self):
+        K, N, bits, gs = 200, 77, 4, 32
+        w = random_trellis(K, N, bits, gs)
+        dev = torch.device("mps")
+        out = torch.ops.marlin.dequant_trellis(*(t.to(dev) for t in w), K, N, bits, gs)
+        assert torch.equal(out.cpu(), fmt.dequant_trellis_reference(*w, K, N, bits, gs))
+
+    @pytest.mark.parametrize("T", [1, 40])
+    def test_moe_mps(self, T):
+        H, I, E, top_k, bits, gs = 72, 112, 6, 2, 3, 32
+        gate, up, down, ids, probs = moe_case(T, H, I, E, top_k, bits, gs, "some_empty")
+        x = torch.randn(T, H) * 0.5
+        dev = torch.device("mps")
+        mv = lambda ts: tuple(t.to(dev) for t in ts)  # noqa: E731
+        y = torch.ops.marlin.moe_trellis(x.to(dev), *mv(gate), *mv(up), *mv(down), ids.to(dev), probs.to(dev), I,
+                                         bits, gs)
+        ref = moe_reference(x, gate, up, down, ids, probs, H, I, bits, gs)
+        torch.testing.assert_close(y.cpu().double(), ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()))
+
+    def test_sliced_input_mps(self):
+        # storage_offset() must reach the MTLBuffer offset.
+        K, N, bits, gs = 64, 48, 2, 32
+        w = random_trellis(K, N, bits, gs)
+        A = torch.randn(20, K).half()
+        big = torch.zeros(25, K, dtype=torch.float16)
+        big[5:] = A
+        dev = torch.device("mps")
+        C = torch.ops.marlin.gemm_trellis(big.to(dev)[5:], *(t.to(dev) for t in w), K, N, bits, gs)
+        check_close(C.cpu(), A, dense(w, K, N, bits, gs), torch.float16)
