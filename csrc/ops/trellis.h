@@ -38,12 +38,14 @@ struct TrellisMoeArgs {
 // Routing with device-generic ATen ops (the same on CPU, MPS and in the Metal-on-CPU harness):
 // a stable sort of the flattened (token, slot) pairs by expert groups each expert's rows
 // contiguously. Ids outside [0, E) are the caller's to reject; here they only shift offsets
-// (bincount of clamped ids), so kernels never index out of bounds.
+// (counts of clamped ids), so kernels never index out of bounds.
 inline void trellis_route(const at::Tensor& expert_ids, int64_t E, TrellisMoeArgs& a) {
   const int64_t top_k = expert_ids.size(1);
   const at::Tensor flat = expert_ids.reshape({-1}).to(at::kLong);
   const at::Tensor order = std::get<1>(flat.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false));
-  const at::Tensor counts = at::bincount(flat.clamp(0, E - 1), {}, E);
+  // scatter_add rather than bincount: it exists on every backend (MPS included).
+  const at::Tensor counts =
+      at::zeros({E}, flat.options()).scatter_add_(0, flat.clamp(0, E - 1), at::ones_like(flat));
   a.expert_offsets = at::cat({at::zeros({1}, counts.options()), counts.cumsum(0)}).to(at::kInt).contiguous();
   a.sorted_token = at::div(order, top_k, "floor").to(at::kInt).contiguous();
   a.slot_row = at::empty_like(order).scatter_(0, order, at::arange(order.numel(), order.options()))
