@@ -350,6 +350,7 @@ void moe_impl(const TrellisPlan& plan, const TrellisMoeArgs& a, at::Tensor& y) {
 
   // Stage 1: h = silu(x @ gate_e) * (x @ up_e) for the rows routed to expert e.
   const int64_t nb1 = plan.params.tile_n, blocks1 = plan.main.grid[0];
+  TORCH_CHECK(nb1 <= kMaxDecodeCols, "trellis_moe_cpu: plan tile_n ", nb1, " exceeds the decode block");
   at::parallel_for(0, a.E * blocks1, 1, [&](int64_t i0, int64_t i1) {
     float g[kMaxDecodeRows * kMaxDecodeCols], u[kMaxDecodeRows * kMaxDecodeCols];
     for (int64_t i = i0; i < i1; ++i) {
