@@ -413,3 +413,15 @@ def test_modules_trace_with_torch_compile():
                                      dtype=torch.float32)
     xm = torch.randn(6, H)
     torch.testing.assert_close(torch.compile(moe, fullgraph=True, backend="aot_eager")(xm), moe(xm))
+
+
+@pytest.mark.parametrize("gs", [32, 128])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_moe_trellis_bits_group_sizes(bits, gs):
+    # hidden 200 and intermediate 136: neither a multiple of 16, partial last scale groups.
+    T, H, I, E, top_k = 24, 200, 136, 5, 2
+    gate, up, down, ids, probs = moe_case(T, H, I, E, top_k, bits, gs, "all_to_one" if gs == 128 else "random",
+                                          seed=bits * gs)
+    x = (torch.randn(T, H) * 0.3).half()
+    y = ops.moe_trellis(x, gate, up, down, ids, probs, I, bits, gs)
+    assert_close_to(y, moe_reference(x, gate, up, down, ids, probs, H, I, bits, gs), torch.float16)

@@ -240,3 +240,17 @@ class TestMPS:
         dev = torch.device("mps")
         C = torch.ops.marlin.gemm_trellis(big.to(dev)[5:], *(t.to(dev) for t in w), K, N, bits, gs)
         check_close(C.cpu(), A, dense(w, K, N, bits, gs), torch.float16)
+
+
+@pytest.mark.parametrize("gs", [32, 128])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_moe_bits_group_sizes(emu, bits, gs):
+    T, H, I, E, top_k = 24, 200, 136, 5, 2  # neither dim a multiple of 16 / 32; partial groups
+    gate, up, down, ids, probs = moe_case(T, H, I, E, top_k, bits, gs, "all_to_one" if gs == 128 else "random",
+                                          seed=bits * gs)
+    x = (torch.randn(T, H) * 0.3).half()
+    y, _ = emu.moe(x, list(gate), list(up), list(down), ids, probs, I, bits, gs, schedule_for(bits, gs), 5)
+    ref = moe_reference(x, gate, up, down, ids, probs, H, I, bits, gs)
+    assert not torch.isnan(y).any()
+    # fp32 work, one rounding of y to fp16.
+    assert float((y.double() - ref).abs().max()) <= 2.0 ** -10 * 1.5 * float(ref.abs().max())
