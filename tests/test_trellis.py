@@ -425,3 +425,17 @@ def test_moe_trellis_bits_group_sizes(bits, gs):
     x = (torch.randn(T, H) * 0.3).half()
     y = ops.moe_trellis(x, gate, up, down, ids, probs, I, bits, gs)
     assert_close_to(y, moe_reference(x, gate, up, down, ids, probs, H, I, bits, gs), torch.float16)
+
+
+def test_trellis_linear_dispatches_decode_then_prefill():
+    # The module calls the op; the op's planner picks decode for M <= 16 rows (after flattening
+    # leading dims) and prefill above. The debug log names the kernel each call ran.
+    code = ("import torch, torch_marlin\n"
+            "m = torch_marlin.TrellisLinear.from_linear(torch.nn.Linear(64, 32), bits=2, group_size=32,"
+            " dtype=torch.float32)\n"
+            "m(torch.randn(2, 8, 64)); m(torch.randn(3, 6, 64))\n")
+    env = dict(os.environ, TORCH_MARLIN_DEBUG="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    kernels = [line.split("kernel=")[1].split()[0] for line in r.stderr.splitlines() if "kernel=" in line]
+    assert kernels == ["cpu_trellis_decode", "cpu_trellis_prefill"], kernels
