@@ -116,7 +116,8 @@ def test_every_planned_kernel_is_instantiated(emu):
             assert torch_marlin.plan_trellis(M, 4096, 4096, 3, 128, dt, device="metal")["kernel"] in names
     assert "dequant_trellis" in names
     for dt in DTYPE_NAME.values():
-        for stem in ("moe_trellis_gate_up", "moe_trellis_down", "moe_trellis_combine"):
+        for stem in ("moe_trellis_gate_up", "moe_trellis_down", "moe_trellis_combine", "moe_trellis_tiled_gate",
+                     "moe_trellis_tiled_up", "moe_trellis_tiled_down"):
             assert f"{stem}_{dt}" in names
 
 
@@ -132,6 +133,11 @@ def test_moe_matches_reference(emu, top_k, routing, T):
     y, plan = emu.moe(x, list(gate), list(up), list(down), ids, probs, I, bits, gs,
                       schedule_for(top_k, routing, T), 3)
     assert plan["kernel"] == "moe_trellis_gate_up_float" and plan["grid"] == ((I + 31) // 32, E, 1)
+    if T * top_k > 16:  # experts with > 16 rows go through the 64x64 tiled kernels
+        assert plan["tiled_up"]["kernel"] == "moe_trellis_tiled_up_float"
+        assert plan["tiled_down"]["grid"] == ((H + 63) // 64, (T * top_k + 63) // 64, E)
+    else:
+        assert "tiled_up" not in plan
     ref = moe_reference(x, gate, up, down, ids, probs, H, I, bits, gs)
     assert not torch.isnan(y).any()
     # fp32 everywhere (rows_h / rows_y are fp32): only summation-order differences.
@@ -163,7 +169,9 @@ def test_every_barrier_is_needed(emu):
     K, N, bits, gs = 128, 80, 3, 32
     w = random_trellis(K, N, bits, gs, seed=1)
     W = dense(w, K, N, bits, gs)
-    gate, up, down, ids, probs = moe_case(20, 64, 80, 4, 2, bits, gs, "all_to_one")
+    gate, up, down, ids, probs = moe_case(20, 64, 80, 4, 2, bits, gs, "random")
+    # Expert 3 gets all 20 tokens (tiled path), experts 0..2 get 6-7 each (GEMV path).
+    ids = torch.stack([torch.full((20,), 3), torch.arange(20) % 3], 1)
     x = torch.randn(20, 64) * 0.5
     moe_ref = moe_reference(x, gate, up, down, ids, probs, 64, 80, bits, gs)
 
@@ -185,7 +193,7 @@ def test_every_barrier_is_needed(emu):
         return True
 
     tags = trellis_metal_emu.barrier_tags()
-    assert len(tags) == 9, tags
+    assert len(tags) == 11, tags
     try:
         for s in SCHEDULES:
             emu.set_dropped_barrier("")

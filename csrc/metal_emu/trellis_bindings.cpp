@@ -77,6 +77,11 @@ py::dict plan_dict(const TrellisPlan& p) {
   if (!p.down.kernel.empty()) {
     d["down"] = launch_dict(p.down);
     d["combine"] = launch_dict(p.combine);
+    if (!p.tiled_gate.kernel.empty()) {
+      d["tiled_gate"] = launch_dict(p.tiled_gate);
+      d["tiled_up"] = launch_dict(p.tiled_up);
+      d["tiled_down"] = launch_dict(p.tiled_down);
+    }
   }
   return d;
 }
@@ -165,10 +170,20 @@ std::tuple<at::Tensor, py::dict> moe(const at::Tensor& x_in, const std::vector<a
        a.up.packed.data_ptr(), a.up.scales.data_ptr(), a.up.grid.data_ptr(), a.up.su.data_ptr(), a.up.sv.data_ptr(),
        rows_h.data_ptr(), &p},
       o);
+  auto tiled = [&](const TrellisLaunch& l, void* X, const TrellisWeights& w, void* out) {
+    if (l.kernel.empty()) return;
+    run(l,
+        {X, a.sorted_token.data_ptr(), a.expert_offsets.data_ptr(), w.packed.data_ptr(), w.scales.data_ptr(),
+         w.grid.data_ptr(), w.su.data_ptr(), w.sv.data_ptr(), out, &p},
+        o);
+  };
+  tiled(plan.tiled_gate, a.x.data_ptr(), a.gate, rows_h.data_ptr());
+  tiled(plan.tiled_up, a.x.data_ptr(), a.up, rows_h.data_ptr());
   run(plan.down,
       {rows_h.data_ptr(), a.expert_offsets.data_ptr(), a.down.packed.data_ptr(), a.down.scales.data_ptr(),
        a.down.grid.data_ptr(), a.down.su.data_ptr(), a.down.sv.data_ptr(), rows_y.data_ptr(), &p},
       o);
+  tiled(plan.tiled_down, rows_h.data_ptr(), a.down, rows_y.data_ptr());
   run(plan.combine, {rows_y.data_ptr(), a.slot_row.data_ptr(), a.probs.data_ptr(), y.data_ptr(), &p}, o);
   return {y, plan_dict(plan)};
 }

@@ -29,10 +29,19 @@ void trellis_moe_mps(const TrellisPlan& plan, const TrellisMoeArgs& a, at::Tenso
                      {a.x, a.sorted_token, a.expert_offsets, a.gate.packed, a.gate.scales, a.gate.grid, a.gate.su,
                       a.gate.sv, a.up.packed, a.up.scales, a.up.grid, a.up.su, a.up.sv, rows_h},
                      plan.params);
+  auto tiled = [&](const TrellisLaunch& l, const at::Tensor& X, const TrellisWeights& w, const at::Tensor& out) {
+    if (l.kernel.empty()) return;
+    mps_encode_tensors(l.kernel, l.grid, l.threads[0],
+                       {X, a.sorted_token, a.expert_offsets, w.packed, w.scales, w.grid, w.su, w.sv, out},
+                       plan.params);
+  };
+  tiled(plan.tiled_gate, a.x, a.gate, rows_h);
+  tiled(plan.tiled_up, a.x, a.up, rows_h);
   mps_encode_tensors(plan.down.kernel, plan.down.grid, plan.down.threads[0],
                      {rows_h, a.expert_offsets, a.down.packed, a.down.scales, a.down.grid, a.down.su, a.down.sv,
                       rows_y},
                      plan.params);
+  tiled(plan.tiled_down, rows_h, a.down, rows_y);
   mps_encode_tensors(plan.combine.kernel, plan.combine.grid, plan.combine.threads[0],
                      {rows_y, a.slot_row, a.probs, y}, plan.params);
 }

@@ -181,6 +181,24 @@ TrellisPlan plan_trellis_moe(int64_t tokens, int64_t hidden, int64_t intermediat
       p.down.grid[0] = cdiv(hidden, kMetalDecodeTileN);
       p.down.grid[1] = E;
       p.down.threads[0] = kMetalThreads;
+      if (R > uint64_t(kDecodeMaxM)) {
+        // The host cannot size these per expert without a sync: grid.y covers every routed row,
+        // and threadgroups past their expert's rows (or of experts with <= 16 rows) exit at once.
+        const uint32_t row_tiles = cdiv(int64_t(R), kMetalPrefillTile);
+        for (TrellisLaunch* l : {&p.tiled_gate, &p.tiled_up}) {
+          l->grid[0] = cdiv(intermediate, kMetalPrefillTile);
+          l->grid[1] = row_tiles;
+          l->grid[2] = E;
+          l->threads[0] = kMetalThreads;
+        }
+        p.tiled_gate.kernel = "moe_trellis_tiled_gate" + suffix;
+        p.tiled_up.kernel = "moe_trellis_tiled_up" + suffix;
+        p.tiled_down.kernel = "moe_trellis_tiled_down" + suffix;
+        p.tiled_down.grid[0] = cdiv(hidden, kMetalPrefillTile);
+        p.tiled_down.grid[1] = row_tiles;
+        p.tiled_down.grid[2] = E;
+        p.tiled_down.threads[0] = kMetalThreads;
+      }
       p.combine.kernel = "moe_trellis_combine" + suffix;
       p.combine.grid[0] = cdiv(int64_t(tokens) * hidden, kMetalCombineThreads);
       p.combine.threads[0] = kMetalCombineThreads;

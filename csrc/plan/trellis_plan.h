@@ -25,6 +25,10 @@ struct TrellisPlan {
   TrellisLaunch main;     // the GEMM, or the MoE gate/up + SwiGLU stage
   TrellisLaunch down;     // MoE: down projection of the routed rows (empty kernel otherwise)
   TrellisLaunch combine;  // MoE: probability-weighted sum of the top_k rows per token
+  // Metal MoE, only when tokens * top_k > 16: 64x64-tile kernels for experts with more than 16
+  // routed rows (the GEMV stages skip those). Order on the encoder: main, tiled_gate, tiled_up,
+  // down, tiled_down, combine. Empty kernel names when not planned.
+  TrellisLaunch tiled_gate, tiled_up, tiled_down;
   uint32_t k_chunk = 0;   // CPU: K rows dequantized per panel (bounded cache footprint)
   TrellisParams params{};
 };
