@@ -19,6 +19,7 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu/panel_buffer.h"
 #include "ops/quant_gemm.h"
 
 namespace torch_marlin {
@@ -28,18 +29,6 @@ constexpr int64_t kBlockN = 64;  // columns per inner block (fits a [16 x 64] fp
 
 // Dequantized chunk of the tiled path: 2M floats (8 MB) per chunk.
 constexpr int64_t kChunkFloats = int64_t(2) << 20;
-
-// The chunk buffer is kept per calling thread and only grows: first-touch page faults of a fresh
-// multi-MB allocation cost more than the dequant itself on small VMs.
-float* panel_buffer(size_t floats) {
-  thread_local std::unique_ptr<float[]> buf;
-  thread_local size_t cap = 0;
-  if (floats > cap) {
-    buf.reset(new float[floats]);
-    cap = floats;
-  }
-  return buf.get();
-}
 
 // Branch-free E2M1 magnitude decode the vectorizer accepts (same values as fp4_e2m1_to_float).
 inline float fp4_value(uint32_t code) {

@@ -24,6 +24,7 @@
 #include <memory>
 #include <vector>
 
+#include "cpu/panel_buffer.h"
 #include "ops/trellis.h"
 
 namespace torch_marlin {
@@ -252,18 +253,6 @@ void dequant_rows(const TView& w, int64_t k0, int64_t kc, int64_t n0, int64_t nb
     const float su = w.su[k];
     for (int64_t n = 0; n < nb; ++n) row[n] *= s[n] * su * sv[n];
   }
-}
-
-// Reusable per-thread panel: first-touch page faults of a fresh multi-MB buffer cost more than
-// the dequant itself on small VMs (the FP4/INT4 CPU path learned the same).
-float* panel_buffer(size_t floats) {
-  thread_local std::unique_ptr<float[]> buf;
-  thread_local size_t cap = 0;
-  if (floats > cap) {
-    buf.reset(new float[floats]);
-    cap = floats;
-  }
-  return buf.get();
 }
 
 // out[m, n] (row stride ldo) = sum_k X[m, k] * w[k, n] for all n < w.N, any number of rows.

@@ -8,29 +8,12 @@
 #include <stdexcept>
 
 #include "plan/plan_py.h"
+#include "emu_common.h"
 #include "runtime.h"
 
 namespace {
 
 using namespace torch_marlin;
-
-DType dtype_of(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kHalf: return DType::F16;
-    case at::kBFloat16: return DType::BF16;
-    case at::kFloat: return DType::F32;
-    default: TORCH_CHECK_TYPE(false, "activations must be float16, bfloat16 or float32, got ", t.scalar_type());
-  }
-}
-
-metal_emu::Schedule parse_schedule(const std::string& s) {
-  if (s == "forward") return metal_emu::Schedule::Forward;
-  if (s == "reverse") return metal_emu::Schedule::Reverse;
-  if (s == "random") return metal_emu::Schedule::Random;
-  if (s == "simd_ahead") return metal_emu::Schedule::SimdAhead;
-  if (s == "simd_ahead_reverse") return metal_emu::Schedule::SimdAheadReverse;
-  TORCH_CHECK_VALUE(false, "schedule must be forward/reverse/random/simd_ahead/simd_ahead_reverse, got '", s, "'");
-}
 
 void run(const std::string& kernel, const uint32_t grid[3], uint32_t threads, std::vector<void*> buffers,
          const std::string& schedule, uint64_t seed, int workers) {

@@ -22,6 +22,24 @@ DType to_dtype(at::ScalarType t) {
   }
 }
 
+DeviceCaps device_caps(const at::Device& dev) {
+  switch (dev.type()) {
+    case at::kCPU: {
+      DeviceCaps c;
+      c.backend = Backend::CPU;
+      c.compute_units = at::get_num_threads();
+      return c;
+    }
+#ifdef TM_WITH_MPS
+    case at::kMPS: return mps_device_caps();
+#endif
+#ifdef TM_WITH_CUDA
+    case at::kCUDA: return cuda_device_caps(dev.index());
+#endif
+    default: TORCH_CHECK(false, "torch_marlin: no kernels for device ", dev);
+  }
+}
+
 namespace {
 
 void check_float_dtype(const at::Tensor& t, const char* op, const char* name) {
@@ -104,28 +122,10 @@ QuantGemmArgs check_gemm(QuantFormat format, const at::Tensor& A, const at::Tens
   return a;
 }
 
-DeviceCaps caps_for(const at::Device& dev) {
-  switch (dev.type()) {
-    case at::kCPU: {
-      DeviceCaps c;
-      c.backend = Backend::CPU;
-      c.compute_units = at::get_num_threads();
-      return c;
-    }
-#ifdef TM_WITH_MPS
-    case at::kMPS: return mps_device_caps();
-#endif
-#ifdef TM_WITH_CUDA
-    case at::kCUDA: return cuda_device_caps(dev.index());
-#endif
-    default: TORCH_CHECK(false, "torch_marlin: no kernels for device ", dev);
-  }
-}
-
 at::Tensor run_gemm(const QuantGemmArgs& a) {
   at::Tensor C = at::empty({a.M, a.N}, a.A.options());
   if (a.M == 0) return C;
-  const DeviceCaps caps = caps_for(a.A.device());
+  const DeviceCaps caps = device_caps(a.A.device());
   const GemmPlan plan = plan_quant_gemm(a.format, a.M, a.K, a.N, a.group_size, a.dtype, a.bias.defined(), caps);
   at::Tensor workspace;
   if (plan.workspace_bytes > 0) {

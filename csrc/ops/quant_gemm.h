@@ -23,6 +23,9 @@ struct QuantGemmArgs {
 
 DType to_dtype(at::ScalarType t);
 
+// Caps of the device the tensors live on (planner input): CPU threads, Metal cores, CUDA SMs.
+DeviceCaps device_caps(const at::Device& dev);
+
 // ---- CPU (csrc/cpu/quant_gemm_cpu.cpp) ----
 void quant_gemm_cpu(const GemmPlan& plan, const QuantGemmArgs& args, at::Tensor& C);
 void quant_dequant_cpu(const QuantGemmArgs& args, at::Tensor& W);

@@ -56,21 +56,6 @@ void log_dispatch(const char* op, const TrellisPlan& plan, std::initializer_list
   std::cerr << os.str() << std::flush;
 }
 
-DeviceCaps caps_for(const at::Device& dev) {
-  switch (dev.type()) {
-    case at::kCPU: {
-      DeviceCaps c;
-      c.backend = Backend::CPU;
-      c.compute_units = at::get_num_threads();
-      return c;
-    }
-#ifdef TM_WITH_MPS
-    case at::kMPS: return mps_device_caps();
-#endif
-    default: TORCH_CHECK(false, "torch_marlin: no trellis kernels for device ", dev);
-  }
-}
-
 void check_device(const at::Tensor& t, const at::Device& dev, const char* op, const std::string& name,
                   const char* ref) {
   TORCH_CHECK_VALUE(t.device() == dev, op, ": ", name, " is on ", t.device(), " but ", ref, " is on ", dev,
@@ -151,7 +136,7 @@ at::Tensor gemm_trellis(const at::Tensor& A, const at::Tensor& packed, const at:
   a.A = A.contiguous();
   at::Tensor C = at::empty({a.M, N}, A.options());
   if (a.M == 0) return C;
-  const DeviceCaps caps = caps_for(A.device());
+  const DeviceCaps caps = device_caps(A.device());
   const TrellisPlan plan = plan_trellis_gemm(a.M, K, N, bits, group_size, a.dtype, caps);
   if (debug_enabled()) {
     log_dispatch(op, plan, {{"A", a.A}, {"scales", a.w.scales}, {"grid", a.w.grid}, {"su", a.w.su}, {"sv", a.w.sv}});
@@ -179,7 +164,7 @@ at::Tensor dequant_trellis(const at::Tensor& packed, const at::Tensor& scales, c
   a.w = check_weights(op, "", packed, scales, grid, su, sv, K, N, bits, group_size, 0, packed.device(),
                       "packed_indices");
   at::Tensor W = at::empty({K, N}, scales.options());
-  const DeviceCaps caps = caps_for(packed.device());
+  const DeviceCaps caps = device_caps(packed.device());
   const TrellisPlan plan = plan_trellis_dequant(K, N, bits, group_size, caps);
   if (debug_enabled()) {
     log_dispatch(op, plan, {{"scales", a.w.scales}, {"grid", a.w.grid}, {"su", a.w.su}, {"sv", a.w.sv}});
@@ -249,7 +234,7 @@ at::Tensor moe_trellis(const at::Tensor& x, const at::Tensor& gate_packed, const
   a.dtype = to_dtype(x.scalar_type());
   a.x = x.contiguous();
   a.probs = expert_probs.to(at::kFloat).contiguous();
-  const DeviceCaps caps = caps_for(dev);
+  const DeviceCaps caps = device_caps(dev);
   const TrellisPlan plan = plan_trellis_moe(T, H, intermediate, E, top_k, bits, group_size, a.dtype, caps);
   if (debug_enabled()) {
     log_dispatch(op, plan, {{"x", a.x}, {"gate_scales", a.gate.scales}, {"gate_grid", a.gate.grid},
