@@ -13,6 +13,11 @@ from . import _C  # noqa: E402,F401  (registers torch.ops.marlin.*)
 from . import ops  # noqa: E402,F401  (fake kernels for torch.compile)
 from .dispatch import plan_gemm  # noqa: E402
 from .modules import MarlinLinear  # noqa: E402
+# Real models (none of these import transformers at import time).
+from .patching import patch_model  # noqa: E402
+from .checkpoint import load_quantized, save_quantized  # noqa: E402
+from .gptq import import_gptq, marlin_linear_from_gptq  # noqa: E402
 
-__all__ = ["MarlinLinear", "plan_gemm", "ops"]
+__all__ = ["MarlinLinear", "plan_gemm", "ops", "patch_model", "save_quantized", "load_quantized",
+           "marlin_linear_from_gptq", "import_gptq"]
 __version__ = "0.1.0"
