@@ -11,23 +11,36 @@ import torch
 from . import _C  # noqa: F401  (the ops must be registered before register_fake)
 
 
+def check_same_device(op: str, ref_name: str, ref: torch.Tensor, **others) -> None:
+    """Tensors on different devices would otherwise reach the Meta/fake kernel silently (the
+    dispatcher prefers Meta when any argument is a meta tensor)."""
+    for name, t in others.items():
+        if t is not None and t.device != ref.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but {ref_name} is on {ref.device}; "
+                             "all tensors must be on one device")
+
+
 @torch.library.register_fake("marlin::gemm_fp4")
 def _gemm_fp4_fake(A, B_packed, scales, group_size, bias=None):
+    check_same_device("gemm_fp4", "A", A, B_packed=B_packed, scales=scales, bias=bias)
     return A.new_empty((A.shape[0], B_packed.shape[1]))
 
 
 @torch.library.register_fake("marlin::gemm_u4")
 def _gemm_u4_fake(A, B_packed, scales, zeros, group_size, bias=None):
+    check_same_device("gemm_u4", "A", A, B_packed=B_packed, scales=scales, zeros=zeros, bias=bias)
     return A.new_empty((A.shape[0], B_packed.shape[1]))
 
 
 @torch.library.register_fake("marlin::dequant_fp4")
 def _dequant_fp4_fake(B_packed, scales, group_size):
+    check_same_device("dequant_fp4", "B_packed", B_packed, scales=scales)
     return scales.new_empty((B_packed.shape[0] * 8, B_packed.shape[1]))
 
 
 @torch.library.register_fake("marlin::dequant_u4")
 def _dequant_u4_fake(B_packed, scales, zeros, group_size):
+    check_same_device("dequant_u4", "B_packed", B_packed, scales=scales, zeros=zeros)
     return scales.new_empty((B_packed.shape[0] * 8, B_packed.shape[1]))
 
 

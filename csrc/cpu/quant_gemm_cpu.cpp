@@ -5,14 +5,18 @@
 //   decode (M <= 16): every packed word is read once for all M rows; per group the kernel sums
 //     a[m,k] * code_value[k,n] in fp32 and applies the scale (and zero point) once per group:
 //       FP4: acc += s * sum_k a*v          U4: acc += s * (sum_k a*q - z * sum_k a)
-//   tiled (M > 16): each task dequantizes a [K, tile_n] panel to fp32 once and multiplies all M
-//     rows against it with the BLAS micro-GEMM; the dense weight never exists beyond one panel
-//     per thread.
+//   tiled (M > 16): column chunks of at most ~16 MB are dequantized to fp32 once (all threads),
+//     then one BLAS call multiplies every row of A against the chunk; the dense weight never
+//     exists beyond one chunk.
 #include <ATen/Parallel.h>
 #include <c10/util/irange.h>
 
 #include <cstring>
 #include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "ops/quant_gemm.h"
 
@@ -38,10 +42,32 @@ inline float fp4_value(uint32_t code) {
 // U4 codes decode to their unsigned value; the zero point is applied per group by the caller.
 template <QuantFormat F>
 inline void decode_word_row(const int32_t* __restrict words, int64_t nb, float (*__restrict vals)[kBlockN]) {
+  int64_t n = 0;
+#if defined(__AVX2__)
+  // 8 columns per step: shift + mask extract a code per lane; FP4 magnitudes come from an
+  // in-register 8-entry table (vpermps indexes with the low 3 bits), the sign bit is moved to
+  // bit 31. 4-5 instructions per 8 weights instead of a per-lane select chain.
+  const __m256 mags = _mm256_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+  const __m256i fifteen = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+  for (; n + 8 <= nb; n += 8) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + n));
+    for (int r = 0; r < 8; ++r) {
+      const __m256i code = _mm256_and_si256(_mm256_srli_epi32(w, 4 * r), fifteen);
+      __m256 v;
+      if (F == QuantFormat::FP4) {
+        const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(code, eight), 28);
+        v = _mm256_xor_ps(_mm256_permutevar8x32_ps(mags, code), _mm256_castsi256_ps(sign));
+      } else {
+        v = _mm256_cvtepi32_ps(code);
+      }
+      _mm256_storeu_ps(vals[r] + n, v);
+    }
+  }
+#endif
   for (int r = 0; r < 8; ++r) {
-    for (int64_t n = 0; n < nb; ++n) {
-      const uint32_t code = (uint32_t(words[n]) >> (4 * r)) & 15u;
-      vals[r][n] = F == QuantFormat::FP4 ? fp4_value(code) : float(code);
+    for (int64_t c = n; c < nb; ++c) {
+      const uint32_t code = (uint32_t(words[c]) >> (4 * r)) & 15u;
+      vals[r][c] = F == QuantFormat::FP4 ? fp4_value(code) : float(code);
     }
   }
 }
@@ -134,18 +160,23 @@ void gemm_impl(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C) {
       }
     });
   } else {
-    at::parallel_for(0, n_tiles, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> panel(size_t(a.K) * tile_n);
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t n0 = t * tile_n, nb = std::min(tile_n, a.N - n0);
-        dequant_panel<F>(a, S, Z, n0, nb, panel.data(), nb);
-        // Inside parallel_for the BLAS call runs single-threaded: one panel per worker.
-        const at::Tensor P = at::from_blob(panel.data(), {a.K, nb}, at::kFloat);
-        at::Tensor out = Cf.narrow(1, n0, nb);
-        at::mm_out(out, Af, P);
-        if (bias) out.add_(biasf.narrow(0, n0, nb));
-      }
-    });
+    // Chunks of whole tiles, each at most ~16 MB of fp32 panel: dequantize the chunk with all
+    // threads, then one multi-threaded BLAS call for every row. (Calling BLAS per tile from inside
+    // parallel_for oversubscribes the cores.)
+    const int64_t max_cols = std::max<int64_t>(tile_n, (int64_t(4) << 20) / a.K / tile_n * tile_n);
+    std::vector<float> panel(size_t(a.K) * std::min(max_cols, a.N));
+    for (int64_t c0 = 0; c0 < a.N; c0 += max_cols) {
+      const int64_t cw = std::min(max_cols, a.N - c0);
+      at::parallel_for(0, (cw + kBlockN - 1) / kBlockN, 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) {
+          dequant_panel<F>(a, S, Z, c0 + b * kBlockN, std::min(kBlockN, cw - b * kBlockN), panel.data() + b * kBlockN, cw);
+        }
+      });
+      const at::Tensor P = at::from_blob(panel.data(), {a.K, cw}, at::kFloat);
+      at::Tensor out = Cf.narrow(1, c0, cw);
+      at::mm_out(out, Af, P);
+      if (bias) out.add_(biasf.narrow(0, c0, cw));
+    }
   }
   if (!direct) C.copy_(Cf);
 }

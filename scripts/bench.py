@@ -1,0 +1,120 @@
+"""Benchmarks of the torch_marlin ops against dense torch.matmul in the same process.
+
+    python scripts/bench.py                      # CPU, Llama-7B shapes, M in {1, 16, 64, 256}
+    python scripts/bench.py --device cuda        # on a GPU (CUDA-event timing)
+    python scripts/bench.py --shapes 4096x4096 --m 1,16 --formats fp4
+
+For every (K x N, M, format) it prints the median time, the effective weight bandwidth (bytes of
+packed weights + scales (+ zero points) read once, divided by the time) and the speed ratio
+against torch.matmul with dense weights of the activation dtype (> 1 means torch_marlin is faster).
+On CPU a dense fp32 baseline is printed too, whatever the activation dtype.
+"""
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+
+import torch_marlin  # noqa: F401
+from torch_marlin.formats import quantize_fp4, quantize_u4
+
+LLAMA7B_SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096)]
+
+
+def parse_shapes(text):
+    return [tuple(int(v) for v in s.split("x")) for s in text.split(",")]
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def bench(fn, device, reps, min_time=0.2):
+    """Median wall time in seconds of fn() after a warm-up; at least `reps` runs, and more for fast
+    calls until min_time has passed (for stable medians of microsecond-scale kernels)."""
+    fn()
+    sync(device)
+    times = []
+    start = time.perf_counter()
+    while len(times) < reps or (time.perf_counter() - start < min_time and len(times) < 1000):
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(begin.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def quantized_case(fmt, K, N, group_size, dtype, device):
+    """Returns (callable A -> C, bytes of weight data the kernel reads)."""
+    w = torch.randn(K, N) * 0.02
+    if fmt == "fp4":
+        B, s = quantize_fp4(w, group_size, scale_dtype=dtype)
+        B, s = B.to(device), s.to(device)
+        return (lambda A: torch.ops.marlin.gemm_fp4(A, B, s, group_size)), B.numel() * 4 + s.numel() * s.element_size()
+    B, s, z = quantize_u4(w, group_size, scale_dtype=dtype)
+    B, s, z = B.to(device), s.to(device), z.to(device)
+    nbytes = B.numel() * 4 + s.numel() * s.element_size() + z.numel()
+    return (lambda A: torch.ops.marlin.gemm_u4(A, B, s, z, group_size)), nbytes
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
+                    help="activation dtype (default: float32 on CPU, float16 elsewhere)")
+    ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in LLAMA7B_SHAPES), help="KxN,KxN,...")
+    ap.add_argument("--m", default="1,16,64,256")
+    ap.add_argument("--formats", default="fp4,u4")
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    args = ap.parse_args()
+
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "float16"))
+    torch.manual_seed(0)
+    if device.type == "cpu":
+        machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    else:
+        machine = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    print(f"# torch {torch.__version__}, device {device} ({machine}), activations {dtype}, group {args.group_size}")
+    cols = ["format", "K", "N", "M", "marlin_us", "weight_GB/s", f"dense_{str(dtype)[6:]}_us", "speedup"]
+    fp32_baseline = device.type == "cpu" and dtype != torch.float32
+    if fp32_baseline:
+        cols += ["dense_float32_us", "speedup_vs_fp32"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for K, N in parse_shapes(args.shapes):
+        W = (torch.randn(K, N) * 0.02).to(device=device, dtype=dtype)
+        W32 = W.float() if fp32_baseline else None
+        kernels = {fmt: quantized_case(fmt, K, N, args.group_size, dtype, device) for fmt in args.formats.split(",")}
+        for M in (int(m) for m in args.m.split(",")):
+            A = torch.randn(M, K, device=device).to(dtype)
+            t_dense = bench(lambda: torch.matmul(A, W), device, args.reps)
+            t_dense32 = bench(lambda: torch.matmul(A.float(), W32), device, args.reps) if fp32_baseline else None
+            for fmt, (fn, nbytes) in kernels.items():
+                t = bench(lambda: fn(A), device, args.reps)
+                row = [fmt, K, N, M, f"{t * 1e6:.1f}", f"{nbytes / t / 1e9:.1f}", f"{t_dense * 1e6:.1f}",
+                       f"{t_dense / t:.2f}x"]
+                if fp32_baseline:
+                    row += [f"{t_dense32 * 1e6:.1f}", f"{t_dense32 / t:.2f}x"]
+                print("| " + " | ".join(str(c) for c in row) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""FP4 / INT4 ops on CPU against torch.matmul on plain-torch dequantized weights, plus argument
+checking and the dispatch policy."""
+
+import pytest
+import torch
+
+import torch_marlin
+from torch_marlin.formats import (dequant_fp4_reference, dequant_u4_reference, pack_int4, quantize_fp4,
+                                  quantize_u4, unpack_int4)
+from torch_marlin.formats.fp4 import E2M1_VALUES
+
+from reference import assert_gemm_close, make_weights
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+MS = [0, 1, 3, 16, 17, 64, 257]
+
+
+def run_gemm(fmt, A, w, group_size, bias=None):
+    if fmt == "fp4":
+        return torch.ops.marlin.gemm_fp4(A, w["B"], w["scales"], group_size, bias)
+    return torch.ops.marlin.gemm_u4(A, w["B"], w["scales"], w["zeros"], group_size, bias)
+
+
+# ---- formats -----------------------------------------------------------------------------------
+
+def test_pack_unpack_roundtrip_and_bit_layout():
+    codes = torch.randint(0, 16, (64, 9), dtype=torch.uint8)
+    packed = pack_int4(codes)
+    assert packed.dtype == torch.int32 and packed.shape == (8, 9)
+    assert torch.equal(unpack_int4(packed), codes)
+    # LSB first: row k+j of a word sits in bits 4j..4j+3.
+    one = torch.zeros(8, 1, dtype=torch.uint8)
+    one[7, 0] = 0xF
+    one[0, 0] = 0x3
+    assert pack_int4(one).item() == torch.tensor(0xF0000003 - 2**32, dtype=torch.int64).item()
+
+
+def test_fp4_codes_decode_to_e2m1_grid():
+    codes = torch.arange(16, dtype=torch.uint8).repeat(8, 1).t().reshape(128, 1)  # each code, 8 times
+    B = pack_int4(codes)
+    s = torch.ones(1, 1)
+    W = dequant_fp4_reference(B, s, 128)
+    assert torch.equal(W[::8, 0], E2M1_VALUES)
+    assert torch.equal(torch.ops.marlin.dequant_fp4(B, s, 128)[::8, 0], E2M1_VALUES)
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+def test_quantize_is_exact_on_representable_weights(fmt):
+    # Weights already on the format's grid must survive quantize -> dequant exactly.
+    K, N, g = 64, 24, 32
+    if fmt == "fp4":
+        w = E2M1_VALUES[torch.randint(0, 16, (K, N))] * 0.25
+        w[0] = 6 * 0.25  # every group/column attains the max magnitude -> scale = 0.25 exactly
+        w[32] = -6 * 0.25
+        B, s = quantize_fp4(w, g, scale_dtype=torch.float32)
+        assert torch.equal(dequant_fp4_reference(B, s, g), w)
+    else:
+        q = torch.randint(0, 16, (K, N)).float()
+        q[0], q[1], q[32], q[33] = 0, 15, 0, 15
+        w = (q - 3) * 0.5
+        B, s, z = quantize_u4(w, g, scale_dtype=torch.float32)
+        assert torch.equal(dequant_u4_reference(B, s, z, g), w)
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+def test_quantization_error_is_bounded(fmt):
+    # RTN error on Gaussian weights: FP4 E2M1 with absmax/6 scales has relative RMS error ~0.09-0.10
+    # at g=128; asymmetric INT4 ~0.08. Bounds leave ~30% margin over the measured values.
+    w = torch.randn(512, 256)
+    if fmt == "fp4":
+        W = dequant_fp4_reference(*quantize_fp4(w, 128, scale_dtype=torch.float32), 128)
+    else:
+        W = dequant_u4_reference(*quantize_u4(w, 128, scale_dtype=torch.float32), 128)
+    rel = ((W - w).norm() / w.norm()).item()
+    assert rel < {"fp4": 0.13, "u4": 0.11}[fmt]
+
+
+def test_zero_group_does_not_produce_nan():
+    w = torch.zeros(128, 8)
+    B, s = quantize_fp4(w, 64)
+    assert torch.equal(dequant_fp4_reference(B, s, 64), w)
+    B, s, z = quantize_u4(w, 64)
+    assert torch.equal(dequant_u4_reference(B, s, z, 64), w)
+
+
+# ---- ops vs torch.matmul ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("M", MS)
+def test_gemm_matches_matmul(fmt, dtype, group_size, M):
+    K, N = 256, 200  # N not a multiple of 64 (nor of the CPU block)
+    w = make_weights(fmt, K, N, group_size, dtype)
+    A = torch.randn(M, K).to(dtype)
+    bias = torch.randn(N).to(dtype) if M % 2 else None
+    out = run_gemm(fmt, A, w, group_size, bias)
+    assert out.dtype == dtype and out.shape == (M, N)
+    assert_gemm_close(out, A, w["ref"], bias)
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("M", [1, 16, 40])
+@pytest.mark.parametrize("N", [1, 7, 65, 300])
+def test_gemm_odd_n(fmt, M, N):
+    K, g = 64, 8
+    w = make_weights(fmt, K, N, g, torch.float16)
+    A = torch.randn(M, K).half()
+    assert_gemm_close(run_gemm(fmt, A, w, g), A, w["ref"])
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequant_op_matches_reference(fmt, dtype):
+    w = make_weights(fmt, 128, 72, 32, dtype)
+    if fmt == "fp4":
+        W = torch.ops.marlin.dequant_fp4(w["B"], w["scales"], 32)
+    else:
+        W = torch.ops.marlin.dequant_u4(w["B"], w["scales"], w["zeros"], 32)
+    assert W.dtype == dtype and W.shape == (128, 72)
+    # One rounding of an exact product (code value x scale) to the scales' dtype.
+    torch.testing.assert_close(W, w["ref"].to(dtype), rtol=0, atol=0)
+
+
+def test_non_contiguous_inputs_are_handled():
+    K, N, g = 128, 96, 64
+    w = make_weights("u4", K, N, g, torch.float32)
+    A = torch.randn(K, 5).t()  # [5, K] transposed view
+    B_nc = torch.stack([w["B"], -w["B"]], dim=2).reshape(K // 8, 2 * N)[:, ::2]  # stride-2 view of B
+    assert not A.is_contiguous() and not B_nc.is_contiguous()
+    out = torch.ops.marlin.gemm_u4(A, B_nc, w["scales"], w["zeros"], g)
+    assert_gemm_close(out, A, w["ref"])
+
+
+def test_gemm_is_deterministic():
+    w = make_weights("fp4", 1024, 300, 128, torch.float16)
+    for M in (1, 40):
+        A = torch.randn(M, 1024).half()
+        first = torch.ops.marlin.gemm_fp4(A, w["B"], w["scales"], 128)
+        for _ in range(3):
+            assert torch.equal(torch.ops.marlin.gemm_fp4(A, w["B"], w["scales"], 128), first)
+
+
+# ---- argument checks ----------------------------------------------------------------------------
+
+def _args(fmt="u4", K=64, N=16, g=32, dtype=torch.float16):
+    w = make_weights(fmt, K, N, g, dtype)
+    return torch.randn(4, K).to(dtype), w
+
+
+@pytest.mark.parametrize("mutate, exc, pattern", [
+    (lambda a: a.update(A=a["A"].to(torch.int32)), TypeError, "A must be float16, bfloat16 or float32"),
+    (lambda a: a.update(A=a["A"][None]), ValueError, "A must be 2-D"),
+    (lambda a: a.update(A=a["A"][:, :32]), ValueError, "B_packed must have K/8 = 4 rows"),
+    (lambda a: a.update(A=a["A"][:, :60]), ValueError, "K must be a positive multiple of 8"),
+    (lambda a: a.update(B=a["B"].to(torch.int64)), TypeError, "B_packed must be int32"),
+    (lambda a: a.update(B=a["B"][:, :8]), ValueError, r"scales must have shape \[2, 8\]"),
+    (lambda a: a.update(scales=a["scales"].float()), TypeError, "scales must have A's dtype"),
+    (lambda a: a.update(scales=a["scales"][:1]), ValueError, r"scales must have shape \[2, 16\]"),
+    (lambda a: a.update(zeros=a["zeros"].to(torch.int32)), TypeError, "zeros must be uint8"),
+    (lambda a: a.update(zeros=a["zeros"][:, :3]), ValueError, r"zeros must have shape \[2, 16\]"),
+    (lambda a: a.update(g=12), ValueError, "group_size must be a positive multiple of 8"),
+    (lambda a: a.update(g=48), ValueError, r"group_size \(48\) must divide K \(64\)"),
+    (lambda a: a.update(g=0), ValueError, "group_size must be a positive multiple of 8"),
+    (lambda a: a.update(bias=torch.zeros(15, dtype=torch.float16)), ValueError, r"bias must have shape \[16\]"),
+    (lambda a: a.update(bias=torch.zeros(16)), TypeError, "bias must have A's dtype"),
+    (lambda a: a.update(scales=a["scales"].to("meta")), ValueError, "scales is on meta but A is on cpu"),
+])
+def test_gemm_u4_rejects_bad_arguments(mutate, exc, pattern):
+    A, w = _args()
+    a = {"A": A, "B": w["B"], "scales": w["scales"], "zeros": w["zeros"], "g": 32, "bias": None}
+    mutate(a)
+    with pytest.raises(exc, match=pattern):
+        torch.ops.marlin.gemm_u4(a["A"], a["B"], a["scales"], a["zeros"], a["g"], a["bias"])
+
+
+def test_gemm_fp4_and_dequant_reject_bad_arguments():
+    A, w = _args("fp4")
+    with pytest.raises(ValueError, match="B_packed must be 2-D"):
+        torch.ops.marlin.gemm_fp4(A, w["B"].flatten(), w["scales"], 32)
+    with pytest.raises(ValueError, match="B_packed is on meta but A is on cpu"):
+        torch.ops.marlin.gemm_fp4(A, w["B"].to("meta"), w["scales"], 32)
+    with pytest.raises(TypeError, match="scales must be float16, bfloat16 or float32"):
+        torch.ops.marlin.dequant_fp4(w["B"], w["scales"].to(torch.int32), 32)
+    with pytest.raises(ValueError, match=r"scales must have shape \[4, 16\]"):
+        torch.ops.marlin.dequant_fp4(w["B"], w["scales"], 16)
+    with pytest.raises(ValueError, match="zeros is on meta but B_packed is on cpu"):
+        torch.ops.marlin.dequant_u4(w["B"], w["scales"], torch.zeros(2, 16, dtype=torch.uint8, device="meta"), 32)
+
+
+# ---- dispatch policy ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", ["cpu", "metal"])
+def test_policy_selects_decode_up_to_16_rows(device):
+    for M in range(1, 17):
+        assert torch_marlin.plan_gemm("fp4", M, 4096, 4096, device=device)["variant"] == "decode"
+    assert torch_marlin.plan_gemm("u4", 17, 4096, 4096, device=device)["variant"] != "decode"
+
+
+def test_policy_metal_kernels_by_shape():
+    big = torch_marlin.plan_gemm("fp4", 512, 4096, 4096, device="metal")
+    assert big["kernel"] == "marlin_gemm_fused_fp4_half" and big["k_parallel"] == 1
+    # 1 x 2 output tiles on an 8-core GPU with K = 8192: stripes with K-parallel slices.
+    small = torch_marlin.plan_gemm("u4", 64, 8192, 128, dtype=torch.bfloat16, device="metal")
+    assert small["variant"] == "striped" and small["k_parallel"] > 1
+    assert small["kernel"] == "marlin_gemm_striped_u4_bfloat"
+    assert small["workspace_bytes"] == small["k_parallel"] * 64 * 128 * 4
+    dec = torch_marlin.plan_gemm("fp4", 1, 4096, 4096, device="metal")
+    assert dec["kernel"] == "marlin_gemv_fp4_half"
+
+
+def test_policy_rejects_bad_names():
+    with pytest.raises(ValueError, match="format must be one of"):
+        torch_marlin.plan_gemm("int3", 1, 256, 64)
+    with pytest.raises(ValueError, match="variant must be one of"):
+        torch_marlin.plan_gemm("fp4", 1, 256, 64, variant="fast")
+    with pytest.raises(ValueError, match="decode variant handles M <= 16"):
+        torch_marlin.plan_gemm("fp4", 17, 256, 64, variant="decode")
