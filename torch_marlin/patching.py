@@ -30,6 +30,7 @@ class LayerType:
     ``empty(config: dict, device)`` builds an uninitialized module from a checkpoint entry.
     ``describe(module)`` returns that checkpoint entry (JSON-able dict).
     ``check_shapes(config, tensors)`` raises ValueError when tensors disagree with the entry.
+    ``supports(linear, group_size)`` returns None or why that layer cannot take this format.
     """
     name: str
     module_class: Callable[[], type]
@@ -37,6 +38,8 @@ class LayerType:
     empty: Callable
     describe: Callable
     check_shapes: Callable
+    supports: Callable          # (linear, group_size) -> None, or the reason it cannot be converted
+    options: Tuple[str, ...]    # keyword options patch_model passes on to ``quantize``
 
 
 def _marlin_quantize(fmt):
@@ -68,18 +71,27 @@ def _marlin_check_shapes(cfg: dict, tensors: Dict[str, Tuple[Tuple[int, ...], st
         expected["zeros"] = ((K // g, N), "uint8")
     if cfg["bias"]:
         expected["bias"] = ((N,), cfg["dtype"])
+    _check_expected(expected, tensors, f"format={cfg['format']}, in_features={K}, out_features={N}, "
+                                       f"group_size={g}, bias={cfg['bias']}, dtype={cfg['dtype']}")
+
+
+def _marlin_supports(linear: nn.Linear, group_size: int) -> Optional[str]:
+    if linear.in_features % 8 != 0 or linear.in_features % group_size != 0:
+        return f"in_features={linear.in_features} is not a multiple of group_size={group_size}"
+    return None
+
+
+def _check_expected(expected: dict, tensors: dict, what: str) -> None:
     for key, (shape, dtype) in expected.items():
         if key not in tensors:
-            raise ValueError(f"tensor '{key}' is missing (config says format={cfg['format']}, bias={cfg['bias']})")
+            raise ValueError(f"tensor '{key}' is missing ({what})")
         got_shape, got_dtype = tensors[key]
         if tuple(got_shape) != shape or got_dtype != dtype:
             raise ValueError(f"tensor '{key}' has shape {tuple(got_shape)} dtype {got_dtype}, but the config "
-                             f"(in_features={K}, out_features={N}, group_size={g}, dtype={cfg['dtype']}) "
-                             f"implies shape {shape} dtype {dtype}")
+                             f"({what}) implies shape {shape} dtype {dtype}")
     extra = set(tensors) - set(expected)
     if extra:
-        raise ValueError(f"unexpected tensors {sorted(extra)} for a MarlinLinear with format={cfg['format']}, "
-                         f"bias={cfg['bias']}")
+        raise ValueError(f"unexpected tensors {sorted(extra)} ({what})")
 
 
 def _trellis_class():
@@ -93,18 +105,55 @@ def _trellis_class():
     return TrellisLinear
 
 
-def _trellis_unavailable(*args, **kwargs):
-    _trellis_class()
-    raise NotImplementedError("format='trellis' is not wired into patch_model/checkpoints yet")
+def _trellis_quantize(linear: nn.Linear, group_size: int, dtype: torch.dtype, bits: int = 3, rotate: bool = True,
+                      seed: int = 0):
+    return _trellis_class().from_linear(linear, bits=bits, group_size=group_size, rotate=rotate, dtype=dtype,
+                                        seed=seed)
+
+
+def _trellis_empty(cfg: dict, device):
+    return _trellis_class()(cfg["in_features"], cfg["out_features"], bits=cfg["bits"], group_size=cfg["group_size"],
+                            bias=cfg["bias"], rotate=cfg["rotate"], dtype=getattr(torch, cfg["dtype"]), device=device)
+
+
+def _trellis_describe(mod) -> dict:
+    # Only the bias follows the module dtype; the trellis scales/grid/signs are always fp32.
+    dtype = mod.bias.dtype if mod.bias is not None else torch.float32
+    return {"type": "TrellisLinear", "format": "trellis", "bits": mod.bits, "group_size": mod.group_size,
+            "rotate": bool(mod.rotate), "in_features": mod.in_features, "out_features": mod.out_features,
+            "bias": mod.bias is not None, "dtype": str(dtype).replace("torch.", "")}
+
+
+def _trellis_check_shapes(cfg: dict, tensors) -> None:
+    K, N, g = cfg["in_features"], cfg["out_features"], cfg["group_size"]
+    bits = cfg.get("bits")
+    if bits not in (2, 3, 4) or "rotate" not in cfg:
+        raise ValueError(f"a trellis layer needs bits in (2, 3, 4) and rotate, got bits={bits!r}")
+    if g <= 0 or g % 16 != 0:
+        raise ValueError(f"group_size={g} is not a positive multiple of 16")
+    expected = {"packed_indices": (((K + 15) // 16, (N + 15) // 16, 32 * bits), "uint8"),
+                "scales": (((K + g - 1) // g, N), "float32"), "grid": ((1 << bits,), "float32"),
+                "su": ((K,), "float32"), "sv": ((N,), "float32")}
+    if cfg["bias"]:
+        expected["bias"] = ((N,), cfg["dtype"])
+    _check_expected(expected, tensors, f"in_features={K}, out_features={N}, bits={bits}, group_size={g}, "
+                                       f"bias={cfg['bias']}, dtype={cfg['dtype']}")
+
+
+def _trellis_supports(linear: nn.Linear, group_size: int) -> Optional[str]:
+    # The trellis format pads K and N to 16x16 tiles itself; only the group size is constrained.
+    if group_size % 16 != 0:
+        return f"trellis needs group_size a multiple of 16, got {group_size}"
+    return None
 
 
 LAYER_TYPES: Dict[str, LayerType] = {
     "fp4": LayerType("fp4", lambda: MarlinLinear, _marlin_quantize("fp4"), _marlin_empty, _marlin_describe,
-                     _marlin_check_shapes),
+                     _marlin_check_shapes, _marlin_supports, ()),
     "u4": LayerType("u4", lambda: MarlinLinear, _marlin_quantize("u4"), _marlin_empty, _marlin_describe,
-                    _marlin_check_shapes),
-    "trellis": LayerType("trellis", _trellis_class, _trellis_unavailable, _trellis_unavailable,
-                         _trellis_unavailable, _trellis_unavailable),
+                    _marlin_check_shapes, _marlin_supports, ("symmetric",)),
+    "trellis": LayerType("trellis", _trellis_class, _trellis_quantize, _trellis_empty, _trellis_describe,
+                         _trellis_check_shapes, _trellis_supports, ("bits", "rotate", "seed")),
 }
 FORMATS = tuple(LAYER_TYPES)
 
@@ -113,6 +162,9 @@ def layer_type_of(module: nn.Module) -> Optional[LayerType]:
     """The table row describing an already-quantized module, or None for anything else."""
     if isinstance(module, MarlinLinear):
         return LAYER_TYPES[module.format]
+    # Checked by name so that this never imports torch_marlin.trellis (which may not be built).
+    if type(module).__name__ == "TrellisLinear" and type(module).__module__ == "torch_marlin.trellis":
+        return LAYER_TYPES["trellis"]
     return None
 
 
@@ -183,7 +235,7 @@ def _module_bytes(mod: nn.Module) -> int:
 
 def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
                 skip: Sequence[str] = DEFAULT_SKIP, device=None, dtype: Optional[torch.dtype] = None,
-                symmetric: bool = False, strict: bool = False, progress: bool = True) -> PatchReport:
+                strict: bool = False, progress: bool = True, **format_options) -> PatchReport:
     """Replaces ``model``'s ``nn.Linear`` layers with quantized ones, in place; returns a report.
 
     ``format``: ``"fp4"`` or ``"u4"`` (MarlinLinear), ``"trellis"`` (TrellisLinear, when built).
@@ -195,7 +247,8 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
     ``device``: None leaves the model where it is; ``"auto"`` picks mps > cuda > cpu; else a device.
     The model is moved first, so quantization runs there. ``dtype``: dtype of scales/bias
     (default: each layer's own dtype, so an fp32 model runs fp32 activations without casts).
-    ``symmetric`` applies to u4 (zero point fixed at 8). ``progress``: tqdm bar over the layers.
+    ``progress``: tqdm bar over the layers. ``format_options`` go to the format's quantizer:
+    u4 ``symmetric`` (zero point fixed at 8); trellis ``bits`` (2/3/4), ``rotate``, ``seed``.
     """
     if format not in LAYER_TYPES:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
@@ -206,8 +259,10 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
     if not isinstance(group_size, int) or group_size <= 0 or group_size % 8 != 0:
         raise ValueError(f"group_size must be a positive multiple of 8, got {group_size!r}")
     lt = LAYER_TYPES[format]
-    if format == "trellis":
-        lt.module_class()  # raises a clear error when TrellisLinear is not built
+    bad = sorted(set(format_options) - set(lt.options))
+    if bad:
+        raise TypeError(f"format={format!r} takes options {list(lt.options)}, got unexpected {bad}")
+    lt.module_class()  # raises a clear error when the module is not part of this build (trellis)
     dev = resolve_device(device)
     if dev is not None:
         model.to(dev)
@@ -228,8 +283,8 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
             report.skipped.append((name, f"matches skip pattern {pattern!r}"))
         elif users.get(id(mod.weight), 0) > 1:
             report.skipped.append((name, "weight is shared with another module (tied)"))
-        elif mod.in_features % 8 != 0 or mod.in_features % group_size != 0:
-            reason = f"in_features={mod.in_features} is not a multiple of group_size={group_size}"
+        elif lt.supports(mod, group_size) is not None:
+            reason = lt.supports(mod, group_size)
             if strict:
                 raise ValueError(f"{name}: {reason}; pass skip=[...] or another group_size")
             report.skipped.append((name, reason))
@@ -243,8 +298,7 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
     with torch.no_grad():
         for name, lin in todo:
             layer_dtype = dtype if dtype is not None else lin.weight.dtype
-            opts = {"symmetric": symmetric} if format == "u4" else {}
-            new = lt.quantize(lin, group_size, layer_dtype, **opts)
+            new = lt.quantize(lin, group_size, layer_dtype, **format_options)
             new.train(lin.training)
             report.float_bytes += _module_bytes(lin)
             report.quantized_bytes += _module_bytes(new)

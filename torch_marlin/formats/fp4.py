@@ -38,7 +38,7 @@ def quantize_fp4(w: torch.Tensor, group_size: int = 128, scale_dtype: torch.dtyp
     mags = E2M1_VALUES[:8].to(wf.device)
     # Nearest magnitude, ties -> smaller: bucketize against the midpoints (right=False puts a value
     # equal to a midpoint in the lower bucket). Same codes as an argmin over |x - mag|, ~6x faster.
-    code = torch.bucketize(x.abs(), (mags[1:] + mags[:-1]) / 2, right=False)
+    code = torch.bucketize(x.abs().contiguous(), (mags[1:] + mags[:-1]) / 2, right=False)
     code = code + 8 * (x < 0).to(code.dtype)
     return pack_int4(code), scales
 
