@@ -13,11 +13,13 @@ from . import _C  # noqa: E402,F401  (registers torch.ops.marlin.*)
 from . import ops  # noqa: E402,F401  (fake kernels for torch.compile)
 from .dispatch import plan_gemm  # noqa: E402
 from .modules import MarlinLinear  # noqa: E402
-# Real models (none of these import transformers at import time).
+
+__all__ = ["MarlinLinear", "plan_gemm", "ops"]
+__version__ = "0.1.0"
+
+# Real models: patching, quantized checkpoints, GPTQ import (none of these imports transformers).
 from .patching import patch_model  # noqa: E402
 from .checkpoint import load_quantized, save_quantized  # noqa: E402
 from .gptq import import_gptq, marlin_linear_from_gptq  # noqa: E402
 
-__all__ = ["MarlinLinear", "plan_gemm", "ops", "patch_model", "save_quantized", "load_quantized",
-           "marlin_linear_from_gptq", "import_gptq"]
-__version__ = "0.1.0"
+__all__ += ["patch_model", "save_quantized", "load_quantized", "marlin_linear_from_gptq", "import_gptq"]
