@@ -177,6 +177,18 @@ def test_checkpoint_round_trip_identical(tmp_path, fmt, tie):
             assert torch.equal(a, b)
 
 
+def test_checkpoint_round_trip_keeps_half_precision(tmp_path):
+    m = toy(tie=True).to(torch.bfloat16)
+    patch_model(m, format="fp4", group_size=32, progress=False)
+    save_quantized(m, str(tmp_path))
+    back = load_quantized(str(tmp_path), model=toy(seed=1, tie=True))  # an fp32 skeleton
+    assert back.embed.weight.dtype == torch.bfloat16 and back.up.scales.dtype == torch.bfloat16
+    assert back.lm_head.weight is back.embed.weight
+    with torch.no_grad():
+        for a, b in zip(m(IDS), back(IDS)):
+            assert torch.equal(a, b)
+
+
 @pytest.fixture
 def saved_toy(tmp_path):
     m = toy()

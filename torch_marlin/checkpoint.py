@@ -227,6 +227,13 @@ def load_quantized(directory: str, model: Optional[nn.Module] = None, device=Non
         raise ValueError(f"{path} could not be read (truncated or corrupted?): {e}") from e
     for alias, target in cfg["tied"].items():
         sd[alias] = sd[target]
+    # load_state_dict copies into the skeleton's tensors and would silently convert an fp16/bf16
+    # checkpoint to the skeleton's fp32; cast those tensors first (in place of .data, so tied
+    # parameters stay one Parameter object).
+    for key, t in list(model.state_dict(keep_vars=True).items()):
+        src = sd.get(key)
+        if src is not None and t.is_floating_point() and src.is_floating_point() and t.dtype != src.dtype:
+            t.data = t.data.to(src.dtype)
     try:
         model.load_state_dict(sd, strict=True)
     except RuntimeError as e:
