@@ -5,13 +5,14 @@
 //   decode (M <= 16): every packed word is read once for all M rows; per group the kernel sums
 //     a[m,k] * code_value[k,n] in fp32 and applies the scale (and zero point) once per group:
 //       FP4: acc += s * sum_k a*v          U4: acc += s * (sum_k a*q - z * sum_k a)
-//   tiled (M > 16): column chunks of at most ~16 MB are dequantized to fp32 once (all threads),
+//   tiled (M > 16): column chunks of at most 8 MB are dequantized to fp32 once (all threads),
 //     then one BLAS call multiplies every row of A against the chunk; the dense weight never
 //     exists beyond one chunk.
 #include <ATen/Parallel.h>
 #include <c10/util/irange.h>
 
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -24,6 +25,21 @@ namespace torch_marlin {
 namespace {
 
 constexpr int64_t kBlockN = 64;  // columns per inner block (fits a [16 x 64] fp32 accumulator in L1)
+
+// Dequantized chunk of the tiled path: 2M floats (8 MB) per chunk.
+constexpr int64_t kChunkFloats = int64_t(2) << 20;
+
+// The chunk buffer is kept per calling thread and only grows: first-touch page faults of a fresh
+// multi-MB allocation cost more than the dequant itself on small VMs.
+float* panel_buffer(size_t floats) {
+  thread_local std::unique_ptr<float[]> buf;
+  thread_local size_t cap = 0;
+  if (floats > cap) {
+    buf.reset(new float[floats]);
+    cap = floats;
+  }
+  return buf.get();
+}
 
 // Branch-free E2M1 magnitude decode the vectorizer accepts (same values as fp4_e2m1_to_float).
 inline float fp4_value(uint32_t code) {
@@ -116,21 +132,46 @@ void dequant_panel(const QuantGemmArgs& a, const float* __restrict S, const uint
                    int64_t nb, float* __restrict panel, int64_t ld) {
   const int64_t K = a.K, N = a.N, gs = a.group_size;
   const int32_t* B = a.B.data_ptr<int32_t>();
-  float vals[8][kBlockN];
-  for (int64_t c0 = 0; c0 < nb; c0 += kBlockN) {
-    const int64_t cb = std::min(kBlockN, nb - c0);
-    for (int64_t kw = 0; kw < K / 8; ++kw) {
-      decode_word_row<F>(B + kw * N + n0 + c0, cb, vals);
-      const int64_t g = kw * 8 / gs;
-      const float* s = S + g * N + n0 + c0;
-      const uint8_t* z = F == QuantFormat::U4 ? Z + g * N + n0 + c0 : nullptr;
+  int64_t vec_end = 0;
+#if defined(__AVX2__)
+  // Decode, zero point and scale in one pass per 8 columns, straight into the panel. Rows outer,
+  // columns inner: the panel is written sequentially (column strips would touch a new page per
+  // row and thrash the TLB).
+  vec_end = nb / 8 * 8;
+  const __m256 mags = _mm256_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+  const __m256i fifteen = _mm256_set1_epi32(15), sign_bit = _mm256_set1_epi32(int32_t(0x80000000u));
+  for (int64_t kw = 0; kw < K / 8; ++kw) {
+    const int64_t g = kw * 8 / gs;
+    for (int64_t c0 = 0; c0 < vec_end; c0 += 8) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B + kw * N + n0 + c0));
+      const __m256 s = _mm256_loadu_ps(S + g * N + n0 + c0);
+      __m256 z = _mm256_setzero_ps();
+      if (F == QuantFormat::U4) {
+        z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(Z + g * N + n0 + c0))));
+      }
       for (int r = 0; r < 8; ++r) {
-        float* out = panel + (kw * 8 + r) * ld + c0;
+        __m256 v;
         if (F == QuantFormat::FP4) {
-          for (int64_t n = 0; n < cb; ++n) out[n] = vals[r][n] * s[n];
+          // vpermps reads only the low 3 bits of each index: the magnitude bits of the code.
+          const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(w, 28 - 4 * r), sign_bit);
+          v = _mm256_xor_ps(_mm256_permutevar8x32_ps(mags, _mm256_srli_epi32(w, 4 * r)), _mm256_castsi256_ps(sign));
         } else {
-          for (int64_t n = 0; n < cb; ++n) out[n] = (vals[r][n] - float(z[n] & 15u)) * s[n];
+          v = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 4 * r), fifteen)), z);
         }
+        _mm256_storeu_ps(panel + (kw * 8 + r) * ld + c0, _mm256_mul_ps(v, s));
+      }
+    }
+  }
+#endif
+  for (int64_t kw = 0; kw < K / 8; ++kw) {
+    const int64_t g = kw * 8 / gs;
+    for (int64_t n = vec_end; n < nb; ++n) {
+      const uint32_t word = uint32_t(B[kw * N + n0 + n]);
+      const float s = S[g * N + n0 + n];
+      const float z = F == QuantFormat::U4 ? float(Z[g * N + n0 + n] & 15u) : 0.f;
+      for (int r = 0; r < 8; ++r) {
+        const uint32_t code = (word >> (4 * r)) & 15u;
+        panel[(kw * 8 + r) * ld + n] = (F == QuantFormat::FP4 ? fp4_value(code) : float(code) - z) * s;
       }
     }
   }
@@ -160,19 +201,18 @@ void gemm_impl(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C) {
       }
     });
   } else {
-    // Chunks of whole tiles, each at most ~16 MB of fp32 panel: dequantize the chunk with all
+    // Chunks of whole tiles, each at most 8 MB of fp32 panel: dequantize the chunk with all
     // threads, then one multi-threaded BLAS call for every row. (Calling BLAS per tile from inside
     // parallel_for oversubscribes the cores.)
-    const int64_t max_cols = std::max<int64_t>(tile_n, (int64_t(4) << 20) / a.K / tile_n * tile_n);
-    std::vector<float> panel(size_t(a.K) * std::min(max_cols, a.N));
+    const int64_t max_cols = std::max<int64_t>(tile_n, kChunkFloats / a.K / tile_n * tile_n);
+    float* panel = panel_buffer(size_t(a.K) * std::min(max_cols, a.N));
     for (int64_t c0 = 0; c0 < a.N; c0 += max_cols) {
       const int64_t cw = std::min(max_cols, a.N - c0);
       at::parallel_for(0, (cw + kBlockN - 1) / kBlockN, 1, [&](int64_t b0, int64_t b1) {
-        for (int64_t b = b0; b < b1; ++b) {
-          dequant_panel<F>(a, S, Z, c0 + b * kBlockN, std::min(kBlockN, cw - b * kBlockN), panel.data() + b * kBlockN, cw);
-        }
+        const int64_t lo = b0 * kBlockN, hi = std::min(b1 * kBlockN, cw);
+        dequant_panel<F>(a, S, Z, c0 + lo, hi - lo, panel + lo, cw);
       });
-      const at::Tensor P = at::from_blob(panel.data(), {a.K, cw}, at::kFloat);
+      const at::Tensor P = at::from_blob(panel, {a.K, cw}, at::kFloat);
       at::Tensor out = Cf.narrow(1, c0, cw);
       at::mm_out(out, Af, P);
       if (bias) out.add_(biasf.narrow(0, c0, cw));
@@ -189,10 +229,8 @@ void dequant_impl(const QuantGemmArgs& a, at::Tensor& W) {
   const uint8_t* Z = F == QuantFormat::U4 ? a.zeros.data_ptr<uint8_t>() : nullptr;
   const int64_t n_tiles = (a.N + kBlockN - 1) / kBlockN;
   at::parallel_for(0, n_tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * kBlockN;
-      dequant_panel<F>(a, Sf.data_ptr<float>(), Z, n0, std::min(kBlockN, a.N - n0), Wf.data_ptr<float>() + n0, a.N);
-    }
+    const int64_t n0 = t0 * kBlockN, n1 = std::min(t1 * kBlockN, a.N);
+    dequant_panel<F>(a, Sf.data_ptr<float>(), Z, n0, n1 - n0, Wf.data_ptr<float>() + n0, a.N);
   });
   if (!direct) W.copy_(Wf);
 }

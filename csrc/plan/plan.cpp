@@ -135,6 +135,12 @@ void plan_metal(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTy
     case GemmVariant::Auto: break;
   }
   set_reduction(p, (std::string("marlin_reduce_partials_") + dtype_name(d)).c_str(), 256);
+  // The kernels index with 32-bit uints (cheaper on Apple GPUs); see docs/limitations.md.
+  if (uint64_t(M) * uint64_t(K) > UINT32_MAX || uint64_t(K / TM_PACK_FACTOR) * uint64_t(N) > UINT32_MAX ||
+      uint64_t(M) * uint64_t(N) * p.params.k_parallel > UINT32_MAX) {
+    throw std::invalid_argument(
+        "plan_quant_gemm: the Metal kernels need M*K, K/8*N and k_parallel*M*N below 2^32; split the call");
+  }
 }
 
 // ---- CUDA -----------------------------------------------------------------------------------
@@ -223,6 +229,24 @@ GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, in
     case Backend::CUDA: plan_cuda(p, format, M, K, N, dtype, caps); break;
     case Backend::CPU: plan_cpu(p, M, K, N); break;
   }
+  return p;
+}
+
+GemmPlan plan_quant_dequant_metal(QuantFormat format, int64_t K, int64_t N, int64_t group_size, DType dtype) {
+  if (K <= 0 || N <= 0 || group_size <= 0 || K % TM_PACK_FACTOR != 0 || group_size % TM_PACK_FACTOR != 0 ||
+      K % group_size != 0 || K > UINT32_MAX || N > UINT32_MAX || (K / TM_PACK_FACTOR) * N > UINT32_MAX) {
+    throw std::invalid_argument("plan_quant_dequant_metal: invalid shape");
+  }
+  constexpr uint32_t kThreads = 256;  // kDequantThreads in metal/quant_gemm.metal
+  GemmPlan p;
+  p.params.K = uint32_t(K);
+  p.params.N = uint32_t(N);
+  p.params.group_size = uint32_t(group_size);
+  p.params.k_parallel = 1;
+  p.params.k_slice_len = uint32_t(K);
+  p.kernel = metal_name("dequant", format, dtype);
+  p.grid[0] = ceil_div((K / TM_PACK_FACTOR) * N, kThreads);
+  p.threads[0] = kThreads;
   return p;
 }
 

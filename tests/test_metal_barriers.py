@@ -1,0 +1,151 @@
+"""The Metal-on-CPU harness catches a missing barrier.
+
+tests/metal_emu.py builds, beside the pristine kernels, a copy of metal/quant_gemm.metal in which
+every tagged barrier (``threadgroup_barrier(...);  // [barrier:name]``) is rewritten into
+``if (!metal_emu::barrier_dropped("name")) threadgroup_barrier(...);``. With no barrier dropped
+the copy must match torch.matmul under every thread order; with one needed barrier dropped, the
+adversarial executor (thread orders between barriers, NaN-poisoned threadgroup memory at
+threadgroup start, per-lane simdgroup_matrix elements) must make it fail.
+
+Why more than one thread order: the lockstep orders (forward / reverse / random) let every
+simdgroup reach its next simdgroup-level sync before any is released, which hides races
+*between* simdgroups whose reads and writes are separated by a simdgroup collective; the
+"simd_ahead" orders let one simdgroup run as far as it can first and expose them.
+Runtime: a few seconds (the harness build is shared with test_metal_harness.py).
+"""
+
+import pytest
+import torch
+
+from torch_marlin.formats import dequant_fp4_reference, quantize_fp4
+
+import metal_emu
+
+SCHEDULES = ["forward", "reverse", "random", "simd_ahead", "simd_ahead_reverse"]
+
+# barrier tag -> (variant that runs the kernel holding it, M, schedules that must catch its loss).
+# fused_stage_free is absent on purpose: in the harness the simdgroup_multiply_accumulate between
+# the B-stage reads and the next writes is itself a simdgroup rendezvous, so removing it is not
+# observable here (the kernel keeps it: Metal's memory model asks for it).
+NEEDED = {
+    "gemv_meet": ("decode", 5, SCHEDULES),
+    "fused_a_ready": ("tiled", 64, ["simd_ahead", "simd_ahead_reverse"]),
+    "fused_stage_ready": ("tiled", 64, SCHEDULES),
+    "fused_a_free": ("tiled", 64, ["simd_ahead", "simd_ahead_reverse"]),
+    "staged_prologue": ("tiled_staged", 64, SCHEDULES),
+    "staged_swap": ("tiled_staged", 64, ["simd_ahead", "simd_ahead_reverse"]),
+}
+
+K, N, GS = 128, 64, 32  # four K tiles: the double-buffer swap and the A-tile reuse both happen
+
+
+@pytest.fixture(scope="module")
+def emu():
+    mod = metal_emu.load()
+    yield mod
+    mod.set_dropped_barrier("")
+
+
+def problem(M):
+    g = torch.Generator().manual_seed(M)
+    B, s = quantize_fp4(torch.randn(K, N, generator=g), GS, scale_dtype=torch.float16)
+    A = torch.randn(M, K, generator=g).half()
+    return A, B, s, A.float() @ dequant_fp4_reference(B, s, GS)
+
+
+def matches(C, ref):
+    # fp16 tolerance as in test_metal_harness.py; a race gives NaN (poison) or stale tiles.
+    return bool(torch.allclose(C.float(), ref, rtol=2e-3, atol=2e-2))
+
+
+def run(emu, variant, M, schedule):
+    A, B, s, ref = problem(M)
+    C, plan = emu.gemm("fp4", A, B, s, None, None, GS, variant, 0, schedule, 3, 1, metal_emu.BARRIER_SWITCH_PREFIX)
+    assert plan["variant"] == variant
+    return matches(C, ref)
+
+
+def test_every_tagged_barrier_is_covered():
+    assert set(NEEDED) | {"fused_stage_free"} == set(metal_emu.barrier_tags())
+
+
+@pytest.mark.parametrize("tag", sorted(NEEDED))
+def test_removed_barrier_is_detected(emu, tag):
+    variant, M, catching = NEEDED[tag]
+    emu.set_dropped_barrier("")
+    for sch in SCHEDULES:
+        assert run(emu, variant, M, sch), f"intact kernel failed under {sch}"
+    emu.set_dropped_barrier(tag)
+    try:
+        caught = [sch for sch in SCHEDULES if not run(emu, variant, M, sch)]
+    finally:
+        emu.set_dropped_barrier("")
+    assert set(catching) <= set(caught), f"dropping {tag}: caught only under {caught}"
+
+
+# ---- the executor itself (tests/metal/emu_selftest.metal) --------------------------------------
+
+def test_threadgroup_memory_is_poisoned(emu):
+    out = torch.zeros(2 * 128)
+    emu.dispatch_raw("selftest_poison", [2, 1, 1], 128, [out])
+    assert torch.isnan(out).all()
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_barrier_really_waits(emu, schedule):
+    out = torch.zeros(128)
+    emu.dispatch_raw("selftest_share", [1, 1, 1], 128, [out], schedule, 1)
+    assert torch.equal(out, torch.arange(127, -1, -1, dtype=torch.float32))
+
+
+def test_divergent_barrier_is_an_error(emu):
+    out = torch.zeros(128)
+    with pytest.raises(RuntimeError, match="threadgroup_barrier not reached by all threads"):
+        emu.dispatch_raw("selftest_divergent", [1, 1, 1], 128, [out])
+
+
+@pytest.mark.parametrize("schedule", ["forward", "random", "simd_ahead_reverse"])
+def test_simd_collectives(emu, schedule):
+    x = torch.randn(64)
+    out = torch.zeros(64 * 4)
+    emu.dispatch_raw("selftest_simd", [1, 1, 1], 64, [x, out], schedule, 2)
+    out = out.view(64, 4)
+    for sg in range(2):
+        lanes = x[32 * sg: 32 * sg + 32]
+        got = out[32 * sg: 32 * sg + 32]
+        # simd_sum adds lanes 0..31 in order in the harness (hardware order is unspecified).
+        total = torch.tensor(0.0)
+        for v in lanes:
+            total = total + v
+        assert torch.equal(got[:, 0], total.expand(32))
+        assert torch.equal(got[:, 1], lanes[(torch.arange(32) + 5) % 32])
+        down = torch.cat([lanes[1:], lanes[31:]])  # lane 31 keeps its own value
+        assert torch.equal(got[:, 2], down)
+        assert torch.equal(got[:, 3], lanes[7].expand(32))
+
+
+def test_device_atomics_across_os_threads(emu):
+    counter = torch.zeros(1, dtype=torch.int32)
+    emu.dispatch_raw("selftest_atomic", [16, 1, 1], 128, [counter], "random", 0, 2)
+    assert int(counter) == 16 * 128
+
+
+def test_threadgroup_memory_limit_is_enforced(emu):
+    out = torch.zeros(128)
+    with pytest.raises(RuntimeError, match="threadgroup memory over 32768 bytes"):
+        emu.dispatch_raw("selftest_too_much_tg", [1, 1, 1], 128, [out])
+
+
+@pytest.mark.parametrize("variant,expected", [
+    # docs/metal.md: decode 4x16x32 fp32 partials; fused A 64x40 + B stage 4x8x32 (half) + fp32
+    # epilogue stage 4x64; staged 2 x (64x32 + 32x64) half.
+    ("decode", 8192), ("tiled", 5120 + 2048 + 1024), ("tiled_staged", 16384)])
+def test_threadgroup_memory_budget(emu, variant, expected):
+    A, B, s, _ = problem(5 if variant == "decode" else 64)
+    emu.gemm("fp4", A, B, s, None, None, GS, variant, 0, "forward", 0, 1)
+    assert emu.last_stats()["max_threadgroup_bytes"] == expected
+
+
+def test_unknown_kernel_is_an_error(emu):
+    with pytest.raises(RuntimeError, match="no kernel named"):
+        emu.dispatch_raw("nonexistent", [1, 1, 1], 32, [])

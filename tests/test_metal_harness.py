@@ -1,0 +1,273 @@
+"""Metal kernels (metal/quant_gemm.metal) vs torch.matmul on weights dequantized by the pure-torch
+references in torch_marlin.formats.
+
+On Linux (CI) the kernels run in the Metal-on-CPU harness (tests/metal_emu.py, docs/metal.md),
+through the same planner (csrc/plan/plan.cpp, Backend::Metal) the MPS backend encodes. On a Mac
+with MPS, TestMPS runs the registered ops on the GPU over the same shapes.
+
+Runtime on the shared 2-core dev machine: ~2 min for the first harness build (cached under
+build/metal_emu/, shared with test_metal_barriers.py), then ~60-70 s of tests.
+"""
+
+import itertools
+import zlib
+
+import pytest
+import torch
+
+import torch_marlin
+from torch_marlin.formats import dequant_fp4_reference, dequant_u4_reference, quantize_fp4, quantize_u4
+
+import metal_emu
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+SCHEDULES = ["forward", "reverse", "random", "simd_ahead", "simd_ahead_reverse"]
+
+# Error bound, elementwise: |C - ref| <= TOL[dtype] * (|A| @ |W| + |bias|).
+# The kernels round each dequantized weight to the activation dtype (the simdgroup tiles hold T)
+# and round C once; everything else is fp32. That is two roundings of relative size eps(T) per
+# term (2^-11 for fp16, 2^-8 for bf16), plus fp32 summation error K * 2^-24 (K <= 1024 here):
+# fp16 2 * 4.9e-4 + 6e-5 ~ 1.04e-3 -> 2e-3; bf16 2 * 3.9e-3 -> 1.6e-2; fp32 -> 1e-4.
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-4}
+
+
+@pytest.fixture(scope="module")
+def emu():
+    return metal_emu.load()
+
+
+def make_problem(fmt, M, K, N, group_size, dtype, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(K, N, generator=g)
+    A = torch.randn(M, K, generator=g).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    if fmt == "fp4":
+        B, s = quantize_fp4(w, group_size, scale_dtype=dtype)
+        z = None
+        W = dequant_fp4_reference(B, s, group_size)
+    else:
+        B, s, z = quantize_u4(w, group_size, scale_dtype=dtype)
+        W = dequant_u4_reference(B, s, z, group_size)
+    return A, B, s, z, b, W
+
+
+def check_close(C, A, W, bias, dtype):
+    assert C.dtype == dtype
+    ref = A.float() @ W
+    mag = A.float().abs() @ W.abs()
+    if bias is not None:
+        ref = ref + bias.float()
+        mag = mag + bias.float().abs()
+    err = (C.float() - ref).abs()
+    bad = err > TOL[dtype] * mag + 1e-6
+    assert not torch.isnan(C).any(), "NaN in output (unwritten element or race)"
+    assert not bad.any(), f"{int(bad.sum())} elements off; max err {err.max():.3e}, max ref {ref.abs().max():.3e}"
+
+
+def schedule_for(*key):
+    """Spreads the executor's thread orders over the matrix (each case gets one, reproducibly)."""
+    return SCHEDULES[zlib.crc32(repr(key).encode()) % len(SCHEDULES)]
+
+
+# (M, K, N, group_size): edges on purpose. N not a multiple of the 32 / 64 tile, M not a multiple
+# of 8 / 64, K not a multiple of TILE_K = 32 (K = 200 with group 8), groups smaller than a K tile.
+DECODE_SHAPES = [(1, 256, 72, 32), (3, 128, 100, 64), (16, 384, 40, 128), (7, 200, 33, 8)]
+TILE_SHAPES = [(17, 256, 100, 64), (64, 128, 64, 32), (130, 256, 72, 128), (33, 200, 50, 8)]
+VARIANT_KERNEL = {"decode": "marlin_gemv", "tiled": "marlin_gemm_fused", "tiled_staged": "marlin_gemm",
+                  "striped": "marlin_gemm_striped"}
+DTYPE_NAME = {torch.float16: "half", torch.bfloat16: "bfloat", torch.float32: "float"}
+
+CASES = [("decode", s) for s in DECODE_SHAPES] + [
+    (v, s) for v in ("tiled", "tiled_staged", "striped") for s in TILE_SHAPES]
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("variant,shape", CASES, ids=[f"{v}-{'x'.join(map(str, s))}" for v, s in CASES])
+def test_gemm_matches_matmul(emu, fmt, dtype, variant, shape):
+    M, K, N, gs = shape
+    bias = (M + N) % 2 == 0  # half the cases with bias, half without
+    A, B, s, z, b, W = make_problem(fmt, M, K, N, gs, dtype, bias=bias, seed=M * 131 + N)
+    sched = schedule_for(fmt, dtype, variant, shape)
+    C, plan = emu.gemm(fmt, A, B, s, z, b, gs, variant, 0, sched, 7)
+    assert plan["variant"] == variant
+    assert plan["kernel"] == f"{VARIANT_KERNEL[variant]}_{fmt}_{DTYPE_NAME[dtype]}"
+    check_close(C, A, W, b, dtype)
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_dequant_exact(emu, fmt, dtype):
+    # One fp32 product rounded once to the scales' dtype, as the reference: bitwise equal.
+    _, B, s, z, _, W = make_problem(fmt, 1, 192, 100, 32, dtype, bias=False, seed=3)
+    out = emu.dequant(fmt, B, s, z, 32, "random", 1)
+    assert out.dtype == dtype and out.shape == (192, 100)
+    assert torch.equal(out, W.to(dtype))
+
+
+# ---- the spine's op matrix (tests/test_quant_gemm.py) through the Metal plan -----------------------
+
+@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("M", [1, 3, 16, 17, 64])
+def test_op_matrix_as_metal(fmt, dtype, group_size, M):
+    K, N = 256, 200
+    A, B, s, z, b, W = make_problem(fmt, M, K, N, group_size, dtype, bias=M % 2 == 1, seed=group_size + M)
+    sched = schedule_for("matrix", fmt, dtype, group_size, M)
+    if fmt == "fp4":
+        C, plan = metal_emu.gemm_fp4(A, B, s, group_size, b, schedule=sched, return_plan=True)
+    else:
+        C, plan = metal_emu.gemm_u4(A, B, s, z, group_size, b, schedule=sched, return_plan=True)
+    assert plan["variant"] == ("decode" if M <= 16 else "tiled")
+    check_close(C, A, W, b, dtype)
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("M", [1, 40, 257])
+@pytest.mark.parametrize("N", [1, 7, 65, 300])
+def test_odd_n_as_metal(fmt, M, N):
+    K, g = 64, 8
+    A, B, s, z, b, W = make_problem(fmt, M, K, N, g, torch.float16, bias=False, seed=N)
+    C = metal_emu.gemm_fp4(A, B, s, g) if fmt == "fp4" else metal_emu.gemm_u4(A, B, s, z, g)
+    check_close(C, A, W, None, torch.float16)
+
+
+# ---- K-parallel: stripes and decode splitting K over slices, reduced in a fixed order ----------
+
+KPAR_CASES = [
+    # (variant, M, K, N, gs, compute_units): small output, long K -> k_parallel > 1
+    ("striped", 40, 1024, 60, 128, 64),
+    ("striped", 70, 512, 130, 32, 40),
+    ("decode", 1, 1024, 64, 64, 8),
+    ("decode", 9, 2048, 100, 128, 16),
+]
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("variant,M,K,N,gs,cu", KPAR_CASES)
+def test_k_parallel_correct_and_bitwise_deterministic(emu, fmt, variant, M, K, N, gs, cu):
+    dtype = torch.float16
+    A, B, s, z, b, W = make_problem(fmt, M, K, N, gs, dtype, bias=True, seed=K + N)
+    C1, plan = emu.gemm(fmt, A, B, s, z, b, gs, variant, cu, "forward", 0, 1)
+    assert plan["variant"] == variant
+    assert plan["k_parallel"] > 1, plan
+    assert plan["reduce_kernel"] == "marlin_reduce_partials_half"
+    assert plan["workspace_bytes"] == plan["k_parallel"] * M * N * 4
+    check_close(C1, A, W, b, dtype)
+    # Another thread order, seed and number of OS threads: the fixed-order reduction makes the
+    # result bitwise identical.
+    C2, _ = emu.gemm(fmt, A, B, s, z, b, gs, variant, cu, "random", 12345, 2)
+    C3, _ = emu.gemm(fmt, A, B, s, z, b, gs, variant, cu, "simd_ahead_reverse", 0, 2)
+    assert torch.equal(C1, C2) and torch.equal(C1, C3)
+
+
+@pytest.mark.parametrize("variant", ["tiled", "tiled_staged", "decode"])
+def test_results_independent_of_thread_order(emu, variant):
+    M = 5 if variant == "decode" else 70
+    A, B, s, z, b, W = make_problem("u4", M, 256, 90, 64, torch.bfloat16, seed=11)
+    outs = [emu.gemm("u4", A, B, s, z, b, 64, variant, 0, sch, 99)[0] for sch in SCHEDULES]
+    for o in outs[1:]:
+        assert torch.equal(outs[0], o)
+
+
+# ---- dispatch policy: which kernel each M selects on Metal -------------------------------------
+
+def test_dispatch_policy_metal():
+    K, N = 4096, 4096
+    for M in (1, 2, 8, 16):
+        p = torch_marlin.plan_gemm("fp4", M, K, N, 128, torch.float16, device="metal")
+        assert p["variant"] == "decode" and p["kernel"] == "marlin_gemv_fp4_half", (M, p)
+        assert p["grid"][0] == N // 32 and p["threads"] == (128, 1, 1)
+    for M in (17, 64, 512, 4096):
+        p = torch_marlin.plan_gemm("fp4", M, K, N, 128, torch.bfloat16, device="metal")
+        assert p["variant"] == "tiled" and p["kernel"] == "marlin_gemm_fused_fp4_bfloat", (M, p)
+        assert p["grid"][:2] == (N // 64, (M + 63) // 64) and p["k_parallel"] == 1
+    # Output too small to fill 8 GPU cores twice, long K: stripes with K-parallel slices.
+    p = torch_marlin.plan_gemm("u4", 64, 8192, 256, 128, torch.float16, device="metal")
+    assert p["variant"] == "striped" and p["kernel"] == "marlin_gemm_striped_u4_half"
+    assert p["k_parallel"] > 1 and p["reduce_kernel"] == "marlin_reduce_partials_half"
+    assert p["grid"][1:] == (1, 1) and p["grid"][0] == p["num_groups"]
+    # An MPS tensor's device plans exactly like "metal" (what MarlinLinear on MPS runs).
+    for M in (1, 17, 64):
+        assert torch_marlin.plan_gemm("fp4", M, K, N, 128, device="mps") == \
+            torch_marlin.plan_gemm("fp4", M, K, N, 128, device="metal")
+    # Decode splits K over grid.y when N alone has too few columns for the GPU.
+    p = torch_marlin.plan_gemm("fp4", 1, 8192, 256, 128, torch.float16, device="metal")
+    assert p["variant"] == "decode" and p["k_parallel"] > 1 and p["grid"][1] == p["k_parallel"]
+
+
+def test_metal_plan_rejects_32bit_overflow():
+    with pytest.raises(ValueError, match="below 2"):
+        torch_marlin.plan_gemm("fp4", 70000, 65536, 64, 128, torch.float16, device="metal")
+
+
+@pytest.mark.parametrize("M", [1, 16, 17, 80])
+def test_harness_runs_the_policy_plan(emu, M):
+    # variant="auto": the harness asks the planner exactly as the MPS op does.
+    K, N, gs = 512, 96, 64
+    A, B, s, z, b, W = make_problem("fp4", M, K, N, gs, torch.float16, bias=False, seed=M)
+    C, plan = emu.gemm("fp4", A, B, s, None, None, gs, "auto", 0, "random", 5)
+    policy = torch_marlin.plan_gemm("fp4", M, K, N, gs, torch.float16, device="metal")
+    for key in ("variant", "kernel", "grid", "threads", "k_parallel", "workspace_bytes", "reduce_kernel"):
+        assert plan[key] == policy[key], key
+    check_close(C, A, W, None, torch.float16)
+
+
+def test_harness_rejects_bad_shapes(emu):
+    A, B, s, z, b, W = make_problem("fp4", 4, 128, 64, 32, torch.float16, bias=False)
+    with pytest.raises(ValueError, match="invalid shape"):
+        emu.gemm("fp4", A, B, s, None, None, 48, "auto", 0)  # 48 does not divide K = 128
+    with pytest.raises(ValueError, match="decode variant handles M <= 16"):
+        emu.gemm("fp4", torch.randn(17, 128).half(), B, s, None, None, 32, "decode", 0)
+    with pytest.raises(ValueError, match="schedule"):
+        emu.gemm("fp4", A, B, s, None, None, 32, "auto", 0, "sideways")
+
+
+def test_every_planned_kernel_is_instantiated(emu):
+    names = set(emu.kernel_names())
+    for fmt, dt, variant in itertools.product(["fp4", "u4"], DTYPES, VARIANT_KERNEL):
+        M = 4 if variant == "decode" else 64
+        p = torch_marlin.plan_gemm(fmt, M, 8192, 256, 128, dt, device="metal", variant=variant)
+        assert p["kernel"] in names
+        if p["reduce_kernel"]:
+            assert p["reduce_kernel"] in names
+    for fmt, dt in itertools.product(["fp4", "u4"], DTYPE_NAME.values()):
+        assert f"dequant_{fmt}_{dt}" in names
+
+
+# ---- native MPS (only on a Mac): the registered ops on the GPU over the same shapes ---------------
+
+@pytest.mark.skipif(not torch.backends.mps.is_available(), reason="needs an Apple GPU (MPS)")
+class TestMPS:
+    @pytest.mark.parametrize("fmt", ["fp4", "u4"])
+    @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+    @pytest.mark.parametrize("M,K,N,gs", [(1, 256, 72, 32), (16, 384, 40, 128), (17, 256, 100, 64),
+                                          (130, 256, 72, 128), (64, 8192, 256, 128), (1, 8192, 256, 128)])
+    def test_gemm_mps(self, fmt, dtype, M, K, N, gs):
+        A, B, s, z, b, W = make_problem(fmt, M, K, N, gs, dtype, bias=True, seed=M + N)
+        dev = torch.device("mps")
+        if fmt == "fp4":
+            C = torch.ops.marlin.gemm_fp4(A.to(dev), B.to(dev), s.to(dev), gs, b.to(dev))
+        else:
+            C = torch.ops.marlin.gemm_u4(A.to(dev), B.to(dev), s.to(dev), z.to(dev), gs, b.to(dev))
+        check_close(C.cpu(), A, W, b, dtype)
+
+    @pytest.mark.parametrize("fmt", ["fp4", "u4"])
+    def test_dequant_mps(self, fmt):
+        _, B, s, z, _, W = make_problem(fmt, 1, 192, 100, 32, torch.float16, bias=False)
+        dev = torch.device("mps")
+        if fmt == "fp4":
+            out = torch.ops.marlin.dequant_fp4(B.to(dev), s.to(dev), 32)
+        else:
+            out = torch.ops.marlin.dequant_u4(B.to(dev), s.to(dev), z.to(dev), 32)
+        assert torch.equal(out.cpu(), W.half())
+
+    def test_sliced_inputs_mps(self):
+        # storage_offset() must reach the MTLBuffer offset.
+        A, B, s, z, b, W = make_problem("fp4", 20, 256, 64, 64, torch.float16, bias=False)
+        dev = torch.device("mps")
+        big = torch.zeros(25, 256, dtype=torch.float16)
+        big[5:] = A
+        C = torch.ops.marlin.gemm_fp4(big.to(dev)[5:], B.to(dev), s.to(dev), 64)
+        check_close(C.cpu(), A, W, None, torch.float16)
