@@ -74,6 +74,11 @@ def run_encoder(fm, qm, tok, dev, args, rows):
     t_f = hf.timed(lambda: hf.sentence_embeddings(fm, tok, sentences), args.repeats)
     t_q = hf.timed(lambda: hf.sentence_embeddings(qm, tok, sentences), args.repeats)
     rows.append([f"forward latency, batch of {len(sentences)} sentences (ms)", f"{t_f * 1e3:.1f}", f"{t_q * 1e3:.1f}"])
+    # One short sentence is <= 16 token rows: the decode (GEMV-style) kernels instead of the tiled ones.
+    one = [sentences[0]]
+    t_f = hf.timed(lambda: hf.sentence_embeddings(fm, tok, one), args.repeats * 3)
+    t_q = hf.timed(lambda: hf.sentence_embeddings(qm, tok, one), args.repeats * 3)
+    rows.append(["forward latency, 1 sentence (ms)", f"{t_f * 1e3:.2f}", f"{t_q * 1e3:.2f}"])
     query = args.prompt or "The weather caused problems in the town."
     top = []
     for m in (fm, qm):
