@@ -18,7 +18,6 @@ import pytest
 import torch
 from torch import nn
 
-import torch_marlin
 from torch_marlin import MarlinLinear, import_gptq, load_quantized, marlin_linear_from_gptq, patch_model, save_quantized
 from torch_marlin.checkpoint import CONFIG_NAME, WEIGHTS_NAME
 

@@ -17,7 +17,7 @@ Act-order checkpoints (``desc_act=True``) permute K through ``g_idx`` so a group
 consecutive rows; the MarlinLinear kernels assume ``group = k // group_size`` and we reject them.
 """
 
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional
 
 import torch
 from torch import nn
