@@ -54,30 +54,30 @@ inline float fp4_value(uint32_t code) {
   return f;
 }
 
+#if defined(__AVX2__)
+// Codes of packed row r (0..7) for 8 columns: FP4 -> E2M1 value, U4 -> unsigned value.
+// FP4: vpermps reads only the low 3 bits of each index (the magnitude bits), the sign bit of the
+// nibble is shifted to bit 31 and xor-ed in: 5 instructions per 8 weights.
+template <QuantFormat F>
+inline __m256 decode8(__m256i w, int r) {
+  if (F == QuantFormat::FP4) {
+    const __m256 mags = _mm256_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+    const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(w, 28 - 4 * r), _mm256_set1_epi32(int32_t(0x80000000u)));
+    return _mm256_xor_ps(_mm256_permutevar8x32_ps(mags, _mm256_srli_epi32(w, 4 * r)), _mm256_castsi256_ps(sign));
+  }
+  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 4 * r), _mm256_set1_epi32(15)));
+}
+#endif
+
 // Fills vals[r][n] (r in 0..7) with the decoded codes of one packed row for columns [0, nb).
 // U4 codes decode to their unsigned value; the zero point is applied per group by the caller.
 template <QuantFormat F>
 inline void decode_word_row(const int32_t* __restrict words, int64_t nb, float (*__restrict vals)[kBlockN]) {
   int64_t n = 0;
 #if defined(__AVX2__)
-  // 8 columns per step: shift + mask extract a code per lane; FP4 magnitudes come from an
-  // in-register 8-entry table (vpermps indexes with the low 3 bits), the sign bit is moved to
-  // bit 31. 4-5 instructions per 8 weights instead of a per-lane select chain.
-  const __m256 mags = _mm256_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
-  const __m256i fifteen = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
   for (; n + 8 <= nb; n += 8) {
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + n));
-    for (int r = 0; r < 8; ++r) {
-      const __m256i code = _mm256_and_si256(_mm256_srli_epi32(w, 4 * r), fifteen);
-      __m256 v;
-      if (F == QuantFormat::FP4) {
-        const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(code, eight), 28);
-        v = _mm256_xor_ps(_mm256_permutevar8x32_ps(mags, code), _mm256_castsi256_ps(sign));
-      } else {
-        v = _mm256_cvtepi32_ps(code);
-      }
-      _mm256_storeu_ps(vals[r] + n, v);
-    }
+    for (int r = 0; r < 8; ++r) _mm256_storeu_ps(vals[r] + n, decode8<F>(w, r));
   }
 #endif
   for (int r = 0; r < 8; ++r) {
@@ -126,6 +126,65 @@ void decode_block(const QuantGemmArgs& a, const float* __restrict A, const float
     for (int64_t n = 0; n < nb; ++n) C[m * N + n0 + n] = acc[m][n] + (bias ? bias[n0 + n] : 0.f);
 }
 
+#if defined(__AVX2__)
+// Decode kernel for 16 columns [n0, n0 + 16) and rows [m0, m0 + R): the group accumulators live
+// in 2R ymm registers; each packed word is decoded once per row chunk of R <= 4 rows.
+// asum[m][g] = sum of A over group g (U4 zero-point term).
+template <QuantFormat F, int R>
+void decode_strip16(const QuantGemmArgs& a, const float* __restrict A, const float* __restrict S,
+                    const uint8_t* __restrict Z, const float* __restrict asum, int64_t m0, int64_t n0,
+                    float (*__restrict acc)[16]) {
+  const int64_t K = a.K, N = a.N, gs = a.group_size, G = K / gs;
+  const int32_t* B = a.B.data_ptr<int32_t>() + n0;
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 ga[R][2];
+    for (int m = 0; m < R; ++m) ga[m][0] = ga[m][1] = _mm256_setzero_ps();
+    for (int64_t kw = g * gs / 8; kw < (g + 1) * gs / 8; ++kw) {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B + kw * N));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B + kw * N + 8));
+      const float* ak = A + m0 * K + kw * 8;
+      for (int r = 0; r < 8; ++r) {
+        const __m256 v0 = decode8<F>(w0, r), v1 = decode8<F>(w1, r);
+        for (int m = 0; m < R; ++m) {
+          const __m256 av = _mm256_broadcast_ss(ak + m * K + r);
+          ga[m][0] = _mm256_fmadd_ps(av, v0, ga[m][0]);
+          ga[m][1] = _mm256_fmadd_ps(av, v1, ga[m][1]);
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 s = _mm256_loadu_ps(S + g * N + n0 + 8 * h);
+      __m256 z = _mm256_setzero_ps();
+      if (F == QuantFormat::U4) {
+        z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(Z + g * N + n0 + 8 * h))));
+      }
+      for (int m = 0; m < R; ++m) {
+        __m256 t = ga[m][h];
+        if (F == QuantFormat::U4) t = _mm256_fnmadd_ps(z, _mm256_set1_ps(asum[(m0 + m) * G + g]), t);
+        _mm256_storeu_ps(acc[m] + 8 * h, _mm256_fmadd_ps(s, t, _mm256_loadu_ps(acc[m] + 8 * h)));
+      }
+    }
+  }
+}
+
+// All rows for columns [n0, n0 + 16): row chunks of up to 4, then bias and store.
+template <QuantFormat F>
+void decode_cols16(const QuantGemmArgs& a, const float* A, const float* S, const uint8_t* Z, const float* asum,
+                   const float* bias, int64_t n0, float* C) {
+  for (int64_t m0 = 0; m0 < a.M; m0 += 4) {
+    float acc[4][16] = {};
+    switch (std::min<int64_t>(4, a.M - m0)) {
+      case 4: decode_strip16<F, 4>(a, A, S, Z, asum, m0, n0, acc); break;
+      case 3: decode_strip16<F, 3>(a, A, S, Z, asum, m0, n0, acc); break;
+      case 2: decode_strip16<F, 2>(a, A, S, Z, asum, m0, n0, acc); break;
+      default: decode_strip16<F, 1>(a, A, S, Z, asum, m0, n0, acc); break;
+    }
+    for (int64_t m = m0; m < std::min(m0 + 4, a.M); ++m)
+      for (int n = 0; n < 16; ++n) C[m * a.N + n0 + n] = acc[m - m0][n] + (bias ? bias[n0 + n] : 0.f);
+  }
+}
+#endif
+
 // Dequantizes columns [n0, n0 + nb) of B into panel[K][ld] (fp32).
 template <QuantFormat F>
 void dequant_panel(const QuantGemmArgs& a, const float* __restrict S, const uint8_t* __restrict Z, int64_t n0,
@@ -138,8 +197,6 @@ void dequant_panel(const QuantGemmArgs& a, const float* __restrict S, const uint
   // columns inner: the panel is written sequentially (column strips would touch a new page per
   // row and thrash the TLB).
   vec_end = nb / 8 * 8;
-  const __m256 mags = _mm256_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
-  const __m256i fifteen = _mm256_set1_epi32(15), sign_bit = _mm256_set1_epi32(int32_t(0x80000000u));
   for (int64_t kw = 0; kw < K / 8; ++kw) {
     const int64_t g = kw * 8 / gs;
     for (int64_t c0 = 0; c0 < vec_end; c0 += 8) {
@@ -150,14 +207,7 @@ void dequant_panel(const QuantGemmArgs& a, const float* __restrict S, const uint
         z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(Z + g * N + n0 + c0))));
       }
       for (int r = 0; r < 8; ++r) {
-        __m256 v;
-        if (F == QuantFormat::FP4) {
-          // vpermps reads only the low 3 bits of each index: the magnitude bits of the code.
-          const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(w, 28 - 4 * r), sign_bit);
-          v = _mm256_xor_ps(_mm256_permutevar8x32_ps(mags, _mm256_srli_epi32(w, 4 * r)), _mm256_castsi256_ps(sign));
-        } else {
-          v = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 4 * r), fifteen)), z);
-        }
+        const __m256 v = F == QuantFormat::U4 ? _mm256_sub_ps(decode8<F>(w, r), z) : decode8<F>(w, r);
         _mm256_storeu_ps(panel + (kw * 8 + r) * ld + c0, _mm256_mul_ps(v, s));
       }
     }
@@ -193,11 +243,20 @@ void gemm_impl(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C) {
   const int64_t n_tiles = plan.params.n_tiles;
 
   if (plan.variant == GemmVariant::Decode) {
+    std::vector<float> asum;  // [M][G] sums of A per group: the U4 zero-point term
+    if (F == QuantFormat::U4) {
+      asum = std::vector<float>(size_t(a.M) * (a.K / a.group_size));
+      for (int64_t m = 0; m < a.M; ++m)
+        for (int64_t k = 0; k < a.K; ++k) asum[m * (a.K / a.group_size) + k / a.group_size] += A[m * a.K + k];
+    }
     at::parallel_for(0, n_tiles, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
-        const int64_t n0 = t * tile_n;
-        for (int64_t c = n0; c < std::min(n0 + tile_n, a.N); c += kBlockN)
-          decode_block<F>(a, A, S, Z, bias, c, std::min(kBlockN, a.N - c), Cp);
+        int64_t c = t * tile_n;
+        const int64_t end = std::min(c + tile_n, a.N);
+#if defined(__AVX2__)
+        for (; c + 16 <= end; c += 16) decode_cols16<F>(a, A, S, Z, asum.data(), bias, c, Cp);
+#endif
+        for (; c < end; c += kBlockN) decode_block<F>(a, A, S, Z, bias, c, std::min(kBlockN, end - c), Cp);
       }
     });
   } else {

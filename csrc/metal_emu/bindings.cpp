@@ -7,27 +7,12 @@
 #include <limits>
 #include <stdexcept>
 
-#include "plan/plan.h"
+#include "plan/plan_py.h"
 #include "runtime.h"
 
 namespace {
 
 using namespace torch_marlin;
-
-QuantFormat parse_format(const std::string& s) {
-  if (s == "fp4") return QuantFormat::FP4;
-  if (s == "u4") return QuantFormat::U4;
-  TORCH_CHECK_VALUE(false, "format must be 'fp4' or 'u4', got '", s, "'");
-}
-
-GemmVariant parse_variant(const std::string& s) {
-  if (s == "auto") return GemmVariant::Auto;
-  if (s == "decode") return GemmVariant::Decode;
-  if (s == "tiled") return GemmVariant::Tiled;
-  if (s == "tiled_staged") return GemmVariant::TiledStaged;
-  if (s == "striped") return GemmVariant::Striped;
-  TORCH_CHECK_VALUE(false, "variant must be auto/decode/tiled/tiled_staged/striped, got '", s, "'");
-}
 
 DType dtype_of(const at::Tensor& t) {
   switch (t.scalar_type()) {
@@ -45,21 +30,6 @@ metal_emu::Schedule parse_schedule(const std::string& s) {
   if (s == "simd_ahead") return metal_emu::Schedule::SimdAhead;
   if (s == "simd_ahead_reverse") return metal_emu::Schedule::SimdAheadReverse;
   TORCH_CHECK_VALUE(false, "schedule must be forward/reverse/random/simd_ahead/simd_ahead_reverse, got '", s, "'");
-}
-
-py::dict plan_to_dict(const GemmPlan& p) {
-  py::dict d;
-  d["variant"] = variant_name(p.variant);
-  d["kernel"] = p.kernel;
-  d["reduce_kernel"] = p.reduce_kernel;
-  d["grid"] = py::make_tuple(p.grid[0], p.grid[1], p.grid[2]);
-  d["threads"] = py::make_tuple(p.threads[0], p.threads[1], p.threads[2]);
-  d["reduce_grid"] = py::make_tuple(p.reduce_grid[0], p.reduce_grid[1], p.reduce_grid[2]);
-  d["workspace_bytes"] = p.workspace_bytes;
-  d["k_parallel"] = p.params.k_parallel;
-  d["k_slice_len"] = p.params.k_slice_len;
-  d["num_groups"] = p.params.num_groups;
-  return d;
 }
 
 void run(const std::string& kernel, const uint32_t grid[3], uint32_t threads, std::vector<void*> buffers,

@@ -6,64 +6,11 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
-#include "plan/plan.h"
+#include "plan/plan_py.h"
 
 TORCH_LIBRARY(marlin, m) {}
 
-namespace {
-
 using namespace torch_marlin;
-
-template <class E>
-E parse_enum(const std::string& s, std::initializer_list<std::pair<const char*, E>> table, const char* what) {
-  for (const auto& kv : table) {
-    if (s == kv.first) return kv.second;
-  }
-  std::string allowed;
-  for (const auto& kv : table) allowed += std::string(allowed.empty() ? "" : ", ") + kv.first;
-  TORCH_CHECK_VALUE(false, what, " must be one of {", allowed, "}, got '", s, "'");
-}
-
-Backend parse_backend(const std::string& s) {
-  return parse_enum<Backend>(s, {{"cpu", Backend::CPU}, {"metal", Backend::Metal}, {"cuda", Backend::CUDA}},
-                             "backend");
-}
-
-DType parse_dtype(const std::string& s) {
-  return parse_enum<DType>(s, {{"float16", DType::F16}, {"bfloat16", DType::BF16}, {"float32", DType::F32}},
-                           "dtype");
-}
-
-GemmVariant parse_variant(const std::string& s) {
-  return parse_enum<GemmVariant>(s,
-                                 {{"auto", GemmVariant::Auto},
-                                  {"decode", GemmVariant::Decode},
-                                  {"tiled", GemmVariant::Tiled},
-                                  {"tiled_staged", GemmVariant::TiledStaged},
-                                  {"striped", GemmVariant::Striped}},
-                                 "variant");
-}
-
-py::dict plan_to_dict(const GemmPlan& p) {
-  py::dict d;
-  const QuantGemmParams& q = p.params;
-  d["variant"] = variant_name(p.variant);
-  d["kernel"] = p.kernel;
-  d["reduce_kernel"] = p.reduce_kernel;
-  d["grid"] = py::make_tuple(p.grid[0], p.grid[1], p.grid[2]);
-  d["threads"] = py::make_tuple(p.threads[0], p.threads[1], p.threads[2]);
-  d["workspace_bytes"] = p.workspace_bytes;
-  d["tile_m"] = q.tile_m;
-  d["tile_n"] = q.tile_n;
-  d["m_tiles"] = q.m_tiles;
-  d["n_tiles"] = q.n_tiles;
-  d["k_parallel"] = q.k_parallel;
-  d["k_slice_len"] = q.k_slice_len;
-  d["num_groups"] = q.num_groups;
-  return d;
-}
-
-}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "torch_marlin native module: ops are registered under torch.ops.marlin";
@@ -74,8 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         DeviceCaps caps = parse_backend(backend) == Backend::Metal ? default_metal_caps() : DeviceCaps{};
         caps.backend = parse_backend(backend);
         if (compute_units > 0) caps.compute_units = compute_units;
-        const QuantFormat f =
-            parse_enum<QuantFormat>(format, {{"fp4", QuantFormat::FP4}, {"u4", QuantFormat::U4}}, "format");
+        const QuantFormat f = parse_format(format);
         try {
           return plan_to_dict(
               plan_quant_gemm(f, M, K, N, group_size, parse_dtype(dtype), has_bias, caps, parse_variant(force)));
