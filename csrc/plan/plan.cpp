@@ -46,6 +46,8 @@ DeviceCaps default_metal_caps() {
 
 namespace {
 
+constexpr int64_t kCudaDecodeMaxM = 64;  // plan_cuda: decode tiles of 16, 32 or 64 rows
+
 uint32_t ceil_div(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 1) / b); }
 
 void set_tiles(GemmPlan& p, int64_t M, int64_t N, uint32_t tile_m, uint32_t tile_n) {
@@ -144,36 +146,67 @@ void plan_metal(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTy
 }
 
 // ---- CUDA -----------------------------------------------------------------------------------
-// Kernels in csrc/cuda/quant_gemm.cu; `kernel` is a tag the launcher switches on.
+// Kernels in csrc/cuda/quant_gemm.cu; `kernel` is a tag the launcher switches on (docs/cuda.md).
+//  - fp32 activations: "simt_<fmt>_float", a plain CUDA-core kernel (8 rows x 128 columns per block).
+//  - Decode (M <= 64): "decode_<fmt>_<dtype>", mma.sync m16n8k16 with M padded to 16/32/64; a block is
+//    8 warps over 32 columns; each warp streams a contiguous run of 32-row K chunks and the 8 meet
+//    in shared memory; grid.y is the number of K slices (fp32 partials, summed in slice order by
+//    the last block of each tile inside the same kernel).
+//  - Larger M: "tc128_<fmt>_<dtype>", 128 x 128 output tiles, 8 warps, K step 64,
+//    4-stage cp.async pipeline; grid.z K slices when the tiles alone cannot fill the SMs.
 void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DType d,
                const DeviceCaps& caps) {
-  switch (p.variant) {
-    case GemmVariant::Decode: {
-      // One thread per 4 output columns (a 16-byte load of packed words), 128 threads per block.
-      constexpr uint32_t kTileN = 512, kKStep = 64;
-      set_tiles(p, M, N, uint32_t(kDecodeMaxM), kTileN);
-      set_k_parallel(p, K, k_split_for(p.params.n_tiles, K, kKStep, caps.compute_units, 4, 4), kKStep);
-      p.grid[0] = p.params.n_tiles;
-      p.grid[1] = p.params.k_parallel;
-      p.threads[0] = 128;
-      break;
-    }
-    default: {
-      // Tensor-core tiles (mma.sync m16n8k16): 64x128 output tile, 256 threads, K step 64.
-      constexpr uint32_t kTileM = 64, kTileN = 128, kKStep = 64;
-      set_tiles(p, M, N, kTileM, kTileN);
-      const int64_t tiles = int64_t(p.params.m_tiles) * p.params.n_tiles;
-      set_k_parallel(p, K, k_split_for(tiles, K, kKStep, caps.compute_units, 1, 8), kKStep);
-      p.variant = p.params.k_parallel > 1 ? GemmVariant::Striped : GemmVariant::Tiled;
-      p.grid[0] = p.params.n_tiles;
-      p.grid[1] = p.params.m_tiles;
-      p.grid[2] = p.params.k_parallel;
-      p.threads[0] = 256;
-      break;
-    }
+  std::string stem;
+  if (d == DType::F32) {
+    constexpr uint32_t kRows = 8, kCols = 128;
+    p.variant = GemmVariant::Tiled;
+    set_tiles(p, M, N, kRows, kCols);
+    set_k_parallel(p, K, 1, TM_PACK_FACTOR);
+    p.grid[0] = p.params.n_tiles;
+    p.grid[1] = p.params.m_tiles;
+    p.threads[0] = kCols;
+    stem = "simt";
+  } else if (p.variant == GemmVariant::Decode) {
+    // 256 threads; K slices are whole multiples of 256 rows (8 warps x one 32-row chunk each).
+    // The kernel is memory-bound and its blocks all run in one wave: as many K slices as keep
+    // the resident block slots full (blocks per SM as decode_kernel's __launch_bounds__ say),
+    // never a second wave, and slices of at least 1024 rows so each warp's cp.async ring has
+    // chunks to keep in flight. On CUDA this family serves M <= 64 (tile_m = 16, 32 or 64):
+    // each dequantized weight feeds up to 4 m16 mma tiles.
+    constexpr uint32_t kTileN = 32, kKStep = 256;
+    const uint32_t tile_m = M <= 16 ? 16 : (M <= 32 ? 32 : 64);
+    // Mirrors dec_min_blocks in csrc/cuda/quant_gemm.cu; "fold" = per-group scales applied to fp32
+    // partial sums, used for M <= 8 when group_size is a power of two >= 32.
+    const uint32_t gs = p.params.group_size;
+    const bool fold = M <= 8 && gs >= 32 && (gs & (gs - 1)) == 0;
+    const int64_t blocks_per_sm = tile_m == 16 ? (fold ? 3 : (M <= 8 ? 4 : 3)) : 2;
+    set_tiles(p, M, N, tile_m, kTileN);
+    const int64_t capacity = int64_t(caps.compute_units) * blocks_per_sm;
+    const int64_t by_slots = std::max<int64_t>(1, capacity / p.params.n_tiles);
+    const int64_t by_k = std::max<int64_t>(1, K / 1024);
+    set_k_parallel(p, K, uint32_t(std::min<int64_t>({by_slots, by_k, 16})), kKStep);
+    p.grid[0] = p.params.n_tiles;
+    p.grid[1] = p.params.k_parallel;
+    p.threads[0] = 256;
+    stem = "decode";
+  } else {
+    // Tensor-core tiles: 128x128 (M <= 64 normally takes the decode family above).
+    const uint32_t tile_m = 128;
+    constexpr uint32_t kTileN = 128, kKStep = 64;
+    set_tiles(p, M, N, tile_m, kTileN);
+    const int64_t tiles = int64_t(p.params.m_tiles) * p.params.n_tiles;
+    set_k_parallel(p, K, k_split_for(tiles, K, kKStep, caps.compute_units, 1, 8), kKStep);
+    p.variant = p.params.k_parallel > 1 ? GemmVariant::Striped : GemmVariant::Tiled;
+    p.grid[0] = p.params.n_tiles;
+    p.grid[1] = p.params.m_tiles;
+    p.grid[2] = p.params.k_parallel;
+    p.threads[0] = 256;
+    stem = "tc128";
   }
-  p.kernel = std::string(variant_name(p.variant)) + "_" + format_name(f) + "_" + dtype_name(d);
-  set_reduction(p, "reduce_partials", 256);
+  p.kernel = stem + "_" + format_name(f) + "_" + dtype_name(d);
+  // K slices are summed inside the GEMM kernel by the last block of each tile to finish (no second
+  // dispatch; reduce_grid/threads unused): the workspace is still [k_parallel][M][N] fp32.
+  set_reduction(p, "last_block_reduce", 256);
 }
 
 // ---- CPU ------------------------------------------------------------------------------------
@@ -213,6 +246,9 @@ GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, in
     p.variant = force;
   } else if (M <= kDecodeMaxM) {
     p.variant = GemmVariant::Decode;
+  } else if (caps.backend == Backend::CUDA && M <= kCudaDecodeMaxM && dtype != DType::F32) {
+    // CUDA's decode kernel streams the weights once for up to 4 m16 tensor-core tiles.
+    p.variant = GemmVariant::Decode;
   } else if (caps.backend == Backend::Metal) {
     // Stripes + K-parallel only pay when the output alone cannot fill the GPU.
     const int64_t tiles = int64_t((M + 63) / 64) * ((N + 63) / 64);
@@ -220,8 +256,9 @@ GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, in
   } else {
     p.variant = GemmVariant::Tiled;
   }
-  if (p.variant == GemmVariant::Decode && M > kDecodeMaxM) {
-    throw std::invalid_argument("plan_quant_gemm: the decode variant handles M <= 16 only");
+  const int64_t decode_max = caps.backend == Backend::CUDA ? kCudaDecodeMaxM : kDecodeMaxM;
+  if (p.variant == GemmVariant::Decode && M > decode_max) {
+    throw std::invalid_argument("plan_quant_gemm: the decode variant handles M <= 16 only (64 on CUDA)");
   }
 
   switch (caps.backend) {

@@ -1,0 +1,974 @@
+// CUDA kernels of the FP4 E2M1 / INT4 op family (docs/cuda.md explains the design).
+//
+// Every launch executes a GemmPlan from plan_cuda (csrc/plan/plan.cpp); the kernel tag says which
+// kernel, the params struct carries the geometry. Kernels:
+//   decode_*   M <= 64. mma.sync m16n8k16 with M padded to 16, 32 or 64 (tensor cores have throughput to
+//              spare; CUDA-core FMAs would be compute-bound at M = 16). Packed weights stream
+//              straight from global memory into registers with 16-byte loads, each word read once
+//              for all rows. 8 warps per block split the block's K slice and reduce in shared
+//              memory in a fixed order; grid.y K slices write fp32 partials and the last block of
+//              each tile sums them in slice order (deterministic, no second launch).
+//   tc128      M > 64. 128 x 128 tiles, 8 warps, 4-stage cp.async pipeline for A, packed B,
+//              scales and zeros; B dequantized in registers right before the mma.
+//   simt       fp32 activations: a plain CUDA-core kernel (correct, not fast).
+//   dequant    standalone dequant to a dense [K, N] tensor.
+//
+// The mma K-permutation trick. A lane (g = lane/4, t = lane%4) of m16n8k16 holds B at logical
+// k = {2t, 2t+1, 2t+8, 2t+9} of column g. The order of k inside an mma does not matter as long as A
+// uses the same order, so over a 32-row K chunk lane t takes the physical rows 8t..8t+7: exactly
+// one packed word per column. Two mmas consume it: the first gets the nibble pairs (0,4), (1,5),
+// the second (2,6), (3,7) ((p, p+4) pairs sit 16 bits apart, so one shift aligns both halves of a
+// half2). The lane's A fragment is then one 16-byte load of A[row][k0+8t .. k0+8t+7], regrouped
+// with byte permutes. Likewise the 16-byte B load of 4 adjacent columns gives 4 n8 tiles whose
+// column g is physical column 4g + j; the accumulator of lane (g,t) then holds output columns
+// 8t..8t+7 of its rows.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "ops/quant_gemm.h"
+#include "torch_marlin/quant_gemm_params.h"
+
+namespace torch_marlin {
+namespace {
+
+using u32 = uint32_t;
+
+// ---------------------------------------------------------------------------------------------
+// Small device helpers
+// ---------------------------------------------------------------------------------------------
+
+template <int S>
+__device__ __forceinline__ u32 shift_left(u32 x) {
+  if constexpr (S >= 0) return x << S;
+  else return x >> (-S);
+}
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) { return __byte_perm(a, b, sel); }
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
+  const u32 s = static_cast<u32>(__cvta_generic_to_shared(smem));
+  const int n = pred ? 16 : 0;  // 0: zero-fill the 16 bytes, read nothing
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+// 8- and 4-byte copies (scales, zero points); .ca is the only form for sizes under 16.
+template <int BYTES>
+__device__ __forceinline__ void cp_async_small(void* smem, const void* gmem, bool pred) {
+  const u32 s = static_cast<u32>(__cvta_generic_to_shared(smem));
+  const int n = pred ? BYTES : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(s), "l"(gmem), "n"(BYTES), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Per-dtype pieces: the mma instruction, pair construction and the dequant bit tricks.
+template <typename T>
+struct Tr;
+
+template <>
+struct Tr<__half> {
+  using T2 = __half2;
+  static __device__ __forceinline__ void mma(float* c, const u32* a, u32 b0, u32 b1) {
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ __half from_f(float x) { return __float2half_rn(x); }
+  static __device__ __forceinline__ T2 dup(__half x) { return __half2half2(x); }
+  // FP4 nibbles p and p+4 of w -> the E2M1 bit pattern scaled by 2^-14 (sign -> bit 15, e e m ->
+  // exponent bits 1..0 and the top mantissa bit; E = 0 lands on fp16 subnormals, which is exactly
+  // the E2M1 subnormal 0.5). Multiplying by 2^14 is exact.
+  template <int P>
+  static __device__ __forceinline__ u32 fp4_bits(u32 w) {
+    return (shift_left<12 - 4 * P>(w) & 0x80008000u) | (shift_left<9 - 4 * P>(w) & 0x0E000E00u);
+  }
+  static constexpr unsigned short kFp4Rescale = 0x7400;  // 2^14
+  static constexpr u32 kMagic = 0x64006400u;             // 1024.0: OR a nibble into the mantissa
+  static constexpr float kMagicF = 1024.0f;
+};
+
+template <>
+struct Tr<__nv_bfloat16> {
+  using T2 = __nv_bfloat162;
+  static __device__ __forceinline__ void mma(float* c, const u32* a, u32 b0, u32 b1) {
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ __nv_bfloat16 from_f(float x) { return __float2bfloat16_rn(x); }
+  static __device__ __forceinline__ T2 dup(__nv_bfloat16 x) { return __bfloat162bfloat162(x); }
+  // bf16: e e m -> bits 8..6 (exponent bits 1..0, top mantissa bit): value * 2^-126.
+  template <int P>
+  static __device__ __forceinline__ u32 fp4_bits(u32 w) {
+    return (shift_left<12 - 4 * P>(w) & 0x80008000u) | (shift_left<6 - 4 * P>(w) & 0x01C001C0u);
+  }
+  static constexpr unsigned short kFp4Rescale = 0x7E80;  // 2^126
+  static constexpr u32 kMagic = 0x43004300u;             // 128.0 (7 mantissa bits hold 0..15)
+  static constexpr float kMagicF = 128.0f;
+};
+
+template <typename T2>
+__device__ __forceinline__ u32 as_u32(T2 v) {
+  return *reinterpret_cast<u32*>(&v);
+}
+template <typename T2>
+__device__ __forceinline__ T2 as_t2(u32 v) {
+  return *reinterpret_cast<T2*>(&v);
+}
+
+template <typename T>
+__device__ __forceinline__ T t_from_bits(unsigned short b) {
+  return *reinterpret_cast<T*>(&b);
+}
+
+// Per-column dequant constants for one group: the scale pair and, for U4, (magic + zero) pair.
+template <typename T>
+struct ColQ {
+  typename Tr<T>::T2 s2, z2;
+};
+
+// Dequantizes the nibble pair (P, P+4) of word w into a 2 x T register (lo = nibble P).
+template <typename T, u32 FMT, int P>
+__device__ __forceinline__ u32 dequant_pair(u32 w, const ColQ<T>& q) {
+  using T2 = typename Tr<T>::T2;
+  if constexpr (FMT == TM_FORMAT_FP4) {
+    const T2 r = Tr<T>::dup(t_from_bits<T>(Tr<T>::kFp4Rescale));
+    const T2 v = as_t2<T2>(Tr<T>::template fp4_bits<P>(w));
+    return as_u32(__hmul2(__hmul2(v, r), q.s2));
+  } else {
+    const u32 x = (shift_left<-4 * P>(w) & 0x000F000Fu) | Tr<T>::kMagic;
+    return as_u32(__hmul2(__hsub2(as_t2<T2>(x), q.z2), q.s2));
+  }
+}
+
+// Scale-free dequant for the folded path (the per-group scale is applied to fp32 partial sums):
+// FP4 in fp16 stays at 2^-14 x value (the 2^14 goes into the fp32 scale); bf16 is rescaled here
+// (its 2^-126 form is subnormal, which the tensor cores must not see); U4 is q - z.
+template <typename T, u32 FMT, int P>
+__device__ __forceinline__ u32 dequant_pair_fold(u32 w, typename Tr<T>::T2 z2) {
+  using T2 = typename Tr<T>::T2;
+  if constexpr (FMT == TM_FORMAT_FP4) {
+    const u32 bits = Tr<T>::template fp4_bits<P>(w);
+    if constexpr (std::is_same<T, __half>::value) return bits;
+    else return as_u32(__hmul2(as_t2<T2>(bits), Tr<T>::dup(t_from_bits<T>(Tr<T>::kFp4Rescale))));
+  } else {
+    const u32 x = (shift_left<-4 * P>(w) & 0x000F000Fu) | Tr<T>::kMagic;
+    return as_u32(__hsub2(as_t2<T2>(x), z2));
+  }
+}
+
+// Four columns' constants from 4 scales (8 bytes) and 4 zero points (4 bytes).
+template <typename T, u32 FMT>
+__device__ __forceinline__ void make_colq(ColQ<T> (&q)[4], uint2 s4, u32 z4) {
+  const T* s = reinterpret_cast<const T*>(&s4);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    q[j].s2 = Tr<T>::dup(s[j]);
+    if constexpr (FMT == TM_FORMAT_U4) {
+      q[j].z2 = Tr<T>::dup(Tr<T>::from_f(Tr<T>::kMagicF + float((z4 >> (8 * j)) & 0xFFu)));
+    }
+  }
+}
+
+// 16-byte A chunk of a row (8 values along k) -> the two mma steps' (a0|a2) registers of that row.
+// Step 0 uses physical pairs (0,4) and (1,5); step 1 uses (2,6) and (3,7).
+struct APairs {
+  u32 p[4];
+};
+__device__ __forceinline__ APairs a_pairs(uint4 r) {
+  APairs o;
+  o.p[0] = prmt(r.x, r.z, 0x5410);
+  o.p[1] = prmt(r.x, r.z, 0x7632);
+  o.p[2] = prmt(r.y, r.w, 0x5410);
+  o.p[3] = prmt(r.y, r.w, 0x7632);
+  return o;
+}
+
+// One 32-row K chunk for 4 n8 tiles: word[j] is the lane's packed word of column tile j,
+// lo/hi the A chunks of rows g and g+8; acc[j][4] the tile accumulators.
+template <typename T, u32 FMT>
+__device__ __forceinline__ void mma_chunk_b(u32 (&b)[4][4], const uint4& words, const ColQ<T> (&q)[4]) {
+  const u32 w[4] = {words.x, words.y, words.z, words.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    b[j][0] = dequant_pair<T, FMT, 0>(w[j], q[j]);
+    b[j][1] = dequant_pair<T, FMT, 1>(w[j], q[j]);
+    b[j][2] = dequant_pair<T, FMT, 2>(w[j], q[j]);
+    b[j][3] = dequant_pair<T, FMT, 3>(w[j], q[j]);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void mma_chunk(float (&acc)[4][4], const u32 (&b)[4][4], const APairs& lo,
+                                          const APairs& hi) {
+  const u32 a0[4] = {lo.p[0], hi.p[0], lo.p[1], hi.p[1]};
+  const u32 a1[4] = {lo.p[2], hi.p[2], lo.p[3], hi.p[3]};
+  // Step-major: the two mmas into one accumulator are 4 instructions apart, not back to back.
+#pragma unroll
+  for (int j = 0; j < 4; ++j) Tr<T>::mma(acc[j], a0, b[j][0], b[j][1]);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) Tr<T>::mma(acc[j], a1, b[j][2], b[j][3]);
+}
+
+// Output element (row offset, column offset inside the lane's 8 columns) of accumulator acc[j][c].
+__device__ __forceinline__ int acc_row(int g, int c) { return g + ((c & 2) ? 8 : 0); }
+__device__ __forceinline__ int acc_col(int t, int j, int c) { return 8 * t + ((c & 1) ? 4 : 0) + j; }
+
+// K-parallel epilogue, after a block has written its fp32 partial tile to ws[slice]: the last of the
+// k_parallel blocks of an output tile to arrive (a per-tile counter) sums the partials of every
+// slice in slice order (+ bias) and writes C, then re-arms the counter. The sum order is fixed, so
+// the result is bitwise reproducible whichever block comes last; no second launch is needed.
+// Counters are per (device, stream) and start at zero (quant_gemm_cuda).
+template <typename T>
+__device__ void last_block_reduce(const QuantGemmParams& p, u32 tile, u32 m0, u32 rows, u32 n0, u32 cols,
+                                  const float* ws, const T* bias, T* C, int* counters) {
+  __shared__ int is_last;
+  __threadfence();  // this block's partials are visible device-wide before it is counted
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(counters + tile, 1) == int(p.k_parallel) - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  const size_t plane = size_t(p.M) * p.N;
+  for (u32 v = threadIdx.x; v < rows * cols; v += blockDim.x) {
+    const u32 row = m0 + v / cols, n = n0 + v % cols;
+    if (row >= p.M || n >= p.N) continue;
+    const float* src = ws + size_t(row) * p.N + n;
+    float sum = 0.f;
+    for (u32 s = 0; s < p.k_parallel; ++s) sum += __ldcg(src + s * plane);  // L2: skip stale L1 lines
+    if (p.has_bias) sum += Tr<T>::to_f(bias[n]);
+    C[size_t(row) * p.N + n] = Tr<T>::from_f(sum);
+  }
+  if (threadIdx.x == 0) counters[tile] = 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode kernel: M <= 16
+// ---------------------------------------------------------------------------------------------
+// Bytes in flight decide a memory-bound kernel's speed, so the packed weights do not go through
+// registers: each lane streams its own 16-byte B chunks (plus its scales and zero points) through
+// a private cp.async ring in shared memory, kDecStages chunks deep. A lane only ever reads back
+// what it copied itself, so the ring needs no barriers. A (tiny, L1/L2-resident) is read with
+// ordinary loads one chunk ahead.
+constexpr int kDecWarps = 8;
+constexpr int kDecStages = 6;
+constexpr int kDecRingSlots = kDecWarps * kDecStages * 32;
+constexpr int kDecSmemBytes = kDecRingSlots * (16 + 16 + 4);  // B, scales, zeros: 54 KB
+static_assert(kDecSmemBytes >= kDecWarps * 16 * 32 * 4, "the reduction (one m16 tile at a time) reuses the ring");
+// Resident blocks per SM the planner assumes (registers and the 43 KB ring allow them):
+// MT = 1 with M <= 8: 4 (3 with kFold); MT = 1 with M > 8: 3; MT = 2 or 4: 2.
+// Mirrored in plan_cuda.
+// kFold (MT = 1, M <= 8, group_size a power of two >= 32): the per-group scale multiplies fp32 partial
+// sums (16 FMAs per group) instead of every dequantized weight pair (16 multiplies per chunk).
+template <int MT, bool kHi, bool kFold>
+constexpr int dec_min_blocks() {
+  return MT == 1 ? (kFold ? 3 : (kHi ? 3 : 4)) : 2;
+}
+
+// MT: m16 tiles (M <= 16 MT); every dequantized weight feeds MT mma rows, so the same streaming
+// kernel serves M up to 64. kHi (MT = 1): M > 8, so rows 8..15 of the tile are live (otherwise
+// their A registers stay zero and their permutes are skipped). gs_shift = log2(group_size), or -1
+// when it is not a power of two.
+template <typename T, u32 FMT, bool kHi, int MT, bool kFold>
+__global__ void __launch_bounds__(256, dec_min_blocks<MT, kHi, kFold>()) decode_kernel(QuantGemmParams p, u32 Np, int gs_shift,
+                                                        const T* __restrict__ A, const u32* __restrict__ B,
+                                                        const T* __restrict__ S, const uint8_t* __restrict__ Z,
+                                                        const T* __restrict__ bias, T* __restrict__ C,
+                                                        float* __restrict__ ws, int* __restrict__ counters) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint4* ringB = reinterpret_cast<uint4*>(smem);
+  uint4* ringS = reinterpret_cast<uint4*>(smem + kDecRingSlots * 16);  // 8 B used unless kFold
+  u32* ringZ = reinterpret_cast<u32*>(smem + kDecRingSlots * 32);
+  static_assert(!kFold || MT == 1, "folded scales only for one m16 tile");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int slot0 = warp * kDecStages * 32 + lane;
+  const u32 n0 = blockIdx.x * 32u;
+  const u32 col = n0 + 4u * g;
+  const u32 slice = blockIdx.y;
+  const u32 k_begin = slice * p.k_slice_len;
+  const u32 k_end = min(p.K, k_begin + p.k_slice_len);
+  const u32 kw_end = p.K / 8u;
+  const u32 c_begin = k_begin / 32u, c_end = (k_end + 31u) / 32u;
+  const bool col_ok = col < Np;
+  const bool row_lo = u32(g) < p.M, row_hi = kHi && u32(g + 8) < p.M;
+  // Each warp owns a contiguous run of 32-row chunks of the slice (8 runs, one per warp).
+  const u32 per_warp = (c_end - c_begin + kDecWarps - 1) / kDecWarps;
+  const u32 wc0 = c_begin + warp * per_warp;
+  const int n_w = wc0 < c_end ? int(min(per_warp, c_end - wc0)) : 0;
+  const u32 kr0 = wc0 * 4u + t;  // the lane's packed row in its first chunk
+  const u32* bp = B + size_t(kr0) * Np + col;
+  const size_t b_step = size_t(4) * Np;
+  const T* ap_lo = A + size_t(g) * p.K + size_t(kr0) * 8u;
+  const T* ap_hi = ap_lo + size_t(8) * p.K;
+
+  auto issue = [&](int i, int slot) {
+    if (i < n_w) {
+      const u32 kr = kr0 + 4u * u32(i);
+      const bool ok = col_ok && kr < kw_end;
+      const u32 grp = gs_shift >= 0 ? (kr * 8u) >> gs_shift : kr * 8u / p.group_size;
+      const size_t so = size_t(grp) * Np + col;
+      const int sl = slot0 + slot * 32;
+      cp_async16(ringB + sl, ok ? bp + b_step * u32(i) : B, ok);
+      if constexpr (kFold) {
+        // Scales of the lane's 8 output columns (8t..8t+7) and zeros of its 4 B columns, once per
+        // group (at the group's first chunk, or the run's first).
+        if (i == 0 || ((wc0 + u32(i)) * 32u & (p.group_size - 1u)) == 0) {
+          const u32 sc_col = n0 + 8u * t;
+          const bool sok = sc_col < Np;
+          cp_async16(ringS + sl, sok ? S + size_t(grp) * Np + sc_col : S, sok);
+          if constexpr (FMT == TM_FORMAT_U4) cp_async_small<4>(ringZ + sl, col_ok ? Z + so : Z, col_ok);
+        }
+      } else {
+        cp_async_small<8>(ringS + sl, ok ? S + so : S, ok);
+        if constexpr (FMT == TM_FORMAT_U4) cp_async_small<4>(ringZ + sl, ok ? Z + so : Z, ok);
+      }
+    }
+    cp_async_commit();  // always, so wait_group counts stay aligned with chunk indices
+  };
+  auto load_a = [&](int i, uint4& lo, uint4& hi) {
+    lo = make_uint4(0, 0, 0, 0);
+    hi = lo;
+    const bool ok = i < n_w && kr0 + 4u * u32(i) < kw_end;
+    if (ok && row_lo) lo = __ldg(reinterpret_cast<const uint4*>(ap_lo + 32 * i));
+    if constexpr (kHi) {
+      if (ok && row_hi) hi = __ldg(reinterpret_cast<const uint4*>(ap_hi + 32 * i));
+    }
+  };
+
+  float acc[MT][4][4];
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[mi][j][c] = 0.f;
+
+  // kFold: per-group partial sums, the group's 8 output-column scales and 4 (magic + zero) pairs.
+  float accg[4][4];
+  float s8[8];
+  typename Tr<T>::T2 zf[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    zf[j] = Tr<T>::dup(Tr<T>::from_f(Tr<T>::kMagicF));
+#pragma unroll
+    for (int c = 0; c < 4; ++c) accg[j][c] = 0.f;
+  }
+#pragma unroll
+  for (int c = 0; c < 8; ++c) s8[c] = 0.f;
+  auto flush = [&]() {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      acc[0][j][0] = fmaf(accg[j][0], s8[j], acc[0][j][0]);
+      acc[0][j][1] = fmaf(accg[j][1], s8[4 + j], acc[0][j][1]);
+      acc[0][j][2] = fmaf(accg[j][2], s8[j], acc[0][j][2]);
+      acc[0][j][3] = fmaf(accg[j][3], s8[4 + j], acc[0][j][3]);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) accg[j][c] = 0.f;
+    }
+  };
+
+#pragma unroll
+  for (int i = 0; i < kDecStages - 1; ++i) issue(i, i);
+  uint4 alo, ahi;
+  if constexpr (MT == 1) load_a(0, alo, ahi);
+  for (int i0 = 0; i0 < n_w; i0 += kDecStages) {
+    // Unrolled by the ring depth so every slot index is a compile-time constant.
+#pragma unroll
+    for (int u = 0; u < kDecStages; ++u) {
+      const int i = i0 + u;
+      if (i >= n_w) break;
+      cp_async_wait<kDecStages - 2>();  // this lane's chunk i has landed
+      const int sl = slot0 + u * 32;
+      const uint4 words = ringB[sl];
+      uint2 sc = make_uint2(0, 0);
+      u32 zz = 0;
+      if constexpr (kFold) {
+        if (i == 0 || ((wc0 + u32(i)) * 32u & (p.group_size - 1u)) == 0) {  // warp-uniform
+          if (i > 0) flush();
+          const uint4 sv = ringS[sl];
+          const T* sp = reinterpret_cast<const T*>(&sv);
+          // FP4 in fp16 is dequantized at 2^-14 x value; fold the 2^14 into the fp32 scale.
+          constexpr float f = (FMT == TM_FORMAT_FP4 && std::is_same<T, __half>::value) ? 16384.f : 1.f;
+#pragma unroll
+          for (int c = 0; c < 8; ++c) s8[c] = Tr<T>::to_f(sp[c]) * f;
+          if constexpr (FMT == TM_FORMAT_U4) {
+            const u32 z4 = ringZ[sl];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) zf[j] = Tr<T>::dup(Tr<T>::from_f(Tr<T>::kMagicF + float((z4 >> (8 * j)) & 0xFFu)));
+          }
+        }
+      } else {
+        sc = *reinterpret_cast<const uint2*>(&ringS[sl]);
+        if constexpr (FMT == TM_FORMAT_U4) zz = ringZ[sl];
+      }
+      uint4 nlo, nhi;
+      if constexpr (MT == 1) load_a(i + 1, nlo, nhi);  // one chunk ahead
+      issue(i + kDecStages - 1, (u + kDecStages - 1) % kDecStages);  // the slot read last iteration
+      u32 b[4][4];
+      if constexpr (kFold) {
+        const u32 w[4] = {words.x, words.y, words.z, words.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          b[j][0] = dequant_pair_fold<T, FMT, 0>(w[j], zf[j]);
+          b[j][1] = dequant_pair_fold<T, FMT, 1>(w[j], zf[j]);
+          b[j][2] = dequant_pair_fold<T, FMT, 2>(w[j], zf[j]);
+          b[j][3] = dequant_pair_fold<T, FMT, 3>(w[j], zf[j]);
+        }
+      } else {
+        ColQ<T> q[4];
+        make_colq<T, FMT>(q, sc, zz);
+        mma_chunk_b<T, FMT>(b, words, q);
+      }
+      if constexpr (MT == 1) {
+        APairs lo = a_pairs(alo), hi;
+        if constexpr (kHi) hi = a_pairs(ahi);
+        else hi = APairs{{0u, 0u, 0u, 0u}};
+        if constexpr (kFold) mma_chunk<T>(accg, b, lo, hi);
+        else mma_chunk<T>(acc[0], b, lo, hi);
+        alo = nlo;
+        ahi = nhi;
+      } else {
+        // Several m16 tiles: A is loaded at use (registers go to the accumulators).
+        const bool kok = kr0 + 4u * u32(i) < kw_end;
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+          const u32 r = 16u * mi + g;
+          uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
+          if (kok && r < p.M) lo = __ldg(reinterpret_cast<const uint4*>(ap_lo + size_t(16 * mi) * p.K + 32 * i));
+          if (kok && r + 8u < p.M) hi = __ldg(reinterpret_cast<const uint4*>(ap_hi + size_t(16 * mi) * p.K + 32 * i));
+          mma_chunk<T>(acc[mi], b, a_pairs(lo), a_pairs(hi));
+        }
+      }
+    }
+  }
+  if constexpr (kFold) {
+    if (n_w > 0) flush();
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with its ring: reuse it for the reduction
+
+  // Fixed-order reduction of the 8 warps' partial tiles, one m16 tile at a time.
+  float* red = reinterpret_cast<float*>(smem);  // [warp][16][32]
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi) {
+    if (mi > 0) __syncthreads();  // the previous tile's sums have been read
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) red[(warp * 16 + j * 4 + c) * 32 + lane] = acc[mi][j][c];
+    __syncthreads();
+    for (int v = threadIdx.x; v < 16 * 32; v += blockDim.x) {
+      const int e = v >> 5, l = v & 31;
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < kDecWarps; ++w) sum += red[(w * 16 + e) * 32 + l];
+      const int j = e >> 2, c = e & 3;
+      const u32 row = 16u * mi + acc_row(l >> 2, c);
+      const u32 n = n0 + acc_col(l & 3, j, c);
+      if (row >= p.M || n >= p.N) continue;
+      if (p.k_parallel > 1) {
+        ws[(size_t(slice) * p.M + row) * p.N + n] = sum;
+      } else {
+        if (p.has_bias) sum += Tr<T>::to_f(bias[n]);
+        C[size_t(row) * p.N + n] = Tr<T>::from_f(sum);
+      }
+    }
+  }
+  if (p.k_parallel > 1) last_block_reduce<T>(p, blockIdx.x, 0, 16 * MT, n0, 32, ws, bias, C, counters);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core kernel: M > 16
+// ---------------------------------------------------------------------------------------------
+constexpr int kTcBN = 128, kTcBK = 64, kTcStages = 4, kTcThreads = 256;
+
+template <typename T, int WM>
+struct TcSmem {
+  static constexpr int BM = 32 * WM;                       // 2 warps along M, WM m16 tiles each
+  static constexpr int a_elems = BM * kTcBK;               // T
+  static constexpr int b_words = (kTcBK / 8) * kTcBN;      // u32
+  static constexpr int s_elems = (kTcBK / 8) * kTcBN;      // T: one scale row per packed row
+  static constexpr int z_bytes = (kTcBK / 8) * kTcBN;      // uint8
+  static constexpr int stage_bytes = a_elems * 2 + b_words * 4 + s_elems * 2 + z_bytes;
+  static constexpr int bytes = stage_bytes * kTcStages;
+};
+
+// First packed row of the tile whose group is the group of packed row r (scale rows are copied
+// only once per group and tile).
+__device__ __forceinline__ int group_src_row(u32 k0, int r, u32 gs, u32 num_groups) {
+  const u32 grp = min((k0 + 8u * r) / gs, num_groups - 1u);
+  const int first = int(grp * gs) - int(k0);
+  return first > 0 ? first / 8 : 0;
+}
+
+template <typename T, u32 FMT, int WM>
+__global__ void __launch_bounds__(kTcThreads, 2) tc_kernel(QuantGemmParams p, u32 Np, int gs_shift,
+                                                           const T* __restrict__ A,
+                                                        const u32* __restrict__ B, const T* __restrict__ S,
+                                                        const uint8_t* __restrict__ Z, const T* __restrict__ bias,
+                                                        T* __restrict__ C, float* __restrict__ ws,
+                                                        int* __restrict__ counters) {
+  using L = TcSmem<T, WM>;
+  constexpr int BM = L::BM;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wm = warp >> 2, wn = warp & 3;  // 2 x 4 warps
+  const u32 n0 = blockIdx.x * kTcBN, m0 = blockIdx.y * BM;
+  const u32 slice = blockIdx.z;
+  const u32 k_begin = slice * p.k_slice_len;
+  const u32 k_end = min(p.K, k_begin + p.k_slice_len);
+  const int kt_count = int((k_end - k_begin + kTcBK - 1) / kTcBK);
+  const u32 num_groups = p.K / p.group_size;
+
+  auto stage_ptr = [&](int st) { return smem + size_t(st) * L::stage_bytes; };
+
+  // Per-thread copy assignments are fixed for the whole K loop; only k0 moves. A: BM rows x 8
+  // chunks of 8 values, chunk swizzled by row parity (conflict-free fragment reads). B: 8 packed
+  // rows x 32 chunks of 4 words, chunk swizzled by (row & 3) << 1.
+  constexpr int kAChunks = BM * 8 / kTcThreads;
+  const int a_row0 = tid >> 3, a_c = tid & 7;
+  const T* a_src0 = A + size_t(m0 + a_row0) * p.K + 8 * a_c;
+  const int b_row = tid >> 5, b_c = tid & 31;
+  const bool b_col_ok = n0 + 4u * b_c < Np;
+  const u32* b_src0 = B + size_t(b_row) * Np + n0 + 4u * b_c;
+  const bool one_group = p.group_size % kTcBK == 0;  // the usual case: a K tile is one group
+
+  // Issues the cp.async copies of K tile `kt` (relative to the slice) into stage `st`.
+  auto load_tile = [&](int kt, int st) {
+    unsigned char* base = stage_ptr(st);
+    T* sA = reinterpret_cast<T*>(base);
+    u32* sB = reinterpret_cast<u32*>(base + L::a_elems * 2);
+    T* sS = reinterpret_cast<T*>(base + L::a_elems * 2 + L::b_words * 4);
+    uint8_t* sZ = base + L::a_elems * 2 + L::b_words * 4 + L::s_elems * 2;
+    const u32 k0 = k_begin + u32(kt) * kTcBK;
+    const bool a_k_ok = k0 + 8u * a_c < k_end;
+#pragma unroll
+    for (int q = 0; q < kAChunks; ++q) {
+      const int row = a_row0 + q * (kTcThreads / 8);
+      const bool ok = a_k_ok && m0 + row < p.M;
+      cp_async16(sA + row * kTcBK + ((a_c ^ ((row & 1) << 2)) * 8),
+                 ok ? a_src0 + size_t(q) * (kTcThreads / 8) * p.K + k0 : A, ok);
+    }
+    {
+      const bool ok = b_col_ok && k0 / 8u + b_row < k_end / 8u;
+      cp_async16(sB + b_row * kTcBN + ((b_c ^ ((b_row & 3) << 1)) * 4), ok ? b_src0 + size_t(k0 / 8u) * Np : B, ok);
+    }
+    // Scales (and zeros): one row per group present in the tile, at the group's first packed row.
+    if (one_group) {
+      if (tid < 16) {
+        const u32 grp = gs_shift >= 0 ? k0 >> gs_shift : k0 / p.group_size;
+        const u32 gc = n0 + 8u * tid;
+        const bool ok = gc < Np;
+        cp_async16(sS + 8 * tid, ok ? S + size_t(grp) * Np + gc : S, ok);
+        if constexpr (FMT == TM_FORMAT_U4) {
+          if (tid < 8) {
+            const u32 zc = n0 + 16u * tid;
+            const bool zok = zc < Np;
+            cp_async16(sZ + 16 * tid, zok ? Z + size_t(grp) * Np + zc : Z, zok);
+          }
+        }
+      }
+    } else if (tid < 8 * 16) {
+      const int row = tid >> 4, c = tid & 15;
+      const u32 grp = min((k0 + 8u * row) / p.group_size, num_groups - 1u);
+      if (group_src_row(k0, row, p.group_size, num_groups) == row) {
+        const u32 gc = n0 + 8u * c;
+        const bool ok = gc < Np;
+        cp_async16(sS + row * kTcBN + 8 * c, ok ? S + size_t(grp) * Np + gc : S, ok);
+        if constexpr (FMT == TM_FORMAT_U4) {
+          if (c < 8) {
+            const u32 zc = n0 + 16u * c;
+            const bool zok = zc < Np;
+            cp_async16(sZ + row * kTcBN + 16 * c, zok ? Z + size_t(grp) * Np + zc : Z, zok);
+          }
+        }
+      }
+    }
+  };
+
+  float acc[WM][4][4];
+#pragma unroll
+  for (int i = 0; i < WM; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < kTcStages - 1; ++s) {
+    if (s < kt_count) load_tile(s, s);
+    cp_async_commit();
+  }
+
+  for (int kt = 0; kt < kt_count; ++kt) {
+    cp_async_wait<kTcStages - 2>();
+    __syncthreads();  // tile kt landed for all threads; everyone is done with tile kt-1's stage
+    {
+      const int nk = kt + kTcStages - 1;
+      if (nk < kt_count) load_tile(nk, nk % kTcStages);
+      cp_async_commit();
+    }
+    const unsigned char* base = stage_ptr(kt % kTcStages);
+    const T* sA = reinterpret_cast<const T*>(base);
+    const u32* sB = reinterpret_cast<const u32*>(base + L::a_elems * 2);
+    const T* sS = reinterpret_cast<const T*>(base + L::a_elems * 2 + L::b_words * 4);
+    const uint8_t* sZ = base + L::a_elems * 2 + L::b_words * 4 + L::s_elems * 2;
+    const u32 k0 = k_begin + u32(kt) * kTcBK;
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {  // two 32-row chunks per K tile
+      const int rb = 4 * s + t;
+      const int cb = wn * 8 + g;
+      const uint4 words = *reinterpret_cast<const uint4*>(sB + rb * kTcBN + ((cb ^ ((rb & 3) << 1)) * 4));
+      const int sr = one_group ? 0 : group_src_row(k0, rb, p.group_size, num_groups);
+      const uint2 s4 = *reinterpret_cast<const uint2*>(sS + sr * kTcBN + wn * 32 + 4 * g);
+      u32 z4 = 0;
+      if constexpr (FMT == TM_FORMAT_U4) z4 = *reinterpret_cast<const u32*>(sZ + sr * kTcBN + wn * 32 + 4 * g);
+      ColQ<T> q[4];
+      make_colq<T, FMT>(q, s4, z4);
+      u32 b[4][4];
+      mma_chunk_b<T, FMT>(b, words, q);
+#pragma unroll
+      for (int i = 0; i < WM; ++i) {
+        const int r0 = wm * 16 * WM + 16 * i + g;
+        const int ch = (4 * s + t) ^ ((r0 & 1) << 2);
+        const uint4 lo = *reinterpret_cast<const uint4*>(sA + r0 * kTcBK + ch * 8);
+        const uint4 hi = *reinterpret_cast<const uint4*>(sA + (r0 + 8) * kTcBK + ch * 8);
+        mma_chunk<T>(acc[i], b, a_pairs(lo), a_pairs(hi));
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: lane (g, t) holds rows g and g+8 of each m16 tile, columns 8t..8t+7 of its warp's 32.
+  const bool vec_ok = (p.N % 8u) == 0u;
+#pragma unroll
+  for (int i = 0; i < WM; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const u32 row = m0 + wm * 16 * WM + 16 * i + g + 8 * h;
+      if (row >= p.M) continue;
+      const u32 nb = n0 + wn * 32 + 8 * t;
+      float v[8];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        v[j] = acc[i][j][2 * h];
+        v[4 + j] = acc[i][j][2 * h + 1];
+      }
+      if (p.k_parallel > 1) {
+        float* dst = ws + (size_t(slice) * p.M + row) * p.N;
+#pragma unroll
+        for (int c = 0; c < 8; ++c)
+          if (nb + c < p.N) dst[nb + c] = v[c];
+      } else {
+        if (p.has_bias) {
+#pragma unroll
+          for (int c = 0; c < 8; ++c)
+            if (nb + c < p.N) v[c] += Tr<T>::to_f(bias[nb + c]);
+        }
+        T* dst = C + size_t(row) * p.N;
+        if (vec_ok && nb + 8 <= p.N) {
+          uint4 o;
+          u32* ow = reinterpret_cast<u32*>(&o);
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            typename Tr<T>::T2 pr;
+            pr.x = Tr<T>::from_f(v[2 * c]);
+            pr.y = Tr<T>::from_f(v[2 * c + 1]);
+            ow[c] = as_u32(pr);
+          }
+          *reinterpret_cast<uint4*>(dst + nb) = o;
+        } else {
+#pragma unroll
+          for (int c = 0; c < 8; ++c)
+            if (nb + c < p.N) dst[nb + c] = Tr<T>::from_f(v[c]);
+        }
+      }
+    }
+  }
+  if (p.k_parallel > 1)
+    last_block_reduce<T>(p, blockIdx.y * gridDim.x + blockIdx.x, m0, BM, n0, kTcBN, ws, bias, C, counters);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Plain fp32 kernel, standalone dequant
+// ---------------------------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ float to_float(T x) {
+  return float(x);
+}
+template <>
+__device__ __forceinline__ float to_float<__half>(__half x) {
+  return __half2float(x);
+}
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+template <typename T>
+__device__ __forceinline__ T from_float(float x) {
+  return T(x);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+template <u32 FMT>
+__device__ __forceinline__ float dequant_scalar(u32 code, float s, float z) {
+  if constexpr (FMT == TM_FORMAT_FP4) return fp4_e2m1_to_float(code) * s;
+  else return (float(code) - z) * s;
+}
+
+// fp32 activations: one thread per column, 8 rows per block row; A reads are warp broadcasts.
+template <u32 FMT>
+__global__ void __launch_bounds__(128) simt_kernel(QuantGemmParams p, const float* __restrict__ A,
+                                                   const u32* __restrict__ B, const float* __restrict__ S,
+                                                   const uint8_t* __restrict__ Z, const float* __restrict__ bias,
+                                                   float* __restrict__ C) {
+  const u32 n = blockIdx.x * blockDim.x + threadIdx.x;
+  const u32 m0 = blockIdx.y * 8u;
+  if (n >= p.N) return;
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (u32 kw = 0; kw < p.K / 8u; ++kw) {
+    const u32 w = B[size_t(kw) * p.N + n];
+    const u32 grp = kw * 8u / p.group_size;
+    const float s = S[size_t(grp) * p.N + n];
+    const float z = FMT == TM_FORMAT_U4 ? float(Z[size_t(grp) * p.N + n]) : 0.f;
+    float wv[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) wv[i] = dequant_scalar<FMT>(tm_nibble(w, i), s, z);
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      if (m0 + r >= p.M) break;
+      const float* a = A + size_t(m0 + r) * p.K + kw * 8u;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[r] = fmaf(a[i], wv[i], acc[r]);
+    }
+  }
+  const float b = p.has_bias ? bias[n] : 0.f;
+  for (int r = 0; r < 8 && m0 + r < p.M; ++r) C[size_t(m0 + r) * p.N + n] = acc[r] + b;
+}
+
+template <typename T, u32 FMT>
+__global__ void dequant_kernel(u32 K, u32 N, u32 gs, const u32* __restrict__ B, const T* __restrict__ S,
+                               const uint8_t* __restrict__ Z, T* __restrict__ W) {
+  const size_t total = size_t(K / 8u) * N;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < total; i += size_t(gridDim.x) * blockDim.x) {
+    const u32 kw = u32(i / N), n = u32(i % N);
+    const u32 w = B[i];
+    const u32 grp = kw * 8u / gs;
+    const float s = to_float(S[size_t(grp) * N + n]);
+    const float z = FMT == TM_FORMAT_U4 ? float(Z[size_t(grp) * N + n]) : 0.f;
+#pragma unroll
+    for (int r = 0; r < 8; ++r) W[(size_t(kw) * 8u + r) * N + n] = from_float<T>(dequant_scalar<FMT>(tm_nibble(w, r), s, z));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side
+// ---------------------------------------------------------------------------------------------
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// The fast kernels read 16-byte chunks of B (4 columns), scales (8) and zeros (16): they need the
+// column count padded to a multiple of 16 and 16-byte aligned bases. Real models satisfy this;
+// other shapes get a zero-padded copy (correct, one extra pass over the weights).
+at::Tensor pad_cols(const at::Tensor& t, int64_t Np) {
+  if (t.size(1) == Np && aligned16(t)) return t;
+  at::Tensor out = at::zeros({t.size(0), Np}, t.options());
+  out.narrow(1, 0, t.size(1)).copy_(t);
+  return out;
+}
+
+// Per-tile arrival counters of the in-kernel K-slice reduction. One zeroed buffer per (device,
+// stream): kernels on one stream run in order and every last block re-arms its counter, so a
+// buffer is always all-zero when the next launch on that stream starts. (Per stream, because
+// kernels on different streams may overlap.) Growing replaces the buffer; the old one returns to
+// the caching allocator, which hands it out again only in stream order.
+int* tile_counters(int64_t n, const at::Device& dev, cudaStream_t stream) {
+  static std::mutex mu;
+  static std::map<std::pair<int, cudaStream_t>, at::Tensor> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  at::Tensor& t = cache[{int(dev.index()), stream}];
+  if (!t.defined() || t.numel() < n) {
+    t = at::zeros({std::max<int64_t>(n, 4096)}, at::TensorOptions().dtype(at::kInt).device(dev));
+  }
+  return t.data_ptr<int>();
+}
+
+int grid_for(size_t total, int threads) {
+  const size_t blocks = (total + threads - 1) / threads;
+  return int(std::min<size_t>(blocks, 65535u * 8u));
+}
+
+void check_launch(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  TORCH_CHECK(e == cudaSuccess, "torch_marlin: CUDA launch of ", what, " failed: ", cudaGetErrorString(e));
+}
+
+template <typename T, u32 FMT, int WM>
+void launch_tc(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const u32* B, const T* S, const uint8_t* Z, const T* bias,
+               T* C, float* ws, int* counters, cudaStream_t stream) {
+  constexpr int bytes = TcSmem<T, WM>::bytes;
+  static std::once_flag once;  // per instantiation; the opt-in limit is per function
+  std::call_once(once, [] {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(tc_kernel<T, FMT, WM>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  });
+  const dim3 grid(plan.grid[0], plan.grid[1], plan.grid[2]);
+  tc_kernel<T, FMT, WM><<<grid, kTcThreads, bytes, stream>>>(plan.params, Np, gs_shift, A, B, S, Z, bias, C, ws, counters);
+  check_launch(plan.kernel.c_str());
+}
+
+template <typename T, u32 FMT, bool kHi, int MT, bool kFold = false>
+void launch_decode(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const u32* B, const T* S, const uint8_t* Z,
+                   const T* bias, T* C, float* ws, int* counters, cudaStream_t stream) {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<T, FMT, kHi, MT, kFold>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        kDecSmemBytes));
+  });
+  const dim3 grid(plan.grid[0], plan.grid[1], 1);
+  decode_kernel<T, FMT, kHi, MT, kFold><<<grid, plan.threads[0], kDecSmemBytes, stream>>>(plan.params, Np, gs_shift, A, B, S, Z,
+                                                                               bias, C, ws, counters);
+  check_launch(plan.kernel.c_str());
+}
+
+template <typename T, u32 FMT>
+void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at::Tensor& ws, cudaStream_t stream) {
+  const int64_t Np = (a.N + 15) / 16 * 16;
+  const at::Tensor B = pad_cols(a.B, Np);
+  const at::Tensor S = pad_cols(a.scales, Np);
+  const at::Tensor Z = FMT == TM_FORMAT_U4 ? pad_cols(a.zeros, Np) : at::Tensor();
+  const at::Tensor A = aligned16(a.A) ? a.A : a.A.clone();
+  const T* pA = reinterpret_cast<const T*>(A.data_ptr());
+  const u32* pB = reinterpret_cast<const u32*>(B.data_ptr());
+  const T* pS = reinterpret_cast<const T*>(S.data_ptr());
+  const uint8_t* pZ = Z.defined() ? Z.data_ptr<uint8_t>() : nullptr;
+  const T* pbias = a.bias.defined() ? reinterpret_cast<const T*>(a.bias.data_ptr()) : nullptr;
+  T* pC = reinterpret_cast<T*>(C.data_ptr());
+  float* pws = ws.defined() ? ws.data_ptr<float>() : nullptr;
+  TORCH_CHECK(plan.params.k_parallel <= 1 || pws != nullptr, "torch_marlin: K-parallel plan without workspace");
+  const int gs_shift = (a.group_size & (a.group_size - 1)) == 0 ? __builtin_ctzll(uint64_t(a.group_size)) : -1;
+  int* counters = nullptr;
+  if (plan.params.k_parallel > 1) {
+    counters = tile_counters(int64_t(plan.params.m_tiles) * plan.params.n_tiles, a.A.device(), stream);
+  }
+
+  const std::string& k = plan.kernel;
+  if (k.rfind("decode_", 0) == 0) {
+    const uint32_t mt = plan.params.tile_m / 16u;
+    TORCH_CHECK(plan.params.tile_m % 16u == 0 && a.M <= int64_t(plan.params.tile_m), "torch_marlin: bad decode tile");
+    if (mt == 4) launch_decode<T, FMT, true, 4>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    else if (mt == 2) launch_decode<T, FMT, true, 2>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    else if (gs_shift >= 5 && a.M <= 8)  // measured: folding helps only without rows 8..15
+      launch_decode<T, FMT, false, 1, true>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    else if (a.M > 8)
+      launch_decode<T, FMT, true, 1>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    else launch_decode<T, FMT, false, 1>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+  } else if (k.rfind("tc128_", 0) == 0) {
+    launch_tc<T, FMT, 4>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+  } else {
+    TORCH_CHECK(false, "torch_marlin: unknown CUDA kernel tag '", k, "'");
+  }
+}
+
+template <u32 FMT>
+void launch_simt(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, cudaStream_t stream) {
+  TORCH_CHECK(plan.kernel.rfind("simt_", 0) == 0, "torch_marlin: fp32 plan has kernel '", plan.kernel, "'");
+  const dim3 grid(plan.grid[0], plan.grid[1], 1);
+  simt_kernel<FMT><<<grid, plan.threads[0], 0, stream>>>(
+      plan.params, a.A.data_ptr<float>(), reinterpret_cast<const u32*>(a.B.data_ptr()), a.scales.data_ptr<float>(),
+      FMT == TM_FORMAT_U4 ? a.zeros.data_ptr<uint8_t>() : nullptr,
+      a.bias.defined() ? a.bias.data_ptr<float>() : nullptr, C.data_ptr<float>());
+  check_launch(plan.kernel.c_str());
+}
+
+template <u32 FMT>
+void gemm_for_format(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at::Tensor& ws,
+                     cudaStream_t stream) {
+  switch (a.dtype) {
+    case DType::F16: launch_fast<__half, FMT>(plan, a, C, ws, stream); break;
+    case DType::BF16: launch_fast<__nv_bfloat16, FMT>(plan, a, C, ws, stream); break;
+    case DType::F32: launch_simt<FMT>(plan, a, C, stream); break;
+  }
+}
+
+template <typename T, u32 FMT>
+void launch_dequant(const QuantGemmArgs& a, at::Tensor& W, cudaStream_t stream) {
+  const int threads = 256;
+  dequant_kernel<T, FMT><<<grid_for(size_t(a.K / 8) * a.N, threads), threads, 0, stream>>>(
+      u32(a.K), u32(a.N), u32(a.group_size), reinterpret_cast<const u32*>(a.B.data_ptr()),
+      reinterpret_cast<const T*>(a.scales.data_ptr()), a.zeros.defined() ? a.zeros.data_ptr<uint8_t>() : nullptr,
+      reinterpret_cast<T*>(W.data_ptr()));
+  check_launch("dequant");
+}
+
+template <u32 FMT>
+void dequant_for_format(const QuantGemmArgs& a, at::Tensor& W, cudaStream_t stream) {
+  switch (a.dtype) {
+    case DType::F16: launch_dequant<__half, FMT>(a, W, stream); break;
+    case DType::BF16: launch_dequant<__nv_bfloat16, FMT>(a, W, stream); break;
+    case DType::F32: launch_dequant<float, FMT>(a, W, stream); break;
+  }
+}
+
+}  // namespace
+
+DeviceCaps cuda_device_caps(int device_index) {
+  const int dev = device_index >= 0 ? device_index : int(c10::cuda::current_device());
+  // Cached per device: the planner asks on every call.
+  static std::mutex mu;
+  static std::vector<DeviceCaps> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  if (int(cache.size()) <= dev) cache.resize(dev + 1);
+  if (cache[dev].backend != Backend::CUDA) {
+    int sms = 0, smem = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    cache[dev].backend = Backend::CUDA;
+    cache[dev].compute_units = sms;
+    cache[dev].max_shared_memory = smem;
+  }
+  DeviceCaps caps = cache[dev];
+  return caps;
+}
+
+void quant_gemm_cuda(const GemmPlan& plan, const QuantGemmArgs& args, at::Tensor& C, at::Tensor& workspace) {
+  const c10::cuda::CUDAGuard guard(args.A.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (args.format == QuantFormat::FP4) gemm_for_format<TM_FORMAT_FP4>(plan, args, C, workspace, stream);
+  else gemm_for_format<TM_FORMAT_U4>(plan, args, C, workspace, stream);
+}
+
+void quant_dequant_cuda(const QuantGemmArgs& args, at::Tensor& W) {
+  const c10::cuda::CUDAGuard guard(args.B.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (args.format == QuantFormat::FP4) dequant_for_format<TM_FORMAT_FP4>(args, W, stream);
+  else dequant_for_format<TM_FORMAT_U4>(args, W, stream);
+}
+
+}  // namespace torch_marlin

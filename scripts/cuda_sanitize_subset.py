@@ -1,0 +1,51 @@
+"""Runs each CUDA kernel of the FP4/INT4 family once on small shapes, for compute-sanitizer:
+
+    compute-sanitizer --tool memcheck  python scripts/cuda_sanitize_subset.py
+    compute-sanitizer --tool racecheck python scripts/cuda_sanitize_subset.py
+
+Covers: decode with 1/2/4 m16 tiles (K-parallel and not, fp16/bf16, fp4/u4), tc128 (K-parallel
+and not, padded N, partial K tile), the in-kernel K-slice reduction, the fp32 simt kernel and both dequant kernels. Also
+checks each result against the fp32 reference so a silent wrong answer fails the run.
+"""
+import torch
+
+import torch_marlin
+from torch_marlin.formats import dequant_fp4_reference, dequant_u4_reference, quantize_fp4, quantize_u4
+
+torch.manual_seed(0)
+CASES = [  # fmt, M, K, N, group_size, dtype
+    ("fp4", 3, 4096, 96, 128, torch.float16),     # decode, K-parallel
+    ("u4", 16, 288, 200, 32, torch.bfloat16),     # decode, one slice, padded N, partial chunk
+    ("fp4", 40, 2048, 136, 64, torch.bfloat16),   # decode with 4 m16 tiles, K-parallel
+    ("u4", 24, 512, 96, 128, torch.float16),      # decode with 2 m16 tiles
+    ("fp4", 100, 2048, 136, 128, torch.float16),  # tc128, K-parallel
+    ("u4", 130, 288, 200, 32, torch.float16),     # tc128, one slice, padded N, partial K tile
+    ("fp4", 5, 1536, 72, 96, torch.float16),      # decode, per-weight scales (group not 2^n)
+    ("u4", 12, 1536, 72, 16, torch.bfloat16),     # decode, per-weight scales, rows 8..15 live
+    ("u4", 5, 256, 72, 64, torch.float32),        # simt
+]
+worst = 0.0
+for fmt, M, K, N, gs, dt in CASES:
+    w = torch.randn(K, N)
+    if fmt == "fp4":
+        B, s = quantize_fp4(w, gs, scale_dtype=dt)
+        B, s, z = B.cuda(), s.cuda(), None
+        W = dequant_fp4_reference(B, s, gs)
+    else:
+        B, s, z = quantize_u4(w, gs, scale_dtype=dt)
+        B, s, z = B.cuda(), s.cuda(), z.cuda()
+        W = dequant_u4_reference(B, s, z, gs)
+    A = torch.randn(M, K, device="cuda").to(dt)
+    bias = torch.randn(N, device="cuda").to(dt)
+    plan = torch_marlin.plan_gemm(fmt, M, K, N, gs, dtype=dt, device="cuda", has_bias=True)
+    C = (torch.ops.marlin.gemm_fp4(A, B, s, gs, bias) if fmt == "fp4"
+         else torch.ops.marlin.gemm_u4(A, B, s, z, gs, bias))
+    ref = A.float() @ W + bias.float()
+    err = ((C.float() - ref).abs().max() / ref.abs().max()).item()
+    worst = max(worst, err)
+    print(f"{plan['kernel']:>22} k_parallel={plan['k_parallel']} M={M} K={K} N={N}: rel err {err:.2e}")
+    Wk = (torch.ops.marlin.dequant_fp4(B, s, gs) if fmt == "fp4" else torch.ops.marlin.dequant_u4(B, s, z, gs))
+    assert torch.equal(Wk, W.to(dt)), "dequant mismatch"
+torch.cuda.synchronize()
+assert worst < 4e-2, worst
+print("sanitize subset OK")

@@ -1,0 +1,195 @@
+"""CUDA backend of the FP4 / INT4 ops, checked against torch.matmul on weights dequantized by the
+pure-torch references in torch_marlin.formats, computed in fp32.
+
+Skips cleanly when torch has no CUDA device. On an H100 the whole file takes about a minute,
+most of it in the 28672 x 8192 reference matmuls.
+
+Tolerances (relative to max|ref|, the largest reference output of the case):
+- The kernels dequantize each weight to the activation dtype (one rounding: 2^-11 relative in fp16,
+  2^-8 in bf16), multiply on tensor cores with fp32 accumulation, and round C once to the
+  activation dtype. The reference keeps the weights in fp32. Per output the error is a sum of K
+  roughly independent roundings (~sqrt(K) * eps * typical |a*w|) plus the final rounding, well under
+  1e-2 (fp16) / 4e-2 (bf16) of max|ref| for these sizes; a wrong column, row or group is O(1).
+- fp32 activations run a plain fp32 kernel: only the summation order differs from torch.matmul.
+"""
+
+import pytest
+import torch
+
+import torch_marlin  # noqa: F401  (registers torch.ops.marlin)
+from torch_marlin.formats import dequant_fp4_reference, dequant_u4_reference, quantize_fp4, quantize_u4
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+MAX_ERR = {torch.float16: 1e-2, torch.bfloat16: 4e-2, torch.float32: 1e-4}
+
+
+def make_weights(fmt, K, N, group_size, dtype, device="cuda", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    w = torch.randn(K, N, generator=g)
+    if fmt == "fp4":
+        B, s = quantize_fp4(w, group_size, scale_dtype=dtype)
+        z = None
+    else:
+        B, s, z = quantize_u4(w, group_size, symmetric=False, scale_dtype=dtype)
+        z = z.to(device)
+    return B.to(device), s.to(device), z
+
+
+def reference_weight(fmt, B, s, z, group_size):
+    if fmt == "fp4":
+        return dequant_fp4_reference(B, s, group_size)
+    return dequant_u4_reference(B, s, z, group_size)
+
+
+def run_op(fmt, A, B, s, z, group_size, bias):
+    if fmt == "fp4":
+        return torch.ops.marlin.gemm_fp4(A, B, s, group_size, bias)
+    return torch.ops.marlin.gemm_u4(A, B, s, z, group_size, bias)
+
+
+def check_close(C, ref, dtype):
+    assert C.dtype == dtype and C.shape == ref.shape
+    if ref.numel() == 0:
+        return
+    Cf = C.float()
+    assert torch.isfinite(Cf).all(), "non-finite output"
+    scale = ref.abs().max().clamp_min(1e-6)
+    err = ((Cf - ref).abs().max() / scale).item()
+    assert err <= MAX_ERR[dtype], f"max error {err:.3e} of max|ref| exceeds {MAX_ERR[dtype]:.0e}"
+
+
+def case(fmt, M, K, N, group_size, dtype, with_bias, seed=0):
+    B, s, z = make_weights(fmt, K, N, group_size, dtype, seed=seed)
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    A = torch.randn(M, K, generator=g).to(dtype).cuda()
+    bias = torch.randn(N, generator=g).to(dtype).cuda() if with_bias else None
+    C = run_op(fmt, A, B, s, z, group_size, bias)
+    ref = A.float() @ reference_weight(fmt, B, s, z, group_size)
+    if bias is not None:
+        ref = ref + bias.float()
+    torch.cuda.synchronize()
+    check_close(C, ref, dtype)
+    return C
+
+
+# ---- The CPU test matrix, on CUDA ----------------------------------------------------------------
+# (K, group_size): K = 288 is not a multiple of the 64-row K tile (partial last tile).
+@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("K,group_size", [(288, 32), (256, 64), (384, 128)])
+@pytest.mark.parametrize("M", [0, 1, 3, 16, 17, 64, 257])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matrix(fmt, dtype, K, group_size, M, with_bias):
+    # N = 200: not a multiple of 64 nor of 16 (exercises the padded-weight path and edge tiles).
+    case(fmt, M, K, 200, group_size, dtype, with_bias)
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("M", [1, 16, 40, 130])
+def test_n_multiple_of_16_not_64(fmt, dtype, M):
+    # N = 144: the fast path without padding, but a partial 128-column tile.
+    case(fmt, M, 512, 144, 128, dtype, True)
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("group_size", [16, 96])
+@pytest.mark.parametrize("M", [1, 9, 20, 100])
+def test_other_group_sizes(fmt, dtype, group_size, M):
+    # Group sizes that are not a power of two >= 32 take the per-weight-scale decode path (the
+    # matrix above, with 32/64/128, takes the folded-scale one) and the multi-group K tiles of tc128.
+    case(fmt, M, 1536, 200, group_size, dtype, True)
+
+
+# ---- K-parallel (stripes + deterministic reduction) ----------------------------------------------
+def plan_for(M, K, N, dtype):
+    return torch_marlin.plan_gemm("fp4", M, K, N, 128, dtype=dtype, device="cuda")
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("M", [1, 5, 16, 48, 200])
+def test_k_parallel(fmt, dtype, M):
+    K, N = 4096, 328
+    assert plan_for(M, K, N, dtype)["k_parallel"] > 1, "shape meant to exercise K-parallel slices"
+    case(fmt, M, K, N, 128, dtype, True)
+
+
+@pytest.mark.parametrize("M", [4, 64])
+def test_deterministic(M):
+    K, N = 8192, 4096
+    assert plan_for(M, K, N, torch.float16)["k_parallel"] > 1
+    B, s, z = make_weights("u4", K, N, 128, torch.float16)
+    A = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    bias = torch.randn(N, device="cuda", dtype=torch.float16)
+    first = run_op("u4", A, B, s, z, 128, bias)
+    for _ in range(5):
+        assert torch.equal(run_op("u4", A, B, s, z, 128, bias), first)
+
+
+# ---- Large shapes (a Llama-70B down projection), reference on the GPU in fp32 ---------------------
+@pytest.mark.parametrize("fmt,dtype", [("fp4", torch.float16), ("u4", torch.bfloat16)])
+@pytest.mark.parametrize("M", [1, 16, 4096])
+def test_large(fmt, dtype, M):
+    K, N, gs = 28672, 8192, 128
+    torch.manual_seed(M)
+    w = torch.randn(K, N, device="cuda")
+    if fmt == "fp4":
+        B, s = quantize_fp4(w, gs, scale_dtype=dtype)
+        z = None
+    else:
+        B, s, z = quantize_u4(w, gs, scale_dtype=dtype)
+    del w
+    A = torch.randn(M, K, device="cuda", dtype=dtype)
+    C = run_op(fmt, A, B, s, z, gs, None)
+    W = reference_weight(fmt, B, s, z, gs)
+    ref = A.float() @ W
+    del W
+    check_close(C, ref, dtype)
+
+
+# ---- Streams, devices, alignment -------------------------------------------------------------------
+def test_runs_on_current_stream():
+    B, s, _ = make_weights("fp4", 1024, 256, 128, torch.float16)
+    A = torch.randn(8, 1024, device="cuda", dtype=torch.float16)
+    ref = A.float() @ dequant_fp4_reference(B, s, 128)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        C = torch.ops.marlin.gemm_fp4(A, B, s, 128)
+    stream.synchronize()
+    check_close(C, ref, torch.float16)
+
+
+def test_misaligned_activation_view():
+    K, N, M = 256, 128, 5
+    B, s, _ = make_weights("fp4", K, N, 64, torch.float16)
+    buf = torch.randn(M * K + 3, device="cuda", dtype=torch.float16)
+    A = buf[3:].view(M, K)  # data pointer 6 bytes past a 16-byte boundary
+    C = torch.ops.marlin.gemm_fp4(A, B, s, 64)
+    check_close(C, A.float() @ dequant_fp4_reference(B, s, 64), torch.float16)
+
+
+def test_weights_on_other_device_rejected():
+    B, s, _ = make_weights("fp4", 256, 64, 64, torch.float16, device="cpu")
+    A = torch.randn(2, 256, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="B_packed"):
+        torch.ops.marlin.gemm_fp4(A, B, s.cuda(), 64)
+
+
+# ---- Standalone dequant ------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_dequant(fmt, dtype):
+    K, N, gs = 512, 200, 64
+    B, s, z = make_weights(fmt, K, N, gs, dtype)
+    if fmt == "fp4":
+        W = torch.ops.marlin.dequant_fp4(B, s, gs)
+    else:
+        W = torch.ops.marlin.dequant_u4(B, s, z, gs)
+    ref = reference_weight(fmt, B, s, z, gs)
+    # Both compute code value x scale in fp32 and round once to the scales' dtype: exact.
+    assert W.dtype == dtype and torch.equal(W, ref.to(dtype))
