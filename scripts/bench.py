@@ -60,8 +60,70 @@ def bench(fn, device, reps, min_time=0.2):
     return statistics.median(times)
 
 
+def random_trellis(K, N, bits, group_size, experts=()):
+    """Random trellis tensors (timing does not depend on the values; quantizing 45M weights would)."""
+    from torch_marlin.formats import trellis as tfmt
+
+    lead = tuple(experts)
+    packed = torch.randint(0, 256, (*lead, (K + 15) // 16, (N + 15) // 16, 32 * bits), dtype=torch.uint8)
+    return (packed, torch.rand(*lead, tfmt.num_groups(K, group_size), N) * 0.01, torch.randn(*lead, 1 << bits),
+            torch.ones(*lead, K), torch.ones(*lead, N))
+
+
+def trellis_case(bits, K, N, group_size, device):
+    t = tuple(x.to(device) for x in random_trellis(K, N, bits, group_size))
+    nbytes = sum(x.numel() * x.element_size() for x in t)
+    return (lambda A: torch.ops.marlin.gemm_trellis(A, *t, K, N, bits, group_size)), nbytes
+
+
+def bench_moe(args, device, dtype):
+    """MoE rows: moe_trellis vs a dense torch MoE (per-expert index_select + matmuls) in the same dtype."""
+    import torch.nn.functional as F
+
+    H, I, E = (int(v) for v in args.moe_shape.split("x"))
+    top_k = args.moe_top_k
+    print(f"\n# MoE hidden {H}, intermediate {I}, {E} experts, top_k {top_k}, group {args.group_size}")
+    cols = ["format", "tokens", "marlin_us", "weight_GB/s", f"dense_{str(dtype)[6:]}_us", "speedup"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    Wg = (torch.randn(E, H, I) * 0.02).to(device=device, dtype=dtype)
+    Wu = (torch.randn(E, H, I) * 0.02).to(device=device, dtype=dtype)
+    Wd = (torch.randn(E, I, H) * 0.02).to(device=device, dtype=dtype)
+
+    def dense(x, ids, p):
+        y = torch.zeros_like(x)
+        for e in range(E):
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            xe = x.index_select(0, tok)
+            h = F.silu(xe @ Wg[e]) * (xe @ Wu[e])
+            y.index_add_(0, tok, (h @ Wd[e]) * p[tok, slot].unsqueeze(1).to(x.dtype))
+        return y
+
+    for bits in (2, 3, 4):
+        g = tuple(x.to(device) for x in random_trellis(H, I, bits, args.group_size, (E,)))
+        u = tuple(x.to(device) for x in random_trellis(H, I, bits, args.group_size, (E,)))
+        d = tuple(x.to(device) for x in random_trellis(I, H, bits, args.group_size, (E,)))
+        nbytes = sum(x.numel() * x.element_size() for x in g + u + d)
+        for T in (int(t) for t in args.moe_tokens.split(",")):
+            x = torch.randn(T, H, device=device).to(dtype)
+            ids = torch.stack([torch.randperm(E)[:top_k] for _ in range(T)]).to(device)
+            p = torch.softmax(torch.randn(T, top_k, device=device), -1)
+            # Weight bytes actually touched: only the experts that received tokens.
+            used = ids.unique().numel()
+            t = bench(lambda: torch.ops.marlin.moe_trellis(x, *g, *u, *d, ids, p, I, bits, args.group_size),
+                      device, args.reps)
+            t_dense = bench(lambda: dense(x, ids, p), device, args.reps)
+            row = [f"trellis{bits}", T, f"{t * 1e6:.1f}", f"{nbytes * used / E / t / 1e9:.1f}", f"{t_dense * 1e6:.1f}",
+                   f"{t_dense / t:.2f}x"]
+            print("| " + " | ".join(str(c) for c in row) + " |", flush=True)
+
+
 def quantized_case(fmt, K, N, group_size, dtype, device):
     """Returns (callable A -> C, bytes of weight data the kernel reads)."""
+    if fmt.startswith("trellis"):  # trellis2 / trellis3 / trellis4: codebook bits
+        return trellis_case(int(fmt[len("trellis"):]), K, N, group_size, device)
     w = torch.randn(K, N) * 0.02
     if fmt == "fp4":
         B, s = quantize_fp4(w, group_size, scale_dtype=dtype)
@@ -80,7 +142,11 @@ def main():
                     help="activation dtype (default: float32 on CPU, float16 elsewhere)")
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in LLAMA7B_SHAPES), help="KxN,KxN,...")
     ap.add_argument("--m", default="1,16,64,256")
-    ap.add_argument("--formats", default="fp4,u4")
+    ap.add_argument("--formats", default="fp4,u4,trellis2,trellis3,trellis4")
+    ap.add_argument("--moe", action="store_true", help="also time moe_trellis (trellis bits 2/3/4)")
+    ap.add_argument("--moe-shape", default="2048x1408x8", help="hidden x intermediate x experts")
+    ap.add_argument("--moe-tokens", default="1,16,64")
+    ap.add_argument("--moe-top-k", type=int, default=2)
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
@@ -105,7 +171,9 @@ def main():
     for K, N in parse_shapes(args.shapes):
         W = (torch.randn(K, N) * 0.02).to(device=device, dtype=dtype)
         W32 = W.float() if fp32_baseline else None
-        kernels = {fmt: quantized_case(fmt, K, N, args.group_size, dtype, device) for fmt in args.formats.split(",")}
+        # Trellis kernels exist for CPU and MPS only.
+        fmts = [f for f in args.formats.split(",") if device.type != "cuda" or not f.startswith("trellis")]
+        kernels = {fmt: quantized_case(fmt, K, N, args.group_size, dtype, device) for fmt in fmts}
         for M in (int(m) for m in args.m.split(",")):
             A = torch.randn(M, K, device=device).to(dtype)
             t_dense = bench(lambda: torch.matmul(A, W), device, args.reps)
@@ -117,6 +185,8 @@ def main():
                 if fp32_baseline:
                     row += [f"{t_dense32 * 1e6:.1f}", f"{t_dense32 / t:.2f}x"]
                 print("| " + " | ".join(str(c) for c in row) + " |", flush=True)
+    if args.moe:
+        bench_moe(args, device, dtype)
 
 
 if __name__ == "__main__":

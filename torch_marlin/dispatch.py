@@ -38,3 +38,14 @@ def plan_gemm(format: str, M: int, K: int, N: int, group_size: int = 128, dtype=
         dev = torch.device(device)
         compute_units = torch.cuda.get_device_properties(dev.index or 0).multi_processor_count
     return _C.plan_quant_gemm(format, M, K, N, group_size, _DTYPES[dtype], backend, compute_units, has_bias, variant)
+
+
+def plan_trellis(M: int, K: int, N: int, bits: int = 3, group_size: int = 128, dtype=torch.float16,
+                 device="cpu", variant: str = "auto") -> dict:
+    """The plan ``gemm_trellis`` would execute: M <= 16 -> ``gemm_trellis_packed_decode`` (GEMV
+    layout), else ``gemm_trellis_packed`` (64x64 tiles) on Metal; ``cpu_trellis_decode`` /
+    ``cpu_trellis_prefill`` on the CPU. Keys: ``variant, kernel, grid, threads, tile_m, tile_n, ...``."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")
+    backend = device if device == "metal" else backend_of(device)
+    return _C.plan_trellis_gemm(M, K, N, bits, group_size, _DTYPES[dtype], backend, variant)

@@ -62,3 +62,38 @@ def dequant_fp4(B_packed: torch.Tensor, scales: torch.Tensor, group_size: int) -
 
 def dequant_u4(B_packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
     return torch.ops.marlin.dequant_u4(B_packed, scales, zeros, group_size)
+
+
+# ---- trellis codebook family (csrc/ops/trellis.cpp) ----------------------------------------------
+
+@torch.library.register_fake("marlin::gemm_trellis")
+def _gemm_trellis_fake(A, packed_indices, scales, grid, su, sv, K, N, bits, group_size):
+    return A.new_empty((A.shape[0], N))
+
+
+@torch.library.register_fake("marlin::dequant_trellis")
+def _dequant_trellis_fake(packed_indices, scales, grid, su, sv, K, N, bits, group_size):
+    return scales.new_empty((K, N))
+
+
+@torch.library.register_fake("marlin::moe_trellis")
+def _moe_trellis_fake(x, *args):
+    return x.new_empty(x.shape)
+
+
+def gemm_trellis(A, packed_indices, scales, grid, su, sv, K: int, N: int, bits: int, group_size: int):
+    """``A[M, K] @ W[K, N]``, ``W = grid[idx] * scales * su * sv`` (docs/formats.md), A's dtype out."""
+    return torch.ops.marlin.gemm_trellis(A, packed_indices, scales, grid, su, sv, K, N, bits, group_size)
+
+
+def dequant_trellis(packed_indices, scales, grid, su, sv, K: int, N: int, bits: int, group_size: int):
+    """Dense f32 ``W[K, N]`` of a trellis matrix."""
+    return torch.ops.marlin.dequant_trellis(packed_indices, scales, grid, su, sv, K, N, bits, group_size)
+
+
+def moe_trellis(x, gate, up, down, expert_ids, expert_probs, intermediate_size: int, bits: int, group_size: int):
+    """Routed SwiGLU MoE. ``gate``/``up``/``down`` are 5-tuples ``(packed_indices, scales, grid, su, sv)``
+    with a leading expert dimension; gate/up are ``W[hidden, intermediate]``, down ``W[intermediate, hidden]``.
+    ``y[t] = sum_j expert_probs[t, j] * (silu(x_t @ G_e) * (x_t @ U_e)) @ D_e``, ``e = expert_ids[t, j]``."""
+    return torch.ops.marlin.moe_trellis(x, *gate, *up, *down, expert_ids, expert_probs, intermediate_size, bits,
+                                        group_size)

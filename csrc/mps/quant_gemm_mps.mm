@@ -30,6 +30,7 @@
 
 #include "metal_library_source.h"  // generated: torch_marlin::metal_library_source()
 #include "ops/quant_gemm.h"
+#include "ops/trellis.h"  // mps_encode_tensors, TrellisParams
 
 namespace torch_marlin {
 namespace {
@@ -161,6 +162,16 @@ DeviceCaps mps_device_caps() {
     return c;
   }();
   return caps;
+}
+
+// For the other op families' MPS units (csrc/mps/trellis_mps.mm): one dispatch through this
+// file's library, pipeline cache and stream encoder. Declared in ops/trellis.h.
+void mps_encode_tensors(const std::string& kernel, const uint32_t grid[3], uint32_t threads,
+                        const std::vector<at::Tensor>& tensors, const TrellisParams& params) {
+  std::vector<BufferArg> buffers;
+  buffers.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) buffers.push_back(arg(t));
+  encode(kernel, grid, threads, buffers, params);
 }
 
 void quant_gemm_mps(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at::Tensor& workspace) {

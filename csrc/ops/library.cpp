@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "plan/plan_py.h"
+#include "plan/trellis_plan.h"
 
 TORCH_LIBRARY(marlin, m) {}
 
@@ -31,4 +32,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("format"), py::arg("M"), py::arg("K"), py::arg("N"), py::arg("group_size"), py::arg("dtype"),
       py::arg("backend"), py::arg("compute_units") = 0, py::arg("has_bias") = false, py::arg("force") = "auto");
+  m.def(
+      "plan_trellis_gemm",
+      [](int64_t M, int64_t K, int64_t N, int64_t bits, int64_t group_size, const std::string& dtype,
+         const std::string& backend, const std::string& force) {
+        DeviceCaps caps = parse_backend(backend) == Backend::Metal ? default_metal_caps() : DeviceCaps{};
+        caps.backend = parse_backend(backend);
+        try {
+          const TrellisPlan p = plan_trellis_gemm(M, K, N, bits, group_size, parse_dtype(dtype), caps, parse_variant(force));
+          py::dict d;
+          d["variant"] = variant_name(p.variant);
+          d["kernel"] = p.main.kernel;
+          d["grid"] = py::make_tuple(p.main.grid[0], p.main.grid[1], p.main.grid[2]);
+          d["threads"] = py::make_tuple(p.main.threads[0], p.main.threads[1], p.main.threads[2]);
+          d["tile_m"] = p.params.tile_m;
+          d["tile_n"] = p.params.tile_n;
+          d["m_tiles"] = p.params.m_tiles;
+          d["n_tiles"] = p.params.n_tiles;
+          d["k_chunk"] = p.k_chunk;
+          return d;
+        } catch (const std::invalid_argument& e) {
+          TORCH_CHECK_VALUE(false, e.what());
+        }
+      },
+      py::arg("M"), py::arg("K"), py::arg("N"), py::arg("bits"), py::arg("group_size"), py::arg("dtype"),
+      py::arg("backend"), py::arg("force") = "auto");
 }

@@ -1,0 +1,76 @@
+// Trellis codebook GEMM / MoE: launch parameters and format helpers shared byte-for-byte by the
+// host (C++), the Metal kernels (MSL, also run by the Metal-on-CPU harness) and any other backend.
+//
+// Same rules as quant_gemm_params.h: fixed-width unsigned fields only, no pointers, no bool, no
+// constructors. The planner (csrc/plan/trellis_plan.cpp) fills it once; every backend reads it.
+#pragma once
+
+#include "torch_marlin/portable.h"
+
+TM_NAMESPACE_BEGIN
+
+// ---- Format constants (docs/formats.md, "Trellis") ---------------------------------------------
+// packed_indices uint8 [ceil(K/16), ceil(N/16), 16*16*bits/8]; inside a 16x16 tile the indices are
+// row-major (i = local_k * 16 + local_n), a little-endian bit stream with index i at bits
+// [i*bits, (i+1)*bits). One tile row (16 indices) is 2*bits whole bytes.
+// w[k, n] = grid[idx] * scales[k / group_size, n] * su[k] * sv[n]; scales/grid/su/sv are f32.
+#define TM_TRELLIS_TILE 16u
+#define TM_TRELLIS_TILE_ELEMS 256u
+#define TM_TRELLIS_MAX_BITS 4u
+#define TM_TRELLIS_MAX_LEVELS 16u
+
+// Launch parameters of every trellis kernel. For the dense GEMM: C[M,N] = A[M,K] @ W[K,N].
+// For the MoE (moe_trellis): M = tokens, K = hidden size, N = intermediate size; gate/up are
+// [K, N] per expert, down is [N, K] per expert.
+struct TrellisParams {
+  tm_u32 M;             // rows of A / tokens
+  tm_u32 K;             // reduction length of the (gate/up) GEMM; any positive value
+  tm_u32 N;             // output columns (intermediate size for the MoE); any positive value
+  tm_u32 bits;          // 2, 3 or 4
+  tm_u32 n_levels;      // 1 << bits (the grid length)
+  tm_u32 group_size;    // K rows sharing a scale; multiple of 16
+  tm_u32 tiles_k;       // ceil(K / 16)
+  tm_u32 tiles_n;       // ceil(N / 16)
+  tm_u32 packed_bytes;  // bytes per 16x16 tile = 32 * bits
+  tm_u32 n_groups;      // ceil(K / group_size)
+  tm_u32 tile_m;        // output tile rows of the chosen kernel
+  tm_u32 tile_n;        // output tile columns of the chosen kernel
+  tm_u32 m_tiles;       // ceil(M / tile_m)
+  tm_u32 n_tiles;       // ceil(N / tile_n)
+  // MoE only (0 for the dense GEMM)
+  tm_u32 num_experts;   // E
+  tm_u32 top_k;         // experts per token
+  tm_u32 down_tiles_k;  // ceil(N / 16): the down projection reduces over the intermediate size
+  tm_u32 down_tiles_n;  // ceil(K / 16)
+  tm_u32 down_n_groups; // ceil(N / group_size)
+  tm_u32 max_rows;      // M * top_k: rows of the routed (expert-sorted) buffers
+};
+
+#if TM_HOST_CXX
+static_assert(sizeof(TrellisParams) == 20 * 4, "TrellisParams must stay 20 x u32: MSL mirrors it");
+static_assert(alignof(TrellisParams) == 4, "TrellisParams alignment");
+#endif
+
+// ---- Portable index unpacking (host and MSL agree bit for bit) ----------------------------------
+
+// Byte offset of tile (tk, tn) in a [tiles_k, tiles_n, packed_bytes] array.
+TM_FN tm_u32 trellis_tile_offset(tm_u32 tk, tm_u32 tn, tm_u32 tiles_n, tm_u32 packed_bytes) {
+  return (tk * tiles_n + tn) * packed_bytes;
+}
+
+// Index `i` (0..255) of a tile whose bytes start at `tile`. A 3-bit index may span two bytes; the
+// second byte is always inside the tile because the stream ends exactly at a byte boundary.
+#if defined(__METAL_VERSION__)
+TM_FN tm_u32 trellis_unpack_index(device const uchar* tile, tm_u32 i, tm_u32 bits) {
+#else
+TM_FN tm_u32 trellis_unpack_index(const uint8_t* tile, tm_u32 i, tm_u32 bits) {
+#endif
+  const tm_u32 bit = i * bits;
+  const tm_u32 byte = bit >> 3u;
+  const tm_u32 shift = bit & 7u;
+  tm_u32 v = tm_u32(tile[byte]) >> shift;
+  if (shift + bits > 8u) v |= tm_u32(tile[byte + 1u]) << (8u - shift);
+  return v & ((1u << bits) - 1u);
+}
+
+TM_NAMESPACE_END

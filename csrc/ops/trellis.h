@@ -1,0 +1,76 @@
+// Trellis op family: validated arguments and the per-backend entry points the registration unit
+// (trellis.cpp) calls. Backends implement these; they never re-check arguments.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "plan/trellis_plan.h"
+
+namespace torch_marlin {
+
+// One trellis-quantized matrix W[K, N] (docs/formats.md): every tensor contiguous, on the op's
+// device. packed uint8 [ceil(K/16), ceil(N/16), 32*bits]; scales f32 [ceil(K/group_size), N];
+// grid f32 [2^bits]; su f32 [K]; sv f32 [N]. For the MoE each tensor has a leading expert dim.
+struct TrellisWeights {
+  at::Tensor packed, scales, grid, su, sv;
+};
+
+struct TrellisGemmArgs {
+  int64_t M = 0, K = 0, N = 0, bits = 0, group_size = 0;
+  DType dtype = DType::F32;  // of A and C
+  at::Tensor A;              // [M, K]
+  TrellisWeights w;
+};
+
+// Routed MoE: rows are (token, slot) pairs sorted by expert. `expert_offsets` int32 [E + 1]:
+// expert e owns sorted rows [offsets[e], offsets[e+1]); `sorted_token` int32 [T*top_k]: the token
+// of each sorted row; `slot_row` int32 [T*top_k]: sorted row of (token t, slot j) at t*top_k + j.
+struct TrellisMoeArgs {
+  int64_t T = 0, hidden = 0, intermediate = 0, E = 0, top_k = 0, bits = 0, group_size = 0;
+  DType dtype = DType::F32;  // of x and y
+  at::Tensor x;              // [T, hidden]
+  TrellisWeights gate, up;   // [E, ...] of W[hidden, intermediate]
+  TrellisWeights down;       // [E, ...] of W[intermediate, hidden]
+  at::Tensor probs;          // f32 [T, top_k]
+  at::Tensor expert_offsets, sorted_token, slot_row;
+};
+
+// Routing with device-generic ATen ops (the same on CPU, MPS and in the Metal-on-CPU harness):
+// a stable sort of the flattened (token, slot) pairs by expert groups each expert's rows
+// contiguously. Ids outside [0, E) are the caller's to reject; here they only shift offsets
+// (counts of clamped ids), so kernels never index out of bounds.
+inline void trellis_route(const at::Tensor& expert_ids, int64_t E, TrellisMoeArgs& a) {
+  const int64_t top_k = expert_ids.size(1);
+  const at::Tensor flat = expert_ids.reshape({-1}).to(at::kLong);
+  const at::Tensor order = std::get<1>(flat.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false));
+  // scatter_add rather than bincount: it exists on every backend (MPS included).
+  const at::Tensor counts =
+      at::zeros({E}, flat.options()).scatter_add_(0, flat.clamp(0, E - 1), at::ones_like(flat));
+  a.expert_offsets = at::cat({at::zeros({1}, counts.options()), counts.cumsum(0)}).to(at::kInt).contiguous();
+  a.sorted_token = at::div(order, top_k, "floor").to(at::kInt).contiguous();
+  a.slot_row = at::empty_like(order).scatter_(0, order, at::arange(order.numel(), order.options()))
+                   .to(at::kInt).contiguous();
+}
+
+// ---- CPU (csrc/cpu/trellis_cpu.cpp) ----
+void trellis_gemm_cpu(const TrellisPlan& plan, const TrellisGemmArgs& args, at::Tensor& C);
+void trellis_dequant_cpu(const TrellisPlan& plan, const TrellisGemmArgs& args, at::Tensor& W);
+void trellis_moe_cpu(const TrellisPlan& plan, const TrellisMoeArgs& args, at::Tensor& y);
+
+#ifdef TM_WITH_MPS
+// Encodes one dispatch of `kernel` on the current MPS stream: `tensors` bound in order as
+// [[buffer(0..n-1)]] (each with its storage offset), `params` as [[buffer(n)]]. Defined in
+// csrc/mps/quant_gemm_mps.mm beside the shared library / pipeline cache.
+void mps_encode_tensors(const std::string& kernel, const uint32_t grid[3], uint32_t threads,
+                        const std::vector<at::Tensor>& tensors, const TrellisParams& params);
+
+// ---- MPS (csrc/mps/trellis_mps.mm) ----
+// Caps come from mps_device_caps() (csrc/ops/quant_gemm.h). `rows_h` / `rows_y` are f32
+// scratch of [T*top_k, intermediate] / [T*top_k, hidden] the op allocates.
+void trellis_gemm_mps(const TrellisPlan& plan, const TrellisGemmArgs& args, at::Tensor& C);
+void trellis_dequant_mps(const TrellisPlan& plan, const TrellisGemmArgs& args, at::Tensor& W);
+void trellis_moe_mps(const TrellisPlan& plan, const TrellisMoeArgs& args, at::Tensor& rows_h, at::Tensor& rows_y,
+                     at::Tensor& y);
+#endif
+
+}  // namespace torch_marlin

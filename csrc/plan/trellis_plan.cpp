@@ -1,0 +1,226 @@
+#include "plan/trellis_plan.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace torch_marlin {
+namespace {
+
+uint32_t cdiv(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 1) / b); }
+
+// Metal geometry (metal/trellis_gemm.metal, metal/trellis_moe.metal):
+//  - prefill: 64x64 output tile, 128 threads = 4 simdgroups as a 2x2 grid of 32x32 sub-tiles,
+//    K step 32 with double-buffered A and a cooperatively dequantized 32x64 B tile.
+//  - decode: GEMV layout, 32 output columns x all M <= 16 rows per threadgroup; lane l owns
+//    column l, the 4 simdgroups split the 16-row trellis tiles of K round-robin and meet in
+//    threadgroup memory. A 32x128 tile (the seed) would compute 32 rows for M = 1 and give only
+//    N/128 threadgroups; 32 columns gives 4x more threadgroups and no wasted rows.
+constexpr uint32_t kMetalThreads = 128;
+constexpr uint32_t kMetalPrefillTile = 64;
+constexpr uint32_t kMetalDecodeTileN = 32;
+constexpr uint32_t kMetalDequantThreads = TM_TRELLIS_TILE_ELEMS;
+constexpr uint32_t kMetalCombineThreads = 256;
+
+// CPU geometry (csrc/cpu/trellis_cpu.cpp): decode tasks over 64-column blocks; the prefill path
+// dequantizes column chunks of at most k_chunk * 128 fp32 (8 MiB) with all threads and hands each
+// chunk to one BLAS call (few, large calls; BLAS per tile inside the parallel region
+// oversubscribed the cores).
+constexpr uint32_t kCpuDecodeTileN = 64;
+constexpr uint32_t kCpuPrefillTileN = 128;
+constexpr uint32_t kCpuKChunk = 16384;
+constexpr uint32_t kCpuMoeTileN = 64;
+
+void check_common(int64_t K, int64_t N, int64_t bits, int64_t group_size, const char* who) {
+  if (K <= 0 || N <= 0 || K > UINT32_MAX / 2 || N > UINT32_MAX / 2 || (bits != 2 && bits != 3 && bits != 4) ||
+      group_size <= 0 || group_size % TM_TRELLIS_TILE != 0 || group_size > UINT32_MAX) {
+    throw std::invalid_argument(std::string(who) + ": invalid shape (op-level checks should have caught this)");
+  }
+}
+
+// The Metal kernels index with 32-bit unsigned arithmetic: refuse problems where an element or
+// byte index could wrap (the CPU kernels use 64-bit indices).
+void check_metal_indices(std::initializer_list<uint64_t> extents, const char* who) {
+  for (uint64_t e : extents) {
+    if (e >= (uint64_t(1) << 32)) {
+      throw std::invalid_argument(std::string(who) + ": problem too large for the Metal kernels' 32-bit indices");
+    }
+  }
+}
+
+TrellisParams base_params(int64_t M, int64_t K, int64_t N, int64_t bits, int64_t group_size) {
+  TrellisParams p{};
+  p.M = uint32_t(M);
+  p.K = uint32_t(K);
+  p.N = uint32_t(N);
+  p.bits = uint32_t(bits);
+  p.n_levels = 1u << bits;
+  p.group_size = uint32_t(group_size);
+  p.tiles_k = cdiv(K, TM_TRELLIS_TILE);
+  p.tiles_n = cdiv(N, TM_TRELLIS_TILE);
+  p.packed_bytes = TM_TRELLIS_TILE_ELEMS * uint32_t(bits) / 8u;
+  p.n_groups = cdiv(K, group_size);
+  return p;
+}
+
+void set_tiles(TrellisParams& p, int64_t M, int64_t N, uint32_t tile_m, uint32_t tile_n) {
+  p.tile_m = tile_m;
+  p.tile_n = tile_n;
+  p.m_tiles = cdiv(std::max<int64_t>(M, 1), tile_m);
+  p.n_tiles = cdiv(N, tile_n);
+}
+
+}  // namespace
+
+TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int64_t group_size, DType dtype,
+                              const DeviceCaps& caps, GemmVariant force) {
+  check_common(K, N, bits, group_size, "plan_trellis_gemm");
+  if (M < 0 || M > UINT32_MAX / 2) throw std::invalid_argument("plan_trellis_gemm: invalid M");
+  TrellisPlan p;
+  p.params = base_params(M, K, N, bits, group_size);
+  if (force == GemmVariant::Auto) {
+    p.variant = M <= kDecodeMaxM ? GemmVariant::Decode : GemmVariant::Tiled;
+  } else if (force == GemmVariant::Decode || force == GemmVariant::Tiled) {
+    p.variant = force;
+  } else {
+    throw std::invalid_argument("plan_trellis_gemm: variant must be auto, decode or tiled");
+  }
+  if (p.variant == GemmVariant::Decode && M > kDecodeMaxM) {
+    throw std::invalid_argument("plan_trellis_gemm: the decode variant handles M <= 16 only");
+  }
+  const bool decode = p.variant == GemmVariant::Decode;
+  switch (caps.backend) {
+    case Backend::Metal: {
+      check_metal_indices({uint64_t(M) * uint64_t(K), uint64_t(M) * uint64_t(N),
+                           uint64_t(p.params.tiles_k) * p.params.tiles_n * p.params.packed_bytes},
+                          "plan_trellis_gemm");
+      const std::string suffix = std::string("_") + dtype_name(dtype);
+      if (decode) {
+        set_tiles(p.params, M, N, uint32_t(kDecodeMaxM), kMetalDecodeTileN);
+        p.main.kernel = "gemm_trellis_packed_decode" + suffix;
+      } else {
+        set_tiles(p.params, M, N, kMetalPrefillTile, kMetalPrefillTile);
+        p.main.kernel = "gemm_trellis_packed" + suffix;
+      }
+      p.main.grid[0] = p.params.n_tiles;
+      p.main.grid[1] = p.params.m_tiles;
+      p.main.threads[0] = kMetalThreads;
+      break;
+    }
+    case Backend::CPU: {
+      set_tiles(p.params, M, N, decode ? uint32_t(kDecodeMaxM) : uint32_t(std::max<int64_t>(M, 1)),
+                decode ? kCpuDecodeTileN : kCpuPrefillTileN);
+      p.main.kernel = decode ? "cpu_trellis_decode" : "cpu_trellis_prefill";
+      p.main.grid[0] = p.params.n_tiles;
+      p.k_chunk = kCpuKChunk;
+      break;
+    }
+    case Backend::CUDA:
+      throw std::invalid_argument("plan_trellis_gemm: no CUDA trellis kernels");
+  }
+  return p;
+}
+
+TrellisPlan plan_trellis_dequant(int64_t K, int64_t N, int64_t bits, int64_t group_size, const DeviceCaps& caps) {
+  check_common(K, N, bits, group_size, "plan_trellis_dequant");
+  TrellisPlan p;
+  p.params = base_params(0, K, N, bits, group_size);
+  p.variant = GemmVariant::Tiled;
+  set_tiles(p.params, K, N, TM_TRELLIS_TILE, TM_TRELLIS_TILE);
+  switch (caps.backend) {
+    case Backend::Metal:
+      check_metal_indices({uint64_t(K) * uint64_t(N), uint64_t(p.params.tiles_k) * p.params.tiles_n * p.params.packed_bytes},
+                          "plan_trellis_dequant");
+      p.main.kernel = "dequant_trellis";
+      p.main.grid[0] = p.params.tiles_n;
+      p.main.grid[1] = p.params.tiles_k;
+      p.main.threads[0] = kMetalDequantThreads;
+      break;
+    case Backend::CPU:
+      p.main.kernel = "cpu_trellis_dequant";
+      p.main.grid[0] = p.params.tiles_k;
+      break;
+    case Backend::CUDA:
+      throw std::invalid_argument("plan_trellis_dequant: no CUDA trellis kernels");
+  }
+  return p;
+}
+
+TrellisPlan plan_trellis_moe(int64_t tokens, int64_t hidden, int64_t intermediate, int64_t num_experts,
+                             int64_t top_k, int64_t bits, int64_t group_size, DType dtype, const DeviceCaps& caps) {
+  check_common(hidden, intermediate, bits, group_size, "plan_trellis_moe");
+  if (tokens < 0 || num_experts <= 0 || top_k <= 0 || top_k > num_experts || tokens * top_k > UINT32_MAX / 2) {
+    throw std::invalid_argument("plan_trellis_moe: invalid tokens / num_experts / top_k");
+  }
+  TrellisPlan p;
+  p.params = base_params(tokens, hidden, intermediate, bits, group_size);
+  p.params.num_experts = uint32_t(num_experts);
+  p.params.top_k = uint32_t(top_k);
+  p.params.down_tiles_k = cdiv(intermediate, TM_TRELLIS_TILE);
+  p.params.down_tiles_n = cdiv(hidden, TM_TRELLIS_TILE);
+  p.params.down_n_groups = cdiv(intermediate, group_size);
+  p.params.max_rows = uint32_t(tokens * top_k);
+  p.variant = tokens * top_k <= kDecodeMaxM ? GemmVariant::Decode : GemmVariant::Tiled;
+  const uint32_t E = uint32_t(num_experts);
+  switch (caps.backend) {
+    case Backend::Metal: {
+      // Grid (column blocks, experts): a threadgroup owns one expert's column block and walks
+      // that expert's routed rows in chunks of 16, so each expert's weights stream once per block.
+      const uint64_t R = uint64_t(tokens) * uint64_t(top_k);
+      check_metal_indices({R * uint64_t(hidden), R * uint64_t(intermediate),
+                           uint64_t(num_experts) * p.params.tiles_k * p.params.tiles_n * p.params.packed_bytes,
+                           uint64_t(num_experts) * p.params.n_groups * uint64_t(intermediate),
+                           uint64_t(num_experts) * p.params.down_n_groups * uint64_t(hidden)},
+                          "plan_trellis_moe");
+      const std::string suffix = std::string("_") + dtype_name(dtype);
+      set_tiles(p.params, kDecodeMaxM, intermediate, uint32_t(kDecodeMaxM), kMetalDecodeTileN);
+      p.main.kernel = "moe_trellis_gate_up" + suffix;
+      p.main.grid[0] = p.params.n_tiles;
+      p.main.grid[1] = E;
+      p.main.threads[0] = kMetalThreads;
+      p.down.kernel = "moe_trellis_down" + suffix;
+      p.down.grid[0] = cdiv(hidden, kMetalDecodeTileN);
+      p.down.grid[1] = E;
+      p.down.threads[0] = kMetalThreads;
+      if (R > uint64_t(kDecodeMaxM)) {
+        // The host cannot size these per expert without a sync: grid.y covers every routed row,
+        // and threadgroups past their expert's rows (or of experts with <= 16 rows) exit at once.
+        const uint32_t row_tiles = cdiv(int64_t(R), kMetalPrefillTile);
+        for (TrellisLaunch* l : {&p.tiled_gate, &p.tiled_up}) {
+          l->grid[0] = cdiv(intermediate, kMetalPrefillTile);
+          l->grid[1] = row_tiles;
+          l->grid[2] = E;
+          l->threads[0] = kMetalThreads;
+        }
+        p.tiled_gate.kernel = "moe_trellis_tiled_gate" + suffix;
+        p.tiled_up.kernel = "moe_trellis_tiled_up" + suffix;
+        p.tiled_down.kernel = "moe_trellis_tiled_down" + suffix;
+        p.tiled_down.grid[0] = cdiv(hidden, kMetalPrefillTile);
+        p.tiled_down.grid[1] = row_tiles;
+        p.tiled_down.grid[2] = E;
+        p.tiled_down.threads[0] = kMetalThreads;
+      }
+      p.combine.kernel = "moe_trellis_combine" + suffix;
+      p.combine.grid[0] = cdiv(int64_t(tokens) * hidden, kMetalCombineThreads);
+      p.combine.threads[0] = kMetalCombineThreads;
+      break;
+    }
+    case Backend::CPU: {
+      set_tiles(p.params, kDecodeMaxM, intermediate, uint32_t(kDecodeMaxM), kCpuMoeTileN);
+      p.main.kernel = "cpu_trellis_moe_gate_up";
+      p.main.grid[0] = p.params.n_tiles;
+      p.main.grid[1] = E;
+      p.down.kernel = "cpu_trellis_moe_down";
+      p.down.grid[0] = cdiv(hidden, kCpuMoeTileN);
+      p.down.grid[1] = E;
+      p.combine.kernel = "cpu_trellis_moe_combine";
+      p.combine.grid[0] = uint32_t(tokens);
+      p.k_chunk = kCpuKChunk;
+      break;
+    }
+    case Backend::CUDA:
+      throw std::invalid_argument("plan_trellis_moe: no CUDA trellis kernels");
+  }
+  return p;
+}
+
+}  // namespace torch_marlin

@@ -1,0 +1,48 @@
+// Planner entries of the trellis op family (gemm_trellis, dequant_trellis, moe_trellis).
+// Same contract as plan_quant_gemm: portable C++17, no torch; the CPU kernels, the MPS encoder
+// and the Metal-on-CPU harness all execute the plan they are given and never re-decide.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "plan/plan.h"
+#include "torch_marlin/trellis_params.h"
+
+namespace torch_marlin {
+
+// One kernel launch: name, grid (threadgroups / CPU tasks) and threads per threadgroup.
+struct TrellisLaunch {
+  std::string kernel;
+  uint32_t grid[3] = {1, 1, 1};
+  uint32_t threads[3] = {1, 1, 1};
+};
+
+struct TrellisPlan {
+  // Decode (M <= 16, GEMV-style) or Tiled (prefill). The MoE reports Decode when every expert's
+  // row count fits one decode chunk in the worst case (tokens * top_k <= 16), else Tiled.
+  GemmVariant variant = GemmVariant::Decode;
+  TrellisLaunch main;     // the GEMM, or the MoE gate/up + SwiGLU stage
+  TrellisLaunch down;     // MoE: down projection of the routed rows (empty kernel otherwise)
+  TrellisLaunch combine;  // MoE: probability-weighted sum of the top_k rows per token
+  // Metal MoE, only when tokens * top_k > 16: 64x64-tile kernels for experts with more than 16
+  // routed rows (the GEMV stages skip those). Order on the encoder: main, tiled_gate, tiled_up,
+  // down, tiled_down, combine. Empty kernel names when not planned.
+  TrellisLaunch tiled_gate, tiled_up, tiled_down;
+  uint32_t k_chunk = 0;   // CPU: K rows dequantized per panel (bounded cache footprint)
+  TrellisParams params{};
+};
+
+// C[M,N] = A[M,K] @ W[K,N]. M <= 16 -> gemm_trellis_packed_decode, else gemm_trellis_packed
+// (`force` Decode/Tiled overrides the policy for tests; Decode with M > 16 is rejected).
+TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int64_t group_size, DType dtype,
+                              const DeviceCaps& caps, GemmVariant force = GemmVariant::Auto);
+
+// W[K,N] (f32) from the packed format: one thread per element of a 16x16 tile.
+TrellisPlan plan_trellis_dequant(int64_t K, int64_t N, int64_t bits, int64_t group_size, const DeviceCaps& caps);
+
+// y[T,H] = sum_j p[t,j] * down_e( silu(gate_e(x_t)) * up_e(x_t) ), e = expert_ids[t,j].
+TrellisPlan plan_trellis_moe(int64_t tokens, int64_t hidden, int64_t intermediate, int64_t num_experts,
+                             int64_t top_k, int64_t bits, int64_t group_size, DType dtype, const DeviceCaps& caps);
+
+}  // namespace torch_marlin

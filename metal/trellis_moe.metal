@@ -1,0 +1,340 @@
+// Trellis MoE with fused SwiGLU for Apple GPUs (MSL 3.0; bfloat needs MSL 3.1).
+//
+//   y[t] = sum_j probs[t, j] * down_e( silu(x_t @ gate_e) * (x_t @ up_e) ),  e = expert_ids[t, j]
+//
+// The host (csrc/ops/trellis.cpp) routes first, with device ATen ops: a stable sort of the
+// (token, slot) pairs by expert gives `sorted_token` (token of each sorted row), `expert_offsets`
+// (expert e owns sorted rows [offsets[e], offsets[e+1])) and `slot_row` (sorted row of (t, j)).
+// Dispatches on one encoder (csrc/plan/trellis_plan.cpp, plan_trellis_moe):
+//   moe_trellis_gate_up_*  grid (ceil(I/32), E): for an expert with 1..16 routed rows, a
+//                          threadgroup owns 32 intermediate columns and runs the GEMV core over all
+//                          its rows (gate and up together), writing h = silu(g) * u to rows_h
+//                          [T*top_k, I] (fp32): each weight is read once.
+//   moe_trellis_tiled_gate_*, moe_trellis_tiled_up_*  (only when T*top_k > 16) grid
+//                          (ceil(I/64), ceil(T*top_k/64), E): experts with more than 16 rows,
+//                          64x64 simdgroup-matrix tiles over the expert's gathered rows; gate
+//                          writes g to rows_h, up's epilogue turns it into silu(g) * u.
+//   moe_trellis_down_*     grid (ceil(H/32), E): rows_y = rows_h @ down_e, GEMV, <= 16 rows.
+//   moe_trellis_tiled_down_*  grid (ceil(H/64), ceil(T*top_k/64), E): the same, > 16 rows.
+//   moe_trellis_combine_*  y[t, n] = sum_j probs[t, j] * rows_y[slot_row[t, j], n], slot order:
+//                          deterministic, no atomics.
+// Order on the encoder: gate_up, tiled_gate, tiled_up, down, tiled_down, combine.
+// Params: TrellisParams with M = tokens, K = hidden, N = intermediate (gate/up are [K, N] per
+// expert, down is [N, K]); expert e's tensors start at e times one matrix's size.
+// Bad routing data cannot make a kernel read out of bounds: offsets are clamped to max_rows.
+#include <metal_stdlib>
+
+#include "torch_marlin/trellis_msl.h"
+
+using namespace metal;
+using namespace torch_marlin;
+
+#ifndef TM_THREADGROUP_ARRAY
+#define TM_THREADGROUP_ARRAY(T, name, dims) threadgroup T name dims
+#endif
+
+#ifndef TM_INSTANTIATE
+#if defined(TM_EMU_REGISTER_KERNEL)
+#define TM_INSTANTIATE(name, ...) TM_EMU_REGISTER_KERNEL(name, __VA_ARGS__)
+#else
+#define TM_INSTANTIATE(name, ...) \
+  template [[host_name(name)]] [[kernel]] decltype(__VA_ARGS__) __VA_ARGS__;
+#endif
+#endif
+
+// One expert's matrix inside the [E, ...] tensors.
+struct TrExpert {
+  device const uchar* packed;
+  device const float* scales;
+  device const float* grid;
+  device const float* su;
+  device const float* sv;
+};
+
+inline TrExpert tr_expert(device const uchar* packed, device const float* scales, device const float* grid,
+                          device const float* su, device const float* sv, thread const TrMat& w, uint n_levels,
+                          uint e) {
+  TrExpert x = {packed + e * w.tiles_k * w.tiles_n * w.packed_bytes, scales + e * w.n_groups * w.N,
+                grid + e * n_levels, su + e * w.K, sv + e * w.N};
+  return x;
+}
+
+inline void tr_expert_rows(device const int* expert_offsets, constant TrellisParams& p, uint e, thread uint& r_begin,
+                           thread uint& r_end) {
+  r_end = min(uint(max(expert_offsets[e + 1u], 0)), p.max_rows);
+  r_begin = min(uint(max(expert_offsets[e], 0)), r_end);
+}
+
+inline float tr_silu(float g) { return g / (1.0f + exp(-g)); }
+
+template <typename T>
+[[kernel]] void moe_trellis_gate_up(device const T* x [[buffer(0)]], device const int* sorted_token [[buffer(1)]],
+                                    device const int* expert_offsets [[buffer(2)]],
+                                    device const uchar* g_packed [[buffer(3)]],
+                                    device const float* g_scales [[buffer(4)]],
+                                    device const float* g_grid [[buffer(5)]], device const float* g_su [[buffer(6)]],
+                                    device const float* g_sv [[buffer(7)]],
+                                    device const uchar* u_packed [[buffer(8)]],
+                                    device const float* u_scales [[buffer(9)]],
+                                    device const float* u_grid [[buffer(10)]], device const float* u_su [[buffer(11)]],
+                                    device const float* u_sv [[buffer(12)]], device float* rows_h [[buffer(13)]],
+                                    constant TrellisParams& p [[buffer(14)]],
+                                    uint3 tgid [[threadgroup_position_in_grid]],
+                                    uint lid [[thread_index_in_threadgroup]],
+                                    uint sgid [[simdgroup_index_in_threadgroup]],
+                                    uint lane [[thread_index_in_simdgroup]]) {
+  constexpr uint kPart = kTrSimdgroups * kTrDecodeRows * kTrDecodeCols;
+  TM_THREADGROUP_ARRAY(float, partial, [2 * kPart]);  // gate, up: 16 KiB
+  const TrMat w = tr_mat(p);
+  const uint e = tgid.y;
+  const TrExpert g = tr_expert(g_packed, g_scales, g_grid, g_su, g_sv, w, p.n_levels, e);
+  const TrExpert u = tr_expert(u_packed, u_scales, u_grid, u_su, u_sv, w, p.n_levels, e);
+  uint r_begin, r_end;
+  tr_expert_rows(expert_offsets, p, e, r_begin, r_end);
+  // Experts with more than 16 rows belong to moe_trellis_tiled_*: one GEMV pass covers the rest.
+  if (r_end == r_begin || r_end - r_begin > kTrDecodeRows) return;  // uniform across the threadgroup
+  const uint r0 = r_begin;
+  const uint rows = r_end - r_begin;
+  const uint n = tgid.x * kTrDecodeCols + lane;
+  float ag[kTrDecodeRows], au[kTrDecodeRows];
+  for (uint m = 0; m < kTrDecodeRows; ++m) {
+    ag[m] = 0.0f;
+    au[m] = 0.0f;
+  }
+  tr_gemv_accumulate<T, true>(x, p.K, sorted_token, r0, rows, g.packed, g.scales, g.grid, g.su, w, n, sgid, ag);
+  tr_gemv_accumulate<T, true>(x, p.K, sorted_token, r0, rows, u.packed, u.scales, u.grid, u.su, w, n, sgid, au);
+  for (uint m = 0; m < kTrDecodeRows; ++m) {
+    partial[(sgid * kTrDecodeRows + m) * kTrDecodeCols + lane] = ag[m];
+    partial[kPart + (sgid * kTrDecodeRows + m) * kTrDecodeCols + lane] = au[m];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:tr_moe_gate_up_meet]
+  for (uint i = lid; i < kTrDecodeRows * kTrDecodeCols; i += kTrThreads) {
+    const uint m = i / kTrDecodeCols;
+    const uint c = i % kTrDecodeCols;
+    const uint col = tgid.x * kTrDecodeCols + c;
+    if (m < rows && col < p.N) {
+      const float gv = tr_meet(partial, m, c) * g.sv[col];
+      const float uv = tr_meet(partial + kPart, m, c) * u.sv[col];
+      rows_h[(r0 + m) * p.N + col] = tr_silu(gv) * uv;
+    }
+  }
+}
+
+template <typename T>
+[[kernel]] void moe_trellis_down(device const float* rows_h [[buffer(0)]], device const int* expert_offsets [[buffer(1)]],
+                                 device const uchar* d_packed [[buffer(2)]], device const float* d_scales [[buffer(3)]],
+                                 device const float* d_grid [[buffer(4)]], device const float* d_su [[buffer(5)]],
+                                 device const float* d_sv [[buffer(6)]], device float* rows_y [[buffer(7)]],
+                                 constant TrellisParams& p [[buffer(8)]],
+                                 uint3 tgid [[threadgroup_position_in_grid]],
+                                 uint lid [[thread_index_in_threadgroup]],
+                                 uint sgid [[simdgroup_index_in_threadgroup]],
+                                 uint lane [[thread_index_in_simdgroup]]) {
+  TM_THREADGROUP_ARRAY(float, partial, [kTrSimdgroups * kTrDecodeRows * kTrDecodeCols]);  // 8 KiB
+  const TrMat w = tr_down_mat(p);  // [intermediate, hidden]
+  const uint e = tgid.y;
+  const TrExpert d = tr_expert(d_packed, d_scales, d_grid, d_su, d_sv, w, p.n_levels, e);
+  uint r_begin, r_end;
+  tr_expert_rows(expert_offsets, p, e, r_begin, r_end);
+  if (r_end == r_begin || r_end - r_begin > kTrDecodeRows) return;  // tiled_down owns big experts
+  const uint r0 = r_begin;
+  const uint rows = r_end - r_begin;
+  const uint n = tgid.x * kTrDecodeCols + lane;
+  float acc[kTrDecodeRows];
+  for (uint m = 0; m < kTrDecodeRows; ++m) acc[m] = 0.0f;
+  tr_gemv_accumulate<float, false>(rows_h, w.K, nullptr, r0, rows, d.packed, d.scales, d.grid, d.su, w, n, sgid, acc);
+  for (uint m = 0; m < kTrDecodeRows; ++m) partial[(sgid * kTrDecodeRows + m) * kTrDecodeCols + lane] = acc[m];
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:tr_moe_down_meet]
+  for (uint i = lid; i < kTrDecodeRows * kTrDecodeCols; i += kTrThreads) {
+    const uint m = i / kTrDecodeCols;
+    const uint c = i % kTrDecodeCols;
+    const uint col = tgid.x * kTrDecodeCols + c;
+    if (m < rows && col < w.N) rows_y[(r0 + m) * w.N + col] = tr_meet(partial, m, c) * d.sv[col];
+  }
+}
+
+template <typename T>
+[[kernel]] void moe_trellis_combine(device const float* rows_y [[buffer(0)]], device const int* slot_row [[buffer(1)]],
+                                    device const float* probs [[buffer(2)]], device T* y [[buffer(3)]],
+                                    constant TrellisParams& p [[buffer(4)]],
+                                    uint3 tgid [[threadgroup_position_in_grid]],
+                                    uint lid [[thread_index_in_threadgroup]],
+                                    uint sgid [[simdgroup_index_in_threadgroup]],
+                                    uint lane [[thread_index_in_simdgroup]]) {
+  const uint i = tgid.x * kTrCombineThreads + lid;
+  if (i >= p.M * p.K) return;
+  const uint t = i / p.K;
+  const uint n = i % p.K;
+  float v = 0.0f;
+  for (uint j = 0; j < p.top_k; ++j) {
+    const uint r = min(uint(max(slot_row[t * p.top_k + j], 0)), p.max_rows - 1u);
+    v += probs[t * p.top_k + j] * rows_y[r * p.K + n];
+  }
+  y[i] = T(v);
+}
+
+// ---- tiled path for experts with more than 16 routed rows ------------------------------------------
+// The 64x64 double-buffered structure of gemm_trellis_packed over one expert's rows: grid
+// (ceil(N_out/64), ceil(T*top_k/64), E); a threadgroup whose expert has <= 16 rows, or whose row
+// tile lies past the expert's rows, exits at once (the host cannot size the grid per expert
+// without a sync). Three dispatches: gate (out = rows_h holds g), up with SWIGLU (rows_h =
+// silu(g) * u in the epilogue, reading the g the previous dispatch wrote), down (out = rows_y).
+// X is x (type T, rows gathered through sorted_token) for gate/up and rows_h (fp32) for down.
+// Stages K block kb of the tiled MoE path: A rows gathered from X, B dequantized (without sv),
+// as tr_stage_load does for the dense prefill kernel.
+template <typename TX, bool GATHER>
+inline void tr_moe_stage(device const TX* X, device const int* sorted_token, thread const TrExpert& ex,
+                         thread const TrMat& w, threadgroup TX* As, threadgroup TX* Bs, uint r_begin, uint rows,
+                         uint row0, uint col0, uint kb, uint lid) {
+  for (uint i = lid; i < kTrTileM * kTrTileK; i += kTrThreads) {
+    const uint m = row0 + i / kTrTileK;
+    const uint k = kb + i % kTrTileK;
+    TX v = TX(0.0f);
+    if (m < rows && k < w.K) {
+      const uint src = GATHER ? uint(sorted_token[r_begin + m]) : r_begin + m;
+      v = X[src * w.K + k];
+    }
+    As[i] = v;
+  }
+  const uint r = lid / 4u;
+  const uint tc = lid % 4u;
+  const uint k = kb + r;
+  for (uint j = 0; j < TM_TRELLIS_TILE; ++j) {
+    const uint n = col0 + tc * TM_TRELLIS_TILE + j;
+    const float v = (k < w.K && n < w.N) ? tr_weight_no_sv(ex.packed, ex.scales, ex.grid, ex.su, w, k, n) : 0.0f;
+    Bs[r * kTrTileN + tc * TM_TRELLIS_TILE + j] = TX(v);
+  }
+}
+
+template <typename TX, bool GATHER, bool SWIGLU, bool DOWN>
+inline void tr_moe_tiled(device const TX* X, device const int* sorted_token, device const int* expert_offsets,
+                         device const uchar* packed, device const float* scales, device const float* grid,
+                         device const float* su, device const float* sv, device float* out,
+                         constant TrellisParams& p, threadgroup TX* smem, uint3 tgid, uint lid, uint sgid,
+                         uint lane) {
+  const TrMat w = DOWN ? tr_down_mat(p) : tr_mat(p);
+  const uint e = tgid.z;
+  uint r_begin, r_end;
+  tr_expert_rows(expert_offsets, p, e, r_begin, r_end);
+  const uint rows = r_end - r_begin;
+  const uint row0 = tgid.y * kTrTileM;
+  if (rows <= kTrDecodeRows || row0 >= rows) return;  // uniform across the threadgroup
+  const TrExpert ex = tr_expert(packed, scales, grid, su, sv, w, p.n_levels, e);
+  threadgroup TX* As[2] = {smem, smem + kTrTileM * kTrTileK};
+  threadgroup TX* Bs[2] = {smem + 2 * kTrTileM * kTrTileK, smem + 2 * kTrTileM * kTrTileK + kTrTileK * kTrTileN};
+  const uint col0 = tgid.x * kTrTileN;
+  const uint sg_row = (sgid / 2u) * 32u;
+  const uint sg_col = (sgid % 2u) * 32u;
+  const uint sg_first_row = row0 + sg_row;
+  const uint mi_count = sg_first_row >= rows ? 0u : min(4u, (rows - sg_first_row + 7u) / 8u);
+
+  simdgroup_matrix<float, 8, 8> acc[4][4];
+  for (uint mi = 0; mi < 4u; ++mi)
+    for (uint ni = 0; ni < 4u; ++ni) acc[mi][ni] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+
+  tr_moe_stage<TX, GATHER>(X, sorted_token, ex, w, As[0], Bs[0], r_begin, rows, row0, col0, 0u, lid);
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:tr_moe_tiled_prologue]
+  uint buf = 0;
+  for (uint kb = 0; kb < w.K; kb += kTrTileK) {
+    if (kb + kTrTileK < w.K) {
+      tr_moe_stage<TX, GATHER>(X, sorted_token, ex, w, As[buf ^ 1u], Bs[buf ^ 1u], r_begin, rows, row0, col0,
+                               kb + kTrTileK, lid);
+    }
+    const uint k_steps = (min(kTrTileK, w.K - kb) + 7u) / 8u;
+    for (uint kt = 0; kt < k_steps; ++kt) {
+      simdgroup_matrix<TX, 8, 8> b_frag[4];
+      for (uint ni = 0; ni < 4u; ++ni)
+        simdgroup_load(b_frag[ni], Bs[buf] + kt * 8u * kTrTileN + sg_col + ni * 8u, kTrTileN);
+      for (uint mi = 0; mi < mi_count; ++mi) {
+        simdgroup_matrix<TX, 8, 8> a_frag;
+        simdgroup_load(a_frag, As[buf] + (sg_row + mi * 8u) * kTrTileK + kt * 8u, kTrTileK);
+        for (uint ni = 0; ni < 4u; ++ni) simdgroup_multiply_accumulate(acc[mi][ni], a_frag, b_frag[ni], acc[mi][ni]);
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:tr_moe_tiled_swap]
+    buf ^= 1u;
+  }
+
+  threadgroup float* stage = (threadgroup float*)smem + sgid * 64u;
+  for (uint mi = 0; mi < mi_count; ++mi) {
+    for (uint ni = 0; ni < 4u; ++ni) {
+      simdgroup_store(acc[mi][ni], stage, 8);
+      simdgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:tr_moe_tiled_epilogue_ready]
+      for (uint i = lane; i < 64u; i += 32u) {
+        const uint m = sg_first_row + mi * 8u + i / 8u;
+        const uint n = col0 + sg_col + ni * 8u + i % 8u;
+        if (m < rows && n < w.N) {
+          const float v = stage[i] * ex.sv[n];
+          device float* o = out + (r_begin + m) * w.N + n;
+          *o = SWIGLU ? tr_silu(*o) * v : v;
+        }
+      }
+      simdgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:tr_moe_tiled_epilogue_free]
+    }
+  }
+}
+
+// Buffers (all three): X, sorted_token, expert_offsets, packed, scales, grid, su, sv, out, params.
+template <typename T>
+[[kernel]] void moe_trellis_tiled_gate(device const T* x [[buffer(0)]], device const int* sorted_token [[buffer(1)]],
+                                       device const int* expert_offsets [[buffer(2)]],
+                                       device const uchar* packed [[buffer(3)]], device const float* scales [[buffer(4)]],
+                                       device const float* grid [[buffer(5)]], device const float* su [[buffer(6)]],
+                                       device const float* sv [[buffer(7)]], device float* rows_h [[buffer(8)]],
+                                       constant TrellisParams& p [[buffer(9)]],
+                                       uint3 tgid [[threadgroup_position_in_grid]],
+                                       uint lid [[thread_index_in_threadgroup]],
+                                       uint sgid [[simdgroup_index_in_threadgroup]],
+                                       uint lane [[thread_index_in_simdgroup]]) {
+  TM_THREADGROUP_ARRAY(T, smem, [2 * (kTrTileM * kTrTileK + kTrTileK * kTrTileN)]);
+  tr_moe_tiled<T, true, false, false>(x, sorted_token, expert_offsets, packed, scales, grid, su, sv, rows_h, p, smem,
+                                      tgid, lid, sgid, lane);
+}
+
+template <typename T>
+[[kernel]] void moe_trellis_tiled_up(device const T* x [[buffer(0)]], device const int* sorted_token [[buffer(1)]],
+                                     device const int* expert_offsets [[buffer(2)]],
+                                     device const uchar* packed [[buffer(3)]], device const float* scales [[buffer(4)]],
+                                     device const float* grid [[buffer(5)]], device const float* su [[buffer(6)]],
+                                     device const float* sv [[buffer(7)]], device float* rows_h [[buffer(8)]],
+                                     constant TrellisParams& p [[buffer(9)]],
+                                     uint3 tgid [[threadgroup_position_in_grid]],
+                                     uint lid [[thread_index_in_threadgroup]],
+                                     uint sgid [[simdgroup_index_in_threadgroup]],
+                                     uint lane [[thread_index_in_simdgroup]]) {
+  TM_THREADGROUP_ARRAY(T, smem, [2 * (kTrTileM * kTrTileK + kTrTileK * kTrTileN)]);
+  tr_moe_tiled<T, true, true, false>(x, sorted_token, expert_offsets, packed, scales, grid, su, sv, rows_h, p, smem,
+                                     tgid, lid, sgid, lane);
+}
+
+template <typename T>
+[[kernel]] void moe_trellis_tiled_down(device const float* rows_h [[buffer(0)]],
+                                       device const int* sorted_token [[buffer(1)]],
+                                       device const int* expert_offsets [[buffer(2)]],
+                                       device const uchar* packed [[buffer(3)]], device const float* scales [[buffer(4)]],
+                                       device const float* grid [[buffer(5)]], device const float* su [[buffer(6)]],
+                                       device const float* sv [[buffer(7)]], device float* rows_y [[buffer(8)]],
+                                       constant TrellisParams& p [[buffer(9)]],
+                                       uint3 tgid [[threadgroup_position_in_grid]],
+                                       uint lid [[thread_index_in_threadgroup]],
+                                       uint sgid [[simdgroup_index_in_threadgroup]],
+                                       uint lane [[thread_index_in_simdgroup]]) {
+  // fp32 A and B tiles: 32 KiB, the whole budget (rows_h is fp32 scratch).
+  TM_THREADGROUP_ARRAY(float, smem, [2 * (kTrTileM * kTrTileK + kTrTileK * kTrTileN)]);
+  tr_moe_tiled<float, false, false, true>(rows_h, sorted_token, expert_offsets, packed, scales, grid, su, sv, rows_y,
+                                          p, smem, tgid, lid, sgid, lane);
+}
+
+#define TM_TRELLIS_MOE_INSTANTIATE_DTYPE(tname, T)                               \
+  TM_INSTANTIATE("moe_trellis_gate_up_" #tname, moe_trellis_gate_up<T>)          \
+  TM_INSTANTIATE("moe_trellis_down_" #tname, moe_trellis_down<T>)                \
+  TM_INSTANTIATE("moe_trellis_combine_" #tname, moe_trellis_combine<T>)          \
+  TM_INSTANTIATE("moe_trellis_tiled_gate_" #tname, moe_trellis_tiled_gate<T>)    \
+  TM_INSTANTIATE("moe_trellis_tiled_up_" #tname, moe_trellis_tiled_up<T>)        \
+  TM_INSTANTIATE("moe_trellis_tiled_down_" #tname, moe_trellis_tiled_down<T>)
+
+TM_TRELLIS_MOE_INSTANTIATE_DTYPE(half, half)
+TM_TRELLIS_MOE_INSTANTIATE_DTYPE(float, float)
+#if __METAL_VERSION__ >= 310
+TM_TRELLIS_MOE_INSTANTIATE_DTYPE(bfloat, bfloat)
+#endif

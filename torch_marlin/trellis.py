@@ -1,0 +1,236 @@
+"""``TrellisLinear`` and ``TrellisMoE``: modules over the trellis codebook ops.
+
+Both keep the quantized tensors as persistent buffers (``state_dict`` round-trips) and validate
+them on construction from float weights and on ``load_state_dict``. The kernel choice (decode for
+M <= 16 rows, prefill above) is made by the op's planner (see :func:`torch_marlin.dispatch.plan_trellis`).
+
+Rotation (``rotate=True``, the default): the stored matrix is the quantization of a randomized
+Hadamard transform of the weight, and the module applies the matching transforms to the
+activations, so the layer computes the original linear map (docs/formats.md, "Trellis").
+"""
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops
+from .formats import trellis as fmt
+
+_PARTS = ("packed_indices", "scales", "grid", "su", "sv")
+
+
+def _as_weight(w, name: str) -> torch.Tensor:
+    """nn.Linear or a ``[out, in]`` tensor -> the detached fp32 ``[out, in]`` weight."""
+    if isinstance(w, nn.Linear):
+        w = w.weight
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        raise TypeError(f"{name} must be nn.Linear or a 2-D [out_features, in_features] tensor")
+    return w.detach().to(torch.float32)
+
+
+class TrellisLinear(nn.Module):
+    """``y = x @ W^T + b`` with ``W`` stored in the trellis format (2/3/4-bit codebook indices).
+
+    Buffers: ``packed_indices`` uint8 ``[ceil(K/16), ceil(N/16), 32*bits]``, ``scales`` f32
+    ``[ceil(K/group_size), N]``, ``grid`` f32 ``[2**bits]``, ``su`` f32 ``[K]``, ``sv`` f32 ``[N]``
+    and ``bias`` ``[N]`` (module dtype); ``K = in_features``, ``N = out_features``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bits: int = 3, group_size: int = 128,
+                 bias: bool = True, rotate: bool = True, dtype: torch.dtype = torch.float16, device=None):
+        super().__init__()
+        fmt.check_bits(bits)
+        fmt.check_group_size(group_size)
+        if in_features <= 0 or out_features <= 0:
+            raise ValueError(f"in_features and out_features must be positive, got {in_features}, {out_features}")
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group_size, self.rotate = bits, group_size, rotate
+        K, N = in_features, out_features
+        self.register_buffer("packed_indices", torch.zeros((K + 15) // 16, (N + 15) // 16,
+                                                           fmt.packed_bytes_per_tile(bits), dtype=torch.uint8,
+                                                           device=device))
+        self.register_buffer("scales", torch.ones(fmt.num_groups(K, group_size), N, device=device))
+        self.register_buffer("grid", torch.linspace(-1, 1, 1 << bits, device=device))
+        self.register_buffer("su", torch.ones(K, device=device))
+        self.register_buffer("sv", torch.ones(N, device=device))
+        if bias:
+            self.register_buffer("bias", torch.zeros(N, dtype=dtype, device=device))
+        else:
+            self.bias = None
+        self.register_load_state_dict_post_hook(lambda module, keys: module.validate())
+
+    def validate(self) -> None:
+        fmt.validate_trellis(self.packed_indices, self.scales, self.grid, self.su, self.sv, self.in_features,
+                             self.out_features, self.bits, self.group_size, name="TrellisLinear")
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, bits: int = 3, group_size: int = 128, rotate: bool = True,
+                    dtype: Optional[torch.dtype] = None, seed: int = 0) -> "TrellisLinear":
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"from_linear expects nn.Linear, got {type(linear).__name__}")
+        w = linear.weight.detach()
+        if dtype is None:
+            dtype = w.dtype if w.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float16
+        mod = cls(linear.in_features, linear.out_features, bits, group_size, linear.bias is not None, rotate, dtype,
+                  w.device)
+        q = fmt.quantize_trellis(w.t().to(torch.float32), bits, group_size, rotate=rotate, seed=seed)
+        for p in _PARTS:
+            getattr(mod, p).copy_(q[p])
+        if linear.bias is not None:
+            mod.bias.copy_(linear.bias.detach().to(dtype))
+        mod.validate()
+        return mod
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The fp32 ``[out_features, in_features]`` weight the layer applies (rotation undone)."""
+        q = {p: getattr(self, p) for p in _PARTS}
+        q.update(K=self.in_features, N=self.out_features, bits=self.bits, group_size=self.group_size)
+        return fmt.effective_weight(q, self.rotate).t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"TrellisLinear: input must have last dimension in_features={self.in_features}, "
+                             f"got shape {tuple(x.shape)}")
+        x2 = x.reshape(-1, self.in_features)
+        if self.rotate:
+            # Rotate in fp32 and round once to the activation dtype the kernel reads.
+            x2 = fmt.rotate_input(x2.float(), self.su).to(x.dtype)
+        y = ops.gemm_trellis(x2, self.packed_indices, self.scales, self.grid, self.su, self.sv, self.in_features,
+                             self.out_features, self.bits, self.group_size)
+        if self.rotate:
+            y = fmt.rotate_output(y.float(), self.sv).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        bpw = self.bits + 32 / self.group_size
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"bits={self.bits}, group_size={self.group_size}, rotate={self.rotate}, bits_per_weight~{bpw:.2f}")
+
+
+class TrellisMoE(nn.Module):
+    """Mixture of SwiGLU experts with trellis weights: router logits -> softmax -> top_k ->
+    ``moe_trellis`` (token routing, fused ``silu(gate) * up``, down, probability-weighted sum).
+
+    Per-expert buffers ``{gate,up,down}_{packed_indices,scales,grid,su,sv}`` with a leading expert
+    dim; gate/up are ``W[hidden, intermediate]``, down ``W[intermediate, hidden]``. The router is a
+    float ``nn.Linear(hidden, num_experts, bias=False)``. With ``rotate``, the input side of
+    gate/up and the output side of down are Hadamard-rotated with the shared sign vectors
+    ``rot_in`` / ``rot_out`` (both ``[hidden]``), applied once per call outside the kernel; the
+    intermediate side is not rotated because SwiGLU is elementwise in the original basis.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int = 2, bits: int = 3,
+                 group_size: int = 128, rotate: bool = True, norm_topk_prob: bool = True,
+                 dtype: torch.dtype = torch.float16, device=None):
+        super().__init__()
+        fmt.check_bits(bits)
+        fmt.check_group_size(group_size)
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"top_k must be in 1..num_experts={num_experts}, got {top_k}")
+        H, I, E = hidden_size, intermediate_size, num_experts
+        self.hidden_size, self.intermediate_size, self.num_experts = H, I, E
+        self.top_k, self.bits, self.group_size = top_k, bits, group_size
+        self.rotate, self.norm_topk_prob = rotate, norm_topk_prob
+        self.router = nn.Linear(H, E, bias=False, device=device, dtype=dtype)
+        for proj, (K, N) in (("gate", (H, I)), ("up", (H, I)), ("down", (I, H))):
+            self.register_buffer(f"{proj}_packed_indices", torch.zeros(
+                E, (K + 15) // 16, (N + 15) // 16, fmt.packed_bytes_per_tile(bits), dtype=torch.uint8, device=device))
+            self.register_buffer(f"{proj}_scales", torch.ones(E, fmt.num_groups(K, group_size), N, device=device))
+            self.register_buffer(f"{proj}_grid", torch.linspace(-1, 1, 1 << bits, device=device).repeat(E, 1))
+            self.register_buffer(f"{proj}_su", torch.ones(E, K, device=device))
+            self.register_buffer(f"{proj}_sv", torch.ones(E, N, device=device))
+        self.register_buffer("rot_in", torch.ones(H, device=device))
+        self.register_buffer("rot_out", torch.ones(H, device=device))
+        self.register_load_state_dict_post_hook(lambda module, keys: module.validate())
+
+    def _proj(self, proj: str):
+        return tuple(getattr(self, f"{proj}_{p}") for p in _PARTS)
+
+    def _shape(self, proj: str):
+        return (self.hidden_size, self.intermediate_size) if proj != "down" else (self.intermediate_size,
+                                                                                  self.hidden_size)
+
+    def validate(self) -> None:
+        for proj in ("gate", "up", "down"):
+            K, N = self._shape(proj)
+            t = self._proj(proj)
+            for e in range(self.num_experts):
+                fmt.validate_trellis(*(x[e] for x in t), K, N, self.bits, self.group_size,
+                                     name=f"TrellisMoE {proj} expert {e}")
+        for name in ("rot_in", "rot_out"):
+            v = getattr(self, name)
+            if tuple(v.shape) != (self.hidden_size,) or not bool(torch.isfinite(v).all()):
+                raise ValueError(f"TrellisMoE: {name} must be a finite [{self.hidden_size}] vector")
+
+    @classmethod
+    def from_experts(cls, gate: Sequence, up: Sequence, down: Sequence, router, top_k: int = 2, bits: int = 3,
+                     group_size: int = 128, rotate: bool = True, norm_topk_prob: bool = True,
+                     dtype: torch.dtype = torch.float16, seed: int = 0) -> "TrellisMoE":
+        """Quantizes float experts. ``gate``/``up``: per expert an ``nn.Linear(hidden, intermediate)``
+        or its ``[intermediate, hidden]`` weight; ``down``: ``nn.Linear(intermediate, hidden)`` or
+        ``[hidden, intermediate]``; ``router``: ``nn.Linear(hidden, E)`` or ``[E, hidden]``."""
+        E = len(gate)
+        if not (len(up) == E and len(down) == E and E > 0):
+            raise ValueError(f"gate, up and down must list the same positive number of experts, got "
+                             f"{len(gate)}, {len(up)}, {len(down)}")
+        g0 = _as_weight(gate[0], "gate[0]")
+        I, H = g0.shape
+        rw = _as_weight(router, "router")
+        if tuple(rw.shape) != (E, H):
+            raise ValueError(f"router weight must be [{E}, {H}], got {tuple(rw.shape)}")
+        mod = cls(H, I, E, top_k, bits, group_size, rotate, norm_topk_prob, dtype, device=g0.device)
+        mod.router.weight.data.copy_(rw.to(dtype))
+        gen = torch.Generator().manual_seed(seed)
+        if rotate:
+            mod.rot_in.copy_(fmt.random_signs(H, gen))
+            mod.rot_out.copy_(fmt.random_signs(H, gen))
+        for proj, mats, (K, N) in (("gate", gate, (H, I)), ("up", up, (H, I)), ("down", down, (I, H))):
+            for e in range(E):
+                w = _as_weight(mats[e], f"{proj}[{e}]").t()  # [K, N]
+                if tuple(w.shape) != (K, N):
+                    raise ValueError(f"{proj}[{e}] must map {K} -> {N} features, got weight {tuple(w.t().shape)}")
+                if rotate and proj != "down":
+                    w = fmt.block_hadamard(w * mod.rot_in[:, None], 0)  # H D_r W: x D_r H @ (H D_r W) = x W
+                elif rotate:
+                    w = fmt.block_hadamard(w * mod.rot_out[None, :], 1)  # W D_c H: (h W D_c H) H D_c = h W
+                q = fmt.quantize_trellis(w, bits, group_size, rotate=False, seed=seed + e)
+                for p in _PARTS:
+                    getattr(mod, f"{proj}_{p}")[e].copy_(q[p])
+        mod.validate()
+        return mod
+
+    def expert_weights(self, proj: str, e: int) -> torch.Tensor:
+        """The fp32 ``[K, N]`` matrix expert ``e``'s ``proj`` applies (rotation undone)."""
+        K, N = self._shape(proj)
+        w = fmt.dequant_trellis_reference(*(x[e] for x in self._proj(proj)), K, N, self.bits, self.group_size)
+        if self.rotate and proj != "down":
+            w = fmt.block_hadamard(w, 0) * self.rot_in[:, None]
+        elif self.rotate:
+            w = fmt.block_hadamard(w, 1) * self.rot_out[None, :]
+        return w
+
+    def route(self, x2: torch.Tensor):
+        """``(expert_ids int64 [T, top_k], expert_probs f32 [T, top_k])`` from the router."""
+        logits = self.router(x2).detach().float()  # inference only: the trellis ops have no autograd
+        probs = F.softmax(logits, dim=-1)
+        p, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            p = p / p.sum(-1, keepdim=True)
+        return ids, p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 0 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"TrellisMoE: input must have last dimension hidden_size={self.hidden_size}, "
+                             f"got shape {tuple(x.shape)}")
+        x2 = x.reshape(-1, self.hidden_size)
+        ids, p = self.route(x2)
+        xr = fmt.rotate_input(x2.float(), self.rot_in).to(x.dtype) if self.rotate else x2
+        y = ops.moe_trellis(xr, self._proj("gate"), self._proj("up"), self._proj("down"), ids, p,
+                            self.intermediate_size, self.bits, self.group_size)
+        if self.rotate:
+            y = fmt.rotate_output(y.float(), self.rot_out).to(x.dtype)
+        return y.reshape(x.shape)
