@@ -11,3 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: real-model tests that take minutes on 2 cores (deselect with -m 'not slow')")

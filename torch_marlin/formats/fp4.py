@@ -36,7 +36,9 @@ def quantize_fp4(w: torch.Tensor, group_size: int = 128, scale_dtype: torch.dtyp
     s = torch.where(s == 0, torch.ones_like(s), s)
     x = (g / s.unsqueeze(1)).reshape_as(wf)
     mags = E2M1_VALUES[:8].to(wf.device)
-    code = (x.abs().unsqueeze(-1) - mags).abs().argmin(dim=-1)  # nearest magnitude (ties -> smaller)
+    # Nearest magnitude, ties -> smaller: bucketize against the midpoints (right=False puts a value
+    # equal to a midpoint in the lower bucket). Same codes as an argmin over |x - mag|, ~6x faster.
+    code = torch.bucketize(x.abs().contiguous(), (mags[1:] + mags[:-1]) / 2, right=False)
     code = code + 8 * (x < 0).to(code.dtype)
     return pack_int4(code), scales
 

@@ -1,0 +1,311 @@
+"""``patch_model``: swap a model's ``nn.Linear`` layers for quantized ones, in place.
+
+The quantized layer types live in one small table (:data:`LAYER_TYPES`), so a new format plugs in
+by adding a row: how to quantize an ``nn.Linear`` into it, how to build an empty one of a given
+shape (used by :func:`torch_marlin.load_quantized`), and how to describe one in a checkpoint's JSON.
+Nothing here imports ``transformers``: it works on any ``nn.Module``.
+"""
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .modules import MarlinLinear
+
+DEFAULT_SKIP = ("lm_head",)
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer-type table
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LayerType:
+    """How one quantized layer class is made, rebuilt and described.
+
+    ``quantize(linear, group_size, dtype, **opts)`` returns the quantized module.
+    ``empty(config: dict, device)`` builds an uninitialized module from a checkpoint entry.
+    ``describe(module)`` returns that checkpoint entry (JSON-able dict).
+    ``check_shapes(config, tensors)`` raises ValueError when tensors disagree with the entry.
+    ``supports(linear, group_size)`` returns None or why that layer cannot take this format.
+    """
+    name: str
+    module_class: Callable[[], type]
+    quantize: Callable
+    empty: Callable
+    describe: Callable
+    check_shapes: Callable
+    supports: Callable          # (linear, group_size) -> None, or the reason it cannot be converted
+    options: Tuple[str, ...]    # keyword options patch_model passes on to ``quantize``
+
+
+def _marlin_quantize(fmt):
+    def quantize(linear: nn.Linear, group_size: int, dtype: torch.dtype, symmetric: bool = False):
+        return MarlinLinear.from_linear(linear, format=fmt, group_size=group_size, dtype=dtype,
+                                        symmetric=symmetric)
+    return quantize
+
+
+def _marlin_empty(cfg: dict, device) -> MarlinLinear:
+    return MarlinLinear(cfg["in_features"], cfg["out_features"], bias=cfg["bias"], format=cfg["format"],
+                        group_size=cfg["group_size"], dtype=getattr(torch, cfg["dtype"]), device=device)
+
+
+def _marlin_describe(mod: MarlinLinear) -> dict:
+    return {"type": "MarlinLinear", "format": mod.format, "group_size": mod.group_size,
+            "in_features": mod.in_features, "out_features": mod.out_features,
+            "bias": mod.bias is not None, "dtype": str(mod.scales.dtype).replace("torch.", "")}
+
+
+def _marlin_check_shapes(cfg: dict, tensors: Dict[str, Tuple[Tuple[int, ...], str]]) -> None:
+    """``tensors`` maps buffer name -> (shape, dtype string) as found in the checkpoint."""
+    K, N, g = cfg["in_features"], cfg["out_features"], cfg["group_size"]
+    if K % 8 != 0 or g <= 0 or g % 8 != 0 or K % g != 0:
+        raise ValueError(f"in_features={K} / group_size={g} are not a valid MarlinLinear shape "
+                         "(in_features multiple of 8, group_size a multiple of 8 dividing it)")
+    expected = {"B_packed": ((K // 8, N), "int32"), "scales": ((K // g, N), cfg["dtype"])}
+    if cfg["format"] == "u4":
+        expected["zeros"] = ((K // g, N), "uint8")
+    if cfg["bias"]:
+        expected["bias"] = ((N,), cfg["dtype"])
+    _check_expected(expected, tensors, f"format={cfg['format']}, in_features={K}, out_features={N}, "
+                                       f"group_size={g}, bias={cfg['bias']}, dtype={cfg['dtype']}")
+
+
+def _marlin_supports(linear: nn.Linear, group_size: int) -> Optional[str]:
+    if linear.in_features % 8 != 0 or linear.in_features % group_size != 0:
+        return f"in_features={linear.in_features} is not a multiple of group_size={group_size}"
+    return None
+
+
+def _check_expected(expected: dict, tensors: dict, what: str) -> None:
+    for key, (shape, dtype) in expected.items():
+        if key not in tensors:
+            raise ValueError(f"tensor '{key}' is missing ({what})")
+        got_shape, got_dtype = tensors[key]
+        if tuple(got_shape) != shape or got_dtype != dtype:
+            raise ValueError(f"tensor '{key}' has shape {tuple(got_shape)} dtype {got_dtype}, but the config "
+                             f"({what}) implies shape {shape} dtype {dtype}")
+    extra = set(tensors) - set(expected)
+    if extra:
+        raise ValueError(f"unexpected tensors {sorted(extra)} ({what})")
+
+
+def _trellis_class():
+    """TrellisLinear is built in its own module; until it exists, say so clearly."""
+    try:
+        from .trellis import TrellisLinear  # noqa: F401
+    except ImportError as e:
+        raise NotImplementedError(
+            "format='trellis' needs torch_marlin.trellis.TrellisLinear, which is not part of this build "
+            f"({e}); use format='fp4' or 'u4'") from e
+    return TrellisLinear
+
+
+def _trellis_quantize(linear: nn.Linear, group_size: int, dtype: torch.dtype, bits: int = 3, rotate: bool = True,
+                      seed: int = 0):
+    return _trellis_class().from_linear(linear, bits=bits, group_size=group_size, rotate=rotate, dtype=dtype,
+                                        seed=seed)
+
+
+def _trellis_empty(cfg: dict, device):
+    return _trellis_class()(cfg["in_features"], cfg["out_features"], bits=cfg["bits"], group_size=cfg["group_size"],
+                            bias=cfg["bias"], rotate=cfg["rotate"], dtype=getattr(torch, cfg["dtype"]), device=device)
+
+
+def _trellis_describe(mod) -> dict:
+    # Only the bias follows the module dtype; the trellis scales/grid/signs are always fp32.
+    dtype = mod.bias.dtype if mod.bias is not None else torch.float32
+    return {"type": "TrellisLinear", "format": "trellis", "bits": mod.bits, "group_size": mod.group_size,
+            "rotate": bool(mod.rotate), "in_features": mod.in_features, "out_features": mod.out_features,
+            "bias": mod.bias is not None, "dtype": str(dtype).replace("torch.", "")}
+
+
+def _trellis_check_shapes(cfg: dict, tensors) -> None:
+    K, N, g = cfg["in_features"], cfg["out_features"], cfg["group_size"]
+    bits = cfg.get("bits")
+    if bits not in (2, 3, 4) or "rotate" not in cfg:
+        raise ValueError(f"a trellis layer needs bits in (2, 3, 4) and rotate, got bits={bits!r}")
+    if g <= 0 or g % 16 != 0:
+        raise ValueError(f"group_size={g} is not a positive multiple of 16")
+    expected = {"packed_indices": (((K + 15) // 16, (N + 15) // 16, 32 * bits), "uint8"),
+                "scales": (((K + g - 1) // g, N), "float32"), "grid": ((1 << bits,), "float32"),
+                "su": ((K,), "float32"), "sv": ((N,), "float32")}
+    if cfg["bias"]:
+        expected["bias"] = ((N,), cfg["dtype"])
+    _check_expected(expected, tensors, f"in_features={K}, out_features={N}, bits={bits}, group_size={g}, "
+                                       f"bias={cfg['bias']}, dtype={cfg['dtype']}")
+
+
+def _trellis_supports(linear: nn.Linear, group_size: int) -> Optional[str]:
+    # The trellis format pads K and N to 16x16 tiles itself; only the group size is constrained.
+    if group_size % 16 != 0:
+        return f"trellis needs group_size a multiple of 16, got {group_size}"
+    return None
+
+
+LAYER_TYPES: Dict[str, LayerType] = {
+    "fp4": LayerType("fp4", lambda: MarlinLinear, _marlin_quantize("fp4"), _marlin_empty, _marlin_describe,
+                     _marlin_check_shapes, _marlin_supports, ()),
+    "u4": LayerType("u4", lambda: MarlinLinear, _marlin_quantize("u4"), _marlin_empty, _marlin_describe,
+                    _marlin_check_shapes, _marlin_supports, ("symmetric",)),
+    "trellis": LayerType("trellis", _trellis_class, _trellis_quantize, _trellis_empty, _trellis_describe,
+                         _trellis_check_shapes, _trellis_supports, ("bits", "rotate", "seed")),
+}
+FORMATS = tuple(LAYER_TYPES)
+
+
+def layer_type_of(module: nn.Module) -> Optional[LayerType]:
+    """The table row describing an already-quantized module, or None for anything else."""
+    if isinstance(module, MarlinLinear):
+        return LAYER_TYPES[module.format]
+    # Checked by name so that this never imports torch_marlin.trellis (which may not be built).
+    if type(module).__name__ == "TrellisLinear" and type(module).__module__ == "torch_marlin.trellis":
+        return LAYER_TYPES["trellis"]
+    return None
+
+
+def quantized_layer_entry(module: nn.Module) -> Optional[dict]:
+    """JSON-able description of a quantized module (the checkpoint's per-layer config)."""
+    lt = layer_type_of(module)
+    return None if lt is None else lt.describe(module)
+
+
+# ----------------------------------------------------------------------------------------------
+# patch_model
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class PatchReport:
+    """What :func:`patch_model` did. ``replaced``: (name, in_features, out_features) per layer;
+    ``skipped``: (name, reason); bytes of the weights before (float) and after (quantized)."""
+    format: str
+    group_size: int
+    replaced: List[Tuple[str, int, int]] = field(default_factory=list)
+    skipped: List[Tuple[str, str]] = field(default_factory=list)
+    float_bytes: int = 0
+    quantized_bytes: int = 0
+
+    def __str__(self) -> str:
+        lines = [f"patch_model: format={self.format} group_size={self.group_size}: "
+                 f"replaced {len(self.replaced)} Linear layers, skipped {len(self.skipped)}"]
+        if self.replaced:
+            ratio = self.float_bytes / max(self.quantized_bytes, 1)
+            lines.append(f"  replaced weights: {self.float_bytes / 2**20:.2f} MiB -> "
+                         f"{self.quantized_bytes / 2**20:.2f} MiB ({ratio:.1f}x smaller)")
+        for name, reason in self.skipped:
+            lines.append(f"  skipped {name}: {reason}")
+        return "\n".join(lines)
+
+
+def resolve_device(device) -> Optional[torch.device]:
+    """``"auto"`` -> mps if available, else cuda, else cpu; None stays None (leave in place)."""
+    if device is None:
+        return None
+    if isinstance(device, str) and device == "auto":
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("cpu")
+    return torch.device(device)
+
+
+def _matches(name: str, patterns: Iterable[str]) -> Optional[str]:
+    """A pattern matches a module name exactly, as its last dotted component(s), or as a glob."""
+    for p in patterns:
+        if name == p or name.endswith("." + p) or fnmatch.fnmatchcase(name, p):
+            return p
+    return None
+
+
+def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def _module_bytes(mod: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in list(mod.parameters(recurse=False)) +
+               list(mod.buffers(recurse=False)) if t is not None)
+
+
+def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
+                skip: Sequence[str] = DEFAULT_SKIP, device=None, dtype: Optional[torch.dtype] = None,
+                strict: bool = False, progress: bool = True, **format_options) -> PatchReport:
+    """Replaces ``model``'s ``nn.Linear`` layers with quantized ones, in place; returns a report.
+
+    ``format``: ``"fp4"`` or ``"u4"`` (MarlinLinear), ``"trellis"`` (TrellisLinear, when built).
+    ``skip``: module names to keep in float: exact names, trailing components (``"lm_head"``,
+    ``"pooler.dense"``) or globs (``"*.attention.*"``). Layers sharing their weight with another
+    module (e.g. an ``lm_head`` tied to the embeddings) are always kept, since quantizing one would
+    silently untie them. Layers whose ``in_features`` the group size does not divide are skipped
+    with a reason in the report, or raise ``ValueError`` when ``strict``.
+    ``device``: None leaves the model where it is; ``"auto"`` picks mps > cuda > cpu; else a device.
+    The model is moved first, so quantization runs there. ``dtype``: dtype of scales/bias
+    (default: each layer's own dtype, so an fp32 model runs fp32 activations without casts).
+    ``progress``: tqdm bar over the layers. ``format_options`` go to the format's quantizer:
+    u4 ``symmetric`` (zero point fixed at 8); trellis ``bits`` (2/3/4), ``rotate``, ``seed``.
+    """
+    if format not in LAYER_TYPES:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(skip, str):
+        skip = [skip]
+    if not isinstance(group_size, int) or group_size <= 0 or group_size % 8 != 0:
+        raise ValueError(f"group_size must be a positive multiple of 8, got {group_size!r}")
+    lt = LAYER_TYPES[format]
+    bad = sorted(set(format_options) - set(lt.options))
+    if bad:
+        raise TypeError(f"format={format!r} takes options {list(lt.options)}, got unexpected {bad}")
+    lt.module_class()  # raises a clear error when the module is not part of this build (trellis)
+    dev = resolve_device(device)
+    if dev is not None:
+        model.to(dev)
+
+    # Weights shared with other modules (tied embeddings): count users of every parameter.
+    users: Dict[int, int] = {}
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
+            users[id(p)] = users.get(id(p), 0) + 1
+
+    report = PatchReport(format=format, group_size=group_size)
+    todo = []
+    for name, mod in model.named_modules():
+        if type(mod) is not nn.Linear:  # subclasses (e.g. already-quantized wrappers) are left alone
+            continue
+        pattern = _matches(name, skip)
+        if pattern is not None:
+            report.skipped.append((name, f"matches skip pattern {pattern!r}"))
+        elif users.get(id(mod.weight), 0) > 1:
+            report.skipped.append((name, "weight is shared with another module (tied)"))
+        elif lt.supports(mod, group_size) is not None:
+            reason = lt.supports(mod, group_size)
+            if strict:
+                raise ValueError(f"{name}: {reason}; pass skip=[...] or another group_size")
+            report.skipped.append((name, reason))
+        else:
+            todo.append((name, mod))
+
+    bar = None
+    if progress and todo:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(todo), desc=f"quantizing to {format} g{group_size}", unit="layer")
+    with torch.no_grad():
+        for name, lin in todo:
+            layer_dtype = dtype if dtype is not None else lin.weight.dtype
+            new = lt.quantize(lin, group_size, layer_dtype, **format_options)
+            new.train(lin.training)
+            report.float_bytes += _module_bytes(lin)
+            report.quantized_bytes += _module_bytes(new)
+            report.replaced.append((name, lin.in_features, lin.out_features))
+            _set_submodule(model, name, new)
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    return report
