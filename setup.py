@@ -80,10 +80,9 @@ setup(
     description="Weight-quantized (FP4 / INT4 / trellis) GEMM kernels for PyTorch: Metal, CUDA and CPU",
     packages=find_packages(include=["torch_marlin", "torch_marlin.*"]),
     python_requires=">=3.9",
-    # torch is deliberately not listed: pip would resolve it to a multi-GB CUDA build on machines
-    # where a CPU torch is installed under another name. The README installs torch first and
-    # torch_marlin/__init__.py checks torch >= 2.4 at import.
-    install_requires=["numpy>=1.24", "safetensors>=0.4", "tqdm>=4.60"],
+    # torch is installed first (README): with it present, this range installs nothing more. Never
+    # run `pip install .` on a machine without torch unless a CUDA torch download is what you want.
+    install_requires=["torch>=2.4", "numpy>=1.24", "safetensors>=0.4", "tqdm>=4.60"],
     ext_modules=[build_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
     zip_safe=False,
