@@ -72,8 +72,30 @@ def random_trellis(K, N, bits, group_size, experts=()):
 
 def trellis_case(bits, K, N, group_size, device):
     t = tuple(x.to(device) for x in random_trellis(K, N, bits, group_size))
-    nbytes = sum(x.numel() * x.element_size() for x in t)
-    return (lambda A: torch.ops.marlin.gemm_trellis(A, *t, K, N, bits, group_size)), nbytes
+    return (lambda A, *w: torch.ops.marlin.gemm_trellis(A, *w, K, N, bits, group_size)), t
+
+
+def last_level_cache_bytes():
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
+            text = f.read().strip()
+        return int(text[:-1]) * {"K": 2**10, "M": 2**20, "G": 2**30}[text[-1]]
+    except (OSError, ValueError, KeyError):
+        return 64 * 2**20
+
+
+def rotating(op, weights, copies):
+    """A -> op(A, *weights) cycling over `copies` copies of the weights, so that on CPU no call finds
+    its weights in the last-level cache (as in real inference, where a model's layers stream from
+    DRAM); copies = 1 times the hot-cache case."""
+    sets = [weights] + [tuple(w.clone() for w in weights) for _ in range(copies - 1)]
+    state = {"i": 0}
+
+    def call(A):
+        state["i"] = (state["i"] + 1) % len(sets)
+        return op(A, *sets[state["i"]])
+
+    return call
 
 
 def bench_moe(args, device, dtype):
@@ -121,18 +143,20 @@ def bench_moe(args, device, dtype):
 
 
 def quantized_case(fmt, K, N, group_size, dtype, device):
-    """Returns (callable A -> C, bytes of weight data the kernel reads)."""
+    """Returns (op(A, *weights) -> C, weights): the op and the tensors it reads."""
     if fmt.startswith("trellis"):  # trellis2 / trellis3 / trellis4: codebook bits
         return trellis_case(int(fmt[len("trellis"):]), K, N, group_size, device)
     w = torch.randn(K, N) * 0.02
     if fmt == "fp4":
         B, s = quantize_fp4(w, group_size, scale_dtype=dtype)
-        B, s = B.to(device), s.to(device)
-        return (lambda A: torch.ops.marlin.gemm_fp4(A, B, s, group_size)), B.numel() * 4 + s.numel() * s.element_size()
+        return (lambda A, B, s: torch.ops.marlin.gemm_fp4(A, B, s, group_size)), (B.to(device), s.to(device))
     B, s, z = quantize_u4(w, group_size, scale_dtype=dtype)
-    B, s, z = B.to(device), s.to(device), z.to(device)
-    nbytes = B.numel() * 4 + s.numel() * s.element_size() + z.numel()
-    return (lambda A: torch.ops.marlin.gemm_u4(A, B, s, z, group_size)), nbytes
+    return (lambda A, B, s, z: torch.ops.marlin.gemm_u4(A, B, s, z, group_size)), (B.to(device), s.to(device),
+                                                                                      z.to(device))
+
+
+def nbytes_of(weights):
+    return sum(w.numel() * w.element_size() for w in weights)
 
 
 def main():
@@ -150,6 +174,8 @@ def main():
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    ap.add_argument("--hot", action="store_true",
+                    help="CPU: reuse one weight copy (L3-resident); default rotates copies totalling 2x the LLC")
     args = ap.parse_args()
 
     device = torch.device(args.device)
@@ -168,16 +194,23 @@ def main():
         cols += ["dense_float32_us", "speedup_vs_fp32"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
+    cold_bytes = 0 if (args.hot or device.type != "cpu") else 2 * last_level_cache_bytes()
+    copies = lambda weights: max(1, min(64, -(-cold_bytes // nbytes_of(weights))))  # noqa: E731
+    print(f"# weights: {'hot (one copy)' if not cold_bytes else f'cold (copies rotating over {cold_bytes >> 20} MiB)'}")
     for K, N in parse_shapes(args.shapes):
-        W = (torch.randn(K, N) * 0.02).to(device=device, dtype=dtype)
-        W32 = W.float() if fp32_baseline else None
+        W = ((torch.randn(K, N) * 0.02).to(device=device, dtype=dtype),)
+        dense = rotating(torch.matmul, W, copies(W))
+        dense32 = rotating(torch.matmul, (W[0].float(),), copies(W)) if fp32_baseline else None
         # Trellis kernels exist for CPU and MPS only.
         fmts = [f for f in args.formats.split(",") if device.type != "cuda" or not f.startswith("trellis")]
-        kernels = {fmt: quantized_case(fmt, K, N, args.group_size, dtype, device) for fmt in fmts}
+        kernels = {}
+        for fmt in fmts:
+            op, weights = quantized_case(fmt, K, N, args.group_size, dtype, device)
+            kernels[fmt] = (rotating(op, weights, copies(weights)), nbytes_of(weights))
         for M in (int(m) for m in args.m.split(",")):
             A = torch.randn(M, K, device=device).to(dtype)
-            t_dense = bench(lambda: torch.matmul(A, W), device, args.reps)
-            t_dense32 = bench(lambda: torch.matmul(A.float(), W32), device, args.reps) if fp32_baseline else None
+            t_dense = bench(lambda: dense(A), device, args.reps)
+            t_dense32 = bench(lambda: dense32(A.float()), device, args.reps) if fp32_baseline else None
             for fmt, (fn, nbytes) in kernels.items():
                 t = bench(lambda: fn(A), device, args.reps)
                 row = [fmt, K, N, M, f"{t * 1e6:.1f}", f"{nbytes / t / 1e9:.1f}", f"{t_dense * 1e6:.1f}",

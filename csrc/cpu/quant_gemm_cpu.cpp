@@ -25,7 +25,8 @@
 namespace torch_marlin {
 namespace {
 
-constexpr int64_t kBlockN = 64;  // columns per inner block (fits a [16 x 64] fp32 accumulator in L1)
+constexpr int64_t kBlockN = 64;
+constexpr int64_t kPrefetchRows = 8;  // packed rows ahead in the decode strip kernel  // columns per inner block (fits a [16 x 64] fp32 accumulator in L1)
 
 // Dequantized chunk of the tiled path: 2M floats (8 MB) per chunk.
 constexpr int64_t kChunkFloats = int64_t(2) << 20;
@@ -129,6 +130,9 @@ void decode_strip16(const QuantGemmArgs& a, const float* __restrict A, const flo
     __m256 ga[R][2];
     for (int m = 0; m < R; ++m) ga[m][0] = ga[m][1] = _mm256_setzero_ps();
     for (int64_t kw = g * gs / 8; kw < (g + 1) * gs / 8; ++kw) {
+      // Rows are N words apart (>= 4 KB for real layers): the hardware prefetchers do not follow
+      // such strides, so fetch a few rows ahead explicitly (the kernel is otherwise latency bound).
+      _mm_prefetch(reinterpret_cast<const char*>(B + (kw + kPrefetchRows) * N), _MM_HINT_T0);
       const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B + kw * N));
       const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B + kw * N + 8));
       const float* ak = A + m0 * K + kw * 8;

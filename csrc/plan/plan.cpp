@@ -48,6 +48,25 @@ namespace {
 
 constexpr int64_t kCudaDecodeMaxM = 64;  // plan_cuda: decode tiles of 16, 32 or 64 rows
 
+// Most rows the decode kernels of a backend handle.
+int64_t decode_kernel_max_m(Backend b) { return b == Backend::CUDA ? kCudaDecodeMaxM : kDecodeMaxM; }
+
+// Rows up to which the policy picks decode, measured per backend (docs/benchmarks.md):
+//  - CUDA: its decode kernel streams the weights once for up to 4 m16 tensor-core tiles (fp32
+//    activations have no tensor-core path: 16);
+//  - CPU: decode re-decodes the weights per 4-row chunk and is compute bound; from 9 rows on the
+//    dequantize-chunk + BLAS path is faster (4096x4096: 6.3 ms decode vs ~6 ms tiled at M = 8,
+//    13 ms vs 9 ms at M = 16);
+//  - Metal: the seed's M <= 16 (no hardware to measure on).
+int64_t decode_policy_max_m(Backend b, DType d) {
+  switch (b) {
+    case Backend::CUDA: return d == DType::F32 ? kDecodeMaxM : kCudaDecodeMaxM;
+    case Backend::CPU: return 8;
+    case Backend::Metal: return kDecodeMaxM;
+  }
+  return kDecodeMaxM;
+}
+
 uint32_t ceil_div(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 1) / b); }
 
 void set_tiles(GemmPlan& p, int64_t M, int64_t N, uint32_t tile_m, uint32_t tile_n) {
@@ -244,10 +263,7 @@ GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, in
 
   if (force != GemmVariant::Auto) {
     p.variant = force;
-  } else if (M <= kDecodeMaxM) {
-    p.variant = GemmVariant::Decode;
-  } else if (caps.backend == Backend::CUDA && M <= kCudaDecodeMaxM && dtype != DType::F32) {
-    // CUDA's decode kernel streams the weights once for up to 4 m16 tensor-core tiles.
+  } else if (M <= decode_policy_max_m(caps.backend, dtype)) {
     p.variant = GemmVariant::Decode;
   } else if (caps.backend == Backend::Metal) {
     // Stripes + K-parallel only pay when the output alone cannot fill the GPU.
@@ -256,8 +272,7 @@ GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, in
   } else {
     p.variant = GemmVariant::Tiled;
   }
-  const int64_t decode_max = caps.backend == Backend::CUDA ? kCudaDecodeMaxM : kDecodeMaxM;
-  if (p.variant == GemmVariant::Decode && M > decode_max) {
+  if (p.variant == GemmVariant::Decode && M > decode_kernel_max_m(caps.backend)) {
     throw std::invalid_argument("plan_quant_gemm: the decode variant handles M <= 16 only (64 on CUDA)");
   }
 
