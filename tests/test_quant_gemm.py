@@ -220,3 +220,16 @@ def test_policy_rejects_bad_names():
         torch_marlin.plan_gemm("fp4", 1, 256, 64, variant="fast")
     with pytest.raises(ValueError, match="decode variant handles M <= 16"):
         torch_marlin.plan_gemm("fp4", 17, 256, 64, variant="decode")
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("M", [1, 5])
+def test_gemm_wide_n_decode_tiles(fmt, M):
+    # N >= 256 * 2 * threads gives the CPU decode 256-column tiles (16 strips per pass); 2100 is
+    # not a multiple of 16, so the last tile also ends in the scalar remainder path.
+    torch.set_num_threads(2)
+    K, N, g = 256, 2100, 64
+    assert torch_marlin.plan_gemm(fmt, M, K, N, g, compute_units=2)["tile_n"] == 256
+    w = make_weights(fmt, K, N, g, torch.float32)
+    A = torch.randn(M, K)
+    assert_gemm_close(run_gemm(fmt, A, w, g), A, w["ref"])

@@ -26,7 +26,8 @@ namespace torch_marlin {
 namespace {
 
 constexpr int64_t kBlockN = 64;
-constexpr int64_t kPrefetchRows = 8;  // packed rows ahead in the decode strip kernel  // columns per inner block (fits a [16 x 64] fp32 accumulator in L1)
+constexpr int64_t kPrefetchRows = 8;  // packed rows ahead in the decode strip kernel
+constexpr int64_t kMaxStrips = 16;    // 16-column strips per decode pass: 1 KB of each packed row  // columns per inner block (fits a [16 x 64] fp32 accumulator in L1)
 
 // Dequantized chunk of the tiled path: 2M floats (8 MB) per chunk.
 constexpr int64_t kChunkFloats = int64_t(2) << 20;
@@ -117,16 +118,16 @@ void decode_block(const QuantGemmArgs& a, const float* __restrict A, const float
 }
 
 #if defined(__AVX2__)
-// Decode kernel for 16 columns [n0, n0 + 16) and rows [m0, m0 + R): the group accumulators live
-// in 2R ymm registers; each packed word is decoded once per row chunk of R <= 4 rows.
-// asum[m][g] = sum of A over group g (U4 zero-point term).
+// Decode kernel for one scale group g, 16 columns [n0, n0 + 16) and rows [m0, m0 + R): the group
+// accumulators live in 2R ymm registers; each packed word is decoded once per row chunk of R <= 4
+// rows. asum[m][g] = sum of A over group g (U4 zero-point term).
 template <QuantFormat F, int R>
 void decode_strip16(const QuantGemmArgs& a, const float* __restrict A, const float* __restrict S,
-                    const uint8_t* __restrict Z, const float* __restrict asum, int64_t m0, int64_t n0,
+                    const uint8_t* __restrict Z, const float* __restrict asum, int64_t m0, int64_t n0, int64_t g,
                     float (*__restrict acc)[16]) {
   const int64_t K = a.K, N = a.N, gs = a.group_size, G = K / gs;
   const int32_t* B = a.B.data_ptr<int32_t>() + n0;
-  for (int64_t g = 0; g < G; ++g) {
+  {
     __m256 ga[R][2];
     for (int m = 0; m < R; ++m) ga[m][0] = ga[m][1] = _mm256_setzero_ps();
     for (int64_t kw = g * gs / 8; kw < (g + 1) * gs / 8; ++kw) {
@@ -160,20 +161,32 @@ void decode_strip16(const QuantGemmArgs& a, const float* __restrict A, const flo
   }
 }
 
-// All rows for columns [n0, n0 + 16): row chunks of up to 4, then bias and store.
+// All rows for the 16-column strips [n0, n0 + 16 * strips), strips <= kMaxStrips: row chunks of up to 4,
+// then per group every strip in turn, so consecutive reads of a packed row are adjacent cache
+// lines of one page (rows are N words apart; one strip per pass would touch a new page per row).
 template <QuantFormat F>
-void decode_cols16(const QuantGemmArgs& a, const float* A, const float* S, const uint8_t* Z, const float* asum,
-                   const float* bias, int64_t n0, float* C) {
+void decode_cols(const QuantGemmArgs& a, const float* A, const float* S, const uint8_t* Z, const float* asum,
+                 const float* bias, int64_t n0, int64_t strips, float* C) {
   for (int64_t m0 = 0; m0 < a.M; m0 += 4) {
-    float acc[4][16] = {};
-    switch (std::min<int64_t>(4, a.M - m0)) {
-      case 4: decode_strip16<F, 4>(a, A, S, Z, asum, m0, n0, acc); break;
-      case 3: decode_strip16<F, 3>(a, A, S, Z, asum, m0, n0, acc); break;
-      case 2: decode_strip16<F, 2>(a, A, S, Z, asum, m0, n0, acc); break;
-      default: decode_strip16<F, 1>(a, A, S, Z, asum, m0, n0, acc); break;
+    float acc[kMaxStrips][4][16] = {};
+    const int64_t rows = std::min<int64_t>(4, a.M - m0);
+    for (int64_t g = 0; g < a.K / a.group_size; ++g) {
+      for (int64_t st = 0; st < strips; ++st) {
+        const int64_t c = n0 + 16 * st;
+        switch (rows) {
+          case 4: decode_strip16<F, 4>(a, A, S, Z, asum, m0, c, g, acc[st]); break;
+          case 3: decode_strip16<F, 3>(a, A, S, Z, asum, m0, c, g, acc[st]); break;
+          case 2: decode_strip16<F, 2>(a, A, S, Z, asum, m0, c, g, acc[st]); break;
+          default: decode_strip16<F, 1>(a, A, S, Z, asum, m0, c, g, acc[st]); break;
+        }
+      }
     }
-    for (int64_t m = m0; m < std::min(m0 + 4, a.M); ++m)
-      for (int n = 0; n < 16; ++n) C[m * a.N + n0 + n] = acc[m - m0][n] + (bias ? bias[n0 + n] : 0.f);
+    for (int64_t st = 0; st < strips; ++st)
+      for (int64_t m = m0; m < m0 + rows; ++m)
+        for (int n = 0; n < 16; ++n) {
+          const int64_t col = n0 + 16 * st + n;
+          C[m * a.N + col] = acc[st][m - m0][n] + (bias ? bias[col] : 0.f);
+        }
   }
 }
 #endif
@@ -247,7 +260,11 @@ void gemm_impl(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C) {
         int64_t c = t * tile_n;
         const int64_t end = std::min(c + tile_n, a.N);
 #if defined(__AVX2__)
-        for (; c + 16 <= end; c += 16) decode_cols16<F>(a, A, S, Z, asum.data(), bias, c, Cp);
+        while (c + 16 <= end) {
+          const int64_t strips = std::min<int64_t>(kMaxStrips, (end - c) / 16);
+          decode_cols<F>(a, A, S, Z, asum.data(), bias, c, strips, Cp);
+          c += 16 * strips;
+        }
 #endif
         for (; c < end; c += kBlockN) decode_block<F>(a, A, S, Z, bias, c, std::min(kBlockN, end - c), Cp);
       }

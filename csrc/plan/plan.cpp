@@ -232,9 +232,13 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
 // Decode: tasks over column blocks, every packed word read once for all rows. Tiled: tasks over
 // column panels; each task dequantizes its [K, tile_n] panel once into an fp32 buffer and
 // multiplies every row of A against it.
-void plan_cpu(GemmPlan& p, int64_t M, int64_t K, int64_t N) {
+void plan_cpu(GemmPlan& p, int64_t M, int64_t K, int64_t N, int compute_units) {
   if (p.variant == GemmVariant::Decode) {
-    set_tiles(p, M, N, uint32_t(kDecodeMaxM), 64);
+    // Wide column tiles read 1 KB of each packed row per visit (rows are N words apart, so a
+    // narrow tile is latency bound on a new page per row); narrow ones when N is too small to
+    // give every thread two tiles.
+    const uint32_t tile_n = N >= int64_t(256) * 2 * std::max(1, compute_units) ? 256 : 64;
+    set_tiles(p, M, N, uint32_t(kDecodeMaxM), tile_n);
   } else {
     p.variant = GemmVariant::Tiled;
     set_tiles(p, M, N, uint32_t(std::max<int64_t>(M, 1)), 128);
@@ -279,7 +283,7 @@ GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, in
   switch (caps.backend) {
     case Backend::Metal: plan_metal(p, format, M, K, N, dtype, caps); break;
     case Backend::CUDA: plan_cuda(p, format, M, K, N, dtype, caps); break;
-    case Backend::CPU: plan_cpu(p, M, K, N); break;
+    case Backend::CPU: plan_cpu(p, M, K, N, caps.compute_units); break;
   }
   return p;
 }
