@@ -192,11 +192,11 @@ def main():
     fp32_baseline = device.type == "cpu" and dtype != torch.float32
     if fp32_baseline:
         cols += ["dense_float32_us", "speedup_vs_fp32"]
+    cold_bytes = 0 if (args.hot or device.type != "cpu") else 2 * last_level_cache_bytes()
+    print(f"# weights: {'hot (one copy)' if not cold_bytes else f'cold (copies rotating over {cold_bytes >> 20} MiB)'}")
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
-    cold_bytes = 0 if (args.hot or device.type != "cpu") else 2 * last_level_cache_bytes()
     copies = lambda weights: max(1, min(64, -(-cold_bytes // nbytes_of(weights))))  # noqa: E731
-    print(f"# weights: {'hot (one copy)' if not cold_bytes else f'cold (copies rotating over {cold_bytes >> 20} MiB)'}")
     for K, N in parse_shapes(args.shapes):
         W = ((torch.randn(K, N) * 0.02).to(device=device, dtype=dtype),)
         dense = rotating(torch.matmul, W, copies(W))
