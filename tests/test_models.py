@@ -116,15 +116,7 @@ def test_patch_model_bad_arguments():
         patch_model(toy(), format="fp4", symmetric=True)
 
 
-def test_patch_model_trellis_not_built_is_a_clear_error(monkeypatch):
-    # Simulates a build without torch_marlin.trellis (a None entry makes its import fail).
-    monkeypatch.setitem(sys.modules, "torch_marlin.trellis", None)
-    with pytest.raises(NotImplementedError, match="torch_marlin.trellis.TrellisLinear"):
-        patch_model(toy(), format="trellis")
-
-
-def test_patch_model_trellis_when_built(tmp_path):
-    pytest.importorskip("torch_marlin.trellis", reason="TrellisLinear not built yet (branch trellis)")
+def test_patch_model_trellis(tmp_path):
     from torch_marlin.trellis import TrellisLinear
     m = toy()
     rep = patch_model(m, format="trellis", group_size=32, bits=4, dtype=torch.float32, progress=False)

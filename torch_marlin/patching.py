@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .modules import MarlinLinear
+from .trellis import TrellisLinear
 
 DEFAULT_SKIP = ("lm_head",)
 
@@ -94,25 +95,14 @@ def _check_expected(expected: dict, tensors: dict, what: str) -> None:
         raise ValueError(f"unexpected tensors {sorted(extra)} ({what})")
 
 
-def _trellis_class():
-    """TrellisLinear is built in its own module; until it exists, say so clearly."""
-    try:
-        from .trellis import TrellisLinear  # noqa: F401
-    except ImportError as e:
-        raise NotImplementedError(
-            "format='trellis' needs torch_marlin.trellis.TrellisLinear, which is not part of this build "
-            f"({e}); use format='fp4' or 'u4'") from e
-    return TrellisLinear
-
-
 def _trellis_quantize(linear: nn.Linear, group_size: int, dtype: torch.dtype, bits: int = 3, rotate: bool = True,
                       seed: int = 0):
-    return _trellis_class().from_linear(linear, bits=bits, group_size=group_size, rotate=rotate, dtype=dtype,
+    return TrellisLinear.from_linear(linear, bits=bits, group_size=group_size, rotate=rotate, dtype=dtype,
                                         seed=seed)
 
 
 def _trellis_empty(cfg: dict, device):
-    return _trellis_class()(cfg["in_features"], cfg["out_features"], bits=cfg["bits"], group_size=cfg["group_size"],
+    return TrellisLinear(cfg["in_features"], cfg["out_features"], bits=cfg["bits"], group_size=cfg["group_size"],
                             bias=cfg["bias"], rotate=cfg["rotate"], dtype=getattr(torch, cfg["dtype"]), device=device)
 
 
@@ -152,7 +142,7 @@ LAYER_TYPES: Dict[str, LayerType] = {
                      _marlin_check_shapes, _marlin_supports, ()),
     "u4": LayerType("u4", lambda: MarlinLinear, _marlin_quantize("u4"), _marlin_empty, _marlin_describe,
                     _marlin_check_shapes, _marlin_supports, ("symmetric",)),
-    "trellis": LayerType("trellis", _trellis_class, _trellis_quantize, _trellis_empty, _trellis_describe,
+    "trellis": LayerType("trellis", lambda: TrellisLinear, _trellis_quantize, _trellis_empty, _trellis_describe,
                          _trellis_check_shapes, _trellis_supports, ("bits", "rotate", "seed")),
 }
 FORMATS = tuple(LAYER_TYPES)
@@ -162,8 +152,7 @@ def layer_type_of(module: nn.Module) -> Optional[LayerType]:
     """The table row describing an already-quantized module, or None for anything else."""
     if isinstance(module, MarlinLinear):
         return LAYER_TYPES[module.format]
-    # Checked by name so that this never imports torch_marlin.trellis (which may not be built).
-    if type(module).__name__ == "TrellisLinear" and type(module).__module__ == "torch_marlin.trellis":
+    if isinstance(module, TrellisLinear):
         return LAYER_TYPES["trellis"]
     return None
 
@@ -238,7 +227,7 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
                 strict: bool = False, progress: bool = True, **format_options) -> PatchReport:
     """Replaces ``model``'s ``nn.Linear`` layers with quantized ones, in place; returns a report.
 
-    ``format``: ``"fp4"`` or ``"u4"`` (MarlinLinear), ``"trellis"`` (TrellisLinear, when built).
+    ``format``: ``"fp4"`` or ``"u4"`` (MarlinLinear), ``"trellis"`` (TrellisLinear).
     ``skip``: module names to keep in float: exact names, trailing components (``"lm_head"``,
     ``"pooler.dense"``) or globs (``"*.attention.*"``). Layers sharing their weight with another
     module (e.g. an ``lm_head`` tied to the embeddings) are always kept, since quantizing one would
