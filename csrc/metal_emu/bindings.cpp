@@ -118,16 +118,6 @@ void dispatch_raw(const std::string& kernel, std::vector<int64_t> grid, int64_t 
   run(kernel, g, uint32_t(threads), ptrs, schedule, seed, workers);
 }
 
-py::dict last_stats() {
-  const auto s = metal_emu::last_dispatch_stats();
-  py::dict d;
-  d["threadgroups"] = s.threadgroups;
-  d["barrier_rounds"] = s.barrier_rounds;
-  d["simd_rounds"] = s.simd_rounds;
-  d["max_threadgroup_bytes"] = s.max_threadgroup_bytes;
-  return d;
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -28,4 +28,15 @@ inline metal_emu::Schedule parse_schedule(const std::string& s) {
   TORCH_CHECK_VALUE(false, "schedule must be forward/reverse/random/simd_ahead/simd_ahead_reverse, got '", s, "'");
 }
 
+// Counters of the last dispatch (tests use them to check a kernel really synchronized).
+inline py::dict last_stats() {
+  const auto s = metal_emu::last_dispatch_stats();
+  py::dict d;
+  d["threadgroups"] = s.threadgroups;
+  d["barrier_rounds"] = s.barrier_rounds;
+  d["simd_rounds"] = s.simd_rounds;
+  d["max_threadgroup_bytes"] = s.max_threadgroup_bytes;
+  return d;
+}
+
 }  // namespace torch_marlin

@@ -171,15 +171,6 @@ std::tuple<at::Tensor, py::dict> moe(const at::Tensor& x_in, const std::vector<a
   return {y, plan_dict(plan)};
 }
 
-py::dict last_stats() {
-  const auto s = metal_emu::last_dispatch_stats();
-  py::dict d;
-  d["threadgroups"] = s.threadgroups;
-  d["barrier_rounds"] = s.barrier_rounds;
-  d["max_threadgroup_bytes"] = s.max_threadgroup_bytes;
-  return d;
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
