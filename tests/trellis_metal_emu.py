@@ -16,15 +16,11 @@ holds a barrier-switch copy (names prefixed ``barrier_switch:``), exactly like t
 """
 
 import os
-import platform
-
-from torch.utils import cpp_extension
 
 import metal_emu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = [os.path.join(ROOT, "metal", "trellis_gemm.metal"), os.path.join(ROOT, "metal", "trellis_moe.metal")]
-EMU_DIR = os.path.join(ROOT, "csrc", "metal_emu")
 BARRIER_SWITCH_PREFIX = metal_emu.BARRIER_SWITCH_PREFIX
 
 _modules = {}
@@ -60,23 +56,9 @@ def load(verbose=False):
         "#undef TM_EMU_KERNEL_PREFIX\n"
         '#define TM_EMU_KERNEL_PREFIX "%s"\n'
         "namespace tm_barrier_switch {\n%s}\n") % (BARRIER_SWITCH_PREFIX, switch_includes))
-    cflags = ["-O2", "-std=c++17", "-Wno-attributes", "-Wno-unused-parameter", "-fno-strict-aliasing"]
-    if platform.machine() in ("x86_64", "AMD64"):
-        cflags.append("-mf16c")
-    mod = cpp_extension.load(
-        name="tm_trellis_metal_emu",
-        sources=[
-            os.path.join(EMU_DIR, "trellis_bindings.cpp"),
-            os.path.join(EMU_DIR, "runtime.cpp"),
-            os.path.join(ROOT, "csrc", "plan", "plan.cpp"),
-            os.path.join(ROOT, "csrc", "plan", "trellis_plan.cpp"),
-            kernels_tu,
-            switch_tu,
-        ],
-        extra_include_paths=[os.path.join(ROOT, "csrc"), os.path.join(ROOT, "csrc", "include"), EMU_DIR],
-        extra_cflags=cflags,
-        build_directory=build_dir,
-        verbose=verbose,
-    )
+    plan_dir = os.path.join(ROOT, "csrc", "plan")
+    mod = metal_emu.build_module("tm_trellis_metal_emu", ["trellis_bindings.cpp", "runtime.cpp"],
+                                 [os.path.join(plan_dir, "plan.cpp"), os.path.join(plan_dir, "trellis_plan.cpp"),
+                                  kernels_tu, switch_tu], build_dir, verbose)
     _modules["mod"] = mod
     return mod
