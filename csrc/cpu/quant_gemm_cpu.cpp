@@ -11,7 +11,6 @@
 #include <ATen/Parallel.h>
 #include <c10/util/irange.h>
 
-#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -25,25 +24,12 @@
 namespace torch_marlin {
 namespace {
 
-constexpr int64_t kBlockN = 64;
+constexpr int64_t kBlockN = 64;       // columns per portable inner block (a [16 x 64] fp32 accumulator fits L1)
 constexpr int64_t kPrefetchRows = 8;  // packed rows ahead in the decode strip kernel
-constexpr int64_t kMaxStrips = 16;    // 16-column strips per decode pass: 1 KB of each packed row  // columns per inner block (fits a [16 x 64] fp32 accumulator in L1)
+constexpr int64_t kMaxStrips = 16;    // 16-column strips per decode pass: 1 KB of each packed row
 
 // Dequantized chunk of the tiled path: 2M floats (8 MB) per chunk.
 constexpr int64_t kChunkFloats = int64_t(2) << 20;
-
-// Branch-free E2M1 magnitude decode the vectorizer accepts (same values as fp4_e2m1_to_float).
-inline float fp4_value(uint32_t code) {
-  const uint32_t em = code & 7u;
-  // Normal codes (E > 0): exponent E + 126, mantissa bit M at bit 22. Subnormal: 0 or 0.5.
-  const uint32_t normal = (em << 22) + (126u << 23);
-  const uint32_t sub = (em & 1u) ? 0x3F000000u : 0u;
-  uint32_t bits = (em & 6u) ? normal : sub;
-  bits |= (code & 8u) << 28;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 #if defined(__AVX2__)
 // Codes of packed row r (0..7) for 8 columns: FP4 -> E2M1 value, U4 -> unsigned value.
@@ -74,7 +60,7 @@ inline void decode_word_row(const int32_t* __restrict words, int64_t nb, float (
   for (int r = 0; r < 8; ++r) {
     for (int64_t c = n; c < nb; ++c) {
       const uint32_t code = (uint32_t(words[c]) >> (4 * r)) & 15u;
-      vals[r][c] = F == QuantFormat::FP4 ? fp4_value(code) : float(code);
+      vals[r][c] = F == QuantFormat::FP4 ? fp4_e2m1_to_float(code) : float(code);
     }
   }
 }
@@ -227,7 +213,7 @@ void dequant_panel(const QuantGemmArgs& a, const float* __restrict S, const uint
       const float z = F == QuantFormat::U4 ? float(Z[g * N + n0 + n] & 15u) : 0.f;
       for (int r = 0; r < 8; ++r) {
         const uint32_t code = (word >> (4 * r)) & 15u;
-        panel[(kw * 8 + r) * ld + n] = (F == QuantFormat::FP4 ? fp4_value(code) : float(code) - z) * s;
+        panel[(kw * 8 + r) * ld + n] = (F == QuantFormat::FP4 ? fp4_e2m1_to_float(code) : float(code) - z) * s;
       }
     }
   }

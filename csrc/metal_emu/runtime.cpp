@@ -236,13 +236,22 @@ void* threadgroup_slot(unsigned id, size_t bytes, size_t align) {
   return w.arena.data() + off;
 }
 
-uint64_t* simd_exchange(unsigned& lane) {
+namespace {
+// This fiber's slot group in a per-simdgroup exchange area of `per_sg` elements, double buffered
+// by a per-fiber parity so consecutive collectives never share a buffer.
+template <class T>
+T* sg_exchange(std::vector<T>& area, unsigned Fiber::*parity, size_t per_sg, unsigned& lane) {
   Worker& w = current_worker();
   Fiber& f = w.fibers[w.current];
   lane = w.current % 32u;
   const unsigned sg = w.current / 32u;
-  const unsigned parity = f.parity++ & 1u;
-  return w.exchange.data() + (size_t(sg) * 2 + parity) * 32;
+  const unsigned half = (f.*parity)++ & 1u;
+  return area.data() + (size_t(sg) * 2 + half) * per_sg;
+}
+}  // namespace
+
+uint64_t* simd_exchange(unsigned& lane) {
+  return sg_exchange(current_worker().exchange, &Fiber::parity, 32, lane);
 }
 
 namespace {
@@ -258,12 +267,7 @@ unsigned current_lane() {
 }
 
 float* simd_matrix_exchange(unsigned& lane) {
-  Worker& w = current_worker();
-  Fiber& f = w.fibers[w.current];
-  lane = w.current % 32u;
-  const unsigned sg = w.current / 32u;
-  const unsigned parity = f.matrix_parity++ & 1u;
-  return w.matrix_exchange.data() + (size_t(sg) * 2 + parity) * 192;
+  return sg_exchange(current_worker().matrix_exchange, &Fiber::matrix_parity, 192, lane);
 }
 
 void register_kernel(const char* name, const void* fn, KernelTrampoline tramp, int num_buffers) {
