@@ -1,9 +1,11 @@
 """CUDA benchmark of the FP4 / INT4 GEMMs against cuBLAS fp16 and torch._weight_int4pack_mm.
 
-    python scripts/bench_cuda.py [--reps 15] [--out DIR] [--shapes 4096x4096,...] [--ms 1,16,...]
+    python scripts/bench_cuda.py [--reps 15] [--out DIR] [--shapes 4096x4096,...] [--ms 1,16,...] [--graph]
 
 Timing: CUDA events around each call, the 50 MB L2 flushed (a 256 MB memset) before every timed
-repetition, median of --reps repetitions after 3 warm-ups. Shapes are K x N (the weight
+repetition, median of --reps repetitions after 3 warm-ups. With --graph every call (ours and the
+baselines) is captured once in a CUDA graph and the replays are timed, which takes the host-side
+launch overhead (dispatcher, planner, allocations) out of the numbers, as a serving engine would. Shapes are K x N (the weight
 [K, N] = nn.Linear(K, N)); activations are fp16 (bf16 for _weight_int4pack_mm, which only takes
 bf16 on CUDA). FP4 and INT4 (gemm_u4, asymmetric, zero points) use group size 128.
 
@@ -28,9 +30,19 @@ MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 GS = 128
 
 
-def timer(fn, reps, flush):
+def timer(fn, reps, flush, graph=False):
     for _ in range(3):
         fn()
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm the per-stream state (K-slice counters) outside capture
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=side):
+            fn()
+        fn = g.replay
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
@@ -72,6 +84,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (no host overhead)")
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = [int(v) for v in args.ms.split(",")]
@@ -101,10 +114,10 @@ def main():
         for M in ms:
             A = torch.randn(M, K, device="cuda", dtype=torch.float16)
             Ab = A.bfloat16()
-            t_cublas = timer(lambda: F.linear(A, W16), args.reps, flush)
-            t_fp4 = timer(lambda: torch.ops.marlin.gemm_fp4(A, B, s16, GS), args.reps, flush)
-            t_u4 = timer(lambda: torch.ops.marlin.gemm_u4(A, B, s16, z, GS), args.reps, flush)
-            t_i4 = timer(lambda: torch._weight_int4pack_mm(Ab, i4p, GS, i4sz), args.reps, flush) if i4p is not None else float("nan")
+            t_cublas = timer(lambda: F.linear(A, W16), args.reps, flush, args.graph)
+            t_fp4 = timer(lambda: torch.ops.marlin.gemm_fp4(A, B, s16, GS), args.reps, flush, args.graph)
+            t_u4 = timer(lambda: torch.ops.marlin.gemm_u4(A, B, s16, z, GS), args.reps, flush, args.graph)
+            t_i4 = timer(lambda: torch._weight_int4pack_mm(Ab, i4p, GS, i4sz), args.reps, flush, args.graph) if i4p is not None else float("nan")
             plan = torch_marlin.plan_gemm("fp4", M, K, N, GS, dtype=torch.float16, device="cuda")
             for name, t, nbytes in [("cublas_fp16", t_cublas, bytes_16), ("fp4", t_fp4, bytes_fp4),
                                     ("u4", t_u4, bytes_u4), ("int4pack_mm", t_i4, bytes_u4)]:
@@ -127,7 +140,8 @@ def main():
         wr.writerows(rows)
     # Markdown: one row per (shape, M), ours vs the baselines.
     md = [f"GPU: {dev.name} ({dev.multi_processor_count} SMs), torch {torch.__version__}; "
-          f"copy bandwidth {bw:.0f} GB/s (read+write); median of {args.reps}, L2 flushed.", "",
+          f"copy bandwidth {bw:.0f} GB/s (read+write); median of {args.reps}, L2 flushed"
+          f"{', CUDA-graph replays' if args.graph else ''}.", "",
           "| K x N | M | cuBLAS fp16 us | FP4 us | FP4 GB/s (% copy) | FP4 vs cuBLAS | INT4 us | INT4 GB/s (% copy) "
           "| INT4 vs cuBLAS | int4pack_mm us (vs cuBLAS) |",
           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -3,7 +3,8 @@
     compute-sanitizer --tool memcheck  python scripts/cuda_sanitize_subset.py
     compute-sanitizer --tool racecheck python scripts/cuda_sanitize_subset.py
 
-Covers: decode with 1/2/4 m16 tiles (K-parallel and not, fp16/bf16, fp4/u4), tc128 (K-parallel
+Covers: decode with 1/2/4/8 n8 tiles, folded and per-weight scales, a partial last K chunk
+(K-parallel and not, fp16/bf16, fp4/u4), tc128 (K-parallel
 and not, padded N, partial K tile), the in-kernel K-slice reduction, the fp32 simt kernel and both dequant kernels. Also
 checks each result against the fp32 reference so a silent wrong answer fails the run.
 """
@@ -14,14 +15,15 @@ from torch_marlin.formats import dequant_fp4_reference, dequant_u4_reference, qu
 
 torch.manual_seed(0)
 CASES = [  # fmt, M, K, N, group_size, dtype
-    ("fp4", 3, 4096, 96, 128, torch.float16),     # decode, K-parallel
-    ("u4", 16, 288, 200, 32, torch.bfloat16),     # decode, one slice, padded N, partial chunk
-    ("fp4", 40, 2048, 136, 64, torch.bfloat16),   # decode with 4 m16 tiles, K-parallel
-    ("u4", 24, 512, 96, 128, torch.float16),      # decode with 2 m16 tiles
+    ("fp4", 3, 4096, 96, 128, torch.float16),     # decode (1 n8 tile, folded scales), K-parallel
+    ("u4", 16, 288, 200, 32, torch.bfloat16),     # decode (2 tiles, folded), one slice, padded N
+    ("fp4", 40, 2048, 136, 64, torch.bfloat16),   # decode with 8 n8 tiles, K-parallel
+    ("u4", 24, 512, 96, 128, torch.float16),      # decode with 4 n8 tiles
     ("fp4", 100, 2048, 136, 128, torch.float16),  # tc128, K-parallel
     ("u4", 130, 288, 200, 32, torch.float16),     # tc128, one slice, padded N, partial K tile
-    ("fp4", 5, 1536, 72, 96, torch.float16),      # decode, per-weight scales (group not 2^n)
-    ("u4", 12, 1536, 72, 16, torch.bfloat16),     # decode, per-weight scales, rows 8..15 live
+    ("fp4", 5, 1536, 72, 96, torch.float16),      # decode, folded scales, 3 chunks per group
+    ("u4", 12, 1536, 72, 16, torch.bfloat16),     # decode, per-weight scales, 2 n8 tiles
+    ("fp4", 9, 2072, 200, 56, torch.float16),     # decode, per-weight scales, partial last chunk, K-parallel
     ("u4", 5, 256, 72, 64, torch.float32),        # simt
 ]
 worst = 0.0

@@ -99,9 +99,20 @@ def test_n_multiple_of_16_not_64(fmt, dtype, M):
 @pytest.mark.parametrize("group_size", [16, 96])
 @pytest.mark.parametrize("M", [1, 9, 20, 100])
 def test_other_group_sizes(fmt, dtype, group_size, M):
-    # Group sizes that are not a power of two >= 32 take the per-weight-scale decode path (the
-    # matrix above, with 32/64/128, takes the folded-scale one) and the multi-group K tiles of tc128.
+    # group_size 16 (not a multiple of 32) takes the per-weight-scale decode path, 96 the folded-scale
+    # one with 3 chunks per group (the matrix above: 32/64/128); both the multi-group K tiles of tc128.
     case(fmt, M, 1536, 200, group_size, dtype, True)
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("K,group_size", [(264, 24), (2072, 56)])
+@pytest.mark.parametrize("M", [1, 9, 20, 40])
+def test_k_not_multiple_of_32(fmt, dtype, K, group_size, M):
+    # The decode kernel's last 32-row K chunk is partial (its predicated path); 2072 also splits K.
+    if K == 2072:
+        assert torch_marlin.plan_gemm(fmt, M, K, 200, group_size, dtype=dtype, device="cuda")["k_parallel"] > 1
+    case(fmt, M, K, 200, group_size, dtype, True)
 
 
 # ---- K-parallel (stripes + deterministic reduction) ----------------------------------------------

@@ -2,10 +2,10 @@
 //
 // Every launch executes a GemmPlan from plan_cuda (csrc/plan/plan.cpp); the kernel tag says which
 // kernel, the params struct carries the geometry. Kernels:
-//   decode_*   M <= 64. mma.sync m16n8k16 with M padded to 16, 32 or 64 (tensor cores have throughput to
-//              spare; CUDA-core FMAs would be compute-bound at M = 16). Packed weights stream
-//              straight from global memory into registers with 16-byte loads, each word read once
-//              for all rows. 8 warps per block split the block's K slice and reduce in shared
+//   decode_*   M <= 64. mma.sync m16n8k16 with the dequantized weights as the A operand and the
+//              activations (M padded to 8, 16, 32 or 64) as the n dimension. Packed weights
+//              stream from global memory into a register ring with 16-byte loads, each word read
+//              once for all rows. 8 warps per block split the block's K slice and reduce in shared
 //              memory in a fixed order; grid.y K slices write fp32 partials and the last block of
 //              each tile sums them in slice order (deterministic, no second launch).
 //   tc128      M > 64. 128 x 128 tiles, 8 warps, 4-stage cp.async pipeline for A, packed B,
@@ -14,14 +14,16 @@
 //   dequant    standalone dequant to a dense [K, N] tensor.
 //
 // The mma K-permutation trick. A lane (g = lane/4, t = lane%4) of m16n8k16 holds B at logical
-// k = {2t, 2t+1, 2t+8, 2t+9} of column g. The order of k inside an mma does not matter as long as A
+// k = {2t, 2t+1, 2t+8, 2t+9} of column g (and the A operand at the same k of rows g and g+8). The order of k inside an mma does not matter as long as A
 // uses the same order, so over a 32-row K chunk lane t takes the physical rows 8t..8t+7: exactly
 // one packed word per column. Two mmas consume it: the first gets the nibble pairs (0,4), (1,5),
 // the second (2,6), (3,7) ((p, p+4) pairs sit 16 bits apart, so one shift aligns both halves of a
 // half2). The lane's A fragment is then one 16-byte load of A[row][k0+8t .. k0+8t+7], regrouped
 // with byte permutes. Likewise the 16-byte B load of 4 adjacent columns gives 4 n8 tiles whose
 // column g is physical column 4g + j; the accumulator of lane (g,t) then holds output columns
-// 8t..8t+7 of its rows.
+// 8t..8t+7 of its rows (tc128). The decode kernel puts the weights in the A operand instead: its
+// rows g and g+8 are two of the lane's 4 columns, so the same 16-byte load feeds 4 mmas per 8
+// activation rows.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -229,9 +231,6 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[4][4], const u32 (&b)[4][
   for (int j = 0; j < 4; ++j) Tr<T>::mma(acc[j], a1, b[j][2], b[j][3]);
 }
 
-// Output element (row offset, column offset inside the lane's 8 columns) of accumulator acc[j][c].
-__device__ __forceinline__ int acc_row(int g, int c) { return g + ((c & 2) ? 8 : 0); }
-__device__ __forceinline__ int acc_col(int t, int j, int c) { return 8 * t + ((c & 1) ? 4 : 0) + j; }
 
 // K-parallel epilogue, after a block has written its fp32 partial tile to ws[slice]: the last of the
 // k_parallel blocks of an output tile to arrive (a per-tile counter) sums the partials of every
@@ -262,230 +261,236 @@ __device__ void last_block_reduce(const QuantGemmParams& p, u32 tile, u32 m0, u3
 }
 
 // ---------------------------------------------------------------------------------------------
-// Decode kernel: M <= 16
+// Decode kernel: M <= 64
 // ---------------------------------------------------------------------------------------------
-// Bytes in flight decide a memory-bound kernel's speed, so the packed weights do not go through
-// registers: each lane streams its own 16-byte B chunks (plus its scales and zero points) through
-// a private cp.async ring in shared memory, kDecStages chunks deep. A lane only ever reads back
-// what it copied itself, so the ring needs no barriers. A (tiny, L1/L2-resident) is read with
-// ordinary loads one chunk ahead.
+// Memory-bound and, at 4 bits per weight, close to issue-bound: the loop spends as few
+// instructions per 16-byte chunk as it can.
+//  - Weights are the mma's A operand and activations its B operand (C^T = W^T A^T): a lane's 4
+//    words (4 columns x 8 k) fill 4 m16n8k16 mmas per 8 activation rows, and M <= 8 wastes no
+//    mma rows on zero padding (M is padded to 8, 16, 32 or 64: NT = 1, 2, 4 or 8 n8 tiles).
+//    Lane (g, t) gives A rows g and g+8 = columns j0, j1 of its 4; its B fragment is row 8nt+g of
+//    the activations at the same permuted k as the weights (the K-permutation trick above).
+//  - Each lane streams its own chunks straight into a register ring kDecDepth deep (16-byte loads
+//    that skip L1; every word is read once): no shared-memory staging, no barrier in the loop.
+//  - Rows of A past M are clamped to row M-1 instead of predicated (their outputs are never
+//    stored); only a partial last chunk of K (K % 32 != 0) takes a predicated path.
 constexpr int kDecWarps = 8;
-constexpr int kDecStages = 6;
-constexpr int kDecRingSlots = kDecWarps * kDecStages * 32;
-constexpr int kDecSmemBytes = kDecRingSlots * (16 + 16 + 4);  // B, scales, zeros: 54 KB
-static_assert(kDecSmemBytes >= kDecWarps * 16 * 32 * 4, "the reduction (one m16 tile at a time) reuses the ring");
-// Resident blocks per SM the planner assumes (registers and the 43 KB ring allow them):
-// MT = 1 with M <= 8: 4 (3 with kFold); MT = 1 with M > 8: 3; MT = 2 or 4: 2.
-// Mirrored in plan_cuda.
-// kFold (MT = 1, M <= 8, group_size a power of two >= 32): the per-group scale multiplies fp32 partial
-// sums (16 FMAs per group) instead of every dequantized weight pair (16 multiplies per chunk).
-template <int MT, bool kHi, bool kFold>
-constexpr int dec_min_blocks() {
-  return MT == 1 ? (kFold ? 3 : (kHi ? 3 : 4)) : 2;
+constexpr int kDecThreads = kDecWarps * 32;
+constexpr int kDecSmemBytes = kDecWarps * 8 * 32 * 4;  // cross-warp reduction, one n8 tile at a time
+// Resident blocks per SM the planner assumes (mirrored in plan_cuda): 2 (128 registers a thread).
+// Measured on an H200: 12 warps a block at 80 registers (24 warps per SM) was no faster, the
+// bandwidth does not grow with more warps in flight.
+constexpr int kDecBlocksPerSm = 2;
+template <int NT>
+constexpr int dec_depth() {
+  return NT <= 2 ? 8 : 4;  // ring depth: registers go to the accumulators for many n8 tiles
 }
 
-// MT: m16 tiles (M <= 16 MT); every dequantized weight feeds MT mma rows, so the same streaming
-// kernel serves M up to 64. kHi (MT = 1): M > 8, so rows 8..15 of the tile are live (otherwise
-// their A registers stay zero and their permutes are skipped). gs_shift = log2(group_size), or -1
-// when it is not a power of two.
-template <typename T, u32 FMT, bool kHi, int MT, bool kFold>
-__global__ void __launch_bounds__(256, dec_min_blocks<MT, kHi, kFold>()) decode_kernel(QuantGemmParams p, u32 Np, int gs_shift,
-                                                        const T* __restrict__ A, const u32* __restrict__ B,
-                                                        const T* __restrict__ S, const uint8_t* __restrict__ Z,
-                                                        const T* __restrict__ bias, T* __restrict__ C,
-                                                        float* __restrict__ ws, int* __restrict__ counters) {
+__device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p));
+  return r;
+}
+
+// NT: n8 tiles of activation rows (M <= 8 NT). kFold (NT <= 2, group_size % 32 == 0, so a chunk
+// never straddles two groups): the mmas of one group accumulate unscaled weights and the group's
+// fp32 scales multiply those partial sums once per group (8 FMAs per n8 tile and group instead of
+// 16 multiplies per chunk); otherwise every weight pair is scaled.
+template <typename T, u32 FMT, int NT, bool kFold>
+__global__ void __launch_bounds__(kDecThreads, kDecBlocksPerSm)
+    decode_kernel(QuantGemmParams p, u32 Np, int gs_shift, const T* __restrict__ A, const u32* __restrict__ B,
+                  const T* __restrict__ S, const uint8_t* __restrict__ Z, const T* __restrict__ bias,
+                  T* __restrict__ C, float* __restrict__ ws, int* __restrict__ counters) {
+  using T2 = typename Tr<T>::T2;
+  constexpr int kDepth = dec_depth<NT>();
+  static_assert(!kFold || NT <= 2, "folded scales need a second accumulator set");
   extern __shared__ __align__(16) unsigned char smem[];
-  uint4* ringB = reinterpret_cast<uint4*>(smem);
-  uint4* ringS = reinterpret_cast<uint4*>(smem + kDecRingSlots * 16);  // 8 B used unless kFold
-  u32* ringZ = reinterpret_cast<u32*>(smem + kDecRingSlots * 32);
-  static_assert(!kFold || MT == 1, "folded scales only for one m16 tile");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int slot0 = warp * kDecStages * 32 + lane;
   const u32 n0 = blockIdx.x * 32u;
-  const u32 col = n0 + 4u * g;
+  // Columns past Np (the last tile when Np % 32 == 16) read column 0: their outputs are dropped.
+  const u32 col = n0 + 4u * g < Np ? n0 + 4u * g : 0u;
   const u32 slice = blockIdx.y;
   const u32 k_begin = slice * p.k_slice_len;
   const u32 k_end = min(p.K, k_begin + p.k_slice_len);
-  const u32 kw_end = p.K / 8u;
   const u32 c_begin = k_begin / 32u, c_end = (k_end + 31u) / 32u;
-  const bool col_ok = col < Np;
-  const bool row_lo = u32(g) < p.M, row_hi = kHi && u32(g + 8) < p.M;
   // Each warp owns a contiguous run of 32-row chunks of the slice (8 runs, one per warp).
   const u32 per_warp = (c_end - c_begin + kDecWarps - 1) / kDecWarps;
   const u32 wc0 = c_begin + warp * per_warp;
   const int n_w = wc0 < c_end ? int(min(per_warp, c_end - wc0)) : 0;
-  const u32 kr0 = wc0 * 4u + t;  // the lane's packed row in its first chunk
-  const u32* bp = B + size_t(kr0) * Np + col;
-  const size_t b_step = size_t(4) * Np;
-  const T* ap_lo = A + size_t(g) * p.K + size_t(kr0) * 8u;
-  const T* ap_hi = ap_lo + size_t(8) * p.K;
+  // Chunks wholly inside K; at most the warp's last chunk is partial.
+  const int n_full = min(n_w, max(0, int(p.K / 32u) - int(wc0)));
+  const u32 gs = p.group_size;
+  const u32 num_groups = p.K / gs;
 
-  auto issue = [&](int i, int slot) {
-    if (i < n_w) {
-      const u32 kr = kr0 + 4u * u32(i);
-      const bool ok = col_ok && kr < kw_end;
-      const u32 grp = gs_shift >= 0 ? (kr * 8u) >> gs_shift : kr * 8u / p.group_size;
-      const size_t so = size_t(grp) * Np + col;
-      const int sl = slot0 + slot * 32;
-      cp_async16(ringB + sl, ok ? bp + b_step * u32(i) : B, ok);
-      if constexpr (kFold) {
-        // Scales of the lane's 8 output columns (8t..8t+7) and zeros of its 4 B columns, once per
-        // group (at the group's first chunk, or the run's first).
-        if (i == 0 || ((wc0 + u32(i)) * 32u & (p.group_size - 1u)) == 0) {
-          const u32 sc_col = n0 + 8u * t;
-          const bool sok = sc_col < Np;
-          cp_async16(ringS + sl, sok ? S + size_t(grp) * Np + sc_col : S, sok);
-          if constexpr (FMT == TM_FORMAT_U4) cp_async_small<4>(ringZ + sl, col_ok ? Z + so : Z, col_ok);
-        }
-      } else {
-        cp_async_small<8>(ringS + sl, ok ? S + so : S, ok);
-        if constexpr (FMT == TM_FORMAT_U4) cp_async_small<4>(ringZ + sl, ok ? Z + so : Z, ok);
-      }
-    }
-    cp_async_commit();  // always, so wait_group counts stay aligned with chunk indices
+  // The lane's packed row in its first chunk is 4 * wc0 + t; the next chunk is Np uint4 further.
+  const uint4* bp = reinterpret_cast<const uint4*>(B + size_t(4u * wc0 + t) * Np + col);
+  const uint4* ap[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+    ap[nt] = reinterpret_cast<const uint4*>(A + size_t(min(u32(8 * nt + g), p.M - 1u)) * p.K + size_t(wc0) * 32u + 8u * t);
+
+  // acc[nt][jp][c]: A rows g / g+8 (c >> 1) = columns col + 2jp + (c >> 1), activation row
+  // 8nt + 2t + (c & 1).
+  float acc[NT][2][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int jp = 0; jp < 2; ++jp)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[nt][jp][c] = 0.f;
+
+  // kFold state: this group's partial sums, the fp32 scales of the lane's 4 columns for this group,
+  // the next group's raw scales and zero points (prefetched), and per column (magic + zero) (U4).
+  float accg[NT][2][4];
+  float s4f[4];
+  uint2 s_next = make_uint2(0, 0);
+  u32 z_next = 0;
+  T2 zf[4];
+  const u32 cpg = gs / 32u;  // chunks per group (kFold)
+  u32 grp = kFold ? wc0 / cpg : 0u;
+  u32 left = kFold ? cpg - wc0 % cpg : 0u;  // chunks left in the current group
+  auto fetch_scales = [&](u32 gi) {
+    const size_t so = size_t(min(gi, num_groups - 1u)) * Np + col;
+    s_next = __ldg(reinterpret_cast<const uint2*>(S + so));
+    if constexpr (FMT == TM_FORMAT_U4) z_next = __ldg(reinterpret_cast<const u32*>(Z + so));
   };
-  auto load_a = [&](int i, uint4& lo, uint4& hi) {
-    lo = make_uint4(0, 0, 0, 0);
-    hi = lo;
-    const bool ok = i < n_w && kr0 + 4u * u32(i) < kw_end;
-    if (ok && row_lo) lo = __ldg(reinterpret_cast<const uint4*>(ap_lo + 32 * i));
-    if constexpr (kHi) {
-      if (ok && row_hi) hi = __ldg(reinterpret_cast<const uint4*>(ap_hi + 32 * i));
+  auto take_scales = [&]() {
+    const T* sp = reinterpret_cast<const T*>(&s_next);
+    // FP4 in fp16 is dequantized at 2^-14 x value; the 2^14 goes into the fp32 scale.
+    constexpr float f = (FMT == TM_FORMAT_FP4 && std::is_same<T, __half>::value) ? 16384.f : 1.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) s4f[j] = Tr<T>::to_f(sp[j]) * f;
+    if constexpr (FMT == TM_FORMAT_U4) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        zf[j] = Tr<T>::dup(Tr<T>::from_f(Tr<T>::kMagicF + float((z_next >> (8 * j)) & 0xFFu)));
     }
   };
-
-  float acc[MT][4][4];
-#pragma unroll
-  for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[mi][j][c] = 0.f;
-
-  // kFold: per-group partial sums, the group's 8 output-column scales and 4 (magic + zero) pairs.
-  float accg[4][4];
-  float s8[8];
-  typename Tr<T>::T2 zf[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    zf[j] = Tr<T>::dup(Tr<T>::from_f(Tr<T>::kMagicF));
-#pragma unroll
-    for (int c = 0; c < 4; ++c) accg[j][c] = 0.f;
-  }
-#pragma unroll
-  for (int c = 0; c < 8; ++c) s8[c] = 0.f;
   auto flush = [&]() {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      acc[0][j][0] = fmaf(accg[j][0], s8[j], acc[0][j][0]);
-      acc[0][j][1] = fmaf(accg[j][1], s8[4 + j], acc[0][j][1]);
-      acc[0][j][2] = fmaf(accg[j][2], s8[j], acc[0][j][2]);
-      acc[0][j][3] = fmaf(accg[j][3], s8[4 + j], acc[0][j][3]);
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) accg[j][c] = 0.f;
+      for (int jp = 0; jp < 2; ++jp)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          acc[nt][jp][c] = fmaf(accg[nt][jp][c], s4f[2 * jp + (c >> 1)], acc[nt][jp][c]);
+          accg[nt][jp][c] = 0.f;
+        }
+  };
+  if constexpr (kFold) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int jp = 0; jp < 2; ++jp)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) accg[nt][jp][c] = 0.f;
+    fetch_scales(grp);
+    take_scales();
+    fetch_scales(grp + 1u);
+  }
+
+  // One 32-row chunk: dequantize the lane's 4 words (b[j][P] = nibble pair (P, P+4) of column j)
+  // and run 4 mmas per n8 tile.
+  auto process = [&](const uint4& words, int i, bool k_ok) {
+    u32 b[4][4];
+    if constexpr (kFold) {
+      const u32 w[4] = {words.x, words.y, words.z, words.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        b[j][0] = dequant_pair_fold<T, FMT, 0>(w[j], zf[j]);
+        b[j][1] = dequant_pair_fold<T, FMT, 1>(w[j], zf[j]);
+        b[j][2] = dequant_pair_fold<T, FMT, 2>(w[j], zf[j]);
+        b[j][3] = dequant_pair_fold<T, FMT, 3>(w[j], zf[j]);
+      }
+    } else {
+      // The group of the lane's 8 rows (group_size % 8 == 0: one group).
+      const u32 k = (wc0 + u32(i)) * 32u + 8u * t;
+      const u32 gi = min(gs_shift >= 0 ? k >> gs_shift : k / gs, num_groups - 1u);
+      const size_t so = size_t(gi) * Np + col;
+      const uint2 sc = __ldg(reinterpret_cast<const uint2*>(S + so));
+      const u32 zz = FMT == TM_FORMAT_U4 ? __ldg(reinterpret_cast<const u32*>(Z + so)) : 0u;
+      ColQ<T> q[4];
+      make_colq<T, FMT>(q, sc, zz);
+      mma_chunk_b<T, FMT>(b, words, q);
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const APairs x = a_pairs(k_ok ? __ldg(ap[nt] + 4 * i) : make_uint4(0, 0, 0, 0));
+      float(&d)[2][4] = kFold ? accg[nt] : acc[nt];
+#pragma unroll
+      for (int s = 0; s < 2; ++s)
+#pragma unroll
+        for (int jp = 0; jp < 2; ++jp) {
+          const u32 a[4] = {b[2 * jp][2 * s], b[2 * jp + 1][2 * s], b[2 * jp][2 * s + 1], b[2 * jp + 1][2 * s + 1]};
+          Tr<T>::mma(d[jp], a, x.p[2 * s], x.p[2 * s + 1]);
+        }
+    }
+    if constexpr (kFold) {
+      if (--left == 0u) {  // warp-uniform: the next chunk starts a new group
+        flush();
+        take_scales();
+        ++grp;
+        fetch_scales(grp + 1u);
+        left = cpg;
+      }
     }
   };
 
+  uint4 ring[kDepth];
 #pragma unroll
-  for (int i = 0; i < kDecStages - 1; ++i) issue(i, i);
-  uint4 alo, ahi;
-  if constexpr (MT == 1) load_a(0, alo, ahi);
-  for (int i0 = 0; i0 < n_w; i0 += kDecStages) {
-    // Unrolled by the ring depth so every slot index is a compile-time constant.
+  for (int d = 0; d < kDepth; ++d) ring[d] = d < n_full ? ldg_stream(bp + size_t(d) * Np) : make_uint4(0, 0, 0, 0);
+  const uint4* bnext = bp + size_t(kDepth) * Np;
+  // Steady state: every refill is in range, so no predicate (a predicated refill makes the
+  // compiler copy the ring). Unrolled by the ring depth so every ring index is a constant.
+  int i0 = 0;
+  for (; i0 + 2 * kDepth <= n_full; i0 += kDepth) {
 #pragma unroll
-    for (int u = 0; u < kDecStages; ++u) {
-      const int i = i0 + u;
-      if (i >= n_w) break;
-      cp_async_wait<kDecStages - 2>();  // this lane's chunk i has landed
-      const int sl = slot0 + u * 32;
-      const uint4 words = ringB[sl];
-      uint2 sc = make_uint2(0, 0);
-      u32 zz = 0;
-      if constexpr (kFold) {
-        if (i == 0 || ((wc0 + u32(i)) * 32u & (p.group_size - 1u)) == 0) {  // warp-uniform
-          if (i > 0) flush();
-          const uint4 sv = ringS[sl];
-          const T* sp = reinterpret_cast<const T*>(&sv);
-          // FP4 in fp16 is dequantized at 2^-14 x value; fold the 2^14 into the fp32 scale.
-          constexpr float f = (FMT == TM_FORMAT_FP4 && std::is_same<T, __half>::value) ? 16384.f : 1.f;
-#pragma unroll
-          for (int c = 0; c < 8; ++c) s8[c] = Tr<T>::to_f(sp[c]) * f;
-          if constexpr (FMT == TM_FORMAT_U4) {
-            const u32 z4 = ringZ[sl];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) zf[j] = Tr<T>::dup(Tr<T>::from_f(Tr<T>::kMagicF + float((z4 >> (8 * j)) & 0xFFu)));
-          }
-        }
-      } else {
-        sc = *reinterpret_cast<const uint2*>(&ringS[sl]);
-        if constexpr (FMT == TM_FORMAT_U4) zz = ringZ[sl];
-      }
-      uint4 nlo, nhi;
-      if constexpr (MT == 1) load_a(i + 1, nlo, nhi);  // one chunk ahead
-      issue(i + kDecStages - 1, (u + kDecStages - 1) % kDecStages);  // the slot read last iteration
-      u32 b[4][4];
-      if constexpr (kFold) {
-        const u32 w[4] = {words.x, words.y, words.z, words.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          b[j][0] = dequant_pair_fold<T, FMT, 0>(w[j], zf[j]);
-          b[j][1] = dequant_pair_fold<T, FMT, 1>(w[j], zf[j]);
-          b[j][2] = dequant_pair_fold<T, FMT, 2>(w[j], zf[j]);
-          b[j][3] = dequant_pair_fold<T, FMT, 3>(w[j], zf[j]);
-        }
-      } else {
-        ColQ<T> q[4];
-        make_colq<T, FMT>(q, sc, zz);
-        mma_chunk_b<T, FMT>(b, words, q);
-      }
-      if constexpr (MT == 1) {
-        APairs lo = a_pairs(alo), hi;
-        if constexpr (kHi) hi = a_pairs(ahi);
-        else hi = APairs{{0u, 0u, 0u, 0u}};
-        if constexpr (kFold) mma_chunk<T>(accg, b, lo, hi);
-        else mma_chunk<T>(acc[0], b, lo, hi);
-        alo = nlo;
-        ahi = nhi;
-      } else {
-        // Several m16 tiles: A is loaded at use (registers go to the accumulators).
-        const bool kok = kr0 + 4u * u32(i) < kw_end;
-#pragma unroll
-        for (int mi = 0; mi < MT; ++mi) {
-          const u32 r = 16u * mi + g;
-          uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
-          if (kok && r < p.M) lo = __ldg(reinterpret_cast<const uint4*>(ap_lo + size_t(16 * mi) * p.K + 32 * i));
-          if (kok && r + 8u < p.M) hi = __ldg(reinterpret_cast<const uint4*>(ap_hi + size_t(16 * mi) * p.K + 32 * i));
-          mma_chunk<T>(acc[mi], b, a_pairs(lo), a_pairs(hi));
-        }
-      }
+    for (int u = 0; u < kDepth; ++u) {
+      const uint4 words = ring[u];
+      ring[u] = ldg_stream(bnext);
+      bnext += Np;
+      process(words, i0 + u, true);
     }
   }
-  if constexpr (kFold) {
-    if (n_w > 0) flush();
+  // Drain: the last (under 2 kDepth) chunks.
+  for (; i0 < n_full; i0 += kDepth) {
+#pragma unroll
+    for (int u = 0; u < kDepth; ++u) {
+      const int i = i0 + u;
+      if (i >= n_full) break;
+      const uint4 words = ring[u];
+      if (i + kDepth < n_full) ring[u] = ldg_stream(bnext);
+      bnext += Np;
+      process(words, i, true);
+    }
   }
-  cp_async_wait<0>();
-  __syncthreads();  // every warp is done with its ring: reuse it for the reduction
+  if (n_full < n_w) {  // the partial last chunk of K: rows past K read as zero
+    const bool ok = 4u * (wc0 + u32(n_full)) + t < p.K / 8u;
+    const uint4 words = ok ? ldg_stream(bp + size_t(n_full) * Np) : make_uint4(0, 0, 0, 0);
+    process(words, n_full, ok);
+  }
+  if constexpr (kFold) {
+    if (left != cpg) flush();
+  }
 
-  // Fixed-order reduction of the 8 warps' partial tiles, one m16 tile at a time.
-  float* red = reinterpret_cast<float*>(smem);  // [warp][16][32]
+  // Fixed-order reduction of the 8 warps' partial tiles, one n8 tile at a time.
+  float* red = reinterpret_cast<float*>(smem);  // [warp][8][32]
 #pragma unroll
-  for (int mi = 0; mi < MT; ++mi) {
-    if (mi > 0) __syncthreads();  // the previous tile's sums have been read
+  for (int nt = 0; nt < NT; ++nt) {
+    __syncthreads();  // the previous tile's sums have been read
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) red[(warp * 16 + j * 4 + c) * 32 + lane] = acc[mi][j][c];
+    for (int e = 0; e < 8; ++e) red[(warp * 8 + e) * 32 + lane] = acc[nt][e >> 2][e & 3];
     __syncthreads();
-    for (int v = threadIdx.x; v < 16 * 32; v += blockDim.x) {
-      const int e = v >> 5, l = v & 31;
-      float sum = 0.f;
+    const int e = threadIdx.x >> 5, l = threadIdx.x & 31;  // 256 threads: one element each
+    float sum = 0.f;
 #pragma unroll
-      for (int w = 0; w < kDecWarps; ++w) sum += red[(w * 16 + e) * 32 + l];
-      const int j = e >> 2, c = e & 3;
-      const u32 row = 16u * mi + acc_row(l >> 2, c);
-      const u32 n = n0 + acc_col(l & 3, j, c);
-      if (row >= p.M || n >= p.N) continue;
+    for (int w = 0; w < kDecWarps; ++w) sum += red[(w * 8 + e) * 32 + l];
+    const u32 row = 8u * nt + 2u * (l & 3) + (e & 1);
+    const u32 n = n0 + 4u * (l >> 2) + 2u * (e >> 2) + ((e >> 1) & 1);
+    if (row < p.M && n < p.N) {
       if (p.k_parallel > 1) {
         ws[(size_t(slice) * p.M + row) * p.N + n] = sum;
       } else {
@@ -494,7 +499,7 @@ __global__ void __launch_bounds__(256, dec_min_blocks<MT, kHi, kFold>()) decode_
       }
     }
   }
-  if (p.k_parallel > 1) last_block_reduce<T>(p, blockIdx.x, 0, 16 * MT, n0, 32, ws, bias, C, counters);
+  if (p.k_parallel > 1) last_block_reduce<T>(p, blockIdx.x, 0, 8 * NT, n0, 32, ws, bias, C, counters);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -843,17 +848,12 @@ void launch_tc(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const u32
   check_launch(plan.kernel.c_str());
 }
 
-template <typename T, u32 FMT, bool kHi, int MT, bool kFold = false>
+template <typename T, u32 FMT, int NT, bool kFold>
 void launch_decode(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const u32* B, const T* S, const uint8_t* Z,
                    const T* bias, T* C, float* ws, int* counters, cudaStream_t stream) {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<T, FMT, kHi, MT, kFold>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        kDecSmemBytes));
-  });
   const dim3 grid(plan.grid[0], plan.grid[1], 1);
-  decode_kernel<T, FMT, kHi, MT, kFold><<<grid, plan.threads[0], kDecSmemBytes, stream>>>(plan.params, Np, gs_shift, A, B, S, Z,
-                                                                               bias, C, ws, counters);
+  decode_kernel<T, FMT, NT, kFold><<<grid, kDecThreads, kDecSmemBytes, stream>>>(plan.params, Np, gs_shift, A, B, S, Z, bias,
+                                                                              C, ws, counters);
   check_launch(plan.kernel.c_str());
 }
 
@@ -880,15 +880,18 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
 
   const std::string& k = plan.kernel;
   if (k.rfind("decode_", 0) == 0) {
-    const uint32_t mt = plan.params.tile_m / 16u;
-    TORCH_CHECK(plan.params.tile_m % 16u == 0 && a.M <= int64_t(plan.params.tile_m), "torch_marlin: bad decode tile");
-    if (mt == 4) launch_decode<T, FMT, true, 4>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
-    else if (mt == 2) launch_decode<T, FMT, true, 2>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
-    else if (gs_shift >= 5 && a.M <= 8)  // measured: folding helps only without rows 8..15
-      launch_decode<T, FMT, false, 1, true>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
-    else if (a.M > 8)
-      launch_decode<T, FMT, true, 1>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
-    else launch_decode<T, FMT, false, 1>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    const uint32_t nt = plan.params.tile_m / 8u;
+    TORCH_CHECK(plan.params.tile_m % 8u == 0 && a.M <= int64_t(plan.params.tile_m) &&
+                    plan.threads[0] == u32(kDecThreads),
+                "torch_marlin: bad decode plan");
+    const bool fold = a.group_size % 32 == 0;  // a 32-row chunk never straddles two groups
+    const u32 np = u32(Np);
+    if (nt == 8) launch_decode<T, FMT, 8, false>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    else if (nt == 4) launch_decode<T, FMT, 4, false>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    else if (nt == 2 && fold) launch_decode<T, FMT, 2, true>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    else if (nt == 2) launch_decode<T, FMT, 2, false>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    else if (fold) launch_decode<T, FMT, 1, true>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    else launch_decode<T, FMT, 1, false>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
   } else if (k.rfind("tc128_", 0) == 0) {
     launch_tc<T, FMT, 4>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
   } else {

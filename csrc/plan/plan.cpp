@@ -167,7 +167,8 @@ void plan_metal(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTy
 // ---- CUDA -----------------------------------------------------------------------------------
 // Kernels in csrc/cuda/quant_gemm.cu; `kernel` is a tag the launcher switches on (docs/cuda.md).
 //  - fp32 activations: "simt_<fmt>_float", a plain CUDA-core kernel (8 rows x 128 columns per block).
-//  - Decode (M <= 64): "decode_<fmt>_<dtype>", mma.sync m16n8k16 with M padded to 16/32/64; a block is
+//  - Decode (M <= 64): "decode_<fmt>_<dtype>", mma.sync m16n8k16 with the weights as the A operand
+//    and M padded to 8/16/32/64 as the n dimension; a block is
 //    8 warps over 32 columns; each warp streams a contiguous run of 32-row K chunks and the 8 meet
 //    in shared memory; grid.y is the number of K slices (fp32 partials, summed in slice order by
 //    the last block of each tile inside the same kernel).
@@ -186,27 +187,23 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     p.threads[0] = kCols;
     stem = "simt";
   } else if (p.variant == GemmVariant::Decode) {
-    // 256 threads; K slices are whole multiples of 256 rows (8 warps x one 32-row chunk each).
-    // The kernel is memory-bound and its blocks all run in one wave: as many K slices as keep
-    // the resident block slots full (blocks per SM as decode_kernel's __launch_bounds__ say),
-    // never a second wave, and slices of at least 1024 rows so each warp's cp.async ring has
-    // chunks to keep in flight. On CUDA this family serves M <= 64 (tile_m = 16, 32 or 64):
-    // each dequantized weight feeds up to 4 m16 mma tiles.
-    constexpr uint32_t kTileN = 32, kKStep = 256;
-    const uint32_t tile_m = M <= 16 ? 16 : (M <= 32 ? 32 : 64);
-    // Mirrors dec_min_blocks in csrc/cuda/quant_gemm.cu; "fold" = per-group scales applied to fp32
-    // partial sums, used for M <= 8 when group_size is a power of two >= 32.
-    const uint32_t gs = p.params.group_size;
-    const bool fold = M <= 8 && gs >= 32 && (gs & (gs - 1)) == 0;
-    const int64_t blocks_per_sm = tile_m == 16 ? (fold ? 3 : (M <= 8 ? 4 : 3)) : 2;
+    // K slices are whole multiples of one 32-row chunk per warp. The kernel is memory-bound and
+    // its blocks all run in one wave: as many K slices as keep the resident block slots full
+    // (2 blocks per SM, decode_kernel's __launch_bounds__), never a second wave, and slices of at
+    // least 1024 rows. M is padded to 8, 16, 32 or 64 rows (1, 2, 4 or 8 n8 mma tiles: the
+    // activations are the mma's n dimension). A block is 8 warps over 32 columns.
+    // Mirrors kDecWarps and kDecBlocksPerSm in csrc/cuda/quant_gemm.cu.
+    constexpr uint32_t kTileN = 32, kWarps = 8, kKStep = 32 * kWarps;
+    constexpr int64_t kBlocksPerSm = 2;
+    const uint32_t tile_m = M <= 8 ? 8 : (M <= 16 ? 16 : (M <= 32 ? 32 : 64));
     set_tiles(p, M, N, tile_m, kTileN);
-    const int64_t capacity = int64_t(caps.compute_units) * blocks_per_sm;
+    const int64_t capacity = int64_t(caps.compute_units) * kBlocksPerSm;
     const int64_t by_slots = std::max<int64_t>(1, capacity / p.params.n_tiles);
     const int64_t by_k = std::max<int64_t>(1, K / 1024);
     set_k_parallel(p, K, uint32_t(std::min<int64_t>({by_slots, by_k, 16})), kKStep);
     p.grid[0] = p.params.n_tiles;
     p.grid[1] = p.params.k_parallel;
-    p.threads[0] = 256;
+    p.threads[0] = 32 * kWarps;
     stem = "decode";
   } else {
     // Tensor-core tiles: 128x128 (M <= 64 normally takes the decode family above).
