@@ -63,13 +63,6 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pr
   const int n = pred ? 16 : 0;  // 0: zero-fill the 16 bytes, read nothing
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
 }
-// 8- and 4-byte copies (scales, zero points); .ca is the only form for sizes under 16.
-template <int BYTES>
-__device__ __forceinline__ void cp_async_small(void* smem, const void* gmem, bool pred) {
-  const u32 s = static_cast<u32>(__cvta_generic_to_shared(smem));
-  const int n = pred ? BYTES : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(s), "l"(gmem), "n"(BYTES), "r"(n));
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -263,8 +256,9 @@ __device__ void last_block_reduce(const QuantGemmParams& p, u32 tile, u32 m0, u3
 // ---------------------------------------------------------------------------------------------
 // Decode kernel: M <= 64
 // ---------------------------------------------------------------------------------------------
-// Memory-bound and, at 4 bits per weight, close to issue-bound: the loop spends as few
-// instructions per 16-byte chunk as it can.
+// Streams the packed weights once; the loop spends as few instructions per 16-byte chunk as it can
+// (about 80 to 100 in SASS for M <= 16, folded scales; 225 before this design). On an H200 it is
+// now latency-bound rather than issue-bound (docs/cuda.md).
 //  - Weights are the mma's A operand and activations its B operand (C^T = W^T A^T): a lane's 4
 //    words (4 columns x 8 k) fill 4 m16n8k16 mmas per 8 activation rows, and M <= 8 wastes no
 //    mma rows on zero padding (M is padded to 8, 16, 32 or 64: NT = 1, 2, 4 or 8 n8 tiles).
@@ -277,14 +271,12 @@ __device__ void last_block_reduce(const QuantGemmParams& p, u32 tile, u32 m0, u3
 constexpr int kDecWarps = 8;
 constexpr int kDecThreads = kDecWarps * 32;
 constexpr int kDecSmemBytes = kDecWarps * 8 * 32 * 4;  // cross-warp reduction, one n8 tile at a time
-// Resident blocks per SM the planner assumes (mirrored in plan_cuda): 2 (128 registers a thread).
-// Measured on an H200: 12 warps a block at 80 registers (24 warps per SM) was no faster, the
-// bandwidth does not grow with more warps in flight.
+// 2 resident blocks per SM (128 registers a thread; the planner mirrors it). The ring is 4 chunks
+// deep and A is read one chunk ahead (up to 2 n8 tiles). Measured on an H200 (docs/cuda.md): deeper
+// rings, 3 blocks per SM, 12-warp blocks, a cp.async shared-memory ring, L2 prefetches and (for
+// 4 / 8 n8 tiles) 128-column blocks sharing A chunks were all as fast or slower.
 constexpr int kDecBlocksPerSm = 2;
-template <int NT>
-constexpr int dec_depth() {
-  return NT <= 2 ? 8 : 4;  // ring depth: registers go to the accumulators for many n8 tiles
-}
+constexpr int kDecDepth = 4;
 
 __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
   uint4 r;
@@ -304,7 +296,8 @@ __global__ void __launch_bounds__(kDecThreads, kDecBlocksPerSm)
                   const T* __restrict__ S, const uint8_t* __restrict__ Z, const T* __restrict__ bias,
                   T* __restrict__ C, float* __restrict__ ws, int* __restrict__ counters) {
   using T2 = typename Tr<T>::T2;
-  constexpr int kDepth = dec_depth<NT>();
+  constexpr int kDepth = kDecDepth;
+  constexpr bool kAhead = NT <= 2;  // A one chunk ahead (registers allowing)
   static_assert(!kFold || NT <= 2, "folded scales need a second accumulator set");
   extern __shared__ __align__(16) unsigned char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -394,7 +387,11 @@ __global__ void __launch_bounds__(kDecThreads, kDecBlocksPerSm)
 
   // One 32-row chunk: dequantize the lane's 4 words (b[j][P] = nibble pair (P, P+4) of column j)
   // and run 4 mmas per n8 tile.
-  auto process = [&](const uint4& words, int i, bool k_ok) {
+  auto load_a = [&](int i, uint4 (&av)[NT]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) av[nt] = __ldg(ap[nt] + 4 * i);
+  };
+  auto process = [&](const uint4& words, int i, const uint4 (&av)[NT]) {
     u32 b[4][4];
     if constexpr (kFold) {
       const u32 w[4] = {words.x, words.y, words.z, words.w};
@@ -418,7 +415,7 @@ __global__ void __launch_bounds__(kDecThreads, kDecBlocksPerSm)
     }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      const APairs x = a_pairs(k_ok ? __ldg(ap[nt] + 4 * i) : make_uint4(0, 0, 0, 0));
+      const APairs x = a_pairs(av[nt]);
       float(&d)[2][4] = kFold ? accg[nt] : acc[nt];
 #pragma unroll
       for (int s = 0; s < 2; ++s)
@@ -439,6 +436,22 @@ __global__ void __launch_bounds__(kDecThreads, kDecBlocksPerSm)
     }
   };
 
+  // A one chunk ahead (kAhead), else at use.
+  uint4 a_cur[NT];
+  if (kAhead && n_full > 0) load_a(0, a_cur);
+  auto step = [&](const uint4& words, int i) {
+    if constexpr (kAhead) {
+      uint4 a_next[NT];
+      load_a(min(i + 1, n_full - 1), a_next);
+      process(words, i, a_cur);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) a_cur[nt] = a_next[nt];
+    } else {
+      uint4 av[NT];
+      load_a(i, av);
+      process(words, i, av);
+    }
+  };
   uint4 ring[kDepth];
 #pragma unroll
   for (int d = 0; d < kDepth; ++d) ring[d] = d < n_full ? ldg_stream(bp + size_t(d) * Np) : make_uint4(0, 0, 0, 0);
@@ -452,7 +465,7 @@ __global__ void __launch_bounds__(kDecThreads, kDecBlocksPerSm)
       const uint4 words = ring[u];
       ring[u] = ldg_stream(bnext);
       bnext += Np;
-      process(words, i0 + u, true);
+      step(words, i0 + u);
     }
   }
   // Drain: the last (under 2 kDepth) chunks.
@@ -464,13 +477,16 @@ __global__ void __launch_bounds__(kDecThreads, kDecBlocksPerSm)
       const uint4 words = ring[u];
       if (i + kDepth < n_full) ring[u] = ldg_stream(bnext);
       bnext += Np;
-      process(words, i, true);
+      step(words, i);
     }
   }
   if (n_full < n_w) {  // the partial last chunk of K: rows past K read as zero
     const bool ok = 4u * (wc0 + u32(n_full)) + t < p.K / 8u;
     const uint4 words = ok ? ldg_stream(bp + size_t(n_full) * Np) : make_uint4(0, 0, 0, 0);
-    process(words, n_full, ok);
+    uint4 av[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) av[nt] = ok ? __ldg(ap[nt] + 4 * n_full) : make_uint4(0, 0, 0, 0);
+    process(words, n_full, av);
   }
   if constexpr (kFold) {
     if (left != cpg) flush();
@@ -882,7 +898,7 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
   if (k.rfind("decode_", 0) == 0) {
     const uint32_t nt = plan.params.tile_m / 8u;
     TORCH_CHECK(plan.params.tile_m % 8u == 0 && a.M <= int64_t(plan.params.tile_m) &&
-                    plan.threads[0] == u32(kDecThreads),
+                    plan.threads[0] == u32(kDecThreads) && plan.params.tile_n == 32u,
                 "torch_marlin: bad decode plan");
     const bool fold = a.group_size % 32 == 0;  // a 32-row chunk never straddles two groups
     const u32 np = u32(Np);
