@@ -257,8 +257,8 @@ __device__ void last_block_reduce(const QuantGemmParams& p, u32 tile, u32 m0, u3
 // Decode kernel: M <= 64
 // ---------------------------------------------------------------------------------------------
 // Streams the packed weights once; the loop spends as few instructions per 16-byte chunk as it can
-// (about 80 to 100 in SASS for M <= 16, folded scales; 225 before this design). On an H200 it is
-// now latency-bound rather than issue-bound (docs/cuda.md).
+// (scripts/sass_loop_stats.py: about 95 for FP4/fp16 with M <= 8 and folded scales, 228 before
+// this design). On an H200 it is now latency-bound rather than issue-bound (docs/cuda.md).
 //  - Weights are the mma's A operand and activations its B operand (C^T = W^T A^T): a lane's 4
 //    words (4 columns x 8 k) fill 4 m16n8k16 mmas per 8 activation rows, and M <= 8 wastes no
 //    mma rows on zero padding (M is padded to 8, 16, 32 or 64: NT = 1, 2, 4 or 8 n8 tiles).
