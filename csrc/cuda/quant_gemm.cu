@@ -271,12 +271,16 @@ __device__ void last_block_reduce(const QuantGemmParams& p, u32 tile, u32 m0, u3
 constexpr int kDecWarps = 8;
 constexpr int kDecThreads = kDecWarps * 32;
 constexpr int kDecSmemBytes = kDecWarps * 8 * 32 * 4;  // cross-warp reduction, one n8 tile at a time
-// 2 resident blocks per SM (128 registers a thread; the planner mirrors it). The ring is 4 chunks
-// deep and A is read one chunk ahead (up to 2 n8 tiles). Measured on an H200 (docs/cuda.md): deeper
-// rings, 3 blocks per SM, 12-warp blocks, a cp.async shared-memory ring, L2 prefetches and (for
-// 4 / 8 n8 tiles) 128-column blocks sharing A chunks were all as fast or slower.
-constexpr int kDecBlocksPerSm = 2;
+// 2 resident blocks per SM (128 registers a thread), 1 for 8 n8 tiles (the planner mirrors
+// dec_blocks_per_sm). The ring is 4 chunks deep. Measured on an H200 (docs/cuda.md): deeper rings,
+// 3 blocks per SM, 12-warp blocks, a cp.async shared-memory ring, L2 prefetches and (for 4 / 8 n8
+// tiles) 128-column blocks sharing A chunks were all as fast or slower; 1 block per SM is faster
+// for 8 tiles (128 registers spilled) and slower for 4.
 constexpr int kDecDepth = 4;
+template <int NT>
+constexpr int dec_blocks_per_sm() {  // 8 n8 tiles: 1 block of up to 255 registers (no spills)
+  return NT <= 4 ? 2 : 1;
+}
 
 __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
   uint4 r;
@@ -291,13 +295,14 @@ __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
 // fp32 scales multiply those partial sums once per group (8 FMAs per n8 tile and group instead of
 // 16 multiplies per chunk); otherwise every weight pair is scaled.
 template <typename T, u32 FMT, int NT, bool kFold>
-__global__ void __launch_bounds__(kDecThreads, kDecBlocksPerSm)
+__global__ void __launch_bounds__(kDecThreads, dec_blocks_per_sm<NT>())
     decode_kernel(QuantGemmParams p, u32 Np, int gs_shift, const T* __restrict__ A, const u32* __restrict__ B,
                   const T* __restrict__ S, const uint8_t* __restrict__ Z, const T* __restrict__ bias,
                   T* __restrict__ C, float* __restrict__ ws, int* __restrict__ counters) {
   using T2 = typename Tr<T>::T2;
   constexpr int kDepth = kDecDepth;
-  constexpr bool kAhead = NT <= 2;  // A one chunk ahead (registers allowing)
+  // A one chunk ahead, except for 4 n8 tiles: at 2 blocks per SM they leave no registers for it.
+  constexpr bool kAhead = NT != 4;
   static_assert(!kFold || NT <= 2, "folded scales need a second accumulator set");
   extern __shared__ __align__(16) unsigned char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
