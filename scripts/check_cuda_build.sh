@@ -27,4 +27,8 @@ for src in csrc/cuda/*.cu; do
       -DTM_WITH_CUDA -o "$OUT/$(basename "$src" .cu)_$arch.o" -Xptxas -warn-spills
   done
 done
+for src in scripts/*.cu; do  # standalone GPU microbenchmarks (no torch)
+  echo "nvcc -arch=sm_90 $src"
+  "$NVCC" -std=c++17 -O3 -arch=sm_90 -c "$src" -o "$OUT/$(basename "$src" .cu).o"
+done
 echo "check_cuda_build: OK"

@@ -13,7 +13,7 @@ prof() {  # name kernel-regex args...
 }
 prof decode_m1 decode_kernel fp4 1 28672 8192
 prof decode_m16 decode_kernel u4 16 4096 4096
-prof tc64_m64 tc_kernel fp4 64 4096 4096
+prof decode_m64 decode_kernel fp4 64 4096 4096
 prof tc128_m4096 tc_kernel fp4 4096 4096 4096
 SO=$(ls torch_marlin/_C*.so | head -1)
 cuobjdump -sass "$SO" > /tmp/all.sass 2>/dev/null
