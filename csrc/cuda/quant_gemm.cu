@@ -14,8 +14,8 @@
 //   dequant    standalone dequant to a dense [K, N] tensor.
 //
 // The mma K-permutation trick. A lane (g = lane/4, t = lane%4) of m16n8k16 holds B at logical
-// k = {2t, 2t+1, 2t+8, 2t+9} of column g (and the A operand at the same k of rows g and g+8). The order of k inside an mma does not matter as long as A
-// uses the same order, so over a 32-row K chunk lane t takes the physical rows 8t..8t+7: exactly
+// k = {2t, 2t+1, 2t+8, 2t+9} of column g (and A at the same k of rows g and g+8). The order of k
+// inside an mma does not matter as long as both operands use the same order, so over a 32-row K chunk lane t takes the physical rows 8t..8t+7: exactly
 // one packed word per column. Two mmas consume it: the first gets the nibble pairs (0,4), (1,5),
 // the second (2,6), (3,7) ((p, p+4) pairs sit 16 bits apart, so one shift aligns both halves of a
 // half2). The lane's A fragment is then one 16-byte load of A[row][k0+8t .. k0+8t+7], regrouped
@@ -223,7 +223,6 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[4][4], const u32 (&b)[4][
 #pragma unroll
   for (int j = 0; j < 4; ++j) Tr<T>::mma(acc[j], a1, b[j][2], b[j][3]);
 }
-
 
 // K-parallel epilogue, after a block has written its fp32 partial tile to ws[slice]: the last of the
 // k_parallel blocks of an output tile to arrive (a per-tile counter) sums the partials of every
