@@ -15,15 +15,15 @@
 //
 // The mma K-permutation trick. A lane (g = lane/4, t = lane%4) of m16n8k16 holds B at logical
 // k = {2t, 2t+1, 2t+8, 2t+9} of column g (and A at the same k of rows g and g+8). The order of k
-// inside an mma does not matter as long as both operands use the same order, so over a 32-row K chunk lane t takes the physical rows 8t..8t+7: exactly
-// one packed word per column. Two mmas consume it: the first gets the nibble pairs (0,4), (1,5),
-// the second (2,6), (3,7) ((p, p+4) pairs sit 16 bits apart, so one shift aligns both halves of a
-// half2). The lane's A fragment is then one 16-byte load of A[row][k0+8t .. k0+8t+7], regrouped
-// with byte permutes. Likewise the 16-byte B load of 4 adjacent columns gives 4 n8 tiles whose
-// column g is physical column 4g + j; the accumulator of lane (g,t) then holds output columns
-// 8t..8t+7 of its rows (tc128). The decode kernel puts the weights in the A operand instead: its
-// rows g and g+8 are two of the lane's 4 columns, so the same 16-byte load feeds 4 mmas per 8
-// activation rows.
+// inside an mma does not matter as long as both operands use the same order, so over a 32-row K
+// chunk lane t takes the physical rows 8t..8t+7: exactly one packed word per column. Two k16 steps
+// consume it: the first gets the nibble pairs (0,4), (1,5), the second (2,6), (3,7) ((p, p+4)
+// pairs sit 16 bits apart, so one shift aligns both halves of a half2). The lane's activation
+// fragment is then one 16-byte load of A[row][k0+8t .. k0+8t+7], regrouped with byte permutes.
+// tc128: the 16-byte B load of 4 adjacent columns gives 4 n8 tiles whose column g is physical
+// column 4g + j; the accumulator of lane (g,t) then holds output columns 8t..8t+7 of its rows.
+// decode: the weights are the A operand instead; its rows g and g+8 are two of the lane's 4
+// columns, so the same 16-byte load feeds 4 mmas per 8 activation rows.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
