@@ -267,19 +267,16 @@ __device__ void last_block_reduce(const QuantGemmParams& p, u32 tile, u32 m0, u3
 //    that skip L1; every word is read once): no shared-memory staging, no barrier in the loop.
 //  - Rows of A past M are clamped to row M-1 instead of predicated (their outputs are never
 //    stored); only a partial last chunk of K (K % 32 != 0) takes a predicated path.
-constexpr int kDecWarps = 8;
+constexpr int kDecWarps = int(TM_CUDA_DECODE_WARPS);
 constexpr int kDecThreads = kDecWarps * 32;
 constexpr int kDecSmemBytes = kDecWarps * 8 * 32 * 4;  // cross-warp reduction, one n8 tile at a time
-// 2 resident blocks per SM (128 registers a thread), 1 for 8 n8 tiles (the planner mirrors
-// dec_blocks_per_sm). The ring is 4 chunks deep. Measured on an H200 (docs/cuda.md): deeper rings,
-// 3 blocks per SM, 12-warp blocks, a cp.async shared-memory ring, L2 prefetches and (for 4 / 8 n8
-// tiles) 128-column blocks sharing A chunks were all as fast or slower; 1 block per SM is faster
-// for 8 tiles (128 registers spilled) and slower for 4.
+static_assert(TM_CUDA_DECODE_TILE_N == 32u, "a warp's 8 lane groups x 4 columns");
+// Resident blocks per SM: 2 (128 registers a thread), 1 for 8 n8 tiles (up to 255, no spills);
+// TM_CUDA_DECODE_BLOCKS_PER_SM, shared with the planner. The ring is 4 chunks deep. Measured on an
+// H200 (docs/cuda.md): deeper rings, 3 blocks per SM, 12-warp blocks, a cp.async shared-memory
+// ring, L2 prefetches and (for 4 / 8 n8 tiles) 128-column blocks sharing A chunks were all as
+// fast or slower; 1 block per SM is faster for 8 tiles (128 registers spilled) and slower for 4.
 constexpr int kDecDepth = 4;
-template <int NT>
-constexpr int dec_blocks_per_sm() {  // 8 n8 tiles: 1 block of up to 255 registers (no spills)
-  return NT <= 4 ? 2 : 1;
-}
 
 __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
   uint4 r;
@@ -294,12 +291,11 @@ __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
 // fp32 scales multiply those partial sums once per group (8 FMAs per n8 tile and group instead of
 // 16 multiplies per chunk); otherwise every weight pair is scaled.
 template <typename T, u32 FMT, int NT, bool kFold>
-__global__ void __launch_bounds__(kDecThreads, dec_blocks_per_sm<NT>())
+__global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u * NT))
     decode_kernel(QuantGemmParams p, u32 Np, int gs_shift, const T* __restrict__ A, const u32* __restrict__ B,
                   const T* __restrict__ S, const uint8_t* __restrict__ Z, const T* __restrict__ bias,
                   T* __restrict__ C, float* __restrict__ ws, int* __restrict__ counters) {
   using T2 = typename Tr<T>::T2;
-  constexpr int kDepth = kDecDepth;
   // A one chunk ahead, except for 4 n8 tiles: at 2 blocks per SM they leave no registers for it.
   constexpr bool kAhead = NT != 4;
   static_assert(!kFold || NT <= 2, "folded scales need a second accumulator set");
@@ -456,30 +452,30 @@ __global__ void __launch_bounds__(kDecThreads, dec_blocks_per_sm<NT>())
       process(words, i, av);
     }
   };
-  uint4 ring[kDepth];
+  uint4 ring[kDecDepth];
 #pragma unroll
-  for (int d = 0; d < kDepth; ++d) ring[d] = d < n_full ? ldg_stream(bp + size_t(d) * Np) : make_uint4(0, 0, 0, 0);
-  const uint4* bnext = bp + size_t(kDepth) * Np;
+  for (int d = 0; d < kDecDepth; ++d) ring[d] = d < n_full ? ldg_stream(bp + size_t(d) * Np) : make_uint4(0, 0, 0, 0);
+  const uint4* bnext = bp + size_t(kDecDepth) * Np;
   // Steady state: every refill is in range, so no predicate (a predicated refill makes the
   // compiler copy the ring). Unrolled by the ring depth so every ring index is a constant.
   int i0 = 0;
-  for (; i0 + 2 * kDepth <= n_full; i0 += kDepth) {
+  for (; i0 + 2 * kDecDepth <= n_full; i0 += kDecDepth) {
 #pragma unroll
-    for (int u = 0; u < kDepth; ++u) {
+    for (int u = 0; u < kDecDepth; ++u) {
       const uint4 words = ring[u];
       ring[u] = ldg_stream(bnext);
       bnext += Np;
       step(words, i0 + u);
     }
   }
-  // Drain: the last (under 2 kDepth) chunks.
-  for (; i0 < n_full; i0 += kDepth) {
+  // Drain: the last (under 2 kDecDepth) chunks.
+  for (; i0 < n_full; i0 += kDecDepth) {
 #pragma unroll
-    for (int u = 0; u < kDepth; ++u) {
+    for (int u = 0; u < kDecDepth; ++u) {
       const int i = i0 + u;
       if (i >= n_full) break;
       const uint4 words = ring[u];
-      if (i + kDepth < n_full) ring[u] = ldg_stream(bnext);
+      if (i + kDecDepth < n_full) ring[u] = ldg_stream(bnext);
       bnext += Np;
       step(words, i);
     }
@@ -902,7 +898,7 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
   if (k.rfind("decode_", 0) == 0) {
     const uint32_t nt = plan.params.tile_m / 8u;
     TORCH_CHECK(plan.params.tile_m % 8u == 0 && a.M <= int64_t(plan.params.tile_m) &&
-                    plan.threads[0] == u32(kDecThreads) && plan.params.tile_n == 32u,
+                    plan.threads[0] == u32(kDecThreads) && plan.params.tile_n == TM_CUDA_DECODE_TILE_N,
                 "torch_marlin: bad decode plan");
     const bool fold = a.group_size % 32 == 0;  // a 32-row chunk never straddles two groups
     const u32 np = u32(Np);

@@ -190,20 +190,21 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     // K slices are whole multiples of one 32-row chunk per warp. The kernel is memory-bound and
     // its blocks all run in one wave: as many K slices as keep the resident block slots full
     // (2 blocks per SM, 1 for 64 rows: decode_kernel's __launch_bounds__), never a second wave,
-    // and slices of at least 1024 rows (N past the slots' columns gets a second wave, unsplit). M is padded to 8, 16, 32 or 64 rows (1, 2, 4 or 8 n8 mma tiles: the
-    // activations are the mma's n dimension). A block is 8 warps over 32 columns.
-    // Mirrors kDecWarps and dec_blocks_per_sm in csrc/cuda/quant_gemm.cu.
-    constexpr uint32_t kTileN = 32, kWarps = 8, kKStep = 32 * kWarps;
+    // and slices of at least 1024 rows (N past the slots' columns gets a second wave, unsplit).
+    // M is padded to 8, 16, 32 or 64 rows (1, 2, 4 or 8 n8 mma tiles: the activations are the
+    // mma's n dimension). Geometry from quant_gemm_params.h (shared with the kernel): 8 warps
+    // over 32 columns.
+    constexpr uint32_t kKStep = 32 * TM_CUDA_DECODE_WARPS;
     const uint32_t tile_m = M <= 8 ? 8 : (M <= 16 ? 16 : (M <= 32 ? 32 : 64));
-    const int64_t blocks_per_sm = tile_m == 64 ? 1 : 2;
-    set_tiles(p, M, N, tile_m, kTileN);
+    const int64_t blocks_per_sm = TM_CUDA_DECODE_BLOCKS_PER_SM(tile_m);
+    set_tiles(p, M, N, tile_m, TM_CUDA_DECODE_TILE_N);
     const int64_t capacity = int64_t(caps.compute_units) * blocks_per_sm;
     const int64_t by_slots = std::max<int64_t>(1, capacity / p.params.n_tiles);
     const int64_t by_k = std::max<int64_t>(1, K / 1024);
     set_k_parallel(p, K, uint32_t(std::min<int64_t>({by_slots, by_k, 16})), kKStep);
     p.grid[0] = p.params.n_tiles;
     p.grid[1] = p.params.k_parallel;
-    p.threads[0] = 32 * kWarps;
+    p.threads[0] = 32 * TM_CUDA_DECODE_WARPS;
     stem = "decode";
   } else {
     // Tensor-core tiles: 128x128 (M <= 64 normally takes the decode family above).

@@ -22,6 +22,13 @@ TM_NAMESPACE_BEGIN
 #define TM_FORMAT_FP4 0u
 #define TM_FORMAT_U4 1u
 
+// ---- CUDA decode kernel geometry (csrc/cuda/quant_gemm.cu), read by plan_cuda too ---------------
+// A block is TM_CUDA_DECODE_WARPS warps over TM_CUDA_DECODE_TILE_N columns; blocks resident per SM
+// (the kernel's __launch_bounds__) by tile_m: 64-row tiles need up to 255 registers a thread.
+#define TM_CUDA_DECODE_WARPS 8u
+#define TM_CUDA_DECODE_TILE_N 32u
+#define TM_CUDA_DECODE_BLOCKS_PER_SM(tile_m) ((tile_m) == 64u ? 1u : 2u)
+
 // ---- Launch parameters -------------------------------------------------------------------------
 struct QuantGemmParams {
   tm_u32 M;            // rows of A and C
