@@ -383,18 +383,23 @@ def test_fake_kernels():
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def test_debug_logging():
-    code = ("import torch, torch_marlin; from torch_marlin.formats import trellis as f\n"
-            "q = f.quantize_trellis(torch.randn(32, 32), 2, 32)\n"
-            "torch_marlin.ops.gemm_trellis(torch.randn(3, 32), q['packed_indices'], q['scales'], q['grid'], "
-            "q['su'], q['sv'], 32, 32, 2, 32)\n")
+def debug_log_of(code):
+    """stderr of `python -c code` with TORCH_MARLIN_DEBUG=1 (the ops log every dispatch there)."""
     env = dict(os.environ, TORCH_MARLIN_DEBUG="1")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "kernel=cpu_trellis_decode grid=(1,1,1)" in r.stderr
+    return r.stderr
+
+
+def test_debug_logging():
+    log = debug_log_of("import torch, torch_marlin; from torch_marlin.formats import trellis as f\n"
+                       "q = f.quantize_trellis(torch.randn(32, 32), 2, 32)\n"
+                       "torch_marlin.ops.gemm_trellis(torch.randn(3, 32), q['packed_indices'], q['scales'], "
+                       "q['grid'], q['su'], q['sv'], 32, 32, 2, 32)\n")
+    assert "kernel=cpu_trellis_decode grid=(1,1,1)" in log
     for name in ("A:", "scales:", "grid:", "su:", "sv:"):
-        assert name in r.stderr
-    assert "has_nan=False" in r.stderr and "min=" in r.stderr
+        assert name in log
+    assert "has_nan=False" in log and "min=" in log
 
 
 def test_modules_trace_with_torch_compile():
@@ -430,12 +435,9 @@ def test_moe_trellis_bits_group_sizes(bits, gs):
 def test_trellis_linear_dispatches_decode_then_prefill():
     # The module calls the op; the op's planner picks decode for M <= 16 rows (after flattening
     # leading dims) and prefill above. The debug log names the kernel each call ran.
-    code = ("import torch, torch_marlin\n"
-            "m = torch_marlin.TrellisLinear.from_linear(torch.nn.Linear(64, 32), bits=2, group_size=32,"
-            " dtype=torch.float32)\n"
-            "m(torch.randn(2, 8, 64)); m(torch.randn(3, 6, 64))\n")
-    env = dict(os.environ, TORCH_MARLIN_DEBUG="1")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    kernels = [line.split("kernel=")[1].split()[0] for line in r.stderr.splitlines() if "kernel=" in line]
+    log = debug_log_of("import torch, torch_marlin\n"
+                       "m = torch_marlin.TrellisLinear.from_linear(torch.nn.Linear(64, 32), bits=2, group_size=32,"
+                       " dtype=torch.float32)\n"
+                       "m(torch.randn(2, 8, 64)); m(torch.randn(3, 6, 64))\n")
+    kernels = [line.split("kernel=")[1].split()[0] for line in log.splitlines() if "kernel=" in line]
     assert kernels == ["cpu_trellis_decode", "cpu_trellis_prefill"], kernels
