@@ -122,17 +122,31 @@ def plan_for(M, K, N, dtype):
 
 @pytest.mark.parametrize("fmt", ["fp4", "u4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("M", [1, 5, 16, 48, 200])
+@pytest.mark.parametrize("M", [1, 5, 16, 48])
 def test_k_parallel(fmt, dtype, M):
     K, N = 4096, 328
     assert plan_for(M, K, N, dtype)["k_parallel"] > 1, "shape meant to exercise K-parallel slices"
     case(fmt, M, K, N, 128, dtype, True)
 
 
-@pytest.mark.parametrize("M", [4, 64])
+# ---- Large M: dequantized panels + cuBLAS ----------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("M", [65, 300])
+def test_dequant_blas_panels(fmt, dtype, M):
+    # K = 16384 makes an L2-sized panel narrower than N (3 panels on a 50 or 60 MB L2, the last
+    # one partial), and N = 1800 is not a multiple of 16 (padded weights).
+    K, N = 16384, 1800
+    plan = plan_for(M, K, N, dtype)
+    assert plan["variant"] == "dequant_blas" and plan["n_tiles"] >= 2 and N % plan["tile_n"] != 0
+    case(fmt, M, K, N, 128, dtype, M == 65)
+
+
+@pytest.mark.parametrize("M", [4, 64, 300])
 def test_deterministic(M):
     K, N = 8192, 1024
-    assert plan_for(M, K, N, torch.float16)["k_parallel"] > 1
+    plan = plan_for(M, K, N, torch.float16)
+    assert plan["k_parallel"] > 1 or plan["variant"] == "dequant_blas"
     B, s, z = make_weights("u4", K, N, 128, torch.float16)
     A = torch.randn(M, K, device="cuda", dtype=torch.float16)
     bias = torch.randn(N, device="cuda", dtype=torch.float16)
@@ -163,9 +177,10 @@ def test_large(fmt, dtype, M):
 
 
 # ---- Streams, devices, alignment -------------------------------------------------------------------
-def test_runs_on_current_stream():
+@pytest.mark.parametrize("M", [8, 256])
+def test_runs_on_current_stream(M):
     B, s, _ = make_weights("fp4", 1024, 256, 128, torch.float16)
-    A = torch.randn(8, 1024, device="cuda", dtype=torch.float16)
+    A = torch.randn(M, 1024, device="cuda", dtype=torch.float16)
     ref = A.float() @ dequant_fp4_reference(B, s, 128)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -175,13 +190,37 @@ def test_runs_on_current_stream():
     check_close(C, ref, torch.float16)
 
 
-def test_misaligned_activation_view():
-    K, N, M = 256, 128, 5
+@pytest.mark.parametrize("M", [5, 100])
+def test_misaligned_activation_view(M):
+    K, N = 256, 128
     B, s, _ = make_weights("fp4", K, N, 64, torch.float16)
     buf = torch.randn(M * K + 3, device="cuda", dtype=torch.float16)
     A = buf[3:].view(M, K)  # data pointer 6 bytes past a 16-byte boundary
     C = torch.ops.marlin.gemm_fp4(A, B, s, 64)
     check_close(C, A.float() @ dequant_fp4_reference(B, s, 64), torch.float16)
+
+
+@pytest.mark.parametrize("M", [4, 200])
+def test_cuda_graph_replay(M):
+    # Captured once, replayed on new activations: the op allocates its workspace and launches on
+    # the capturing stream (decode kernel / dequant kernel + cuBLAS), nothing on the host per replay.
+    K, N = 2048, 384
+    B, s, _ = make_weights("fp4", K, N, 128, torch.float16)
+    A = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (per-stream K-slice counters)
+        torch.ops.marlin.gemm_fp4(A, B, s, 128)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=side):
+        C = torch.ops.marlin.gemm_fp4(A, B, s, 128)
+    W = dequant_fp4_reference(B, s, 128)
+    for _ in range(2):
+        A.copy_(torch.randn(M, K, device="cuda", dtype=torch.float16))
+        g.replay()
+        torch.cuda.synchronize()
+        check_close(C, A.float() @ W, torch.float16)
 
 
 def test_weights_on_other_device_rejected():
@@ -194,8 +233,9 @@ def test_weights_on_other_device_rejected():
 # ---- Standalone dequant ------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt", ["fp4", "u4"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_dequant(fmt, dtype):
-    K, N, gs = 512, 200, 64
+@pytest.mark.parametrize("N", [200, 203])  # 16-byte row stores / the scalar tail (N % 8 != 0)
+def test_dequant(fmt, dtype, N):
+    K, gs = 512, 64
     B, s, z = make_weights(fmt, K, N, gs, dtype)
     if fmt == "fp4":
         W = torch.ops.marlin.dequant_fp4(B, s, gs)

@@ -734,31 +734,6 @@ __global__ void __launch_bounds__(kTcThreads, 2) tc_kernel(QuantGemmParams p, u3
 // ---------------------------------------------------------------------------------------------
 // Plain fp32 kernel, standalone dequant
 // ---------------------------------------------------------------------------------------------
-template <typename T>
-__device__ __forceinline__ float to_float(T x) {
-  return float(x);
-}
-template <>
-__device__ __forceinline__ float to_float<__half>(__half x) {
-  return __half2float(x);
-}
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-template <typename T>
-__device__ __forceinline__ T from_float(float x) {
-  return T(x);
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) {
-  return __float2half_rn(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-
 template <u32 FMT>
 __device__ __forceinline__ float dequant_scalar(u32 code, float s, float z) {
   if constexpr (FMT == TM_FORMAT_FP4) return fp4_e2m1_to_float(code) * s;
@@ -795,18 +770,65 @@ __global__ void __launch_bounds__(128) simt_kernel(QuantGemmParams p, const floa
   for (int r = 0; r < 8 && m0 + r < p.M; ++r) C[size_t(m0 + r) * p.N + n] = acc[r] + b;
 }
 
+// Dequantizes columns [n0, n0 + cols) of B into W[K][ldw]: the standalone dequant op (n0 = 0,
+// cols = ldw = N) and the panels of the dequant_blas path. B, S and Z are padded to Np columns (a
+// multiple of 16, 16-byte aligned: pad_cols) and n0 is a multiple of 16, so a thread reads 8
+// adjacent columns of one packed row (two 16-byte loads) and writes 8 rows of 8 values, each one
+// 16-byte store when ldw allows. fp16/bf16 use the GEMM kernels' dequant (bit-exact with the
+// reference: one rounding of code x scale); fp32 the scalar reference.
 template <typename T, u32 FMT>
-__global__ void dequant_kernel(u32 K, u32 N, u32 gs, const u32* __restrict__ B, const T* __restrict__ S,
-                               const uint8_t* __restrict__ Z, T* __restrict__ W) {
-  const size_t total = size_t(K / 8u) * N;
+__global__ void dequant_kernel(u32 K, u32 Np, u32 gs, u32 n0, u32 cols, u32 ldw, const u32* __restrict__ B,
+                               const T* __restrict__ S, const uint8_t* __restrict__ Z, T* __restrict__ W) {
+  const u32 col8s = (cols + 7u) / 8u;
+  const size_t total = size_t(K / 8u) * col8s;
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < total; i += size_t(gridDim.x) * blockDim.x) {
-    const u32 kw = u32(i / N), n = u32(i % N);
-    const u32 w = B[i];
-    const u32 grp = kw * 8u / gs;
-    const float s = to_float(S[size_t(grp) * N + n]);
-    const float z = FMT == TM_FORMAT_U4 ? float(Z[size_t(grp) * N + n]) : 0.f;
+    const u32 kw = u32(i / col8s), c = 8u * u32(i % col8s);
+    const u32* b = B + size_t(kw) * Np + n0 + c;
+    const size_t q = size_t(kw * 8u / gs) * Np + n0 + c;
+    T* w = W + size_t(kw) * 8u * ldw + c;
+    const u32 valid = min(8u, cols - c);
+    if constexpr (std::is_same<T, float>::value) {
+      for (u32 j = 0; j < valid; ++j) {
+        const float z = FMT == TM_FORMAT_U4 ? float(Z[q + j]) : 0.f;
 #pragma unroll
-    for (int r = 0; r < 8; ++r) W[(size_t(kw) * 8u + r) * N + n] = from_float<T>(dequant_scalar<FMT>(tm_nibble(w, r), s, z));
+        for (u32 r = 0; r < 8u; ++r) w[size_t(r) * ldw + j] = dequant_scalar<FMT>(tm_nibble(b[j], r), S[q + j], z);
+      }
+    } else {
+      const uint4 lo = *reinterpret_cast<const uint4*>(b), hi = *reinterpret_cast<const uint4*>(b + 4);
+      const uint4 s8 = *reinterpret_cast<const uint4*>(S + q);
+      const uint2 z8 = FMT == TM_FORMAT_U4 ? *reinterpret_cast<const uint2*>(Z + q) : make_uint2(0u, 0u);
+      ColQ<T> qa[4], qb[4];
+      make_colq<T, FMT>(qa, make_uint2(s8.x, s8.y), z8.x);
+      make_colq<T, FMT>(qb, make_uint2(s8.z, s8.w), z8.y);
+      const u32 word[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      u32 d[8][4];  // [column][p]: rows (p, p + 4) of the column
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const ColQ<T>& cq = j < 4 ? qa[j] : qb[j - 4];
+        d[j][0] = dequant_pair<T, FMT, 0>(word[j], cq);
+        d[j][1] = dequant_pair<T, FMT, 1>(word[j], cq);
+        d[j][2] = dequant_pair<T, FMT, 2>(word[j], cq);
+        d[j][3] = dequant_pair<T, FMT, 3>(word[j], cq);
+      }
+      const bool vec = valid == 8u && ldw % 8u == 0u;
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        const u32 sel = r < 4 ? 0x5410u : 0x7632u;  // the low (row p) or high (row p + 4) halves
+        const int p = r & 3;
+        uint4 row;
+        row.x = prmt(d[0][p], d[1][p], sel);
+        row.y = prmt(d[2][p], d[3][p], sel);
+        row.z = prmt(d[4][p], d[5][p], sel);
+        row.w = prmt(d[6][p], d[7][p], sel);
+        T* dst = w + size_t(r) * ldw;
+        if (vec) {
+          *reinterpret_cast<uint4*>(dst) = row;
+        } else {
+          const T* v = reinterpret_cast<const T*>(&row);
+          for (u32 j = 0; j < valid; ++j) dst[j] = v[j];
+        }
+      }
+    }
   }
 }
 
@@ -823,6 +845,16 @@ at::Tensor pad_cols(const at::Tensor& t, int64_t Np) {
   at::Tensor out = at::zeros({t.size(0), Np}, t.options());
   out.narrow(1, 0, t.size(1)).copy_(t);
   return out;
+}
+
+// B, scales and (U4) zeros with Np = N rounded up to 16 columns.
+struct PaddedWeights {
+  at::Tensor B, S, Z;
+  int64_t Np;
+};
+PaddedWeights padded_weights(const QuantGemmArgs& a) {
+  const int64_t Np = (a.N + 15) / 16 * 16;
+  return {pad_cols(a.B, Np), pad_cols(a.scales, Np), a.zeros.defined() ? pad_cols(a.zeros, Np) : at::Tensor(), Np};
 }
 
 // Per-tile arrival counters of the in-kernel K-slice reduction. One zeroed buffer per (device,
@@ -873,12 +905,46 @@ void launch_decode(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const
   check_launch(plan.kernel.c_str());
 }
 
+// Columns [n0, n0 + cols) of B into W[K][ldw].
+template <typename T, u32 FMT>
+void launch_dequant(const QuantGemmArgs& a, const PaddedWeights& w, u32 n0, u32 cols, u32 ldw, T* W,
+                    cudaStream_t stream) {
+  const int threads = 256;
+  dequant_kernel<T, FMT><<<grid_for(size_t(a.K / 8) * ((cols + 7) / 8), threads), threads, 0, stream>>>(
+      u32(a.K), u32(w.Np), u32(a.group_size), n0, cols, ldw, reinterpret_cast<const u32*>(w.B.data_ptr()),
+      reinterpret_cast<const T*>(w.S.data_ptr()), w.Z.defined() ? w.Z.data_ptr<uint8_t>() : nullptr, W);
+  check_launch("dequant");
+}
+
+// dequant_blas: per column panel, dequantize into the [K, tile_n] workspace (sized by the planner to
+// stay in L2) and let cuBLAS (at::mm_out: torch's handle, workspace and current stream) multiply
+// into C's columns. C's panel is a row-major view with leading dimension N, which torch passes to
+// cuBLAS as is (no copy). Panels run in order on the stream, so one buffer serves them all.
+template <typename T, u32 FMT>
+void launch_dequant_blas(const GemmPlan& plan, const QuantGemmArgs& a, const PaddedWeights& w, at::Tensor& C,
+                         at::Tensor& ws, cudaStream_t stream) {
+  const int64_t P = plan.params.tile_n;
+  TORCH_CHECK(ws.defined() && size_t(ws.numel()) * sizeof(float) >= size_t(a.K) * P * sizeof(T) && P % 16 == 0,
+              "torch_marlin: bad dequant_blas plan");
+  const at::Tensor panel = ws.view(a.A.scalar_type()).narrow(0, 0, a.K * P).view({a.K, P});
+  T* pW = reinterpret_cast<T*>(panel.data_ptr());
+  for (int64_t n0 = 0; n0 < a.N; n0 += P) {
+    const int64_t cols = std::min(P, a.N - n0);
+    launch_dequant<T, FMT>(a, w, u32(n0), u32(cols), u32(P), pW, stream);
+    at::Tensor Cp = C.narrow(1, n0, cols);
+    const at::Tensor Wp = panel.narrow(1, 0, cols);
+    if (a.bias.defined()) at::addmm_out(Cp, a.bias.narrow(0, n0, cols), a.A, Wp);
+    else at::mm_out(Cp, a.A, Wp);
+  }
+}
+
 template <typename T, u32 FMT>
 void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at::Tensor& ws, cudaStream_t stream) {
-  const int64_t Np = (a.N + 15) / 16 * 16;
-  const at::Tensor B = pad_cols(a.B, Np);
-  const at::Tensor S = pad_cols(a.scales, Np);
-  const at::Tensor Z = FMT == TM_FORMAT_U4 ? pad_cols(a.zeros, Np) : at::Tensor();
+  const std::string& k = plan.kernel;
+  const PaddedWeights w = padded_weights(a);
+  if (k.rfind("dequant_blas_", 0) == 0) return launch_dequant_blas<T, FMT>(plan, a, w, C, ws, stream);
+  const int64_t Np = w.Np;
+  const at::Tensor &B = w.B, &S = w.S, &Z = w.Z;
   const at::Tensor A = aligned16(a.A) ? a.A : a.A.clone();
   const T* pA = reinterpret_cast<const T*>(A.data_ptr());
   const u32* pB = reinterpret_cast<const u32*>(B.data_ptr());
@@ -894,7 +960,6 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
     counters = tile_counters(int64_t(plan.params.m_tiles) * plan.params.n_tiles, a.A.device(), stream);
   }
 
-  const std::string& k = plan.kernel;
   if (k.rfind("decode_", 0) == 0) {
     const uint32_t nt = plan.params.tile_m / 8u;
     TORCH_CHECK(plan.params.tile_m % 8u == 0 && a.M <= int64_t(plan.params.tile_m) &&
@@ -936,22 +1001,16 @@ void gemm_for_format(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C
   }
 }
 
-template <typename T, u32 FMT>
-void launch_dequant(const QuantGemmArgs& a, at::Tensor& W, cudaStream_t stream) {
-  const int threads = 256;
-  dequant_kernel<T, FMT><<<grid_for(size_t(a.K / 8) * a.N, threads), threads, 0, stream>>>(
-      u32(a.K), u32(a.N), u32(a.group_size), reinterpret_cast<const u32*>(a.B.data_ptr()),
-      reinterpret_cast<const T*>(a.scales.data_ptr()), a.zeros.defined() ? a.zeros.data_ptr<uint8_t>() : nullptr,
-      reinterpret_cast<T*>(W.data_ptr()));
-  check_launch("dequant");
-}
-
 template <u32 FMT>
 void dequant_for_format(const QuantGemmArgs& a, at::Tensor& W, cudaStream_t stream) {
+  const PaddedWeights w = padded_weights(a);
+  const u32 n = u32(a.N);
   switch (a.dtype) {
-    case DType::F16: launch_dequant<__half, FMT>(a, W, stream); break;
-    case DType::BF16: launch_dequant<__nv_bfloat16, FMT>(a, W, stream); break;
-    case DType::F32: launch_dequant<float, FMT>(a, W, stream); break;
+    case DType::F16: launch_dequant<__half, FMT>(a, w, 0, n, n, reinterpret_cast<__half*>(W.data_ptr()), stream); break;
+    case DType::BF16:
+      launch_dequant<__nv_bfloat16, FMT>(a, w, 0, n, n, reinterpret_cast<__nv_bfloat16*>(W.data_ptr()), stream);
+      break;
+    case DType::F32: launch_dequant<float, FMT>(a, w, 0, n, n, W.data_ptr<float>(), stream); break;
   }
 }
 
@@ -965,12 +1024,14 @@ DeviceCaps cuda_device_caps(int device_index) {
   std::lock_guard<std::mutex> lock(mu);
   if (int(cache.size()) <= dev) cache.resize(dev + 1);
   if (cache[dev].backend != Backend::CUDA) {
-    int sms = 0, smem = 0;
+    int sms = 0, smem = 0, l2 = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
     cache[dev].backend = Backend::CUDA;
     cache[dev].compute_units = sms;
     cache[dev].max_shared_memory = smem;
+    cache[dev].l2_cache_bytes = l2;
   }
   DeviceCaps caps = cache[dev];
   return caps;

@@ -12,6 +12,7 @@ const char* variant_name(GemmVariant v) {
     case GemmVariant::Tiled: return "tiled";
     case GemmVariant::TiledStaged: return "tiled_staged";
     case GemmVariant::Striped: return "striped";
+    case GemmVariant::DequantBlas: return "dequant_blas";
   }
   return "?";
 }
@@ -47,6 +48,9 @@ DeviceCaps default_metal_caps() {
 namespace {
 
 constexpr int64_t kCudaDecodeMaxM = 64;  // plan_cuda: decode tiles of 16, 32 or 64 rows
+// plan_cuda's DequantBlas panels: at most 1/kPanelL2Share of the L2 (measured, docs/cuda.md).
+constexpr int64_t kCudaAssumedL2Bytes = int64_t(40) << 20;  // planning without a device (A100)
+constexpr int64_t kPanelL2Share = 2;
 
 // Most rows the decode kernels of a backend handle.
 int64_t decode_kernel_max_m(Backend b) { return b == Backend::CUDA ? kCudaDecodeMaxM : kDecodeMaxM; }
@@ -206,6 +210,22 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     p.grid[1] = p.params.k_parallel;
     p.threads[0] = 32 * TM_CUDA_DECODE_WARPS;
     stem = "decode";
+  } else if (p.variant == GemmVariant::DequantBlas) {
+    // Column panels of B are dequantized into a [K, tile_n] scratch buffer (the workspace) that
+    // stays in L2, and cuBLAS multiplies A by each panel into C's columns, so the panel never
+    // goes to DRAM: the extra traffic over a dense GEMM is an L2 write and read of every weight.
+    // Panels take about 1/kPanelL2Share of the L2 or less, split N evenly in whole 128-column
+    // cuBLAS tiles (at least one), or are all of N (rounded up to the dequant kernel's 16 columns).
+    const int64_t l2 = caps.l2_cache_bytes > 0 ? caps.l2_cache_bytes : kCudaAssumedL2Bytes;
+    const int64_t widest = std::max<int64_t>(128, l2 / kPanelL2Share / (K * 2) / 128 * 128);
+    const int64_t Np = (N + 15) / 16 * 16, panels = (Np + widest - 1) / widest;
+    const int64_t width = panels == 1 ? Np : ((Np + panels - 1) / panels + 127) / 128 * 128;
+    set_tiles(p, M, N, uint32_t(M), uint32_t(width));
+    set_k_parallel(p, K, 1, TM_PACK_FACTOR);
+    p.workspace_bytes = size_t(K) * p.params.tile_n * 2;  // fp16/bf16 panel, not fp32 partials
+    p.grid[0] = p.params.n_tiles;
+    p.threads[0] = 256;  // dequant kernel; the GEMM's launch is cuBLAS's
+    stem = "dequant_blas";
   } else {
     // Tensor-core tiles: 128x128 (M <= 64 normally takes the decode family above).
     const uint32_t tile_m = 128;
@@ -271,8 +291,13 @@ GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, in
     // Stripes + K-parallel only pay when the output alone cannot fill the GPU.
     const int64_t tiles = int64_t((M + 63) / 64) * ((N + 63) / 64);
     p.variant = (tiles < caps.compute_units * 2 && K / 32 >= 16) ? GemmVariant::Striped : GemmVariant::Tiled;
+  } else if (caps.backend == Backend::CUDA && dtype != DType::F32) {
+    p.variant = GemmVariant::DequantBlas;
   } else {
     p.variant = GemmVariant::Tiled;
+  }
+  if (p.variant == GemmVariant::DequantBlas && (caps.backend != Backend::CUDA || dtype == DType::F32)) {
+    throw std::invalid_argument("plan_quant_gemm: the dequant_blas variant is CUDA fp16/bf16 only");
   }
   if (p.variant == GemmVariant::Decode && M > decode_kernel_max_m(caps.backend)) {
     throw std::invalid_argument("plan_quant_gemm: the decode variant handles M <= 16 only (64 on CUDA)");

@@ -42,7 +42,8 @@ inline GemmVariant parse_variant(const std::string& s) {
                                   {"decode", GemmVariant::Decode},
                                   {"tiled", GemmVariant::Tiled},
                                   {"tiled_staged", GemmVariant::TiledStaged},
-                                  {"striped", GemmVariant::Striped}},
+                                  {"striped", GemmVariant::Striped},
+                                  {"dequant_blas", GemmVariant::DequantBlas}},
                                  "variant");
 }
 
