@@ -214,20 +214,21 @@ def test_policy_metal_kernels_by_shape():
 
 
 def test_policy_cuda_kernels_by_m():
-    # Planned without a GPU (caps given): decode up to 64 rows, dequantized L2-sized panels +
-    # cuBLAS above, the plain fp32 kernel for fp32 activations.
-    def plan(M, K=28672, N=8192, dtype=torch.float16):
+    # Planned without a GPU: decode up to 64 rows, dequantized panels + cuBLAS above, the plain
+    # fp32 kernel for fp32 activations.
+    def plan(M, K=28672, N=8192, dtype=torch.float16, variant="auto"):
         return torch_marlin.plan_gemm("fp4", M, K, N, dtype=dtype, device="cuda", compute_units=132,
-                                      l2_cache_bytes=50 << 20)
+                                      variant=variant)
     assert plan(64)["kernel"] == "decode_fp4_half" and plan(64)["tile_m"] == 64
     big = plan(65, dtype=torch.bfloat16)
     assert big["kernel"] == "dequant_blas_fp4_bfloat" and big["k_parallel"] == 1
-    # Half the L2 over K * 2 bytes per column: 25 MiB / 57344 = 457 -> 384 columns (3 cuBLAS
-    # tiles), 22 panels (8192 / 22 = 373 -> 384).
-    assert big["tile_n"] == 384 and big["n_tiles"] == 22 and big["workspace_bytes"] == 28672 * 384 * 2
-    assert plan(4096, K=4096, N=4096)["tile_n"] == 2048  # at most 3200 columns: two even panels
+    # A whole-N panel would be 28672 x 8192 x 2 B = 448 MiB > 256 MiB: two panels of 4096 columns.
+    assert big["tile_n"] == 4096 and big["n_tiles"] == 2 and big["workspace_bytes"] == 28672 * 4096 * 2
+    assert plan(4096, K=4096, N=4096)["tile_n"] == 4096  # one panel
     assert plan(1024, K=256, N=200)["tile_n"] == 208  # all of N, padded to 16 columns
     assert plan(200, dtype=torch.float32)["kernel"] == "simt_fp4_float"
+    with pytest.raises(ValueError, match="CUDA has no 'tiled' kernel"):
+        plan(200, variant="tiled")
     with pytest.raises(ValueError, match="dequant_blas variant is CUDA fp16/bf16 only"):
         torch_marlin.plan_gemm("fp4", 200, 256, 64, variant="dequant_blas")
 

@@ -26,23 +26,19 @@ def backend_of(device) -> str:
 
 
 def plan_gemm(format: str, M: int, K: int, N: int, group_size: int = 128, dtype=torch.float16,
-              device="cpu", compute_units: int = 0, variant: str = "auto", has_bias: bool = False,
-              l2_cache_bytes: int = 0) -> dict:
+              device="cpu", compute_units: int = 0, variant: str = "auto", has_bias: bool = False) -> dict:
     """Returns the plan (``variant``, ``kernel``, ``grid``, ``threads``, ``k_parallel``, ...) the
     op would execute for this problem. ``device`` may be a torch device or ``"metal"``;
-    ``compute_units`` overrides the device's core/SM/thread count and ``l2_cache_bytes`` its L2 size
-    (CUDA; 0 = the device's own, or the planner's 40 MB assumption without a GPU)."""
+    ``compute_units`` overrides the device's core/SM/thread count (0 = the backend's default)."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")
     backend = device if device == "metal" else backend_of(device)
     if compute_units == 0 and backend == "cpu":
         compute_units = torch.get_num_threads()
-    if backend == "cuda" and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.device(device).index or 0)
-        compute_units = compute_units or props.multi_processor_count
-        l2_cache_bytes = l2_cache_bytes or props.L2_cache_size
-    return _C.plan_quant_gemm(format, M, K, N, group_size, _DTYPES[dtype], backend, compute_units, has_bias, variant,
-                              l2_cache_bytes)
+    if compute_units == 0 and backend == "cuda" and torch.cuda.is_available():
+        dev = torch.device(device)
+        compute_units = torch.cuda.get_device_properties(dev.index or 0).multi_processor_count
+    return _C.plan_quant_gemm(format, M, K, N, group_size, _DTYPES[dtype], backend, compute_units, has_bias, variant)
 
 
 def plan_trellis(M: int, K: int, N: int, bits: int = 3, group_size: int = 128, dtype=torch.float16,

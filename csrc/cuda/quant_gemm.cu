@@ -8,10 +8,12 @@
 //              once for all rows. 8 warps per block split the block's K slice and reduce in shared
 //              memory in a fixed order; grid.y K slices write fp32 partials and the last block of
 //              each tile sums them in slice order (deterministic, no second launch).
-//   tc128      M > 64. 128 x 128 tiles, 8 warps, 4-stage cp.async pipeline for A, packed B,
-//              scales and zeros; B dequantized in registers right before the mma.
+//   dequant_blas  M > 64. Each column panel of B is dequantized into a workspace (the dequant
+//              kernel below) and multiplied by cuBLAS (at::mm_out) into C's columns: at these M
+//              a dense fp16 GEMM is compute bound, and cuBLAS's is faster than any fused kernel
+//              we had (docs/cuda.md has the measurements).
 //   simt       fp32 activations: a plain CUDA-core kernel (correct, not fast).
-//   dequant    standalone dequant to a dense [K, N] tensor.
+//   dequant    [K, N] (or a column panel of it) in the scales' dtype.
 //
 // The mma K-permutation trick. A lane (g = lane/4, t = lane%4) of m16n8k16 holds B at logical
 // k = {2t, 2t+1, 2t+8, 2t+9} of column g (and A at the same k of rows g and g+8). The order of k
@@ -20,10 +22,8 @@
 // consume it: the first gets the nibble pairs (0,4), (1,5), the second (2,6), (3,7) ((p, p+4)
 // pairs sit 16 bits apart, so one shift aligns both halves of a half2). The lane's activation
 // fragment is then one 16-byte load of A[row][k0+8t .. k0+8t+7], regrouped with byte permutes.
-// tc128: the 16-byte B load of 4 adjacent columns gives 4 n8 tiles whose column g is physical
-// column 4g + j; the accumulator of lane (g,t) then holds output columns 8t..8t+7 of its rows.
-// decode: the weights are the A operand instead; its rows g and g+8 are two of the lane's 4
-// columns, so the same 16-byte load feeds 4 mmas per 8 activation rows.
+// The decode kernel makes the weights the mma's A operand: its rows g and g+8 are two of the
+// lane's 4 columns, so one 16-byte load of 4 columns feeds 4 mmas per 8 activation rows.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -57,17 +57,6 @@ __device__ __forceinline__ u32 shift_left(u32 x) {
 }
 
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) { return __byte_perm(a, b, sel); }
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
-  const u32 s = static_cast<u32>(__cvta_generic_to_shared(smem));
-  const int n = pred ? 16 : 0;  // 0: zero-fill the 16 bytes, read nothing
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 
 // Per-dtype pieces: the mma instruction, pair construction and the dequant bit tricks.
 template <typename T>
@@ -198,10 +187,10 @@ __device__ __forceinline__ APairs a_pairs(uint4 r) {
   return o;
 }
 
-// One 32-row K chunk for 4 n8 tiles: word[j] is the lane's packed word of column tile j,
-// lo/hi the A chunks of rows g and g+8; acc[j][4] the tile accumulators.
+// Four packed words (4 columns x 8 rows of k) -> b[j][P] = the scaled nibble pair (P, P+4) of
+// column j.
 template <typename T, u32 FMT>
-__device__ __forceinline__ void mma_chunk_b(u32 (&b)[4][4], const uint4& words, const ColQ<T> (&q)[4]) {
+__device__ __forceinline__ void dequant_words(u32 (&b)[4][4], const uint4& words, const ColQ<T> (&q)[4]) {
   const u32 w[4] = {words.x, words.y, words.z, words.w};
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -210,18 +199,6 @@ __device__ __forceinline__ void mma_chunk_b(u32 (&b)[4][4], const uint4& words, 
     b[j][2] = dequant_pair<T, FMT, 2>(w[j], q[j]);
     b[j][3] = dequant_pair<T, FMT, 3>(w[j], q[j]);
   }
-}
-
-template <typename T>
-__device__ __forceinline__ void mma_chunk(float (&acc)[4][4], const u32 (&b)[4][4], const APairs& lo,
-                                          const APairs& hi) {
-  const u32 a0[4] = {lo.p[0], hi.p[0], lo.p[1], hi.p[1]};
-  const u32 a1[4] = {lo.p[2], hi.p[2], lo.p[3], hi.p[3]};
-  // Step-major: the two mmas into one accumulator are 4 instructions apart, not back to back.
-#pragma unroll
-  for (int j = 0; j < 4; ++j) Tr<T>::mma(acc[j], a0, b[j][0], b[j][1]);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) Tr<T>::mma(acc[j], a1, b[j][2], b[j][3]);
 }
 
 // K-parallel epilogue, after a block has written its fp32 partial tile to ws[slice]: the last of the
@@ -411,7 +388,7 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
       const u32 zz = FMT == TM_FORMAT_U4 ? __ldg(reinterpret_cast<const u32*>(Z + so)) : 0u;
       ColQ<T> q[4];
       make_colq<T, FMT>(q, sc, zz);
-      mma_chunk_b<T, FMT>(b, words, q);
+      dequant_words<T, FMT>(b, words, q);
     }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -519,219 +496,6 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tensor-core kernel: M > 16
-// ---------------------------------------------------------------------------------------------
-constexpr int kTcBN = 128, kTcBK = 64, kTcStages = 4, kTcThreads = 256;
-
-template <typename T, int WM>
-struct TcSmem {
-  static constexpr int BM = 32 * WM;                       // 2 warps along M, WM m16 tiles each
-  static constexpr int a_elems = BM * kTcBK;               // T
-  static constexpr int b_words = (kTcBK / 8) * kTcBN;      // u32
-  static constexpr int s_elems = (kTcBK / 8) * kTcBN;      // T: one scale row per packed row
-  static constexpr int z_bytes = (kTcBK / 8) * kTcBN;      // uint8
-  static constexpr int stage_bytes = a_elems * 2 + b_words * 4 + s_elems * 2 + z_bytes;
-  static constexpr int bytes = stage_bytes * kTcStages;
-};
-
-// First packed row of the tile whose group is the group of packed row r (scale rows are copied
-// only once per group and tile).
-__device__ __forceinline__ int group_src_row(u32 k0, int r, u32 gs, u32 num_groups) {
-  const u32 grp = min((k0 + 8u * r) / gs, num_groups - 1u);
-  const int first = int(grp * gs) - int(k0);
-  return first > 0 ? first / 8 : 0;
-}
-
-template <typename T, u32 FMT, int WM>
-__global__ void __launch_bounds__(kTcThreads, 2) tc_kernel(QuantGemmParams p, u32 Np, int gs_shift,
-                                                           const T* __restrict__ A,
-                                                        const u32* __restrict__ B, const T* __restrict__ S,
-                                                        const uint8_t* __restrict__ Z, const T* __restrict__ bias,
-                                                        T* __restrict__ C, float* __restrict__ ws,
-                                                        int* __restrict__ counters) {
-  using L = TcSmem<T, WM>;
-  constexpr int BM = L::BM;
-  extern __shared__ __align__(16) unsigned char smem[];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int wm = warp >> 2, wn = warp & 3;  // 2 x 4 warps
-  const u32 n0 = blockIdx.x * kTcBN, m0 = blockIdx.y * BM;
-  const u32 slice = blockIdx.z;
-  const u32 k_begin = slice * p.k_slice_len;
-  const u32 k_end = min(p.K, k_begin + p.k_slice_len);
-  const int kt_count = int((k_end - k_begin + kTcBK - 1) / kTcBK);
-  const u32 num_groups = p.K / p.group_size;
-
-  auto stage_ptr = [&](int st) { return smem + size_t(st) * L::stage_bytes; };
-
-  // Per-thread copy assignments are fixed for the whole K loop; only k0 moves. A: BM rows x 8
-  // chunks of 8 values, chunk swizzled by row parity (conflict-free fragment reads). B: 8 packed
-  // rows x 32 chunks of 4 words, chunk swizzled by (row & 3) << 1.
-  constexpr int kAChunks = BM * 8 / kTcThreads;
-  const int a_row0 = tid >> 3, a_c = tid & 7;
-  const T* a_src0 = A + size_t(m0 + a_row0) * p.K + 8 * a_c;
-  const int b_row = tid >> 5, b_c = tid & 31;
-  const bool b_col_ok = n0 + 4u * b_c < Np;
-  const u32* b_src0 = B + size_t(b_row) * Np + n0 + 4u * b_c;
-  const bool one_group = p.group_size % kTcBK == 0;  // the usual case: a K tile is one group
-
-  // Issues the cp.async copies of K tile `kt` (relative to the slice) into stage `st`.
-  auto load_tile = [&](int kt, int st) {
-    unsigned char* base = stage_ptr(st);
-    T* sA = reinterpret_cast<T*>(base);
-    u32* sB = reinterpret_cast<u32*>(base + L::a_elems * 2);
-    T* sS = reinterpret_cast<T*>(base + L::a_elems * 2 + L::b_words * 4);
-    uint8_t* sZ = base + L::a_elems * 2 + L::b_words * 4 + L::s_elems * 2;
-    const u32 k0 = k_begin + u32(kt) * kTcBK;
-    const bool a_k_ok = k0 + 8u * a_c < k_end;
-#pragma unroll
-    for (int q = 0; q < kAChunks; ++q) {
-      const int row = a_row0 + q * (kTcThreads / 8);
-      const bool ok = a_k_ok && m0 + row < p.M;
-      cp_async16(sA + row * kTcBK + ((a_c ^ ((row & 1) << 2)) * 8),
-                 ok ? a_src0 + size_t(q) * (kTcThreads / 8) * p.K + k0 : A, ok);
-    }
-    {
-      const bool ok = b_col_ok && k0 / 8u + b_row < k_end / 8u;
-      cp_async16(sB + b_row * kTcBN + ((b_c ^ ((b_row & 3) << 1)) * 4), ok ? b_src0 + size_t(k0 / 8u) * Np : B, ok);
-    }
-    // Scales (and zeros): one row per group present in the tile, at the group's first packed row.
-    if (one_group) {
-      if (tid < 16) {
-        const u32 grp = gs_shift >= 0 ? k0 >> gs_shift : k0 / p.group_size;
-        const u32 gc = n0 + 8u * tid;
-        const bool ok = gc < Np;
-        cp_async16(sS + 8 * tid, ok ? S + size_t(grp) * Np + gc : S, ok);
-        if constexpr (FMT == TM_FORMAT_U4) {
-          if (tid < 8) {
-            const u32 zc = n0 + 16u * tid;
-            const bool zok = zc < Np;
-            cp_async16(sZ + 16 * tid, zok ? Z + size_t(grp) * Np + zc : Z, zok);
-          }
-        }
-      }
-    } else if (tid < 8 * 16) {
-      const int row = tid >> 4, c = tid & 15;
-      const u32 grp = min((k0 + 8u * row) / p.group_size, num_groups - 1u);
-      if (group_src_row(k0, row, p.group_size, num_groups) == row) {
-        const u32 gc = n0 + 8u * c;
-        const bool ok = gc < Np;
-        cp_async16(sS + row * kTcBN + 8 * c, ok ? S + size_t(grp) * Np + gc : S, ok);
-        if constexpr (FMT == TM_FORMAT_U4) {
-          if (c < 8) {
-            const u32 zc = n0 + 16u * c;
-            const bool zok = zc < Np;
-            cp_async16(sZ + row * kTcBN + 16 * c, zok ? Z + size_t(grp) * Np + zc : Z, zok);
-          }
-        }
-      }
-    }
-  };
-
-  float acc[WM][4][4];
-#pragma unroll
-  for (int i = 0; i < WM; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
-
-#pragma unroll
-  for (int s = 0; s < kTcStages - 1; ++s) {
-    if (s < kt_count) load_tile(s, s);
-    cp_async_commit();
-  }
-
-  for (int kt = 0; kt < kt_count; ++kt) {
-    cp_async_wait<kTcStages - 2>();
-    __syncthreads();  // tile kt landed for all threads; everyone is done with tile kt-1's stage
-    {
-      const int nk = kt + kTcStages - 1;
-      if (nk < kt_count) load_tile(nk, nk % kTcStages);
-      cp_async_commit();
-    }
-    const unsigned char* base = stage_ptr(kt % kTcStages);
-    const T* sA = reinterpret_cast<const T*>(base);
-    const u32* sB = reinterpret_cast<const u32*>(base + L::a_elems * 2);
-    const T* sS = reinterpret_cast<const T*>(base + L::a_elems * 2 + L::b_words * 4);
-    const uint8_t* sZ = base + L::a_elems * 2 + L::b_words * 4 + L::s_elems * 2;
-    const u32 k0 = k_begin + u32(kt) * kTcBK;
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {  // two 32-row chunks per K tile
-      const int rb = 4 * s + t;
-      const int cb = wn * 8 + g;
-      const uint4 words = *reinterpret_cast<const uint4*>(sB + rb * kTcBN + ((cb ^ ((rb & 3) << 1)) * 4));
-      const int sr = one_group ? 0 : group_src_row(k0, rb, p.group_size, num_groups);
-      const uint2 s4 = *reinterpret_cast<const uint2*>(sS + sr * kTcBN + wn * 32 + 4 * g);
-      u32 z4 = 0;
-      if constexpr (FMT == TM_FORMAT_U4) z4 = *reinterpret_cast<const u32*>(sZ + sr * kTcBN + wn * 32 + 4 * g);
-      ColQ<T> q[4];
-      make_colq<T, FMT>(q, s4, z4);
-      u32 b[4][4];
-      mma_chunk_b<T, FMT>(b, words, q);
-#pragma unroll
-      for (int i = 0; i < WM; ++i) {
-        const int r0 = wm * 16 * WM + 16 * i + g;
-        const int ch = (4 * s + t) ^ ((r0 & 1) << 2);
-        const uint4 lo = *reinterpret_cast<const uint4*>(sA + r0 * kTcBK + ch * 8);
-        const uint4 hi = *reinterpret_cast<const uint4*>(sA + (r0 + 8) * kTcBK + ch * 8);
-        mma_chunk<T>(acc[i], b, a_pairs(lo), a_pairs(hi));
-      }
-    }
-  }
-  cp_async_wait<0>();
-
-  // Epilogue: lane (g, t) holds rows g and g+8 of each m16 tile, columns 8t..8t+7 of its warp's 32.
-  const bool vec_ok = (p.N % 8u) == 0u;
-#pragma unroll
-  for (int i = 0; i < WM; ++i) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const u32 row = m0 + wm * 16 * WM + 16 * i + g + 8 * h;
-      if (row >= p.M) continue;
-      const u32 nb = n0 + wn * 32 + 8 * t;
-      float v[8];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        v[j] = acc[i][j][2 * h];
-        v[4 + j] = acc[i][j][2 * h + 1];
-      }
-      if (p.k_parallel > 1) {
-        float* dst = ws + (size_t(slice) * p.M + row) * p.N;
-#pragma unroll
-        for (int c = 0; c < 8; ++c)
-          if (nb + c < p.N) dst[nb + c] = v[c];
-      } else {
-        if (p.has_bias) {
-#pragma unroll
-          for (int c = 0; c < 8; ++c)
-            if (nb + c < p.N) v[c] += Tr<T>::to_f(bias[nb + c]);
-        }
-        T* dst = C + size_t(row) * p.N;
-        if (vec_ok && nb + 8 <= p.N) {
-          uint4 o;
-          u32* ow = reinterpret_cast<u32*>(&o);
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            typename Tr<T>::T2 pr;
-            pr.x = Tr<T>::from_f(v[2 * c]);
-            pr.y = Tr<T>::from_f(v[2 * c + 1]);
-            ow[c] = as_u32(pr);
-          }
-          *reinterpret_cast<uint4*>(dst + nb) = o;
-        } else {
-#pragma unroll
-          for (int c = 0; c < 8; ++c)
-            if (nb + c < p.N) dst[nb + c] = Tr<T>::from_f(v[c]);
-        }
-      }
-    }
-  }
-  if (p.k_parallel > 1)
-    last_block_reduce<T>(p, blockIdx.y * gridDim.x + blockIdx.x, m0, BM, n0, kTcBN, ws, bias, C, counters);
-}
-
-// ---------------------------------------------------------------------------------------------
 // Plain fp32 kernel, standalone dequant
 // ---------------------------------------------------------------------------------------------
 template <u32 FMT>
@@ -800,26 +564,19 @@ __global__ void dequant_kernel(u32 K, u32 Np, u32 gs, u32 n0, u32 cols, u32 ldw,
       ColQ<T> qa[4], qb[4];
       make_colq<T, FMT>(qa, make_uint2(s8.x, s8.y), z8.x);
       make_colq<T, FMT>(qb, make_uint2(s8.z, s8.w), z8.y);
-      const u32 word[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-      u32 d[8][4];  // [column][p]: rows (p, p + 4) of the column
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const ColQ<T>& cq = j < 4 ? qa[j] : qb[j - 4];
-        d[j][0] = dequant_pair<T, FMT, 0>(word[j], cq);
-        d[j][1] = dequant_pair<T, FMT, 1>(word[j], cq);
-        d[j][2] = dequant_pair<T, FMT, 2>(word[j], cq);
-        d[j][3] = dequant_pair<T, FMT, 3>(word[j], cq);
-      }
+      u32 d[2][4][4];  // [column / 4][column % 4][p]: rows (p, p + 4) of the column
+      dequant_words<T, FMT>(d[0], lo, qa);
+      dequant_words<T, FMT>(d[1], hi, qb);
       const bool vec = valid == 8u && ldw % 8u == 0u;
 #pragma unroll
       for (int r = 0; r < 8; ++r) {
         const u32 sel = r < 4 ? 0x5410u : 0x7632u;  // the low (row p) or high (row p + 4) halves
         const int p = r & 3;
         uint4 row;
-        row.x = prmt(d[0][p], d[1][p], sel);
-        row.y = prmt(d[2][p], d[3][p], sel);
-        row.z = prmt(d[4][p], d[5][p], sel);
-        row.w = prmt(d[6][p], d[7][p], sel);
+        row.x = prmt(d[0][0][p], d[0][1][p], sel);
+        row.y = prmt(d[0][2][p], d[0][3][p], sel);
+        row.z = prmt(d[1][0][p], d[1][1][p], sel);
+        row.w = prmt(d[1][2][p], d[1][3][p], sel);
         T* dst = w + size_t(r) * ldw;
         if (vec) {
           *reinterpret_cast<uint4*>(dst) = row;
@@ -881,19 +638,6 @@ int grid_for(size_t total, int threads) {
 void check_launch(const char* what) {
   const cudaError_t e = cudaGetLastError();
   TORCH_CHECK(e == cudaSuccess, "torch_marlin: CUDA launch of ", what, " failed: ", cudaGetErrorString(e));
-}
-
-template <typename T, u32 FMT, int WM>
-void launch_tc(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const u32* B, const T* S, const uint8_t* Z, const T* bias,
-               T* C, float* ws, int* counters, cudaStream_t stream) {
-  constexpr int bytes = TcSmem<T, WM>::bytes;
-  static std::once_flag once;  // per instantiation; the opt-in limit is per function
-  std::call_once(once, [] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(tc_kernel<T, FMT, WM>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  });
-  const dim3 grid(plan.grid[0], plan.grid[1], plan.grid[2]);
-  tc_kernel<T, FMT, WM><<<grid, kTcThreads, bytes, stream>>>(plan.params, Np, gs_shift, A, B, S, Z, bias, C, ws, counters);
-  check_launch(plan.kernel.c_str());
 }
 
 template <typename T, u32 FMT, int NT, bool kFold>
@@ -973,8 +717,6 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
     else if (nt == 2) launch_decode<T, FMT, 2, false>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
     else if (fold) launch_decode<T, FMT, 1, true>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
     else launch_decode<T, FMT, 1, false>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
-  } else if (k.rfind("tc128_", 0) == 0) {
-    launch_tc<T, FMT, 4>(plan, u32(Np), gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
   } else {
     TORCH_CHECK(false, "torch_marlin: unknown CUDA kernel tag '", k, "'");
   }
@@ -1024,14 +766,12 @@ DeviceCaps cuda_device_caps(int device_index) {
   std::lock_guard<std::mutex> lock(mu);
   if (int(cache.size()) <= dev) cache.resize(dev + 1);
   if (cache[dev].backend != Backend::CUDA) {
-    int sms = 0, smem = 0, l2 = 0;
+    int sms = 0, smem = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
     cache[dev].backend = Backend::CUDA;
     cache[dev].compute_units = sms;
     cache[dev].max_shared_memory = smem;
-    cache[dev].l2_cache_bytes = l2;
   }
   DeviceCaps caps = cache[dev];
   return caps;

@@ -18,12 +18,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "plan_quant_gemm",
       [](const std::string& format, int64_t M, int64_t K, int64_t N, int64_t group_size, const std::string& dtype,
-         const std::string& backend, int compute_units, bool has_bias, const std::string& force,
-         int64_t l2_cache_bytes) {
+         const std::string& backend, int compute_units, bool has_bias, const std::string& force) {
         DeviceCaps caps = parse_backend(backend) == Backend::Metal ? default_metal_caps() : DeviceCaps{};
         caps.backend = parse_backend(backend);
         if (compute_units > 0) caps.compute_units = compute_units;
-        caps.l2_cache_bytes = l2_cache_bytes;
         const QuantFormat f = parse_format(format);
         try {
           return plan_to_dict(
@@ -33,8 +31,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         }
       },
       py::arg("format"), py::arg("M"), py::arg("K"), py::arg("N"), py::arg("group_size"), py::arg("dtype"),
-      py::arg("backend"), py::arg("compute_units") = 0, py::arg("has_bias") = false, py::arg("force") = "auto",
-      py::arg("l2_cache_bytes") = 0);
+      py::arg("backend"), py::arg("compute_units") = 0, py::arg("has_bias") = false, py::arg("force") = "auto");
   m.def(
       "plan_trellis_gemm",
       [](int64_t M, int64_t K, int64_t N, int64_t bits, int64_t group_size, const std::string& dtype,

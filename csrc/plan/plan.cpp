@@ -48,9 +48,8 @@ DeviceCaps default_metal_caps() {
 namespace {
 
 constexpr int64_t kCudaDecodeMaxM = 64;  // plan_cuda: decode tiles of 16, 32 or 64 rows
-// plan_cuda's DequantBlas panels: at most 1/kPanelL2Share of the L2 (measured, docs/cuda.md).
-constexpr int64_t kCudaAssumedL2Bytes = int64_t(40) << 20;  // planning without a device (A100)
-constexpr int64_t kPanelL2Share = 2;
+// Largest dequantized panel plan_cuda's DequantBlas makes (the op's transient workspace).
+constexpr int64_t kCudaPanelMaxBytes = int64_t(256) << 20;
 
 // Most rows the decode kernels of a backend handle.
 int64_t decode_kernel_max_m(Backend b) { return b == Backend::CUDA ? kCudaDecodeMaxM : kDecodeMaxM; }
@@ -176,8 +175,8 @@ void plan_metal(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTy
 //    8 warps over 32 columns; each warp streams a contiguous run of 32-row K chunks and the 8 meet
 //    in shared memory; grid.y is the number of K slices (fp32 partials, summed in slice order by
 //    the last block of each tile inside the same kernel).
-//  - Larger M: "tc128_<fmt>_<dtype>", 128 x 128 output tiles, 8 warps, K step 64,
-//    4-stage cp.async pipeline; grid.z K slices when the tiles alone cannot fill the SMs.
+//  - Larger M: "dequant_blas_<fmt>_<dtype>": the dequant kernel writes column panels of B into
+//    the workspace and cuBLAS (at::mm_out) multiplies each into C's columns.
 void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DType d,
                const DeviceCaps& caps) {
   std::string stem;
@@ -211,34 +210,24 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     p.threads[0] = 32 * TM_CUDA_DECODE_WARPS;
     stem = "decode";
   } else if (p.variant == GemmVariant::DequantBlas) {
-    // Column panels of B are dequantized into a [K, tile_n] scratch buffer (the workspace) that
-    // stays in L2, and cuBLAS multiplies A by each panel into C's columns, so the panel never
-    // goes to DRAM: the extra traffic over a dense GEMM is an L2 write and read of every weight.
-    // Panels take about 1/kPanelL2Share of the L2 or less, split N evenly in whole 128-column
-    // cuBLAS tiles (at least one), or are all of N (rounded up to the dequant kernel's 16 columns).
-    const int64_t l2 = caps.l2_cache_bytes > 0 ? caps.l2_cache_bytes : kCudaAssumedL2Bytes;
-    const int64_t widest = std::max<int64_t>(128, l2 / kPanelL2Share / (K * 2) / 128 * 128);
-    const int64_t Np = (N + 15) / 16 * 16, panels = (Np + widest - 1) / widest;
+    // Column panels of B are dequantized into a [K, tile_n] workspace in the activation dtype and
+    // cuBLAS multiplies A by each into C's columns. One panel holds all of N unless that exceeds
+    // kCudaPanelMaxBytes; then N is split evenly in whole 128-column cuBLAS tiles. (L2-sized
+    // panels were measured slower: narrow GEMMs cost cuBLAS more than the DRAM round trip of the
+    // dequantized weights, docs/cuda.md.)
+    const int64_t Np = (N + 15) / 16 * 16;  // the dequant kernel's padded column count
+    const int64_t widest = std::max<int64_t>(128, kCudaPanelMaxBytes / (K * 2) / 128 * 128);
+    const int64_t panels = (Np + widest - 1) / widest;
     const int64_t width = panels == 1 ? Np : ((Np + panels - 1) / panels + 127) / 128 * 128;
     set_tiles(p, M, N, uint32_t(M), uint32_t(width));
     set_k_parallel(p, K, 1, TM_PACK_FACTOR);
     p.workspace_bytes = size_t(K) * p.params.tile_n * 2;  // fp16/bf16 panel, not fp32 partials
     p.grid[0] = p.params.n_tiles;
-    p.threads[0] = 256;  // dequant kernel; the GEMM's launch is cuBLAS's
+    p.threads[0] = 256;  // the dequant kernel's; cuBLAS picks its own launch
     stem = "dequant_blas";
   } else {
-    // Tensor-core tiles: 128x128 (M <= 64 normally takes the decode family above).
-    const uint32_t tile_m = 128;
-    constexpr uint32_t kTileN = 128, kKStep = 64;
-    set_tiles(p, M, N, tile_m, kTileN);
-    const int64_t tiles = int64_t(p.params.m_tiles) * p.params.n_tiles;
-    set_k_parallel(p, K, k_split_for(tiles, K, kKStep, caps.compute_units, 1, 8), kKStep);
-    p.variant = p.params.k_parallel > 1 ? GemmVariant::Striped : GemmVariant::Tiled;
-    p.grid[0] = p.params.n_tiles;
-    p.grid[1] = p.params.m_tiles;
-    p.grid[2] = p.params.k_parallel;
-    p.threads[0] = 256;
-    stem = "tc128";
+    throw std::invalid_argument(std::string("plan_quant_gemm: CUDA has no '") + variant_name(p.variant) +
+                                "' kernel (decode, dequant_blas, or fp32 activations)");
   }
   p.kernel = stem + "_" + format_name(f) + "_" + dtype_name(d);
   // K slices are summed inside the GEMM kernel by the last block of each tile to finish (no second

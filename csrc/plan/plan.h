@@ -24,7 +24,6 @@ struct DeviceCaps {
   Backend backend = Backend::CPU;
   int compute_units = 1;
   int max_shared_memory = 32768;  // threadgroup / shared memory per group, bytes
-  int64_t l2_cache_bytes = 0;     // CUDA: L2 size (0 = unknown: the planner assumes 40 MB)
 };
 
 // Kernel families of the FP4/INT4 GEMM. Every backend implements each family it plans.
@@ -35,8 +34,8 @@ enum class GemmVariant : int {
   TiledStaged,  // 2-D grid, double-buffered A and dequantized-B tiles in threadgroup memory
                 // (marlin_gemm_fp4 / marlin_gemm_u4 of the seed)
   Striped,      // 1-D grid, column-major stripes over the tile space, K-parallel slices
-  DequantBlas,  // CUDA, large M: dequantize column panels of B into an L2-sized scratch buffer and
-                // multiply each with cuBLAS (the CPU's Tiled variant is the same idea with MKL)
+  DequantBlas,  // CUDA, large M: dequantize column panels of B into a workspace and multiply each
+                // with cuBLAS (the CPU's Tiled variant is the same idea with MKL)
 };
 
 constexpr int64_t kDecodeMaxM = 16;
