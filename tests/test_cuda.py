@@ -133,9 +133,9 @@ def test_k_parallel(fmt, dtype, M):
 @pytest.mark.parametrize("fmt", ["fp4", "u4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
 def test_dequant_blas_two_panels(fmt, dtype):
-    # 32768 x 4208 x 2 B is over the 256 MiB panel cap: two panels (2176 + 2024 columns), and
-    # N = 4200 is not a multiple of 16 (padded weights). Weights made on the GPU (fast).
-    M, K, N, gs = 300, 32768, 4200, 128
+    # 65536 x 8208 x 2 B is over the 1 GiB panel cap: two panels (4224 + 3976 columns), and
+    # N = 8200 is not a multiple of 16 (padded weights). Weights made on the GPU (fast).
+    M, K, N, gs = 300, 65536, 8200, 128
     plan = plan_for(M, K, N, dtype)
     assert plan["variant"] == "dequant_blas" and plan["n_tiles"] == 2 and N % plan["tile_n"] != 0
     torch.manual_seed(0)

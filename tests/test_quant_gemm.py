@@ -222,9 +222,11 @@ def test_policy_cuda_kernels_by_m():
     assert plan(64)["kernel"] == "decode_fp4_half" and plan(64)["tile_m"] == 64
     big = plan(65, dtype=torch.bfloat16)
     assert big["kernel"] == "dequant_blas_fp4_bfloat" and big["k_parallel"] == 1
-    # A whole-N panel would be 28672 x 8192 x 2 B = 448 MiB > 256 MiB: two panels of 4096 columns.
-    assert big["tile_n"] == 4096 and big["n_tiles"] == 2 and big["workspace_bytes"] == 28672 * 4096 * 2
-    assert plan(4096, K=4096, N=4096)["tile_n"] == 4096  # one panel
+    # One panel of all of N (28672 x 8192 x 2 B = 448 MiB); past the 1 GiB cap N is split evenly
+    # in 128-column multiples: 53248 x 16384 x 2 B = 1.6 GiB -> two panels of 8192 columns.
+    assert big["tile_n"] == 8192 and big["n_tiles"] == 1 and big["workspace_bytes"] == 28672 * 8192 * 2
+    huge = plan(4096, K=53248, N=16384)
+    assert huge["tile_n"] == 8192 and huge["n_tiles"] == 2
     assert plan(1024, K=256, N=200)["tile_n"] == 208  # all of N, padded to 16 columns
     assert plan(200, dtype=torch.float32)["kernel"] == "simt_fp4_float"
     with pytest.raises(ValueError, match="CUDA has no 'tiled' kernel"):
