@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# ncu on the decode and tensor-core kernels (run after building in place); reports to $OUT.
+# ncu on the decode kernel and the dequant kernel of dequant_blas (run after building in place);
+# reports to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/cuda_results}"; mkdir -p "$OUT"
@@ -14,13 +15,13 @@ prof() {  # name kernel-regex args...
 prof decode_m1 decode_kernel fp4 1 28672 8192
 prof decode_m16 decode_kernel u4 16 4096 4096
 prof decode_m64 decode_kernel fp4 64 4096 4096
-prof tc128_m4096 tc_kernel fp4 4096 4096 4096
+prof dequant_m4096 dequant_kernel fp4 4096 28672 8192
 SO=$(ls torch_marlin/_C*.so | head -1)
 cuobjdump -sass "$SO" > /tmp/all.sass 2>/dev/null
 python - <<'PY' > "$OUT/sass_kernels.txt"
 import re
 txt = open('/tmp/all.sass').read()
-for name in ['decode_kernelI6__halfLj0E', 'tc_kernelI6__halfLj0ELi4E']:
+for name in ['decode_kernelI6__halfLj0E', 'dequant_kernelI6__halfLj0E']:
     i = txt.find(name)
     j = txt.find('Function :', i + 10)
     body = txt[i:j if j > 0 else None]

@@ -100,7 +100,7 @@ def test_n_multiple_of_16_not_64(fmt, dtype, M):
 @pytest.mark.parametrize("M", [1, 9, 20, 100])
 def test_other_group_sizes(fmt, dtype, group_size, M):
     # group_size 16 (not a multiple of 32) takes the per-weight-scale decode path, 96 the folded-scale
-    # one with 3 chunks per group (the matrix above: 32/64/128); both the multi-group K tiles of tc128.
+    # one with 3 chunks per group (the matrix above: 32/64/128); M = 100 dequantizes them for cuBLAS.
     case(fmt, M, 1536, 200, group_size, dtype, True)
 
 
