@@ -3,7 +3,7 @@
     compute-sanitizer --tool memcheck  python scripts/cuda_sanitize_subset.py
     compute-sanitizer --tool racecheck python scripts/cuda_sanitize_subset.py --no-blas
 
-Covers: decode with 1/2/4/8 n8 tiles, folded and per-weight scales, a partial last K chunk
+Covers: decode with 1/2/4/8 n8 tiles and two 64-row tiles, folded and per-weight scales, a partial last K chunk
 (K-parallel and not, fp16/bf16, fp4/u4), dequant_blas (padded N, N % 8 != 0; racecheck skips
 these: our dequant kernel uses no shared memory and cuBLAS's kernels are not ours), the in-kernel K-slice reduction, the fp32 simt kernel and the dequant kernel
 (16-byte row stores and the scalar tail). Also
@@ -22,6 +22,7 @@ CASES = [  # fmt, M, K, N, group_size, dtype
     ("u4", 16, 288, 200, 32, torch.bfloat16),     # decode (2 tiles, folded), one slice, padded N
     ("fp4", 40, 2048, 136, 64, torch.bfloat16),   # decode with 8 n8 tiles, K-parallel
     ("u4", 24, 512, 96, 128, torch.float16),      # decode with 4 n8 tiles
+    ("u4", 100, 2048, 136, 64, torch.bfloat16),   # decode, two 64-row tiles, K-parallel
     ("fp4", 65, 4096, 1800, 128, torch.float16),    # dequant_blas, padded N
     ("u4", 130, 288, 203, 32, torch.bfloat16),      # dequant_blas, one panel, N % 8 != 0
     ("fp4", 5, 1536, 72, 96, torch.float16),      # decode, folded scales, 3 chunks per group

@@ -79,7 +79,7 @@ def case(fmt, M, K, N, group_size, dtype, with_bias, seed=0):
 @pytest.mark.parametrize("fmt", ["fp4", "u4"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("K,group_size", [(288, 32), (256, 64), (384, 128)])
-@pytest.mark.parametrize("M", [0, 1, 3, 16, 17, 64, 257])
+@pytest.mark.parametrize("M", [0, 1, 3, 16, 17, 64, 100, 257])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matrix(fmt, dtype, K, group_size, M, with_bias):
     # N = 200: not a multiple of 64 nor of 16 (exercises the padded-weight path and edge tiles).
@@ -122,7 +122,7 @@ def plan_for(M, K, N, dtype):
 
 @pytest.mark.parametrize("fmt", ["fp4", "u4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("M", [1, 5, 16, 48])
+@pytest.mark.parametrize("M", [1, 5, 16, 48, 100])
 def test_k_parallel(fmt, dtype, M):
     K, N = 4096, 328
     assert plan_for(M, K, N, dtype)["k_parallel"] > 1, "shape meant to exercise K-parallel slices"
@@ -149,7 +149,7 @@ def test_dequant_blas_two_panels(fmt, dtype):
     check_close(C, ref, dtype)
 
 
-@pytest.mark.parametrize("M", [4, 64, 300])
+@pytest.mark.parametrize("M", [4, 64, 128, 300])
 def test_deterministic(M):
     K, N = 8192, 1024
     plan = plan_for(M, K, N, torch.float16)

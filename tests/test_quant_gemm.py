@@ -214,13 +214,15 @@ def test_policy_metal_kernels_by_shape():
 
 
 def test_policy_cuda_kernels_by_m():
-    # Planned without a GPU: decode up to 64 rows, dequantized panels + cuBLAS above, the plain
+    # Planned without a GPU: decode up to 128 rows, dequantized panels + cuBLAS above, the plain
     # fp32 kernel for fp32 activations.
     def plan(M, K=28672, N=8192, dtype=torch.float16, variant="auto"):
         return torch_marlin.plan_gemm("fp4", M, K, N, dtype=dtype, device="cuda", compute_units=132,
                                       variant=variant)
     assert plan(64)["kernel"] == "decode_fp4_half" and plan(64)["tile_m"] == 64
-    big = plan(65, dtype=torch.bfloat16)
+    two = plan(100)  # two 64-row decode tiles along grid.x
+    assert two["kernel"] == "decode_fp4_half" and two["m_tiles"] == 2 and two["grid"][:2] == (2, 256)
+    big = plan(129, dtype=torch.bfloat16)
     assert big["kernel"] == "dequant_blas_fp4_bfloat" and big["k_parallel"] == 1
     # One panel of all of N (28672 x 8192 x 2 B = 448 MiB); past the 1 GiB cap N is split evenly
     # in 128-column multiples: 53248 x 16384 x 2 B = 1.6 GiB -> two panels of 8192 columns.

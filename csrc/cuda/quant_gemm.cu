@@ -279,10 +279,13 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
   extern __shared__ __align__(16) unsigned char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const u32 n0 = blockIdx.x * 32u;
+  // blockIdx.x: row tile (fastest: the row tiles of a column tile run together and share its
+  // weights through L2), y: 32-column tile, z: K slice.
+  const u32 m0 = blockIdx.x * (8u * NT);
+  const u32 n0 = blockIdx.y * 32u;
   // Columns past Np (the last tile when Np % 32 == 16) read column 0: their outputs are dropped.
   const u32 col = n0 + 4u * g < Np ? n0 + 4u * g : 0u;
-  const u32 slice = blockIdx.y;
+  const u32 slice = blockIdx.z;
   const u32 k_begin = slice * p.k_slice_len;
   const u32 k_end = min(p.K, k_begin + p.k_slice_len);
   const u32 c_begin = k_begin / 32u, c_end = (k_end + 31u) / 32u;
@@ -300,7 +303,7 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
   const uint4* ap[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
-    ap[nt] = reinterpret_cast<const uint4*>(A + size_t(min(u32(8 * nt + g), p.M - 1u)) * p.K + size_t(wc0) * 32u + 8u * t);
+    ap[nt] = reinterpret_cast<const uint4*>(A + size_t(min(m0 + u32(8 * nt + g), p.M - 1u)) * p.K + size_t(wc0) * 32u + 8u * t);
 
   // acc[nt][jp][c]: A rows g / g+8 (c >> 1) = columns col + 2jp + (c >> 1), activation row
   // 8nt + 2t + (c & 1).
@@ -481,7 +484,7 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
     float sum = 0.f;
 #pragma unroll
     for (int w = 0; w < kDecWarps; ++w) sum += red[(w * 8 + e) * 32 + l];
-    const u32 row = 8u * nt + 2u * (l & 3) + (e & 1);
+    const u32 row = m0 + 8u * nt + 2u * (l & 3) + (e & 1);
     const u32 n = n0 + 4u * (l >> 2) + 2u * (e >> 2) + ((e >> 1) & 1);
     if (row < p.M && n < p.N) {
       if (p.k_parallel > 1) {
@@ -492,7 +495,8 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
       }
     }
   }
-  if (p.k_parallel > 1) last_block_reduce<T>(p, blockIdx.x, 0, 8 * NT, n0, 32, ws, bias, C, counters);
+  if (p.k_parallel > 1)
+    last_block_reduce<T>(p, blockIdx.y * gridDim.x + blockIdx.x, m0, 8 * NT, n0, 32, ws, bias, C, counters);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -643,7 +647,7 @@ void check_launch(const char* what) {
 template <typename T, u32 FMT, int NT, bool kFold>
 void launch_decode(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const u32* B, const T* S, const uint8_t* Z,
                    const T* bias, T* C, float* ws, int* counters, cudaStream_t stream) {
-  const dim3 grid(plan.grid[0], plan.grid[1], 1);
+  const dim3 grid(plan.grid[0], plan.grid[1], plan.grid[2]);
   decode_kernel<T, FMT, NT, kFold><<<grid, kDecThreads, kDecSmemBytes, stream>>>(plan.params, Np, gs_shift, A, B, S, Z, bias,
                                                                               C, ws, counters);
   check_launch(plan.kernel.c_str());
@@ -706,7 +710,8 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
 
   if (k.rfind("decode_", 0) == 0) {
     const uint32_t nt = plan.params.tile_m / 8u;
-    TORCH_CHECK(plan.params.tile_m % 8u == 0 && a.M <= int64_t(plan.params.tile_m) &&
+    TORCH_CHECK(plan.params.tile_m % 8u == 0 && a.M <= int64_t(plan.params.tile_m) * plan.params.m_tiles &&
+                    plan.grid[0] == plan.params.m_tiles && plan.grid[1] == plan.params.n_tiles &&
                     plan.threads[0] == u32(kDecThreads) && plan.params.tile_n == TM_CUDA_DECODE_TILE_N,
                 "torch_marlin: bad decode plan");
     const bool fold = a.group_size % 32 == 0;  // a 32-row chunk never straddles two groups

@@ -47,7 +47,10 @@ DeviceCaps default_metal_caps() {
 
 namespace {
 
-constexpr int64_t kCudaDecodeMaxM = 64;  // plan_cuda: decode tiles of 16, 32 or 64 rows
+// plan_cuda: one decode tile of 8, 16, 32 or 64 rows up to 64, then 64-row tiles (a grid dimension)
+// up to 128: two 64-row passes beat dequant + cuBLAS at M = 96..128 on all five issue shapes
+// (0.54..0.81x against 0.42..0.57x of cuBLAS, H100), at 160..192 only on some.
+constexpr int64_t kCudaDecodeMaxM = 128;
 // Largest dequantized panel plan_cuda's DequantBlas makes (the op's transient workspace).
 // One panel of all of N measured fastest (H100, 28672 x 8192 at M = 4096: 2783 us whole against
 // 3133 us in two 4096-column panels); the cap bounds the workspace of layers past ~500M weights.
@@ -57,8 +60,8 @@ constexpr int64_t kCudaPanelMaxBytes = int64_t(1) << 30;
 int64_t decode_kernel_max_m(Backend b) { return b == Backend::CUDA ? kCudaDecodeMaxM : kDecodeMaxM; }
 
 // Rows up to which the policy picks decode, measured per backend (docs/benchmarks.md):
-//  - CUDA: its decode kernel streams the weights once for up to 4 m16 tensor-core tiles (fp32
-//    activations have no tensor-core path: 16);
+//  - CUDA: its decode kernel streams the weights once per 64 rows (kCudaDecodeMaxM); fp32
+//    activations have no tensor-core path: 16;
 //  - CPU: decode re-decodes the weights per 4-row chunk and is compute bound; from 9 rows on the
 //    dequantize-chunk + BLAS path is faster (4096x4096: 6.3 ms decode vs ~6 ms tiled at M = 8,
 //    13 ms vs 9 ms at M = 16);
@@ -197,18 +200,21 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     // (2 blocks per SM, 1 for 64 rows: decode_kernel's __launch_bounds__), never a second wave,
     // and slices of at least 1024 rows (N past the slots' columns gets a second wave, unsplit).
     // M is padded to 8, 16, 32 or 64 rows (1, 2, 4 or 8 n8 mma tiles: the activations are the
-    // mma's n dimension). Geometry from quant_gemm_params.h (shared with the kernel): 8 warps
+    // mma's n dimension); above 64 rows, 64-row tiles along grid.x (each streams the weights once
+    // more, mostly from L2). Geometry from quant_gemm_params.h (shared with the kernel): 8 warps
     // over 32 columns.
     constexpr uint32_t kKStep = 32 * TM_CUDA_DECODE_WARPS;
     const uint32_t tile_m = M <= 8 ? 8 : (M <= 16 ? 16 : (M <= 32 ? 32 : 64));
     const int64_t blocks_per_sm = TM_CUDA_DECODE_BLOCKS_PER_SM(tile_m);
     set_tiles(p, M, N, tile_m, TM_CUDA_DECODE_TILE_N);
     const int64_t capacity = int64_t(caps.compute_units) * blocks_per_sm;
-    const int64_t by_slots = std::max<int64_t>(1, capacity / p.params.n_tiles);
+    const int64_t tiles = int64_t(p.params.m_tiles) * p.params.n_tiles;
+    const int64_t by_slots = std::max<int64_t>(1, capacity / tiles);
     const int64_t by_k = std::max<int64_t>(1, K / 1024);
     set_k_parallel(p, K, uint32_t(std::min<int64_t>({by_slots, by_k, 16})), kKStep);
-    p.grid[0] = p.params.n_tiles;
-    p.grid[1] = p.params.k_parallel;
+    p.grid[0] = p.params.m_tiles;  // row tiles fastest: they share each column tile's weights in L2
+    p.grid[1] = p.params.n_tiles;
+    p.grid[2] = p.params.k_parallel;
     p.threads[0] = 32 * TM_CUDA_DECODE_WARPS;
     stem = "decode";
   } else if (p.variant == GemmVariant::DequantBlas) {
@@ -291,7 +297,7 @@ GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, in
     throw std::invalid_argument("plan_quant_gemm: the dequant_blas variant is CUDA fp16/bf16 only");
   }
   if (p.variant == GemmVariant::Decode && M > decode_kernel_max_m(caps.backend)) {
-    throw std::invalid_argument("plan_quant_gemm: the decode variant handles M <= 16 only (64 on CUDA)");
+    throw std::invalid_argument("plan_quant_gemm: the decode variant handles M <= 16 only (128 on CUDA)");
   }
 
   switch (caps.backend) {
