@@ -2,13 +2,14 @@
 //
 // Every launch executes a GemmPlan from plan_cuda (csrc/plan/plan.cpp); the kernel tag says which
 // kernel, the params struct carries the geometry. Kernels:
-//   decode_*   M <= 64. mma.sync m16n8k16 with the dequantized weights as the A operand and the
-//              activations (M padded to 8, 16, 32 or 64) as the n dimension. Packed weights
-//              stream from global memory into a register ring with 16-byte loads, each word read
-//              once for all rows. 8 warps per block split the block's K slice and reduce in shared
-//              memory in a fixed order; grid.y K slices write fp32 partials and the last block of
-//              each tile sums them in slice order (deterministic, no second launch).
-//   dequant_blas  M > 64. Each column panel of B is dequantized into a workspace (the dequant
+//   decode_*   M <= 128. mma.sync m16n8k16 with the dequantized weights as the A operand and the
+//              activations (M padded to 8, 16, 32 or 64; 64-row tiles along grid.x above) as the
+//              n dimension. Packed weights stream from global memory into a register ring with
+//              16-byte loads, each word read once per row tile. 8 warps per block split the
+//              block's K slice and reduce in shared memory in a fixed order; grid.z K slices write
+//              fp32 partials and the last block of each tile sums them in slice order
+//              (deterministic, no second launch).
+//   dequant_blas  M > 128. Each column panel of B is dequantized into a workspace (the dequant
 //              kernel below) and multiplied by cuBLAS (at::mm_out) into C's columns: at these M
 //              a dense fp16 GEMM is compute bound, and cuBLAS's is faster than any fused kernel
 //              we had (docs/cuda.md has the measurements).
@@ -230,7 +231,7 @@ __device__ void last_block_reduce(const QuantGemmParams& p, u32 tile, u32 m0, u3
 }
 
 // ---------------------------------------------------------------------------------------------
-// Decode kernel: M <= 64
+// Decode kernel: M <= 128 (64-row tiles above 64)
 // ---------------------------------------------------------------------------------------------
 // Streams the packed weights once; the loop spends as few instructions per 16-byte chunk as it can
 // (scripts/sass_loop_stats.py: about 95 for FP4/fp16 with M <= 8 and folded scales, 228 before

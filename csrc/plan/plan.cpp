@@ -175,11 +175,11 @@ void plan_metal(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTy
 // ---- CUDA -----------------------------------------------------------------------------------
 // Kernels in csrc/cuda/quant_gemm.cu; `kernel` is a tag the launcher switches on (docs/cuda.md).
 //  - fp32 activations: "simt_<fmt>_float", a plain CUDA-core kernel (8 rows x 128 columns per block).
-//  - Decode (M <= 64): "decode_<fmt>_<dtype>", mma.sync m16n8k16 with the weights as the A operand
-//    and M padded to 8/16/32/64 as the n dimension; a block is
+//  - Decode (M <= 128): "decode_<fmt>_<dtype>", mma.sync m16n8k16 with the weights as the A
+//    operand and M padded to 8/16/32/64 as the n dimension (64-row tiles above 64); a block is
 //    8 warps over 32 columns; each warp streams a contiguous run of 32-row K chunks and the 8 meet
-//    in shared memory; grid.y is the number of K slices (fp32 partials, summed in slice order by
-//    the last block of each tile inside the same kernel).
+//    in shared memory; grid = (row tiles, column tiles, K slices), the K slices' fp32 partials
+//    summed in slice order by the last block of each tile inside the same kernel.
 //  - Larger M: "dequant_blas_<fmt>_<dtype>": the dequant kernel writes column panels of B into
 //    the workspace and cuBLAS (at::mm_out) multiplies each into C's columns.
 void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DType d,
