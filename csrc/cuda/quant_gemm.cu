@@ -9,10 +9,10 @@
 //              block's K slice and reduce in shared memory in a fixed order; grid.z K slices write
 //              fp32 partials and the last block of each tile sums them in slice order
 //              (deterministic, no second launch).
-//   dequant_blas  M > 128. Each column panel of B is dequantized into a workspace (the dequant
-//              kernel below) and multiplied by cuBLAS (at::mm_out) into C's columns: at these M
-//              a dense fp16 GEMM is compute bound, and cuBLAS's is faster than any fused kernel
-//              we had (docs/cuda.md has the measurements).
+//   dequant_blas  M > 128. Each column panel of B (all of N up to 1 GiB) is dequantized into a
+//              workspace (the dequant kernel below) and multiplied by cuBLAS (at::mm_out) into C's
+//              columns: from 129 rows on that beats our decode kernel and the fused tensor-core
+//              kernel we had (docs/cuda.md has the measurements).
 //   simt       fp32 activations: a plain CUDA-core kernel (correct, not fast).
 //   dequant    [K, N] (or a column panel of it) in the scales' dtype.
 //
@@ -665,9 +665,9 @@ void launch_dequant(const QuantGemmArgs& a, const PaddedWeights& w, u32 n0, u32 
   check_launch("dequant");
 }
 
-// dequant_blas: per column panel, dequantize into the [K, tile_n] workspace (sized by the planner to
-// stay in L2) and let cuBLAS (at::mm_out: torch's handle, workspace and current stream) multiply
-// into C's columns. C's panel is a row-major view with leading dimension N, which torch passes to
+// dequant_blas: per column panel (plan_cuda: all of N unless over 1 GiB), dequantize into the
+// [K, tile_n] workspace and let cuBLAS (at::mm_out: torch's handle, workspace and current stream)
+// multiply into C's columns. C's panel is a row-major view with leading dimension N, which torch passes to
 // cuBLAS as is (no copy). Panels run in order on the stream, so one buffer serves them all.
 template <typename T, u32 FMT>
 void launch_dequant_blas(const GemmPlan& plan, const QuantGemmArgs& a, const PaddedWeights& w, at::Tensor& C,
