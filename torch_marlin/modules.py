@@ -26,7 +26,7 @@ class MarlinLinear(nn.Module):
     ``scales`` ``[K/group_size, N]``, ``zeros`` uint8 ``[K/group_size, N]`` (``u4`` only) and
     ``bias`` ``[N]``. ``K = in_features``, ``N = out_features``. Any leading batch dimensions;
     fp16, bf16 or fp32 inputs (scales and bias follow the input dtype). The op picks the decode
-    kernel for small M (<= 16 rows on Metal, 8 on CPU, 64 on CUDA) and the prefill kernel above
+    kernel for small M (<= 16 rows on Metal, 8 on CPU, 128 on CUDA) and the prefill kernel above
     (see :func:`torch_marlin.plan_gemm`).
     """
 
