@@ -23,7 +23,7 @@ CASES = [  # fmt, M, K, N, group_size, dtype
     ("fp4", 40, 2048, 136, 64, torch.bfloat16),   # decode with 8 n8 tiles, K-parallel
     ("u4", 24, 512, 96, 128, torch.float16),      # decode with 4 n8 tiles
     ("u4", 100, 2048, 136, 64, torch.bfloat16),   # decode, two 64-row tiles, K-parallel
-    ("fp4", 65, 4096, 1800, 128, torch.float16),    # dequant_blas, padded N
+    ("fp4", 200, 4096, 1800, 128, torch.float16),   # dequant_blas, padded N
     ("u4", 130, 288, 203, 32, torch.bfloat16),      # dequant_blas, one panel, N % 8 != 0
     ("fp4", 5, 1536, 72, 96, torch.float16),      # decode, folded scales, 3 chunks per group
     ("u4", 12, 1536, 72, 16, torch.bfloat16),     # decode, per-weight scales, 2 n8 tiles

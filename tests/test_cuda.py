@@ -25,9 +25,11 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 MAX_ERR = {torch.float16: 1e-2, torch.bfloat16: 4e-2, torch.float32: 1e-4}
 
 
-def make_weights(fmt, K, N, group_size, dtype, device="cuda", seed=0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    w = torch.randn(K, N, generator=g)
+def make_weights(fmt, K, N, group_size, dtype, device="cuda", seed=0, on_gpu=False):
+    # on_gpu: draw and quantize on the GPU (large shapes; the CPU path takes seconds there).
+    gen_device = "cuda" if on_gpu else "cpu"
+    g = torch.Generator(device=gen_device).manual_seed(seed)
+    w = torch.randn(K, N, generator=g, device=gen_device)
     if fmt == "fp4":
         B, s = quantize_fp4(w, group_size, scale_dtype=dtype)
         z = None
@@ -74,6 +76,21 @@ def case(fmt, M, K, N, group_size, dtype, with_bias, seed=0):
     return C
 
 
+def gpu_case(fmt, M, K, N, dtype, with_bias, seed, group_size=128):
+    """case() for large shapes: weights drawn and quantized on the GPU, reference in fp32 there."""
+    B, s, z = make_weights(fmt, K, N, group_size, dtype, seed=seed, on_gpu=True)
+    torch.manual_seed(seed)
+    A = torch.randn(M, K, device="cuda", dtype=dtype)
+    bias = torch.randn(N, device="cuda", dtype=dtype) if with_bias else None
+    C = run_op(fmt, A, B, s, z, group_size, bias)
+    W = reference_weight(fmt, B, s, z, group_size)
+    ref = A.float() @ W
+    del W
+    if bias is not None:
+        ref = ref + bias.float()
+    check_close(C, ref, dtype)
+
+
 # ---- The CPU test matrix, on CUDA ----------------------------------------------------------------
 # (K, group_size): K = 288 is not a multiple of the 64-row K tile (partial last tile).
 @pytest.mark.parametrize("fmt", ["fp4", "u4"])
@@ -100,7 +117,7 @@ def test_n_multiple_of_16_not_64(fmt, dtype, M):
 @pytest.mark.parametrize("M", [1, 9, 20, 100])
 def test_other_group_sizes(fmt, dtype, group_size, M):
     # group_size 16 (not a multiple of 32) takes the per-weight-scale decode path, 96 the folded-scale
-    # one with 3 chunks per group (the matrix above: 32/64/128); M = 100 dequantizes them for cuBLAS.
+    # one with 3 chunks per group (the matrix above: 32/64/128); M = 100 runs two 64-row tiles.
     case(fmt, M, 1536, 200, group_size, dtype, True)
 
 
@@ -134,19 +151,11 @@ def test_k_parallel(fmt, dtype, M):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
 def test_dequant_blas_two_panels(fmt, dtype):
     # 65536 x 8208 x 2 B is over the 1 GiB panel cap: two panels (4224 + 3976 columns), and
-    # N = 8200 is not a multiple of 16 (padded weights). Weights made on the GPU (fast).
-    M, K, N, gs = 300, 65536, 8200, 128
+    # N = 8200 is not a multiple of 16 (padded weights).
+    M, K, N = 300, 65536, 8200
     plan = plan_for(M, K, N, dtype)
     assert plan["variant"] == "dequant_blas" and plan["n_tiles"] == 2 and N % plan["tile_n"] != 0
-    torch.manual_seed(0)
-    w = torch.randn(K, N, device="cuda")
-    B, s, z = (*quantize_fp4(w, gs, scale_dtype=dtype), None) if fmt == "fp4" else quantize_u4(w, gs, scale_dtype=dtype)
-    del w
-    A = torch.randn(M, K, device="cuda", dtype=dtype)
-    bias = torch.randn(N, device="cuda", dtype=dtype)
-    C = run_op(fmt, A, B, s, z, gs, bias)
-    ref = A.float() @ reference_weight(fmt, B, s, z, gs) + bias.float()
-    check_close(C, ref, dtype)
+    gpu_case(fmt, M, K, N, dtype, with_bias=True, seed=0)
 
 
 @pytest.mark.parametrize("M", [4, 64, 128, 300])
@@ -166,21 +175,7 @@ def test_deterministic(M):
 @pytest.mark.parametrize("fmt,dtype", [("fp4", torch.float16), ("u4", torch.bfloat16)])
 @pytest.mark.parametrize("M", [1, 16, 4096])
 def test_large(fmt, dtype, M):
-    K, N, gs = 28672, 8192, 128
-    torch.manual_seed(M)
-    w = torch.randn(K, N, device="cuda")
-    if fmt == "fp4":
-        B, s = quantize_fp4(w, gs, scale_dtype=dtype)
-        z = None
-    else:
-        B, s, z = quantize_u4(w, gs, scale_dtype=dtype)
-    del w
-    A = torch.randn(M, K, device="cuda", dtype=dtype)
-    C = run_op(fmt, A, B, s, z, gs, None)
-    W = reference_weight(fmt, B, s, z, gs)
-    ref = A.float() @ W
-    del W
-    check_close(C, ref, dtype)
+    gpu_case(fmt, M, 28672, 8192, dtype, with_bias=False, seed=M)
 
 
 # ---- Streams, devices, alignment -------------------------------------------------------------------

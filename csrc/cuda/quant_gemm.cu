@@ -609,14 +609,13 @@ at::Tensor pad_cols(const at::Tensor& t, int64_t Np) {
   return out;
 }
 
-// B, scales and (U4) zeros with Np = N rounded up to 16 columns.
+// B, scales and (U4) zeros with N rounded up to 16 columns (B.size(1)).
 struct PaddedWeights {
   at::Tensor B, S, Z;
-  int64_t Np;
 };
 PaddedWeights padded_weights(const QuantGemmArgs& a) {
   const int64_t Np = (a.N + 15) / 16 * 16;
-  return {pad_cols(a.B, Np), pad_cols(a.scales, Np), a.zeros.defined() ? pad_cols(a.zeros, Np) : at::Tensor(), Np};
+  return {pad_cols(a.B, Np), pad_cols(a.scales, Np), a.zeros.defined() ? pad_cols(a.zeros, Np) : at::Tensor()};
 }
 
 // Per-tile arrival counters of the in-kernel K-slice reduction. One zeroed buffer per (device,
@@ -660,7 +659,7 @@ void launch_dequant(const QuantGemmArgs& a, const PaddedWeights& w, u32 n0, u32 
                     cudaStream_t stream) {
   const int threads = 256;
   dequant_kernel<T, FMT><<<grid_for(size_t(a.K / 8) * ((cols + 7) / 8), threads), threads, 0, stream>>>(
-      u32(a.K), u32(w.Np), u32(a.group_size), n0, cols, ldw, reinterpret_cast<const u32*>(w.B.data_ptr()),
+      u32(a.K), u32(w.B.size(1)), u32(a.group_size), n0, cols, ldw, reinterpret_cast<const u32*>(w.B.data_ptr()),
       reinterpret_cast<const T*>(w.S.data_ptr()), w.Z.defined() ? w.Z.data_ptr<uint8_t>() : nullptr, W);
   check_launch("dequant");
 }
@@ -692,7 +691,7 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
   const std::string& k = plan.kernel;
   const PaddedWeights w = padded_weights(a);
   if (k.rfind("dequant_blas_", 0) == 0) return launch_dequant_blas<T, FMT>(plan, a, w, C, ws, stream);
-  const int64_t Np = w.Np;
+  const int64_t Np = w.B.size(1);
   const at::Tensor &B = w.B, &S = w.S, &Z = w.Z;
   const at::Tensor A = aligned16(a.A) ? a.A : a.A.clone();
   const T* pA = reinterpret_cast<const T*>(A.data_ptr());

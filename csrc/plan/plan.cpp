@@ -230,8 +230,8 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     set_tiles(p, M, N, uint32_t(M), uint32_t(width));
     set_k_parallel(p, K, 1, TM_PACK_FACTOR);
     p.workspace_bytes = size_t(K) * p.params.tile_n * 2;  // fp16/bf16 panel, not fp32 partials
-    p.grid[0] = p.params.n_tiles;
-    p.threads[0] = 256;  // the dequant kernel's; cuBLAS picks its own launch
+    // grid/threads stay {1,1,1}: each panel is one dequant launch (sized by its own column count)
+    // and one cuBLAS GEMM, neither a grid this plan describes.
     stem = "dequant_blas";
   } else {
     throw std::invalid_argument(std::string("plan_quant_gemm: CUDA has no '") + variant_name(p.variant) +
