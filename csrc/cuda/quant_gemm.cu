@@ -29,11 +29,13 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda.h>  // CUtensorMap (the encoder is fetched from the driver at run time)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 #include <map>
 #include <mutex>
@@ -123,6 +125,12 @@ __device__ __forceinline__ T2 as_t2(u32 v) {
 template <typename T>
 __device__ __forceinline__ T t_from_bits(unsigned short b) {
   return *reinterpret_cast<T*>(&b);
+}
+
+// Two 16-bit values as one 32-bit word (lo first in memory).
+template <typename T>
+__device__ __forceinline__ u32 pack2(T lo, T hi) {
+  return u32(*reinterpret_cast<unsigned short*>(&lo)) | (u32(*reinterpret_cast<unsigned short*>(&hi)) << 16);
 }
 
 // Per-column dequant constants for one group: the scale pair and, for U4, (magic + zero) pair.
@@ -501,6 +509,334 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
 }
 
 // ---------------------------------------------------------------------------------------------
+// Stream kernel (sm_90): M <= 128, weights fed by the bulk tensor copy engine
+// ---------------------------------------------------------------------------------------------
+// The decode kernel above keeps at most 4 chunks per warp in flight in registers and is latency
+// bound (docs/cuda.md). Here a producer warp has one thread issue TMA copies of whole stages
+// (TM_CUDA_STREAM_STAGE_K rows of K x 256 columns of packed weights, the activations, scales and
+// zero points of those rows) into a ring of shared-memory stages that completes on mbarriers, so
+// tens of KB per SM are in flight with a handful of instructions. 8 consumer warps, 32 columns
+// each, read their operands from the ring and run the same mma.sync dequant/MMA step as the
+// decode kernel (weights = A operand, activations = the n dimension).
+//  - Work is split the seed's way (stripe_partitioning.md): the (column tile, row tile, K stage)
+//    units are numbered tile-major and every block takes one contiguous run of them, so all SMs
+//    get the same number of stages whatever the shape. A tile wholly inside one block goes
+//    straight to C; a tile split between blocks leaves fp32 partials in the block's slot of the
+//    workspace, and the last of its blocks to finish sums them in block order (deterministic).
+//  - Weights and activations are copied with the 128-byte swizzle, and lane (g, t) takes column
+//    quad pi(g) and activation row rho(g) (pi, rho: 2p -> p, 2p+1 -> p+4), so the 16-byte shared
+//    loads of a quarter warp hit 8 distinct bank quads (no conflicts).
+//  - The copies zero-fill outside the tensors: rows past M, rows of K past K (with zero scales),
+//    columns past N. Those contribute exact zeros, so no predicate is needed in the loop.
+constexpr int kStrWarps = int(TM_CUDA_STREAM_WARPS);
+constexpr int kStrThreads = (kStrWarps + 1) * 32;
+constexpr u32 kStrTileN = TM_CUDA_STREAM_TILE_N;
+constexpr u32 kStrStageK = TM_CUDA_STREAM_STAGE_K;
+constexpr u32 kStrChunks = kStrStageK / 32u;               // 32-row chunks per stage
+constexpr u32 kStrSlabBytes = kStrStageK / 8u * 128u;     // one warp's 32 columns of one stage
+static_assert(kStrTileN == 32u * TM_CUDA_STREAM_WARPS, "32 columns per consumer warp");
+static_assert(kStrStageK % 64u == 0u, "activation copies are 64 values (128 bytes) wide");
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return u32(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, u32 parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+// 2-D tensor copy global -> shared, completing on `bar` (x: innermost coordinate).
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int x, int y) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(
+          smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(x), "r"(y)
+      : "memory");
+}
+__device__ __forceinline__ uint4 lds128(const unsigned char* p) { return *reinterpret_cast<const uint4*>(p); }
+// The consumer warps' own barrier (the producer warp has left by then).
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(kStrWarps * 32) : "memory"); }
+
+// Units (tile, stage) of block b: [b * per_block, min(total, (b + 1) * per_block)).
+struct StripeSpan {
+  u32 stages;     // K stages per tile
+  u32 per_block;  // units per block
+  __device__ u32 first_block(u32 tile) const { return tile * stages / per_block; }
+  __device__ u32 last_block(u32 tile) const { return ((tile + 1u) * stages - 1u) / per_block; }
+  // The block's workspace slot of a tile it shares: 0 for the block's first tile, 1 for its last.
+  __device__ u32 slot(u32 b, u32 tile) const { return tile == b * per_block / stages ? 0u : 1u; }
+};
+
+template <typename T, u32 FMT, int NT, bool kFold>
+__global__ void __launch_bounds__(kStrThreads, TM_CUDA_STREAM_BLOCKS_PER_SM(8u * NT))
+    stream_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                  const __grid_constant__ CUtensorMap map_s, const __grid_constant__ CUtensorMap map_z,
+                  QuantGemmParams p, u32 n_stages, int gs_shift, const T* __restrict__ bias, T* __restrict__ C,
+                  float* __restrict__ ws, int* __restrict__ counters) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using T2 = typename Tr<T>::T2;
+  constexpr u32 TM = 8u * NT;
+  static_assert(!kFold || NT <= 2, "folded scales need a second accumulator set");
+  extern __shared__ unsigned char smem_raw[];
+  // 1 KiB alignment for the swizzled copies (the launcher asks for 1 KiB of slack).
+  unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);
+  uint64_t* empty = full + n_stages;
+  int* is_last = reinterpret_cast<int*>(empty + n_stages);
+  unsigned char* ring = smem + 1024;
+  const StreamStageLayout L = tm_cuda_stream_layout(TM, p.group_size, u32(sizeof(T)), FMT == TM_FORMAT_U4);
+  const u32 gs = p.group_size;
+  const u32 stages = (p.K + kStrStageK - 1u) / kStrStageK;
+  const u32 total = p.m_tiles * p.n_tiles * stages;
+  const StripeSpan span{stages, (total + gridDim.x - 1u) / gridDim.x};
+  const u32 u0 = blockIdx.x * span.per_block, u1 = min(total, u0 + span.per_block);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+
+  if (threadIdx.x == 0) {
+    for (u32 i = 0; i < n_stages; ++i) {
+      mbar_init(full + i, 1u);
+      mbar_init(empty + i, u32(kStrWarps * 32));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (u0 >= u1) return;
+
+  if (warp == kStrWarps) {
+    // Producer: one thread walks the block's units and refills each stage once its consumers have
+    // released it.
+    if (lane != 0) return;
+    for (u32 u = u0, i = 0; u < u1; ++u, ++i) {
+      const u32 st = i % n_stages;
+      if (i >= n_stages) mbar_wait(empty + st, ((i / n_stages) - 1u) & 1u);
+      const u32 tile = u / span.stages, k0 = (u % span.stages) * kStrStageK;
+      const int n0 = int((tile / p.m_tiles) * kStrTileN), m0 = int((tile % p.m_tiles) * TM);
+      unsigned char* buf = ring + size_t(st) * L.stage_bytes;
+      mbar_arrive_expect_tx(full + st, L.tx_bytes);
+#pragma unroll
+      for (int w = 0; w < kStrWarps; ++w)
+        tma_load_2d(buf + L.b_off + w * kStrSlabBytes, &map_b, full + st, n0 + 32 * w, int(k0 / 8u));
+#pragma unroll
+      for (u32 h = 0; h < kStrStageK / 64u; ++h)
+        tma_load_2d(buf + L.a_off + h * TM * 128u, &map_a, full + st, int(k0 + 64u * h), m0);
+      tma_load_2d(buf + L.s_off, &map_s, full + st, n0, int(k0 / gs));
+      if constexpr (FMT == TM_FORMAT_U4) tma_load_2d(buf + L.z_off, &map_z, full + st, n0, int(k0 / gs));
+    }
+    return;
+  }
+
+  // Consumers. Lane (g, t): columns 4 pi(g) .. +3 of the warp's 32, activation row rho(g) of each
+  // n8 tile, packed row t of each 4-row chunk.
+  const int g = lane >> 2, t = lane & 3;
+  const u32 quad = u32((g >> 1) + 4 * (g & 1));  // pi(g) = rho(g)
+  const u32 wcol = 32u * u32(warp) + 4u * quad;   // the lane's first column in the tile
+
+  float acc[NT][2][4];
+  float accg[NT][2][4];  // kFold: the current group's unscaled sums
+  float s4f[4];          // kFold: the current group's scales of the lane's 4 columns (fp32)
+  T2 zf[4];              // U4: (magic + zero) of the lane's 4 columns for the current group
+  auto zero = [](float(&x)[NT][2][4]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int jp = 0; jp < 2; ++jp)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) x[nt][jp][c] = 0.f;
+  };
+  auto flush_group = [&]() {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int jp = 0; jp < 2; ++jp)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          acc[nt][jp][c] = fmaf(accg[nt][jp][c], s4f[2 * jp + (c >> 1)], acc[nt][jp][c]);
+          accg[nt][jp][c] = 0.f;
+        }
+  };
+  // The lane's 4 scales (and zero points) of scale row `row` of a stage.
+  auto load_q = [&](const unsigned char* buf, u32 row, uint2& s4, u32& z4) {
+    s4 = *reinterpret_cast<const uint2*>(buf + L.s_off + (row * kStrTileN + wcol) * sizeof(T));
+    z4 = FMT == TM_FORMAT_U4 ? *reinterpret_cast<const u32*>(buf + L.z_off + row * kStrTileN + wcol) : 0u;
+  };
+  auto take_group = [&](const unsigned char* buf, u32 row) {
+    uint2 s4;
+    u32 z4;
+    load_q(buf, row, s4, z4);
+    const T* sp = reinterpret_cast<const T*>(&s4);
+    // FP4 in fp16 is dequantized at 2^-14 x value; the 2^14 goes into the fp32 scale.
+    constexpr float f = (FMT == TM_FORMAT_FP4 && std::is_same<T, __half>::value) ? 16384.f : 1.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) s4f[j] = Tr<T>::to_f(sp[j]) * f;
+    if constexpr (FMT == TM_FORMAT_U4) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        zf[j] = Tr<T>::dup(Tr<T>::from_f(Tr<T>::kMagicF + float((z4 >> (8 * j)) & 0xFFu)));
+    }
+  };
+
+  // Writes the finished tile: to C when this block computed all of it, else to its workspace slot.
+  auto store_tile = [&](u32 tile) {
+    const u32 n0 = (tile / p.m_tiles) * kStrTileN, m0 = (tile % p.m_tiles) * TM;
+    const bool whole = span.first_block(tile) == span.last_block(tile);
+    float* part = ws + (size_t(blockIdx.x) * 2u + span.slot(blockIdx.x, tile)) * (TM * kStrTileN);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int jp = 0; jp < 2; ++jp)
+#pragma unroll
+        for (int cb = 0; cb < 2; ++cb) {
+          const u32 r = 8u * nt + u32(t) + 4u * cb, c = wcol + 2u * jp;  // tile-local row, column
+          const u32 row = m0 + r, n = n0 + c;
+          if (row >= p.M) continue;
+          float v0 = acc[nt][jp][cb], v1 = acc[nt][jp][cb + 2];
+          if (!whole) {
+            *reinterpret_cast<float2*>(part + r * kStrTileN + c) = make_float2(v0, v1);
+            continue;
+          }
+          if (n >= p.N) continue;
+          if (p.has_bias) {
+            v0 += Tr<T>::to_f(bias[n]);
+            if (n + 1u < p.N) v1 += Tr<T>::to_f(bias[n + 1u]);
+          }
+          T* dst = C + size_t(row) * p.N + n;
+          if (n + 1u < p.N && (p.N % 2u) == 0u) {
+            *reinterpret_cast<u32*>(dst) = pack2<T>(Tr<T>::from_f(v0), Tr<T>::from_f(v1));
+          } else {
+            dst[0] = Tr<T>::from_f(v0);
+            if (n + 1u < p.N) dst[1] = Tr<T>::from_f(v1);
+          }
+        }
+  };
+
+  u32 tile = ~0u;
+  u32 left = 0;  // kFold: chunks left in the current group
+  const u32 cpg = gs / 32u;
+  for (u32 u = u0, i = 0; u < u1; ++u, ++i) {
+    const u32 st = i % n_stages;
+    const u32 ut = u / span.stages, s = u % span.stages;
+    if (ut != tile) {  // a new tile: store the last one, start from zero
+      if (tile != ~0u) {
+        if constexpr (kFold) {
+          if (left != 0u) flush_group();  // a group cut by the tile's end (never: K % group == 0)
+        }
+        store_tile(tile);
+      }
+      tile = ut;
+      zero(acc);
+      if constexpr (kFold) {
+        zero(accg);
+        left = 0;  // the first chunk takes its group's scales
+      }
+    }
+    mbar_wait(full + st, (i / n_stages) & 1u);
+    const unsigned char* buf = ring + size_t(st) * L.stage_bytes;
+    const u32 k0 = s * kStrStageK, grp0 = k0 / gs;
+    const unsigned char* bw = buf + L.b_off + warp * kStrSlabBytes;
+#pragma unroll
+    for (u32 c = 0; c < kStrChunks; ++c) {
+      const u32 row = 4u * c + u32(t);  // packed row of the slab
+      const uint4 words = lds128(bw + row * 128u + (((quad ^ row) & 7u) << 4));
+      uint4 av[NT];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const u32 ar = 8u * nt + quad;  // activation row rho(g) of tile nt; its swizzle phase is quad
+        av[nt] = lds128(buf + L.a_off + (c >> 1) * TM * 128u + ar * 128u + ((((c & 1u) * 4u + u32(t)) ^ quad) << 4));
+      }
+      u32 b[4][4];
+      if constexpr (kFold) {
+        if (left == 0u) {  // warp-uniform: this chunk starts a group
+          take_group(buf, (k0 + 32u * c) / gs - grp0);
+          left = cpg - ((k0 + 32u * c) / 32u) % cpg;
+        }
+        const u32 w[4] = {words.x, words.y, words.z, words.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          b[j][0] = dequant_pair_fold<T, FMT, 0>(w[j], zf[j]);
+          b[j][1] = dequant_pair_fold<T, FMT, 1>(w[j], zf[j]);
+          b[j][2] = dequant_pair_fold<T, FMT, 2>(w[j], zf[j]);
+          b[j][3] = dequant_pair_fold<T, FMT, 3>(w[j], zf[j]);
+        }
+      } else {
+        uint2 s4;
+        u32 z4;
+        const u32 k = k0 + 32u * c + 8u * u32(t);
+        load_q(buf, (gs_shift >= 0 ? k >> gs_shift : k / gs) - grp0, s4, z4);
+        ColQ<T> q[4];
+        make_colq<T, FMT>(q, s4, z4);
+        dequant_words<T, FMT>(b, words, q);
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const APairs x = a_pairs(av[nt]);
+        float(&d)[2][4] = kFold ? accg[nt] : acc[nt];
+#pragma unroll
+        for (int sk = 0; sk < 2; ++sk)
+#pragma unroll
+          for (int jp = 0; jp < 2; ++jp) {
+            const u32 a[4] = {b[2 * jp][2 * sk], b[2 * jp + 1][2 * sk], b[2 * jp][2 * sk + 1],
+                              b[2 * jp + 1][2 * sk + 1]};
+            Tr<T>::mma(d[jp], a, x.p[2 * sk], x.p[2 * sk + 1]);
+          }
+      }
+      if constexpr (kFold) {
+        if (--left == 0u) flush_group();
+      }
+    }
+    mbar_arrive(empty + st);
+  }
+  if constexpr (kFold) {
+    if (left != 0u) flush_group();
+  }
+  store_tile(tile);
+
+  // Tiles shared with other blocks (at most the first and the last of this block's run): the last
+  // block to finish one sums every block's partial in block order (+ bias) into C.
+  const u32 ends[2] = {u0 / span.stages, (u1 - 1u) / span.stages};
+  for (int e = 0; e < (ends[0] == ends[1] ? 1 : 2); ++e) {
+    const u32 tl = ends[e];
+    const u32 b_lo = span.first_block(tl), b_hi = span.last_block(tl);
+    if (b_lo == b_hi) continue;
+    __threadfence();  // this block's partials are visible device-wide before it is counted
+    consumer_sync();
+    if (threadIdx.x == 0) *is_last = atomicAdd(counters + tl, 1) == int(b_hi - b_lo);
+    consumer_sync();
+    if (*is_last) {
+      __threadfence();
+      const u32 n0 = (tl / p.m_tiles) * kStrTileN, m0 = (tl % p.m_tiles) * TM;
+      const u32 rows = min(TM, p.M - m0);
+      for (u32 v = threadIdx.x; v < rows * kStrTileN; v += kStrWarps * 32u) {
+        const u32 n = n0 + v % kStrTileN;
+        if (n >= p.N) continue;
+        float sum = 0.f;
+        for (u32 b = b_lo; b <= b_hi; ++b)  // L2 loads: other blocks wrote these
+          sum += __ldcg(ws + (size_t(b) * 2u + span.slot(b, tl)) * (TM * kStrTileN) + v);
+        if (p.has_bias) sum += Tr<T>::to_f(bias[n]);
+        C[size_t(m0 + v / kStrTileN) * p.N + n] = Tr<T>::from_f(sum);
+      }
+      if (threadIdx.x == 0) counters[tl] = 0;  // re-armed for the next launch on this stream
+    }
+    consumer_sync();  // is_last is read by all before the next tile rewrites it
+  }
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
 // Plain fp32 kernel, standalone dequant
 // ---------------------------------------------------------------------------------------------
 template <u32 FMT>
@@ -644,6 +980,79 @@ void check_launch(const char* what) {
   TORCH_CHECK(e == cudaSuccess, "torch_marlin: CUDA launch of ", what, " failed: ", cudaGetErrorString(e));
 }
 
+// ---- Tensor maps for the stream kernel's bulk copies -------------------------------------------
+// cuTensorMapEncodeTiled lives in the driver API; torch links only the runtime, which hands out the
+// driver's entry point.
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiledFn tensor_map_encoder() {
+  static const EncodeTiledFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+#if CUDART_VERSION >= 12050
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found));
+#else
+    C10_CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &f, cudaEnableDefault, &found));
+#endif
+    TORCH_CHECK(found == cudaDriverEntryPointSuccess && f != nullptr,
+                "torch_marlin: the CUDA driver has no cuTensorMapEncodeTiled (needs CUDA 12+)");
+    return reinterpret_cast<EncodeTiledFn>(f);
+  }();
+  return fn;
+}
+
+// A row-major [outer, inner] tensor (row stride row_bytes) copied in boxes of box_outer x box_inner
+// elements; outside the tensor the copy engine writes zeros.
+CUtensorMap tensor_map_2d(const void* base, CUtensorMapDataType type, uint64_t inner, uint64_t outer,
+                          uint64_t row_bytes, uint32_t box_inner, uint32_t box_outer, bool swizzle_128b) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {inner, outer};
+  const cuuint64_t strides[1] = {row_bytes};
+  const cuuint32_t box[2] = {box_inner, box_outer};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r = tensor_map_encoder()(
+      &map, type, 2, const_cast<void*>(base), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      swizzle_128b ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "torch_marlin: cuTensorMapEncodeTiled failed (error ", int(r), ") for a ", outer,
+              " x ", inner, " tensor");
+  return map;
+}
+
+template <typename T, u32 FMT, int NT, bool kFold>
+void launch_stream(const GemmPlan& plan, const QuantGemmArgs& a, const PaddedWeights& w, const at::Tensor& A,
+                   int gs_shift, const T* bias, T* C, float* ws, int* counters, cudaStream_t stream) {
+  const uint64_t Np = uint64_t(w.B.size(1)), K = uint64_t(a.K), G = uint64_t(a.K / a.group_size);
+  const u32 tm = plan.params.tile_m, rows = tm_cuda_stream_scale_rows(u32(a.group_size));
+  // Activations [M, K] in boxes of tile_m rows x 64 values; packed weights [K/8, Np] in 32-column
+  // slabs of one stage; scales and zero points [G, Np] in 256-column boxes of `rows` groups.
+  const CUtensorMap ma = tensor_map_2d(A.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT16, K, uint64_t(a.M), K * 2, 64, tm, true);
+  const CUtensorMap mb = tensor_map_2d(w.B.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT32, Np, K / 8, Np * 4, 32,
+                                       TM_CUDA_STREAM_STAGE_K / 8, true);
+  const CUtensorMap ms = tensor_map_2d(w.S.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT16, Np, G, Np * 2,
+                                       TM_CUDA_STREAM_TILE_N, rows, false);
+  const CUtensorMap mz = FMT == TM_FORMAT_U4 ? tensor_map_2d(w.Z.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, Np, G, Np,
+                                                             TM_CUDA_STREAM_TILE_N, rows, false)
+                                             : ms;  // unused
+  auto kernel = stream_kernel<T, FMT, NT, kFold>;
+  const int smem = int(plan.shared_bytes);
+  {  // per instantiation and device: raise the dynamic shared-memory limit to the largest plan seen
+    static std::mutex mu;
+    static std::map<int, int> limit;
+    std::lock_guard<std::mutex> lock(mu);
+    int& have = limit[int(a.A.device().index())];
+    if (smem > have) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      have = smem;
+    }
+  }
+  kernel<<<plan.grid[0], kStrThreads, smem, stream>>>(ma, mb, ms, mz, plan.params, plan.stages, gs_shift, bias, C, ws,
+                                                       counters);
+  check_launch(plan.kernel.c_str());
+}
+
 template <typename T, u32 FMT, int NT, bool kFold>
 void launch_decode(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const u32* B, const T* S, const uint8_t* Z,
                    const T* bias, T* C, float* ws, int* counters, cudaStream_t stream) {
@@ -708,7 +1117,24 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
     counters = tile_counters(int64_t(plan.params.m_tiles) * plan.params.n_tiles, a.A.device(), stream);
   }
 
-  if (k.rfind("decode_", 0) == 0) {
+  if (k.rfind("stream_", 0) == 0) {
+    const uint32_t nt = plan.params.tile_m / 8u;
+    TORCH_CHECK(plan.params.tile_m % 8u == 0 && a.M <= int64_t(plan.params.tile_m) * plan.params.m_tiles &&
+                    plan.threads[0] == u32(kStrThreads) && plan.params.tile_n == TM_CUDA_STREAM_TILE_N &&
+                    plan.params.k_slice_len == TM_CUDA_STREAM_STAGE_K && plan.stages >= 2 &&
+                    plan.grid[0] == plan.params.num_groups,
+                "torch_marlin: bad stream plan");
+    const bool fold = a.group_size % 32 == 0;  // a 32-row chunk never straddles two groups
+#define TM_STREAM(NT_, FOLD_) \
+  launch_stream<T, FMT, NT_, FOLD_>(plan, a, w, A, gs_shift, pbias, pC, pws, counters, stream)
+    if (nt == 8) TM_STREAM(8, false);
+    else if (nt == 4) TM_STREAM(4, false);
+    else if (nt == 2 && fold) TM_STREAM(2, true);
+    else if (nt == 2) TM_STREAM(2, false);
+    else if (fold) TM_STREAM(1, true);
+    else TM_STREAM(1, false);
+#undef TM_STREAM
+  } else if (k.rfind("decode_", 0) == 0) {
     const uint32_t nt = plan.params.tile_m / 8u;
     TORCH_CHECK(plan.params.tile_m % 8u == 0 && a.M <= int64_t(plan.params.tile_m) * plan.params.m_tiles &&
                     plan.grid[0] == plan.params.m_tiles && plan.grid[1] == plan.params.n_tiles &&
@@ -777,8 +1203,18 @@ DeviceCaps cuda_device_caps(int device_index) {
     cache[dev].backend = Backend::CUDA;
     cache[dev].compute_units = sms;
     cache[dev].max_shared_memory = smem;
+    int major = 0, minor = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    cache[dev].arch = 10 * major + minor;
   }
   DeviceCaps caps = cache[dev];
+  // TORCH_MARLIN_CUDA_ARCH=80 plans as for an sm_80 GPU (the register-ring decode kernel instead of
+  // the TMA stream kernel): lets tests run the sm_80 path on a Hopper GPU. Read on every call.
+  if (const char* forced = std::getenv("TORCH_MARLIN_CUDA_ARCH")) {
+    const int arch = std::atoi(forced);
+    if (arch > 0 && arch < caps.arch) caps.arch = arch;
+  }
   return caps;
 }
 
