@@ -610,7 +610,7 @@ __global__ void __launch_bounds__(kStrThreads, TM_CUDA_STREAM_BLOCKS_PER_SM(8u *
   if (threadIdx.x == 0) {
     for (u32 i = 0; i < n_stages; ++i) {
       mbar_init(full + i, 1u);
-      mbar_init(empty + i, u32(kStrWarps * 32));
+      mbar_init(empty + i, u32(kStrWarps));  // one arrival per consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -798,7 +798,8 @@ __global__ void __launch_bounds__(kStrThreads, TM_CUDA_STREAM_BLOCKS_PER_SM(8u *
         if (--left == 0u) flush_group();
       }
     }
-    mbar_arrive(empty + st);
+    __syncwarp();  // every lane's shared loads of this stage are done before the warp releases it
+    if (lane == 0) mbar_arrive(empty + st);
   }
   if constexpr (kFold) {
     if (left != 0u) flush_group();
@@ -820,14 +821,30 @@ __global__ void __launch_bounds__(kStrThreads, TM_CUDA_STREAM_BLOCKS_PER_SM(8u *
       __threadfence();
       const u32 n0 = (tl / p.m_tiles) * kStrTileN, m0 = (tl % p.m_tiles) * TM;
       const u32 rows = min(TM, p.M - m0);
-      for (u32 v = threadIdx.x; v < rows * kStrTileN; v += kStrWarps * 32u) {
+      // 4 columns a thread, 8 partials loaded before they are added (in block order): the loads
+      // are L2 round trips, so they must overlap.
+      for (u32 v = 4u * threadIdx.x; v < rows * kStrTileN; v += 4u * kStrWarps * 32u) {
         const u32 n = n0 + v % kStrTileN;
         if (n >= p.N) continue;
-        float sum = 0.f;
-        for (u32 b = b_lo; b <= b_hi; ++b)  // L2 loads: other blocks wrote these
-          sum += __ldcg(ws + (size_t(b) * 2u + span.slot(b, tl)) * (TM * kStrTileN) + v);
-        if (p.has_bias) sum += Tr<T>::to_f(bias[n]);
-        C[size_t(m0 + v / kStrTileN) * p.N + n] = Tr<T>::from_f(sum);
+        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (u32 b = b_lo; b <= b_hi; b += 8u) {
+          float4 part[8];
+#pragma unroll
+          for (u32 j = 0; j < 8u; ++j)
+            if (b + j <= b_hi)  // L2 loads: other blocks wrote these
+              part[j] = __ldcg(reinterpret_cast<const float4*>(
+                  ws + (size_t(b + j) * 2u + span.slot(b + j, tl)) * (TM * kStrTileN) + v));
+#pragma unroll
+          for (u32 j = 0; j < 8u; ++j)
+            if (b + j <= b_hi) sum = make_float4(sum.x + part[j].x, sum.y + part[j].y, sum.z + part[j].z, sum.w + part[j].w);
+        }
+        const float s[4] = {sum.x, sum.y, sum.z, sum.w};
+        T* dst = C + size_t(m0 + v / kStrTileN) * p.N;
+#pragma unroll
+        for (u32 j = 0; j < 4u; ++j) {
+          if (n + j >= p.N) break;
+          dst[n + j] = Tr<T>::from_f(s[j] + (p.has_bias ? Tr<T>::to_f(bias[n + j]) : 0.f));
+        }
       }
       if (threadIdx.x == 0) counters[tl] = 0;  // re-armed for the next launch on this stream
     }
