@@ -621,12 +621,12 @@ __global__ void __launch_bounds__(kStrThreads, TM_CUDA_STREAM_BLOCKS_PER_SM(8u *
     // Producer: one thread walks the block's units and refills each stage once its consumers have
     // released it.
     if (lane != 0) return;
+    u32 st = 0, phase = 0, tile = u0 / span.stages, s = u0 % span.stages;
     for (u32 u = u0, i = 0; u < u1; ++u, ++i) {
-      const u32 st = i % n_stages;
-      if (i >= n_stages) mbar_wait(empty + st, ((i / n_stages) - 1u) & 1u);
-      const u32 tile = u / span.stages, k0 = (u % span.stages) * kStrStageK;
+      if (i >= n_stages) mbar_wait(empty + st, phase ^ 1u);  // the consumers' release of the last round
+      const u32 k0 = s * kStrStageK;
       const int n0 = int((tile / p.m_tiles) * kStrTileN), m0 = int((tile % p.m_tiles) * TM);
-      unsigned char* buf = ring + size_t(st) * L.stage_bytes;
+      unsigned char* buf = ring + st * L.stage_bytes;
       mbar_arrive_expect_tx(full + st, L.tx_bytes);
 #pragma unroll
       for (int w = 0; w < kStrWarps; ++w)
@@ -636,6 +636,8 @@ __global__ void __launch_bounds__(kStrThreads, TM_CUDA_STREAM_BLOCKS_PER_SM(8u *
         tma_load_2d(buf + L.a_off + h * TM * 128u, &map_a, full + st, int(k0 + 64u * h), m0);
       tma_load_2d(buf + L.s_off, &map_s, full + st, n0, int(k0 / gs));
       if constexpr (FMT == TM_FORMAT_U4) tma_load_2d(buf + L.z_off, &map_z, full + st, n0, int(k0 / gs));
+      if (++st == n_stages) st = 0, phase ^= 1u;
+      if (++s == span.stages) s = 0, ++tile;
     }
     return;
   }
@@ -727,9 +729,13 @@ __global__ void __launch_bounds__(kStrThreads, TM_CUDA_STREAM_BLOCKS_PER_SM(8u *
   u32 tile = ~0u;
   u32 left = 0;  // kFold: chunks left in the current group
   const u32 cpg = gs / 32u;
-  for (u32 u = u0, i = 0; u < u1; ++u, ++i) {
-    const u32 st = i % n_stages;
-    const u32 ut = u / span.stages, s = u % span.stages;
+  // Stage slot, its phase parity and the unit's (tile, K stage), stepped without divisions.
+  u32 st = 0, phase = 0, ut = u0 / span.stages, s = u0 % span.stages;
+  // Lane offsets inside a stage: the swizzled 16-byte positions of the lane's packed row in even
+  // and odd chunks (row 4c + t: swizzle phase t or t + 4), and of its activation row.
+  const u32 b_even = u32(t) * 128u + ((quad ^ u32(t)) << 4), b_odd = b_even + 512u + (((quad ^ u32(t)) ^ 4u) << 4) - ((quad ^ u32(t)) << 4);
+  const u32 a_even = quad * 128u + ((u32(t) ^ quad) << 4), a_odd = quad * 128u + (((u32(t) + 4u) ^ quad) << 4);
+  for (u32 u = u0; u < u1; ++u) {
     if (ut != tile) {  // a new tile: store the last one, start from zero
       if (tile != ~0u) {
         if constexpr (kFold) {
@@ -744,20 +750,18 @@ __global__ void __launch_bounds__(kStrThreads, TM_CUDA_STREAM_BLOCKS_PER_SM(8u *
         left = 0;  // the first chunk takes its group's scales
       }
     }
-    mbar_wait(full + st, (i / n_stages) & 1u);
-    const unsigned char* buf = ring + size_t(st) * L.stage_bytes;
+    mbar_wait(full + st, phase);
+    const unsigned char* buf = ring + st * L.stage_bytes;
     const u32 k0 = s * kStrStageK, grp0 = k0 / gs;
     const unsigned char* bw = buf + L.b_off + warp * kStrSlabBytes;
 #pragma unroll
     for (u32 c = 0; c < kStrChunks; ++c) {
-      const u32 row = 4u * c + u32(t);  // packed row of the slab
-      const uint4 words = lds128(bw + row * 128u + (((quad ^ row) & 7u) << 4));
+      // Packed row 4c + t of the slab; activation row 8 nt + rho(g) of box c / 2 (chunk c % 2).
+      const uint4 words = lds128(bw + (c >> 1) * 1024u + ((c & 1u) ? b_odd : b_even));
+      const unsigned char* ab = buf + L.a_off + (c >> 1) * TM * 128u + ((c & 1u) ? a_odd : a_even);
       uint4 av[NT];
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const u32 ar = 8u * nt + quad;  // activation row rho(g) of tile nt; its swizzle phase is quad
-        av[nt] = lds128(buf + L.a_off + (c >> 1) * TM * 128u + ar * 128u + ((((c & 1u) * 4u + u32(t)) ^ quad) << 4));
-      }
+      for (int nt = 0; nt < NT; ++nt) av[nt] = lds128(ab + nt * 1024u);
       u32 b[4][4];
       if constexpr (kFold) {
         if (left == 0u) {  // warp-uniform: this chunk starts a group
@@ -800,6 +804,8 @@ __global__ void __launch_bounds__(kStrThreads, TM_CUDA_STREAM_BLOCKS_PER_SM(8u *
     }
     __syncwarp();  // every lane's shared loads of this stage are done before the warp releases it
     if (lane == 0) mbar_arrive(empty + st);
+    if (++st == n_stages) st = 0, phase ^= 1u;
+    if (++s == span.stages) s = 0, ++ut;
   }
   if constexpr (kFold) {
     if (left != 0u) flush_group();
