@@ -8,8 +8,6 @@ with K-parallel slices where the output is too small to fill the GPU, or on CUDA
 weights + cuBLAS (``dequant_blas``).
 """
 
-import os
-
 import torch
 
 from . import _C
@@ -28,31 +26,19 @@ def backend_of(device) -> str:
 
 
 def plan_gemm(format: str, M: int, K: int, N: int, group_size: int = 128, dtype=torch.float16,
-              device="cpu", compute_units: int = 0, variant: str = "auto", has_bias: bool = False,
-              arch: int = 0) -> dict:
+              device="cpu", compute_units: int = 0, variant: str = "auto", has_bias: bool = False) -> dict:
     """Returns the plan (``variant``, ``kernel``, ``grid``, ``threads``, ``k_parallel``, ...) the
     op would execute for this problem. ``device`` may be a torch device or ``"metal"``;
-    ``compute_units`` overrides the device's core/SM/thread count (0 = the backend's default).
-    CUDA: ``arch`` (10 * major + minor) overrides the compute capability; without a GPU the plan is
-    an H100's (132 SMs unless given, sm_90, 227 KiB of shared memory per block). Like the op, it
-    honours ``TORCH_MARLIN_CUDA_ARCH`` (plan as for an older GPU, e.g. 80)."""
+    ``compute_units`` overrides the device's core/SM/thread count (0 = the backend's default)."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")
     backend = device if device == "metal" else backend_of(device)
-    smem = 0
     if compute_units == 0 and backend == "cpu":
         compute_units = torch.get_num_threads()
-    if backend == "cuda" and torch.cuda.is_available():
+    if compute_units == 0 and backend == "cuda" and torch.cuda.is_available():
         dev = torch.device(device)
-        props = torch.cuda.get_device_properties(dev.index or 0)
-        compute_units = compute_units or props.multi_processor_count
-        arch = arch or 10 * props.major + props.minor
-        smem = props.shared_memory_per_block_optin
-    if backend == "cuda" and os.environ.get("TORCH_MARLIN_CUDA_ARCH", "").isdigit():
-        forced = int(os.environ["TORCH_MARLIN_CUDA_ARCH"])
-        arch = min(arch or 90, forced) if forced > 0 else arch
-    return _C.plan_quant_gemm(format, M, K, N, group_size, _DTYPES[dtype], backend, compute_units, has_bias, variant,
-                              arch, smem)
+        compute_units = torch.cuda.get_device_properties(dev.index or 0).multi_processor_count
+    return _C.plan_quant_gemm(format, M, K, N, group_size, _DTYPES[dtype], backend, compute_units, has_bias, variant)
 
 
 def plan_trellis(M: int, K: int, N: int, bits: int = 3, group_size: int = 128, dtype=torch.float16,

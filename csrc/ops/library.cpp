@@ -18,17 +18,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "plan_quant_gemm",
       [](const std::string& format, int64_t M, int64_t K, int64_t N, int64_t group_size, const std::string& dtype,
-         const std::string& backend, int compute_units, bool has_bias, const std::string& force, int arch,
-         int max_shared_memory) {
+         const std::string& backend, int compute_units, bool has_bias, const std::string& force) {
         DeviceCaps caps = parse_backend(backend) == Backend::Metal ? default_metal_caps() : DeviceCaps{};
         caps.backend = parse_backend(backend);
         if (compute_units > 0) caps.compute_units = compute_units;
-        if (caps.backend == Backend::CUDA) {
-          // Without a device to ask: an H100 (132 SMs, sm_90, 227 KiB of shared memory per block).
-          if (compute_units <= 0) caps.compute_units = 132;
-          caps.arch = arch > 0 ? arch : 90;
-          caps.max_shared_memory = max_shared_memory > 0 ? max_shared_memory : 232448;
-        }
         const QuantFormat f = parse_format(format);
         try {
           return plan_to_dict(
@@ -38,8 +31,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         }
       },
       py::arg("format"), py::arg("M"), py::arg("K"), py::arg("N"), py::arg("group_size"), py::arg("dtype"),
-      py::arg("backend"), py::arg("compute_units") = 0, py::arg("has_bias") = false, py::arg("force") = "auto",
-      py::arg("arch") = 0, py::arg("max_shared_memory") = 0);
+      py::arg("backend"), py::arg("compute_units") = 0, py::arg("has_bias") = false, py::arg("force") = "auto");
   m.def(
       "plan_trellis_gemm",
       [](int64_t M, int64_t K, int64_t N, int64_t bits, int64_t group_size, const std::string& dtype,

@@ -194,50 +194,8 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     p.grid[1] = p.params.m_tiles;
     p.threads[0] = kCols;
     stem = "simt";
-  } else if (p.variant == GemmVariant::Decode && caps.arch >= 90) {
-    // Hopper: the stream kernel. The (column tile, row tile, K stage) units are numbered tile-major
-    // and every block takes one contiguous run of equally many (the seed's stripes), the grid
-    // being the resident block slots; a tile split between blocks is summed by the last of them
-    // in block order. tile_m = M padded to 8, 16, 32 or 64 rows (the mma n dimension); above 64,
-    // 64-row tiles (each streams the weights again: 128-row accumulators do not fit in the 168
-    // registers a thread of a 9-warp block can have).
-    const uint32_t tile_m = M <= 8 ? 8 : (M <= 16 ? 16 : (M <= 32 ? 32 : 64));
-    const uint32_t blocks_per_sm = TM_CUDA_STREAM_BLOCKS_PER_SM(tile_m);
-    set_tiles(p, M, N, tile_m, TM_CUDA_STREAM_TILE_N);
-    const int64_t k_stages = (K + TM_CUDA_STREAM_STAGE_K - 1) / TM_CUDA_STREAM_STAGE_K;
-    const int64_t tiles = int64_t(p.params.m_tiles) * p.params.n_tiles;
-    const int64_t units = tiles * k_stages;
-    const int64_t slots = std::max<int64_t>(1, int64_t(caps.compute_units) * blocks_per_sm);
-    const int64_t per_block = (units + std::min(units, slots) - 1) / std::min(units, slots);
-    const int64_t blocks = (units + per_block - 1) / per_block;
-    const int64_t per = (units + blocks - 1) / blocks;  // what the kernel derives from the grid
-    // k_parallel: the most blocks sharing one tile (1 = every tile in one block, no workspace).
-    uint32_t share = 1;
-    for (int64_t t = 0; t < tiles; ++t) {
-      share = std::max(share, uint32_t(((t + 1) * k_stages - 1) / per - t * k_stages / per + 1));
-    }
-    const StreamStageLayout L =
-        tm_cuda_stream_layout(tile_m, p.params.group_size, 2u, f == QuantFormat::U4 ? 1u : 0u);
-    // Shared memory: 1 KiB of alignment slack, 1 KiB of barriers, then the ring. Blocks of one SM
-    // split its opt-in maximum (minus the 1 KiB the hardware reserves per block).
-    const int64_t budget = (int64_t(caps.max_shared_memory) + 1024) / blocks_per_sm - 1024 - 2048;
-    const int64_t ring = std::min<int64_t>(16, budget / L.stage_bytes);
-    if (ring < 2) {
-      throw std::invalid_argument("plan_quant_gemm: CUDA stream kernel: shared memory too small for 2 stages");
-    }
-    p.params.k_slice_len = TM_CUDA_STREAM_STAGE_K;
-    p.params.k_parallel = share;
-    p.params.num_groups = uint32_t(blocks);
-    p.stages = uint32_t(ring);
-    p.shared_bytes = 2048 + size_t(ring) * L.stage_bytes;
-    p.grid[0] = uint32_t(blocks);
-    p.threads[0] = 32 * (TM_CUDA_STREAM_WARPS + 1);
-    p.kernel = std::string("stream_") + format_name(f) + "_" + dtype_name(d);
-    // Partials: two [tile_m][256] fp32 slots per block (its first and its last tile).
-    if (share > 1) p.workspace_bytes = size_t(blocks) * 2 * tile_m * TM_CUDA_STREAM_TILE_N * sizeof(float);
-    return;
   } else if (p.variant == GemmVariant::Decode) {
-    // sm_80: K slices are whole multiples of one 32-row chunk per warp. The kernel is memory-bound and
+    // K slices are whole multiples of one 32-row chunk per warp. The kernel is memory-bound and
     // its blocks all run in one wave: as many K slices as keep the resident block slots full
     // (2 blocks per SM, 1 for 64 rows: decode_kernel's __launch_bounds__), never a second wave,
     // and slices of at least 1024 rows (N past the slots' columns gets a second wave, unsplit).

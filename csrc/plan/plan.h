@@ -24,7 +24,6 @@ struct DeviceCaps {
   Backend backend = Backend::CPU;
   int compute_units = 1;
   int max_shared_memory = 32768;  // threadgroup / shared memory per group, bytes
-  int arch = 0;                   // CUDA: compute capability as 10 * major + minor (90 = Hopper)
 };
 
 // Kernel families of the FP4/INT4 GEMM. Every backend implements each family it plans.
@@ -55,8 +54,6 @@ struct GemmPlan {
   uint32_t reduce_grid[3] = {1, 1, 1};
   uint32_t reduce_threads[3] = {1, 1, 1};
   size_t workspace_bytes = 0;       // fp32 partials [k_parallel][M][N] when k_parallel > 1
-  uint32_t stages = 0;              // CUDA stream kernel: shared-memory pipeline stages
-  size_t shared_bytes = 0;          // CUDA stream kernel: dynamic shared memory per block
   QuantGemmParams params{};
 };
 

@@ -57,8 +57,6 @@ inline py::dict plan_to_dict(const GemmPlan& p) {
   d["threads"] = py::make_tuple(p.threads[0], p.threads[1], p.threads[2]);
   d["reduce_grid"] = py::make_tuple(p.reduce_grid[0], p.reduce_grid[1], p.reduce_grid[2]);
   d["workspace_bytes"] = p.workspace_bytes;
-  d["stages"] = p.stages;
-  d["shared_bytes"] = p.shared_bytes;
   d["tile_m"] = q.tile_m;
   d["tile_n"] = q.tile_n;
   d["m_tiles"] = q.m_tiles;

@@ -29,58 +29,6 @@ TM_NAMESPACE_BEGIN
 #define TM_CUDA_DECODE_TILE_N 32u
 #define TM_CUDA_DECODE_BLOCKS_PER_SM(tile_m) ((tile_m) == 64u ? 1u : 2u)
 
-// ---- CUDA stream kernel (sm_90: bulk tensor copies into a shared-memory ring) -----------------
-// A block is TM_CUDA_STREAM_WARPS consumer warps (32 columns each) plus one producer warp; the
-// producer copies one stage (TM_CUDA_STREAM_STAGE_K rows of K for the block's 256 columns: packed
-// weights, activations, scales, zero points) per TMA round. Blocks per SM by tile_m (registers).
-#define TM_CUDA_STREAM_WARPS 8u
-#define TM_CUDA_STREAM_TILE_N 256u
-#define TM_CUDA_STREAM_STAGE_K 128u
-#define TM_CUDA_STREAM_BLOCKS_PER_SM(tile_m) ((tile_m) <= 32u ? 2u : 1u)
-
-// Scale (and zero-point) rows one stage's copy must hold: the most groups that TM_CUDA_STREAM_STAGE_K
-// consecutive rows starting at a multiple of TM_CUDA_STREAM_STAGE_K can touch.
-TM_FN tm_u32 tm_cuda_stream_scale_rows(tm_u32 group_size) {
-  tm_u32 a = TM_CUDA_STREAM_STAGE_K, b = group_size;
-  while (b != 0u) {
-    const tm_u32 r = a % b;
-    a = b;
-    b = r;
-  }
-  // Stage starts sit at multiples of gcd(stage, group) inside a group; the latest is group - gcd.
-  return (group_size - a + TM_CUDA_STREAM_STAGE_K - 1u) / group_size + 1u;
-}
-
-// Byte offsets inside one stage of the stream kernel's ring. Every part starts on a 1 KiB boundary
-// (the 128-byte swizzle of the weight and activation copies repeats every 8 rows of 128 bytes).
-struct StreamStageLayout {
-  tm_u32 b_off;        // packed weights: 8 slabs of 32 columns x STAGE_K/8 rows of 128 B (swizzled)
-  tm_u32 a_off;        // activations: STAGE_K/64 boxes of tile_m rows x 64 values (swizzled)
-  tm_u32 s_off;        // scales: scale_rows x 256 columns
-  tm_u32 z_off;        // zero points (U4): scale_rows x 256 bytes
-  tm_u32 stage_bytes;  // one stage, a multiple of 1 KiB
-  tm_u32 tx_bytes;     // bytes the copies of one stage deliver (the full barrier's transaction count)
-};
-
-TM_FN tm_u32 tm_round_kib(tm_u32 x) { return (x + 1023u) / 1024u * 1024u; }
-
-TM_FN StreamStageLayout tm_cuda_stream_layout(tm_u32 tile_m, tm_u32 group_size, tm_u32 elem_bytes,
-                                              tm_u32 has_zeros) {
-  const tm_u32 rows = tm_cuda_stream_scale_rows(group_size);
-  const tm_u32 b = TM_CUDA_STREAM_TILE_N * TM_CUDA_STREAM_STAGE_K / 2u;
-  const tm_u32 a = tile_m * TM_CUDA_STREAM_STAGE_K * elem_bytes;
-  const tm_u32 s = rows * TM_CUDA_STREAM_TILE_N * elem_bytes;
-  const tm_u32 z = has_zeros != 0u ? rows * TM_CUDA_STREAM_TILE_N : 0u;
-  StreamStageLayout L;
-  L.b_off = 0u;
-  L.a_off = tm_round_kib(b);
-  L.s_off = L.a_off + tm_round_kib(a);
-  L.z_off = L.s_off + tm_round_kib(s);
-  L.stage_bytes = L.z_off + tm_round_kib(z);
-  L.tx_bytes = b + a + s + z;
-  return L;
-}
-
 // ---- Launch parameters -------------------------------------------------------------------------
 struct QuantGemmParams {
   tm_u32 M;            // rows of A and C
