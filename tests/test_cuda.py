@@ -140,9 +140,12 @@ def plan_for(M, K, N, dtype):
 @pytest.mark.parametrize("fmt", ["fp4", "u4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("M", [1, 5, 16, 48, 100])
-def test_k_parallel(fmt, dtype, M):
-    K, N = 4096, 328
-    assert plan_for(M, K, N, dtype)["k_parallel"] > 1, "shape meant to exercise K-parallel slices"
+@pytest.mark.parametrize("K,k_parallel", [(4096, 4), (2048, 2)])
+def test_k_parallel(fmt, dtype, M, K, k_parallel):
+    # 4 slices reduce through global memory (last_block_reduce); 2 slices through a thread-block
+    # cluster's distributed shared memory on sm_90 (cluster_reduce), global memory before sm_90.
+    N = 328
+    assert plan_for(M, K, N, dtype)["k_parallel"] == k_parallel, "shape meant to exercise this many K slices"
     case(fmt, M, K, N, 128, dtype, True)
 
 
@@ -159,8 +162,9 @@ def test_dequant_blas_two_panels(fmt, dtype):
 
 
 @pytest.mark.parametrize("M", [4, 64, 128, 300])
-def test_deterministic(M):
-    K, N = 8192, 1024
+@pytest.mark.parametrize("K", [8192, 2048])  # decode: 4-8 K slices (global memory), 2 (cluster on sm_90)
+def test_deterministic(M, K):
+    N = 1024
     plan = plan_for(M, K, N, torch.float16)
     assert plan["k_parallel"] > 1 or plan["variant"] == "dequant_blas"
     B, s, z = make_weights("u4", K, N, 128, torch.float16)

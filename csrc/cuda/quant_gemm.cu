@@ -6,9 +6,10 @@
 //              activations (M padded to 8, 16, 32 or 64; 64-row tiles along grid.x above) as the
 //              n dimension. Packed weights stream from global memory into a register ring with
 //              16-byte loads, each word read once per row tile. 8 warps per block split the
-//              block's K slice and reduce in shared memory in a fixed order; grid.z K slices write
-//              fp32 partials and the last block of each tile sums them in slice order
-//              (deterministic, no second launch).
+//              block's K slice and reduce in shared memory in a fixed order; grid.z K slices are
+//              summed in slice order (deterministic, no second launch): on sm_90 with 2 slices by
+//              a thread-block cluster through distributed shared memory, otherwise the slices
+//              write fp32 partials and the last block of each tile to arrive sums them.
 //   dequant_blas  M > 128. Each column panel of B (all of N up to 1 GiB) is dequantized into a
 //              workspace (the dequant kernel below) and multiplied by cuBLAS (at::mm_out) into C's
 //              columns: from 129 rows on that beats our decode kernel and the fused tensor-core
@@ -31,14 +32,13 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <type_traits>
 #include <map>
 #include <mutex>
-#include <set>
 #include <vector>
 
 #include "ops/quant_gemm.h"
@@ -232,6 +232,40 @@ __device__ void last_block_reduce(const QuantGemmParams& p, u32 tile, u32 m0, u3
   if (threadIdx.x == 0) counters[tile] = 0;
 }
 
+// K-parallel epilogue on sm_90: the k_parallel slices of one output tile run as one thread-block
+// cluster (cluster dims (1, 1, k_parallel), so cluster rank = slice). Every block has left its
+// partial tile in its own shared memory (part[v], v = the element index of the warp reduction);
+// after a cluster barrier block r sums a 1/k_parallel share of the tile over all blocks' shared
+// memory (distributed shared memory) in slice order (+ bias) and writes C. The same sums in the
+// same order as last_block_reduce (bitwise equal results), without its global-memory round trip,
+// fences and counter atomics; a second barrier keeps every block resident until the others have
+// read its shared memory.
+template <typename T, int NT>
+__device__ void cluster_reduce(const QuantGemmParams& p, u32 m0, u32 n0, float* part, const T* bias, T* C) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  const u32 kp = p.k_parallel, rank = cluster.block_rank();
+  constexpr u32 kElems = u32(NT) * 256u;
+  const u32 share = (kElems + kp - 1u) / kp;
+  const u32 v_end = min(kElems, (rank + 1u) * share);
+  for (u32 v = rank * share + threadIdx.x; v < v_end; v += blockDim.x) {
+    const u32 nt = v >> 8, e = (v & 255u) >> 5, l = v & 31u;  // as in decode_kernel's warp reduction
+    const u32 row = m0 + 8u * nt + 2u * (l & 3u) + (e & 1u);
+    const u32 n = n0 + 4u * (l >> 2) + 2u * (e >> 2) + ((e >> 1) & 1u);
+    if (row >= p.M || n >= p.N) continue;
+    float sum = 0.f;
+    for (u32 sl = 0; sl < kp; ++sl) sum += cluster.map_shared_rank(part, sl)[v];
+    if (p.has_bias) sum += Tr<T>::to_f(bias[n]);
+    C[size_t(row) * p.N + n] = Tr<T>::from_f(sum);
+  }
+  cluster.sync();
+#else
+  __trap();  // launched as a cluster only on sm_90+ (launch_decode)
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // Decode kernel: M <= 128 (64-row tiles above 64)
 // ---------------------------------------------------------------------------------------------
@@ -250,6 +284,11 @@ __device__ void last_block_reduce(const QuantGemmParams& p, u32 tile, u32 m0, u3
 constexpr int kDecWarps = int(TM_CUDA_DECODE_WARPS);
 constexpr int kDecThreads = kDecWarps * 32;
 constexpr int kDecSmemBytes = kDecWarps * 8 * 32 * 4;  // cross-warp reduction, one n8 tile at a time
+// kCluster: plus the block's partial tile (NT x 256 floats) for cluster_reduce.
+template <int NT, bool kCluster>
+constexpr int dec_smem_bytes() {
+  return kDecSmemBytes + (kCluster ? NT * 256 * 4 : 0);
+}
 static_assert(TM_CUDA_DECODE_TILE_N == 32u, "a warp's 8 lane groups x 4 columns");
 // Resident blocks per SM: 2 (128 registers a thread), 1 for 8 n8 tiles (up to 255, no spills);
 // TM_CUDA_DECODE_BLOCKS_PER_SM, shared with the planner. The ring is 4 chunks deep. Measured on an
@@ -266,55 +305,22 @@ __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
   return r;
 }
 
-// Lane-private copies into shared memory (cp.async): the lane later reads back only what it copied
-// itself, so waiting on its own groups is enough (no barrier).
-__device__ __forceinline__ u32 smem_addr(const void* p) { return u32(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// Bytes of one staged chunk of a warp (AS > 0): per lane its NT activation pieces (16 bytes each,
-// [nt][lane]), its 4 columns' scales (8 bytes) and, for U4, zero points (4 bytes).
-template <u32 FMT, int NT>
-constexpr int dec_stage_bytes() {
-  return NT * 512 + 32 * 8 + (FMT == TM_FORMAT_U4 ? 32 * 4 : 0);
-}
-template <u32 FMT, int NT, int AS>
-constexpr int dec_smem_bytes() {
-  return AS > 0 && kDecWarps * AS * dec_stage_bytes<FMT, NT>() > kDecSmemBytes ? kDecWarps * AS * dec_stage_bytes<FMT, NT>()
-                                                                                 : kDecSmemBytes;
-}
-
 // NT: n8 tiles of activation rows (M <= 8 NT). kFold (NT <= 2, group_size % 32 == 0, so a chunk
 // never straddles two groups): the mmas of one group accumulate unscaled weights and the group's
 // fp32 scales multiply those partial sums once per group (8 FMAs per n8 tile and group instead of
 // 16 multiplies per chunk); otherwise every weight pair is scaled.
-template <typename T, u32 FMT, int NT, bool kFold, int AS, int kMinBlocks, bool kPipe>
-__global__ void __launch_bounds__(kDecThreads, kMinBlocks)
+// kCluster (sm_90, k_parallel <= kMaxClusterSlices): the K slices of a tile form a cluster and
+// reduce through distributed shared memory (cluster_reduce); otherwise through global memory
+// (last_block_reduce).
+template <typename T, u32 FMT, int NT, bool kFold, bool kCluster>
+__global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u * NT))
     decode_kernel(QuantGemmParams p, u32 Np, int gs_shift, const T* __restrict__ A, const u32* __restrict__ B,
                   const T* __restrict__ S, const uint8_t* __restrict__ Z, const T* __restrict__ bias,
                   T* __restrict__ C, float* __restrict__ ws, int* __restrict__ counters) {
   using T2 = typename Tr<T>::T2;
-  // AS > 0: each lane's activation pieces and scales (zero points) of a chunk arrive AS - 1 chunks
-  // ahead through a lane-private cp.async ring in shared memory (no registers held for them).
-  // AS == 0: A one chunk ahead in registers, except for 4 n8 tiles (no registers left for it).
-  constexpr bool kAhead = AS == 0 && (NT != 4 || kPipe);
+  // A one chunk ahead, except for 4 n8 tiles: at 2 blocks per SM they leave no registers for it.
+  constexpr bool kAhead = NT != 4;
   static_assert(!kFold || NT <= 2, "folded scales need a second accumulator set");
-  static_assert(!(kFold && AS > 0), "folded scales are prefetched per group in registers");
-  static_assert(!kPipe || (!kFold && AS == 0), "kPipe is a variant of the register path with per-pair scales");
-  static_assert(AS == 0 || kDecDepth % (AS > 0 ? AS : 1) == 0, "stage index = ring index % AS must be a constant");
-  constexpr int kStageBytes = dec_stage_bytes<FMT, NT>();
   extern __shared__ __align__(16) unsigned char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -404,49 +410,13 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
     fetch_scales(grp + 1u);
   }
 
-  // Scale row of the lane's 8 rows of chunk i of the warp (group_size % 8 == 0: one group). A branch,
-  // not a select: a select made the compiler run the division on every chunk.
-  auto group_of = [&](int i) -> u32 {
-    const u32 k = (wc0 + u32(i)) * 32u + 8u * t;
-    u32 gi;
-    if (gs_shift >= 0) gi = k >> gs_shift;
-    else gi = k / gs;
-    return min(gi, num_groups - 1u);
-  };
-  auto load_q_global = [&](int i, uint2& sc, u32& zz) {
-    const size_t so = size_t(group_of(i)) * Np + col;
-    sc = __ldg(reinterpret_cast<const uint2*>(S + so));
-    zz = FMT == TM_FORMAT_U4 ? __ldg(reinterpret_cast<const u32*>(Z + so)) : 0u;
-  };
-
   // One 32-row chunk: dequantize the lane's 4 words (b[j][P] = nibble pair (P, P+4) of column j)
-  // and run 4 mmas per n8 tile. get_a(nt): the lane's activation piece of n8 tile nt;
-  // get_q(sc, zz): its scales (and zero points) for the chunk (per-pair path).
+  // and run 4 mmas per n8 tile.
   auto load_a = [&](int i, uint4 (&av)[NT]) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) av[nt] = __ldg(ap[nt] + 4 * i);
   };
-  // The mmas of one chunk on dequantized weights b.
-  auto mma_chunk = [&](const u32 (&b)[4][4], auto&& get_a) {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const APairs x = a_pairs(get_a(nt));
-      float(&d)[2][4] = kFold ? accg[nt] : acc[nt];
-#pragma unroll
-      for (int s = 0; s < 2; ++s)
-#pragma unroll
-        for (int jp = 0; jp < 2; ++jp) {
-          const u32 a[4] = {b[2 * jp][2 * s], b[2 * jp + 1][2 * s], b[2 * jp][2 * s + 1], b[2 * jp + 1][2 * s + 1]};
-          Tr<T>::mma(d[jp], a, x.p[2 * s], x.p[2 * s + 1]);
-        }
-    }
-  };
-  auto dequant_scaled = [&](u32 (&b)[4][4], const uint4& words, uint2 sc, u32 zz) {
-    ColQ<T> q[4];
-    make_colq<T, FMT>(q, sc, zz);
-    dequant_words<T, FMT>(b, words, q);
-  };
-  auto process = [&](const uint4& words, auto&& get_a, auto&& get_q) {
+  auto process = [&](const uint4& words, int i, const uint4 (&av)[NT]) {
     u32 b[4][4];
     if constexpr (kFold) {
       const u32 w[4] = {words.x, words.y, words.z, words.w};
@@ -458,12 +428,28 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
         b[j][3] = dequant_pair_fold<T, FMT, 3>(w[j], zf[j]);
       }
     } else {
-      uint2 sc;
-      u32 zz;
-      get_q(sc, zz);
-      dequant_scaled(b, words, sc, zz);
+      // The group of the lane's 8 rows (group_size % 8 == 0: one group).
+      const u32 k = (wc0 + u32(i)) * 32u + 8u * t;
+      const u32 gi = min(gs_shift >= 0 ? k >> gs_shift : k / gs, num_groups - 1u);
+      const size_t so = size_t(gi) * Np + col;
+      const uint2 sc = __ldg(reinterpret_cast<const uint2*>(S + so));
+      const u32 zz = FMT == TM_FORMAT_U4 ? __ldg(reinterpret_cast<const u32*>(Z + so)) : 0u;
+      ColQ<T> q[4];
+      make_colq<T, FMT>(q, sc, zz);
+      dequant_words<T, FMT>(b, words, q);
     }
-    mma_chunk(b, get_a);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const APairs x = a_pairs(av[nt]);
+      float(&d)[2][4] = kFold ? accg[nt] : acc[nt];
+#pragma unroll
+      for (int s = 0; s < 2; ++s)
+#pragma unroll
+        for (int jp = 0; jp < 2; ++jp) {
+          const u32 a[4] = {b[2 * jp][2 * s], b[2 * jp + 1][2 * s], b[2 * jp][2 * s + 1], b[2 * jp + 1][2 * s + 1]};
+          Tr<T>::mma(d[jp], a, x.p[2 * s], x.p[2 * s + 1]);
+        }
+    }
     if constexpr (kFold) {
       if (--left == 0u) {  // warp-uniform: the next chunk starts a new group
         flush();
@@ -475,90 +461,20 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
     }
   };
 
-  // Register sources: A of chunk i from av, scales from global memory at use.
-  auto process_regs = [&](const uint4& words, int i, const uint4 (&av)[NT]) {
-    process(
-        words, [&](int nt) { return av[nt]; }, [&](uint2& sc, u32& zz) { load_q_global(i, sc, zz); });
-  };
-  // Shared-memory ring (AS > 0): chunk i of the warp sits in stage i % AS of the warp's region.
-  unsigned char* const wstage = smem + size_t(warp) * AS * kStageBytes;
-  auto issue_stage = [&](int i, int stage) {  // copies for chunk i (if it is a full chunk), then one commit
-    if (i < n_full) {
-      unsigned char* sb = wstage + stage * kStageBytes;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) cp_async16(sb + nt * 512 + lane * 16, ap[nt] + 4 * i);
-      const size_t so = size_t(group_of(i)) * Np + col;
-      cp_async8(sb + NT * 512 + lane * 8, S + so);
-      if constexpr (FMT == TM_FORMAT_U4) cp_async4(sb + NT * 512 + 256 + lane * 4, Z + so);
-    }
-    cp_async_commit();
-  };
-  auto process_stage = [&](const uint4& words, int stage) {
-    const unsigned char* sb = wstage + stage * kStageBytes;
-    process(
-        words, [&](int nt) { return *reinterpret_cast<const uint4*>(sb + nt * 512 + lane * 16); },
-        [&](uint2& sc, u32& zz) {
-          sc = *reinterpret_cast<const uint2*>(sb + NT * 512 + lane * 8);
-          zz = FMT == TM_FORMAT_U4 ? *reinterpret_cast<const u32*>(sb + NT * 512 + 256 + lane * 4) : 0u;
-        });
-  };
-
-  // A one chunk ahead (kAhead), at use, or AS - 1 chunks ahead in shared memory.
+  // A one chunk ahead (kAhead), else at use.
   uint4 a_cur[NT];
   if (kAhead && n_full > 0) load_a(0, a_cur);
-  if constexpr (AS > 0) {
-#pragma unroll
-    for (int i = 0; i < AS - 1; ++i) issue_stage(i, i);
-  }
-  // kPipe: chunk i + 1's weights are dequantized while chunk i's mmas issue, so a chunk's mma
-  // operands are all ready when its mmas start (its scales arrive a chunk before that).
-  u32 b_cur[4][4];
-  uint2 sc_nx = make_uint2(0, 0);
-  u32 zz_nx = 0;
-  if constexpr (kPipe) {
-    if (n_full > 0) {
-      uint2 sc;
-      u32 zz;
-      load_q_global(0, sc, zz);
-      dequant_scaled(b_cur, ldg_stream(bp), sc, zz);
-      load_q_global(min(1, n_full - 1), sc_nx, zz_nx);
-    }
-  }
-  // steady: chunks i + 1 .. i + kDecDepth exist (the steady-state loop), so nothing is predicated.
-  auto step = [&](const uint4& words, int i, int u, const uint4 (&rng)[kDecDepth], bool steady) {
-    if constexpr (kPipe) {
-      uint4 a_next[NT];
-      load_a(steady ? i + 1 : min(i + 1, n_full - 1), a_next);
-      u32 b_nx[4][4];
-      uint2 sc2 = sc_nx;
-      u32 zz2 = zz_nx;
-      if (steady || i + 1 < n_full) {
-        dequant_scaled(b_nx, rng[(u + 1) % kDecDepth], sc_nx, zz_nx);
-        load_q_global(steady ? i + 2 : min(i + 2, n_full - 1), sc2, zz2);
-      }
-      mma_chunk(b_cur, [&](int nt) { return a_cur[nt]; });
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int p2 = 0; p2 < 4; ++p2) b_cur[j][p2] = b_nx[j][p2];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) a_cur[nt] = a_next[nt];
-      sc_nx = sc2;
-      zz_nx = zz2;
-    } else if constexpr (AS > 0) {
-      issue_stage(i + AS - 1, (u + AS - 1) % AS);  // into chunk i - 1's stage (its reads are complete)
-      cp_async_wait<AS - 1>();  // chunk i's group has landed
-      process_stage(words, u % AS);
-    } else if constexpr (kAhead) {
+  auto step = [&](const uint4& words, int i) {
+    if constexpr (kAhead) {
       uint4 a_next[NT];
       load_a(min(i + 1, n_full - 1), a_next);
-      process_regs(words, i, a_cur);
+      process(words, i, a_cur);
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) a_cur[nt] = a_next[nt];
     } else {
       uint4 av[NT];
       load_a(i, av);
-      process_regs(words, i, av);
+      process(words, i, av);
     }
   };
   uint4 ring[kDecDepth];
@@ -574,7 +490,7 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
       const uint4 words = ring[u];
       ring[u] = ldg_stream(bnext);
       bnext += Np;
-      step(words, i0 + u, u, ring, true);
+      step(words, i0 + u);
     }
   }
   // Drain: the last (under 2 kDecDepth) chunks.
@@ -586,17 +502,16 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
       const uint4 words = ring[u];
       if (i + kDecDepth < n_full) ring[u] = ldg_stream(bnext);
       bnext += Np;
-      step(words, i, u, ring, false);
+      step(words, i);
     }
   }
-  if constexpr (AS > 0) cp_async_wait<0>();  // nothing in flight into the region the reduction reuses
   if (n_full < n_w) {  // the partial last chunk of K: rows past K read as zero
     const bool ok = 4u * (wc0 + u32(n_full)) + t < p.K / 8u;
     const uint4 words = ok ? ldg_stream(bp + size_t(n_full) * Np) : make_uint4(0, 0, 0, 0);
     uint4 av[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) av[nt] = ok ? __ldg(ap[nt] + 4 * n_full) : make_uint4(0, 0, 0, 0);
-    process_regs(words, n_full, av);
+    process(words, n_full, av);
   }
   if constexpr (kFold) {
     if (left != cpg) flush();
@@ -604,6 +519,7 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
 
   // Fixed-order reduction of the 8 warps' partial tiles, one n8 tile at a time.
   float* red = reinterpret_cast<float*>(smem);  // [warp][8][32]
+  float* part = red + kDecWarps * 8 * 32;        // kCluster: [NT][256]
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     __syncthreads();  // the previous tile's sums have been read
@@ -614,6 +530,10 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
     float sum = 0.f;
 #pragma unroll
     for (int w = 0; w < kDecWarps; ++w) sum += red[(w * 8 + e) * 32 + l];
+    if constexpr (kCluster) {
+      part[nt * 256 + threadIdx.x] = sum;
+      continue;
+    }
     const u32 row = m0 + 8u * nt + 2u * (l & 3) + (e & 1);
     const u32 n = n0 + 4u * (l >> 2) + 2u * (e >> 2) + ((e >> 1) & 1);
     if (row < p.M && n < p.N) {
@@ -625,8 +545,11 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
       }
     }
   }
-  if (p.k_parallel > 1)
+  if constexpr (kCluster) {
+    cluster_reduce<T, NT>(p, m0, n0, part, bias, C);
+  } else if (p.k_parallel > 1) {
     last_block_reduce<T>(p, blockIdx.y * gridDim.x + blockIdx.x, m0, 8 * NT, n0, 32, ws, bias, C, counters);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -723,45 +646,6 @@ __global__ void dequant_kernel(u32 K, u32 Np, u32 gs, u32 n0, u32 cols, u32 ldw,
   }
 }
 
-// Dequantizes columns [n0, n0 + cols) of B into Wt[cols][K] (B^T, K contiguous): the workspace of
-// dequant_blas. cuBLAS then multiplies A by Wt^T, the operand layout F.linear gives it for dense
-// weights (both operands K-major). A thread takes 4 adjacent columns x 8 packed rows: 16-byte loads
-// coalesced along N, and per column and packed row one 16-byte store of 8 consecutive k (a packed
-// word is 8 consecutive k of one column). Same bit tricks as dequant_kernel (bit-exact).
-template <typename T, u32 FMT>
-__global__ void dequant_t_kernel(u32 K, u32 Np, u32 gs, u32 n0, u32 cols, const u32* __restrict__ B,
-                                 const T* __restrict__ S, const uint8_t* __restrict__ Z, T* __restrict__ Wt) {
-  const u32 kws = K / 8u, quads = (cols + 3u) / 4u;
-  const size_t total = size_t((kws + 7u) / 8u) * quads;
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < total; i += size_t(gridDim.x) * blockDim.x) {
-    const u32 c = 4u * u32(i % quads), kw0 = 8u * u32(i / quads);
-    const u32 valid = min(4u, cols - c), rows = min(8u, kws - kw0);
-#pragma unroll
-    for (u32 r = 0; r < 8u; ++r) {
-      if (r >= rows) break;
-      const u32 kw = kw0 + r;
-      const uint4 words = *reinterpret_cast<const uint4*>(B + size_t(kw) * Np + n0 + c);
-      const size_t q = size_t(kw * 8u / gs) * Np + n0 + c;
-      const uint2 s4 = *reinterpret_cast<const uint2*>(S + q);
-      const u32 z4 = FMT == TM_FORMAT_U4 ? *reinterpret_cast<const u32*>(Z + q) : 0u;
-      ColQ<T> cq[4];
-      make_colq<T, FMT>(cq, s4, z4);
-      u32 d[4][4];  // d[j][p]: rows (p, p + 4) of column c + j
-      dequant_words<T, FMT>(d, words, cq);
-#pragma unroll
-      for (u32 j = 0; j < 4u; ++j) {
-        if (j >= valid) break;
-        uint4 v;  // rows 0..7 in order
-        v.x = prmt(d[j][0], d[j][1], 0x5410u);
-        v.y = prmt(d[j][2], d[j][3], 0x5410u);
-        v.z = prmt(d[j][0], d[j][1], 0x7632u);
-        v.w = prmt(d[j][2], d[j][3], 0x7632u);
-        *reinterpret_cast<uint4*>(Wt + size_t(c + j) * K + 8u * kw) = v;
-      }
-    }
-  }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Host side
 // ---------------------------------------------------------------------------------------------
@@ -812,40 +696,54 @@ void check_launch(const char* what) {
   TORCH_CHECK(e == cudaSuccess, "torch_marlin: CUDA launch of ", what, " failed: ", cudaGetErrorString(e));
 }
 
-// Raises a kernel's dynamic shared-memory limit once per (kernel, device): the attribute is per
-// device, and kernels of one signature share a function-pointer type, so the key is the pointer.
-template <typename K>
-void allow_smem(K kernel, int bytes) {
-  if (bytes <= 48 * 1024) return;
+// K slices up to which launch_decode reduces through a cluster. Measured on the H100
+// (docs/cuda_results/session5/cluster_reduction.txt): with 2 slices the cluster reduction is
+// 0..24 % faster than last_block_reduce (10 shapes, M = 1..64); clusters of 4 and 8 blocks were
+// up to 30 % slower (a cluster's blocks are scheduled together on one GPC), so more slices keep the
+// global-memory reduction.
+constexpr u32 kMaxClusterSlices = 2;
+
+// Thread-block clusters need compute capability 9.0; cached per device (asked on every launch).
+bool has_clusters() {
   static std::mutex mu;
-  static std::set<std::pair<const void*, int>> done;
+  static std::map<int, bool> cache;
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   std::lock_guard<std::mutex> lock(mu);
-  const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), dev};
-  if (!done.count(key)) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-    done.insert(key);
+  auto it = cache.find(dev);
+  if (it == cache.end()) {
+    int major = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    it = cache.emplace(dev, major >= 9).first;
   }
+  return it->second;
 }
 
-template <typename T, u32 FMT, int NT, bool kFold, int AS = 0, int kMinBlocks = int(TM_CUDA_DECODE_BLOCKS_PER_SM(8u * NT)),
-          bool kPipe = false>
+template <typename T, u32 FMT, int NT, bool kFold>
 void launch_decode(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const u32* B, const T* S, const uint8_t* Z,
                    const T* bias, T* C, float* ws, int* counters, cudaStream_t stream) {
   const dim3 grid(plan.grid[0], plan.grid[1], plan.grid[2]);
-  constexpr int smem = dec_smem_bytes<FMT, NT, AS>();
-  auto* kernel = decode_kernel<T, FMT, NT, kFold, AS, kMinBlocks, kPipe>;
-  allow_smem(kernel, smem);
-  kernel<<<grid, kDecThreads, smem, stream>>>(plan.params, Np, gs_shift, A, B, S, Z, bias, C, ws, counters);
+  const u32 kp = plan.params.k_parallel;
+  if (kp > 1 && kp <= kMaxClusterSlices && has_clusters()) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(kDecThreads);
+    cfg.dynamicSmemBytes = dec_smem_bytes<NT, true>();
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = kp;  // grid.z == k_parallel: one cluster per output tile
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_kernel<T, FMT, NT, kFold, true>, plan.params, Np, gs_shift, A, B, S,
+                                      Z, bias, C, ws, counters));
+  } else {
+    decode_kernel<T, FMT, NT, kFold, false><<<grid, kDecThreads, dec_smem_bytes<NT, false>(), stream>>>(
+        plan.params, Np, gs_shift, A, B, S, Z, bias, C, ws, counters);
+  }
   check_launch(plan.kernel.c_str());
-}
-
-// Session-5 experiment switch (TORCH_MARLIN_DECODE_EXP; removed once measured): which decode
-// variant runs for 4 and 8 n8 tiles.
-int decode_exp() {
-  const char* e = std::getenv("TORCH_MARLIN_DECODE_EXP");
-  return e ? std::atoi(e) : 0;
 }
 
 // Columns [n0, n0 + cols) of B into W[K][ldw].
@@ -859,27 +757,9 @@ void launch_dequant(const QuantGemmArgs& a, const PaddedWeights& w, u32 n0, u32 
   check_launch("dequant");
 }
 
-// Columns [n0, n0 + cols) of B into Wt[cols][K] (transposed: dequant_blas's workspace).
-template <typename T, u32 FMT>
-void launch_dequant_t(const QuantGemmArgs& a, const PaddedWeights& w, u32 n0, u32 cols, T* Wt, cudaStream_t stream) {
-  const int threads = 256;
-  const size_t items = size_t((a.K / 8 + 7) / 8) * ((cols + 3) / 4);
-  dequant_t_kernel<T, FMT><<<grid_for(items, threads), threads, 0, stream>>>(
-      u32(a.K), u32(w.B.size(1)), u32(a.group_size), n0, cols, reinterpret_cast<const u32*>(w.B.data_ptr()),
-      reinterpret_cast<const T*>(w.S.data_ptr()), w.Z.defined() ? w.Z.data_ptr<uint8_t>() : nullptr, Wt);
-  check_launch("dequant_t");
-}
-
-// Session-5 experiment switch (TORCH_MARLIN_DQ_T; removed once measured): dequant_blas's workspace
-// transposed ([cols, K]) or not ([K, cols]).
-bool dq_transposed() {
-  const char* e = std::getenv("TORCH_MARLIN_DQ_T");
-  return e && std::atoi(e) != 0;
-}
-
 // dequant_blas: per column panel (plan_cuda: all of N unless over 1 GiB), dequantize into the
-// workspace and let cuBLAS (at::mm_out: torch's handle, workspace and current stream) multiply
-// into C's columns. C's panel is a row-major view with leading dimension N, which torch passes to
+// [K, tile_n] workspace and let cuBLAS (at::mm_out: torch's handle, workspace and current stream)
+// multiply into C's columns. C's panel is a row-major view with leading dimension N, which torch passes to
 // cuBLAS as is (no copy). Panels run in order on the stream, so one buffer serves them all.
 template <typename T, u32 FMT>
 void launch_dequant_blas(const GemmPlan& plan, const QuantGemmArgs& a, const PaddedWeights& w, at::Tensor& C,
@@ -887,20 +767,13 @@ void launch_dequant_blas(const GemmPlan& plan, const QuantGemmArgs& a, const Pad
   const int64_t P = plan.params.tile_n;
   TORCH_CHECK(ws.defined() && size_t(ws.numel()) * sizeof(float) >= size_t(a.K) * P * sizeof(T) && P % 16 == 0,
               "torch_marlin: bad dequant_blas plan");
-  const bool tr = dq_transposed();
-  const at::Tensor buf = ws.view(a.A.scalar_type()).narrow(0, 0, a.K * P);
-  T* pW = reinterpret_cast<T*>(buf.data_ptr());
+  const at::Tensor panel = ws.view(a.A.scalar_type()).narrow(0, 0, a.K * P).view({a.K, P});
+  T* pW = reinterpret_cast<T*>(panel.data_ptr());
   for (int64_t n0 = 0; n0 < a.N; n0 += P) {
     const int64_t cols = std::min(P, a.N - n0);
+    launch_dequant<T, FMT>(a, w, u32(n0), u32(cols), u32(P), pW, stream);
     at::Tensor Cp = C.narrow(1, n0, cols);
-    at::Tensor Wp;
-    if (tr) {
-      launch_dequant_t<T, FMT>(a, w, u32(n0), u32(cols), pW, stream);
-      Wp = buf.narrow(0, 0, cols * a.K).view({cols, a.K}).t();  // [K, cols], K contiguous
-    } else {
-      launch_dequant<T, FMT>(a, w, u32(n0), u32(cols), u32(P), pW, stream);
-      Wp = buf.view({a.K, P}).narrow(1, 0, cols);
-    }
+    const at::Tensor Wp = panel.narrow(1, 0, cols);
     if (a.bias.defined()) at::addmm_out(Cp, a.bias.narrow(0, n0, cols), a.A, Wp);
     else at::mm_out(Cp, a.A, Wp);
   }
@@ -936,14 +809,7 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
                 "torch_marlin: bad decode plan");
     const bool fold = a.group_size % 32 == 0;  // a 32-row chunk never straddles two groups
     const u32 np = u32(Np);
-    const int exp = decode_exp();
-    if (nt == 8 && exp == 1) launch_decode<T, FMT, 8, false, 4, 1>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
-    else if (nt == 8 && exp == 2) launch_decode<T, FMT, 8, false, 2, 2>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
-    else if (nt == 8 && exp == 3) launch_decode<T, FMT, 8, false, 0, 1, true>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
-    else if (nt == 4 && exp == 3) launch_decode<T, FMT, 4, false, 0, 1, true>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
-    else if (nt == 8) launch_decode<T, FMT, 8, false>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
-    else if (nt == 4 && exp == 1) launch_decode<T, FMT, 4, false, 4, 2>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
-    else if (nt == 4 && exp == 2) launch_decode<T, FMT, 4, false, 2, 2>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    if (nt == 8) launch_decode<T, FMT, 8, false>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
     else if (nt == 4) launch_decode<T, FMT, 4, false>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
     else if (nt == 2 && fold) launch_decode<T, FMT, 2, true>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
     else if (nt == 2) launch_decode<T, FMT, 2, false>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);

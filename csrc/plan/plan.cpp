@@ -1,4 +1,3 @@
-#include <cstdlib>
 #include "plan/plan.h"
 
 #include <algorithm>
@@ -212,9 +211,7 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     const int64_t tiles = int64_t(p.params.m_tiles) * p.params.n_tiles;
     const int64_t by_slots = std::max<int64_t>(1, capacity / tiles);
     const int64_t by_k = std::max<int64_t>(1, K / 1024);
-    uint32_t kp_exp = uint32_t(std::min<int64_t>({by_slots, by_k, 16}));
-    if (const char* e = std::getenv("TORCH_MARLIN_KP")) if (std::atoi(e) > 0) kp_exp = uint32_t(std::atoi(e));  // session-5 experiment
-    set_k_parallel(p, K, kp_exp, kKStep);
+    set_k_parallel(p, K, uint32_t(std::min<int64_t>({by_slots, by_k, 16})), kKStep);
     p.grid[0] = p.params.m_tiles;  // row tiles fastest: they share each column tile's weights in L2
     p.grid[1] = p.params.n_tiles;
     p.grid[2] = p.params.k_parallel;
