@@ -13,6 +13,8 @@ Tolerances (relative to max|ref|, the largest reference output of the case):
 - fp32 activations run a plain fp32 kernel: only the summation order differs from torch.matmul.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -147,6 +149,31 @@ def test_k_parallel(fmt, dtype, M, K, k_parallel):
     N = 328
     assert plan_for(M, K, N, dtype)["k_parallel"] == k_parallel, "shape meant to exercise this many K slices"
     case(fmt, M, K, N, 128, dtype, True)
+
+
+def launched_decode_kernels(fn):
+    """The decode_kernel instantiations fn launches (names from the CUDA profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if "decode_kernel<" in e.name]
+
+
+@pytest.mark.parametrize("K,k_parallel", [(2048, 2), (4096, 4)])
+def test_cluster_reduction_chosen_on_sm90(K, k_parallel):
+    # Two K slices reduce through a thread-block cluster on sm_90 (the kernel's last template
+    # argument, kCluster, is true); more slices, or older GPUs, through global memory. Guards
+    # against the cluster path silently switching off (results are the same either way).
+    M, N = 4, 328
+    assert plan_for(M, K, N, torch.float16)["k_parallel"] == k_parallel
+    B, s, _ = make_weights("fp4", K, N, 128, torch.float16)
+    A = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    names = launched_decode_kernels(lambda: torch.ops.marlin.gemm_fp4(A, B, s, 128))
+    assert len(names) == 1, names
+    template_args = re.search(r"decode_kernel<(.*?)>\(", names[0]).group(1).split(",")
+    cluster = template_args[-1].strip() in ("true", "(bool)1")
+    sm90 = torch.cuda.get_device_capability()[0] >= 9
+    assert cluster == (sm90 and k_parallel == 2), names[0]
 
 
 # ---- Large M: dequantized panels + cuBLAS ----------------------------------------------------------

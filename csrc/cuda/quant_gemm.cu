@@ -262,7 +262,7 @@ __device__ void cluster_reduce(const QuantGemmParams& p, u32 m0, u32 n0, float* 
   }
   cluster.sync();
 #else
-  __trap();  // launched as a cluster only on sm_90+ (launch_decode)
+  __trap();  // launched as a cluster only where compiled for sm_90+ (launch_decode, cluster_capable)
 #endif
 }
 
@@ -703,18 +703,23 @@ void check_launch(const char* what) {
 // global-memory reduction.
 constexpr u32 kMaxClusterSlices = 2;
 
-// Thread-block clusters need compute capability 9.0; cached per device (asked on every launch).
-bool has_clusters() {
+// Whether `kernel` can run as a thread-block cluster on the current device: the device must be
+// sm_90+ and the kernel's code must come from sm_90+ PTX (a build with only compute_80 PTX, JIT-
+// compiled on an H100, has cluster_reduce compiled out). Cached per (kernel, device): the
+// launcher asks on every call.
+bool cluster_capable(const void* kernel) {
   static std::mutex mu;
-  static std::map<int, bool> cache;
+  static std::map<std::pair<const void*, int>, bool> cache;
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(dev);
+  auto it = cache.find({kernel, dev});
   if (it == cache.end()) {
     int major = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    it = cache.emplace(dev, major >= 9).first;
+    cudaFuncAttributes attr;
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    it = cache.emplace(std::make_pair(kernel, dev), major >= 9 && attr.ptxVersion >= 90).first;
   }
   return it->second;
 }
@@ -724,7 +729,8 @@ void launch_decode(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const
                    const T* bias, T* C, float* ws, int* counters, cudaStream_t stream) {
   const dim3 grid(plan.grid[0], plan.grid[1], plan.grid[2]);
   const u32 kp = plan.params.k_parallel;
-  if (kp > 1 && kp <= kMaxClusterSlices && has_clusters()) {
+  auto* cluster_kernel = decode_kernel<T, FMT, NT, kFold, true>;
+  if (kp > 1 && kp <= kMaxClusterSlices && cluster_capable(reinterpret_cast<const void*>(cluster_kernel))) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = dim3(kDecThreads);
@@ -737,8 +743,7 @@ void launch_decode(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const
     attr[0].val.clusterDim.z = kp;  // grid.z == k_parallel: one cluster per output tile
     cfg.attrs = attr;
     cfg.numAttrs = 1;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_kernel<T, FMT, NT, kFold, true>, plan.params, Np, gs_shift, A, B, S,
-                                      Z, bias, C, ws, counters));
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, cluster_kernel, plan.params, Np, gs_shift, A, B, S, Z, bias, C, ws, counters));
   } else {
     decode_kernel<T, FMT, NT, kFold, false><<<grid, kDecThreads, dec_smem_bytes<NT, false>(), stream>>>(
         plan.params, Np, gs_shift, A, B, S, Z, bias, C, ws, counters);
