@@ -165,15 +165,19 @@ def test_cluster_reduction_chosen_on_sm90(K, k_parallel):
     # argument, kCluster, is true); more slices, or older GPUs, through global memory. Guards
     # against the cluster path silently switching off (results are the same either way).
     M, N = 4, 328
-    assert plan_for(M, K, N, torch.float16)["k_parallel"] == k_parallel
+    plan = plan_for(M, K, N, torch.float16)
+    assert plan["k_parallel"] == k_parallel
+    sm90 = torch.cuda.get_device_capability()[0] >= 9
+    expect_cluster = sm90 and k_parallel == 2
+    assert plan["reduce_kernel"] == ("cluster_reduce" if expect_cluster else "last_block_reduce")
+    assert plan["workspace_bytes"] == (0 if expect_cluster else k_parallel * M * N * 4)
     B, s, _ = make_weights("fp4", K, N, 128, torch.float16)
     A = torch.randn(M, K, device="cuda", dtype=torch.float16)
     names = launched_decode_kernels(lambda: torch.ops.marlin.gemm_fp4(A, B, s, 128))
     assert len(names) == 1, names
     template_args = re.search(r"decode_kernel<(.*?)>\(", names[0]).group(1).split(",")
     cluster = template_args[-1].strip() in ("true", "(bool)1")
-    sm90 = torch.cuda.get_device_capability()[0] >= 9
-    assert cluster == (sm90 and k_parallel == 2), names[0]
+    assert cluster == expect_cluster, names[0]
 
 
 # ---- Large M: dequantized panels + cuBLAS ----------------------------------------------------------

@@ -237,6 +237,27 @@ def test_policy_cuda_kernels_by_m():
         torch_marlin.plan_gemm("fp4", 200, 256, 64, variant="dequant_blas")
 
 
+@pytest.mark.parametrize("clusters", [False, True])
+def test_policy_cuda_k_slice_reduction(clusters):
+    # Planned without a GPU: 2 decode K slices reduce through a thread-block cluster (no workspace)
+    # where the device and build have clusters; more slices, or no clusters, through the global
+    # fp32 workspace [k_parallel][M][N] summed by the last block of each tile.
+    def plan(M, K, N):
+        return torch_marlin.plan_gemm("fp4", M, K, N, device="cuda", compute_units=132,
+                                      thread_block_clusters=clusters)
+    two, four, one = plan(4, 2048, 328), plan(4, 4096, 328), plan(4, 4096, 8192)
+    assert two["k_parallel"] == 2 and four["k_parallel"] == 4 and one["k_parallel"] == 1
+    if clusters:
+        assert two["reduce_kernel"] == "cluster_reduce" and two["workspace_bytes"] == 0
+    else:
+        assert two["reduce_kernel"] == "last_block_reduce" and two["workspace_bytes"] == 2 * 4 * 328 * 4
+    assert four["reduce_kernel"] == "last_block_reduce" and four["workspace_bytes"] == 4 * 4 * 328 * 4
+    assert one["reduce_kernel"] == "" and one["workspace_bytes"] == 0
+    # dequant_blas never splits K, clusters or not.
+    big = plan(300, 2048, 328)
+    assert big["variant"] == "dequant_blas" and big["reduce_kernel"] == ""
+
+
 def test_policy_rejects_bad_names():
     with pytest.raises(ValueError, match="format must be one of"):
         torch_marlin.plan_gemm("int3", 1, 256, 64)

@@ -232,6 +232,15 @@ __device__ void last_block_reduce(const QuantGemmParams& p, u32 tile, u32 m0, u3
   if (threadIdx.x == 0) counters[tile] = 0;
 }
 
+// Output element of a decode tile that thread t (0..255) of the block's fixed-order warp
+// reduction holds for n8 tile nt: e = t / 32 picks the accumulator register, l = t % 32 the lane
+// (acc[nt][jp][c]: column col + 2 jp + (c >> 1), activation row 8 nt + 2 (lane & 3) + (c & 1)).
+__device__ __forceinline__ void dec_out_coord(u32 nt, u32 t, u32 m0, u32 n0, u32& row, u32& n) {
+  const u32 e = t >> 5, l = t & 31u;
+  row = m0 + 8u * nt + 2u * (l & 3u) + (e & 1u);
+  n = n0 + 4u * (l >> 2) + 2u * (e >> 2) + ((e >> 1) & 1u);
+}
+
 // K-parallel epilogue on sm_90: the k_parallel slices of one output tile run as one thread-block
 // cluster (cluster dims (1, 1, k_parallel), so cluster rank = slice). Every block has left its
 // partial tile in its own shared memory (part[v], v = the element index of the warp reduction);
@@ -251,9 +260,8 @@ __device__ void cluster_reduce(const QuantGemmParams& p, u32 m0, u32 n0, float* 
   const u32 share = (kElems + kp - 1u) / kp;
   const u32 v_end = min(kElems, (rank + 1u) * share);
   for (u32 v = rank * share + threadIdx.x; v < v_end; v += blockDim.x) {
-    const u32 nt = v >> 8, e = (v & 255u) >> 5, l = v & 31u;  // as in decode_kernel's warp reduction
-    const u32 row = m0 + 8u * nt + 2u * (l & 3u) + (e & 1u);
-    const u32 n = n0 + 4u * (l >> 2) + 2u * (e >> 2) + ((e >> 1) & 1u);
+    u32 row, n;
+    dec_out_coord(v >> 8, v & 255u, m0, n0, row, n);
     if (row >= p.M || n >= p.N) continue;
     float sum = 0.f;
     for (u32 sl = 0; sl < kp; ++sl) sum += cluster.map_shared_rank(part, sl)[v];
@@ -262,7 +270,7 @@ __device__ void cluster_reduce(const QuantGemmParams& p, u32 m0, u32 n0, float* 
   }
   cluster.sync();
 #else
-  __trap();  // launched as a cluster only where compiled for sm_90+ (launch_decode, cluster_capable)
+  __trap();  // planned only where the kernels come from sm_90+ PTX (cuda_device_caps)
 #endif
 }
 
@@ -309,9 +317,9 @@ __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
 // never straddles two groups): the mmas of one group accumulate unscaled weights and the group's
 // fp32 scales multiply those partial sums once per group (8 FMAs per n8 tile and group instead of
 // 16 multiplies per chunk); otherwise every weight pair is scaled.
-// kCluster (sm_90, k_parallel <= kMaxClusterSlices): the K slices of a tile form a cluster and
-// reduce through distributed shared memory (cluster_reduce); otherwise through global memory
-// (last_block_reduce).
+// kCluster (plan.reduce_kernel "cluster_reduce": sm_90, k_parallel <=
+// TM_CUDA_DECODE_MAX_CLUSTER_SLICES): the K slices of a tile form a cluster and reduce through
+// distributed shared memory (cluster_reduce); otherwise through global memory (last_block_reduce).
 template <typename T, u32 FMT, int NT, bool kFold, bool kCluster>
 __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u * NT))
     decode_kernel(QuantGemmParams p, u32 Np, int gs_shift, const T* __restrict__ A, const u32* __restrict__ B,
@@ -534,8 +542,8 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
       part[nt * 256 + threadIdx.x] = sum;
       continue;
     }
-    const u32 row = m0 + 8u * nt + 2u * (l & 3) + (e & 1);
-    const u32 n = n0 + 4u * (l >> 2) + 2u * (e >> 2) + ((e >> 1) & 1);
+    u32 row, n;
+    dec_out_coord(u32(nt), threadIdx.x, m0, n0, row, n);
     if (row < p.M && n < p.N) {
       if (p.k_parallel > 1) {
         ws[(size_t(slice) * p.M + row) * p.N + n] = sum;
@@ -696,41 +704,11 @@ void check_launch(const char* what) {
   TORCH_CHECK(e == cudaSuccess, "torch_marlin: CUDA launch of ", what, " failed: ", cudaGetErrorString(e));
 }
 
-// K slices up to which launch_decode reduces through a cluster. Measured on the H100
-// (docs/cuda_results/session5/cluster_reduction.txt): with 2 slices the cluster reduction is
-// 0..24 % faster than last_block_reduce (10 shapes, M = 1..64); clusters of 4 and 8 blocks were
-// up to 30 % slower (a cluster's blocks are scheduled together on one GPC), so more slices keep the
-// global-memory reduction.
-constexpr u32 kMaxClusterSlices = 2;
-
-// Whether `kernel` can run as a thread-block cluster on the current device: the device must be
-// sm_90+ and the kernel's code must come from sm_90+ PTX (a build with only compute_80 PTX, JIT-
-// compiled on an H100, has cluster_reduce compiled out). Cached per (kernel, device): the
-// launcher asks on every call.
-bool cluster_capable(const void* kernel) {
-  static std::mutex mu;
-  static std::map<std::pair<const void*, int>, bool> cache;
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find({kernel, dev});
-  if (it == cache.end()) {
-    int major = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    cudaFuncAttributes attr;
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-    it = cache.emplace(std::make_pair(kernel, dev), major >= 9 && attr.ptxVersion >= 90).first;
-  }
-  return it->second;
-}
-
 template <typename T, u32 FMT, int NT, bool kFold>
 void launch_decode(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const u32* B, const T* S, const uint8_t* Z,
                    const T* bias, T* C, float* ws, int* counters, cudaStream_t stream) {
   const dim3 grid(plan.grid[0], plan.grid[1], plan.grid[2]);
-  const u32 kp = plan.params.k_parallel;
-  auto* cluster_kernel = decode_kernel<T, FMT, NT, kFold, true>;
-  if (kp > 1 && kp <= kMaxClusterSlices && cluster_capable(reinterpret_cast<const void*>(cluster_kernel))) {
+  if (plan.reduce_kernel == "cluster_reduce") {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = dim3(kDecThreads);
@@ -740,10 +718,11 @@ void launch_decode(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const
     attr[0].id = cudaLaunchAttributeClusterDimension;
     attr[0].val.clusterDim.x = 1;
     attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = kp;  // grid.z == k_parallel: one cluster per output tile
+    attr[0].val.clusterDim.z = plan.params.k_parallel;  // grid.z == k_parallel: one cluster per output tile
     cfg.attrs = attr;
     cfg.numAttrs = 1;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, cluster_kernel, plan.params, Np, gs_shift, A, B, S, Z, bias, C, ws, counters));
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_kernel<T, FMT, NT, kFold, true>, plan.params, Np, gs_shift, A, B,
+                                      S, Z, bias, C, ws, counters));
   } else {
     decode_kernel<T, FMT, NT, kFold, false><<<grid, kDecThreads, dec_smem_bytes<NT, false>(), stream>>>(
         plan.params, Np, gs_shift, A, B, S, Z, bias, C, ws, counters);
@@ -799,10 +778,11 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
   const T* pbias = a.bias.defined() ? reinterpret_cast<const T*>(a.bias.data_ptr()) : nullptr;
   T* pC = reinterpret_cast<T*>(C.data_ptr());
   float* pws = ws.defined() ? ws.data_ptr<float>() : nullptr;
-  TORCH_CHECK(plan.params.k_parallel <= 1 || pws != nullptr, "torch_marlin: K-parallel plan without workspace");
+  const bool global_reduce = plan.reduce_kernel == "last_block_reduce";
+  TORCH_CHECK(!global_reduce || pws != nullptr, "torch_marlin: K-parallel plan without workspace");
   const int gs_shift = (a.group_size & (a.group_size - 1)) == 0 ? __builtin_ctzll(uint64_t(a.group_size)) : -1;
   int* counters = nullptr;
-  if (plan.params.k_parallel > 1) {
+  if (global_reduce) {
     counters = tile_counters(int64_t(plan.params.m_tiles) * plan.params.n_tiles, a.A.device(), stream);
   }
 
@@ -869,12 +849,22 @@ DeviceCaps cuda_device_caps(int device_index) {
   std::lock_guard<std::mutex> lock(mu);
   if (int(cache.size()) <= dev) cache.resize(dev + 1);
   if (cache[dev].backend != Backend::CUDA) {
-    int sms = 0, smem = 0;
+    int sms = 0, smem = 0, major = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    // Clusters need an sm_90+ device and kernels from sm_90+ PTX: a build with only compute_80 PTX,
+    // JIT-compiled on an H100, has cluster_reduce compiled out. All decode kernels come from this
+    // file's one compilation, so one instantiation speaks for them.
+    cudaFuncAttributes attr;
+    {
+      const c10::cuda::CUDAGuard guard(c10::Device(c10::DeviceType::CUDA, c10::DeviceIndex(dev)));
+      C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, decode_kernel<__half, TM_FORMAT_FP4, 1, true, true>));
+    }
     cache[dev].backend = Backend::CUDA;
     cache[dev].compute_units = sms;
     cache[dev].max_shared_memory = smem;
+    cache[dev].thread_block_clusters = major >= 9 && attr.ptxVersion >= 90 ? 1 : 0;
   }
   DeviceCaps caps = cache[dev];
   return caps;

@@ -8,6 +8,9 @@
 
 #include "plan/plan_py.h"
 #include "plan/trellis_plan.h"
+#ifdef TM_WITH_CUDA
+#include "ops/quant_gemm.h"
+#endif
 
 TORCH_LIBRARY(marlin, m) {}
 
@@ -18,10 +21,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "plan_quant_gemm",
       [](const std::string& format, int64_t M, int64_t K, int64_t N, int64_t group_size, const std::string& dtype,
-         const std::string& backend, int compute_units, bool has_bias, const std::string& force) {
+         const std::string& backend, int compute_units, bool has_bias, const std::string& force,
+         bool thread_block_clusters) {
         DeviceCaps caps = parse_backend(backend) == Backend::Metal ? default_metal_caps() : DeviceCaps{};
         caps.backend = parse_backend(backend);
         if (compute_units > 0) caps.compute_units = compute_units;
+        caps.thread_block_clusters = thread_block_clusters ? 1 : 0;
         const QuantFormat f = parse_format(format);
         try {
           return plan_to_dict(
@@ -31,7 +36,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         }
       },
       py::arg("format"), py::arg("M"), py::arg("K"), py::arg("N"), py::arg("group_size"), py::arg("dtype"),
-      py::arg("backend"), py::arg("compute_units") = 0, py::arg("has_bias") = false, py::arg("force") = "auto");
+      py::arg("backend"), py::arg("compute_units") = 0, py::arg("has_bias") = false, py::arg("force") = "auto",
+      py::arg("thread_block_clusters") = false);
+#ifdef TM_WITH_CUDA
+  // What the op's planner sees for a CUDA device (plan_gemm passes it on, so the plan it returns
+  // is the one the op runs).
+  m.def(
+      "cuda_thread_block_clusters",
+      [](int device_index) { return cuda_device_caps(device_index).thread_block_clusters != 0; },
+      py::arg("device_index"));
+#endif
   m.def(
       "plan_trellis_gemm",
       [](int64_t M, int64_t K, int64_t N, int64_t bits, int64_t group_size, const std::string& dtype,

@@ -238,9 +238,16 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
                                 "' kernel (decode, dequant_blas, or fp32 activations)");
   }
   p.kernel = stem + "_" + format_name(f) + "_" + dtype_name(d);
-  // K slices are summed inside the GEMM kernel by the last block of each tile to finish (no second
-  // dispatch; reduce_grid/threads unused): the workspace is still [k_parallel][M][N] fp32.
-  set_reduction(p, "last_block_reduce", 256);
+  // K slices are summed inside the GEMM kernel (no second dispatch; reduce_grid/threads unused):
+  // up to TM_CUDA_DECODE_MAX_CLUSTER_SLICES decode slices by a thread-block cluster through
+  // distributed shared memory where the device and build have clusters (no workspace), otherwise
+  // by the last block of each tile to finish, from an fp32 workspace [k_parallel][M][N].
+  if (p.params.k_parallel > 1 && p.variant == GemmVariant::Decode && caps.thread_block_clusters &&
+      p.params.k_parallel <= TM_CUDA_DECODE_MAX_CLUSTER_SLICES) {
+    p.reduce_kernel = "cluster_reduce";
+  } else {
+    set_reduction(p, "last_block_reduce", 256);
+  }
 }
 
 // ---- CPU ------------------------------------------------------------------------------------

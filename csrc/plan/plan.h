@@ -24,6 +24,9 @@ struct DeviceCaps {
   Backend backend = Backend::CPU;
   int compute_units = 1;
   int max_shared_memory = 32768;  // threadgroup / shared memory per group, bytes
+  // CUDA: 1 when the device runs thread-block clusters (sm_90+) and the loaded kernels were
+  // compiled for them (sm_90+ PTX); the decode plan then reduces 2 K slices through a cluster.
+  int thread_block_clusters = 0;
 };
 
 // Kernel families of the FP4/INT4 GEMM. Every backend implements each family it plans.
@@ -48,7 +51,8 @@ const char* format_name(QuantFormat f);  // "fp4", "u4"
 struct GemmPlan {
   GemmVariant variant = GemmVariant::Decode;
   std::string kernel;         // backend kernel name (Metal function name / CUDA kernel tag)
-  std::string reduce_kernel;  // second dispatch when params.k_parallel > 1, else empty
+  std::string reduce_kernel;  // how K slices are summed when params.k_parallel > 1, else empty:
+                              // a second dispatch (Metal, CPU) or an in-kernel epilogue (CUDA)
   uint32_t grid[3] = {1, 1, 1};     // threadgroups (Metal) / blocks (CUDA) / tasks (CPU)
   uint32_t threads[3] = {1, 1, 1};  // threads per threadgroup / block
   uint32_t reduce_grid[3] = {1, 1, 1};

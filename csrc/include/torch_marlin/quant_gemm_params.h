@@ -28,6 +28,10 @@ TM_NAMESPACE_BEGIN
 #define TM_CUDA_DECODE_WARPS 8u
 #define TM_CUDA_DECODE_TILE_N 32u
 #define TM_CUDA_DECODE_BLOCKS_PER_SM(tile_m) ((tile_m) == 64u ? 1u : 2u)
+// Most K slices the decode plan sums through a thread-block cluster (sm_90, "cluster_reduce");
+// more go through global memory ("last_block_reduce"). Clusters of 4 and 8 blocks measured up to
+// 30 % slower than the global path on the H100 (docs/cuda_results/session5/cluster_reduction.txt).
+#define TM_CUDA_DECODE_MAX_CLUSTER_SLICES 2u
 
 // ---- Launch parameters -------------------------------------------------------------------------
 struct QuantGemmParams {
