@@ -59,9 +59,13 @@ def build_extension():
     if want_cuda():
         sources += rel("csrc/cuda/*.cu")
         define_macros.append(("TM_WITH_CUDA", "1"))
+        # sm_90a (not sm_90): the wgmma kernel needs the arch-specific target. Its cubin loads on
+        # compute capability 9.0 only (H100/H200), which is all a plain sm_90 cubin served too.
         arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
         if not arch:
-            os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+            arch = os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0a"
+        if "9.0a" in arch.replace(" ", ";").split(";") or "9.0a+PTX" in arch:
+            define_macros.append(("TM_CUDA_SM90A", "1"))
         ext_cls = cpp_extension.CUDAExtension
 
     return ext_cls(

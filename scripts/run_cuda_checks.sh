@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the CUDA backend needs on a GPU machine, in one go (docs/cuda.md):
-#   build (sm_90 unless TORCH_CUDA_ARCH_LIST says otherwise) -> tests/test_cuda.py ->
+#   build (sm_90a unless TORCH_CUDA_ARCH_LIST says otherwise) -> tests/test_cuda.py ->
 #   compute-sanitizer memcheck + racecheck on scripts/cuda_sanitize_subset.py -> benchmark.
 # Logs go to $OUT (default ./cuda_results). STEPS=build,test,sanitize,bench selects steps.
 set -uo pipefail
@@ -12,7 +12,7 @@ has() { [[ ",$STEPS," == *",$1,"* ]]; }
 if has build; then
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
   python -c 'import torch; print(torch.__version__, torch.version.cuda)' | tee -a "$OUT/gpu.txt"
-  ( time TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" \
+  ( time TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}" MAX_JOBS="${MAX_JOBS:-16}" \
       python setup.py build_ext --inplace ) > "$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
   tail -3 "$OUT/build.log"
 fi

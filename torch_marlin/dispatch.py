@@ -27,12 +27,13 @@ def backend_of(device) -> str:
 
 def plan_gemm(format: str, M: int, K: int, N: int, group_size: int = 128, dtype=torch.float16,
               device="cpu", compute_units: int = 0, variant: str = "auto", has_bias: bool = False,
-              thread_block_clusters=None) -> dict:
+              thread_block_clusters=None, wgmma=None) -> dict:
     """Returns the plan (``variant``, ``kernel``, ``grid``, ``threads``, ``k_parallel``, ...) the
     op would execute for this problem. ``device`` may be a torch device or ``"metal"``;
     ``compute_units`` overrides the device's core/SM/thread count (0 = the backend's default);
     ``thread_block_clusters`` (CUDA) overrides whether the device and this build run thread-block
-    clusters (None = ask the device when there is one, else False)."""
+    clusters, ``wgmma`` whether it runs the sm_90a wgmma kernel (None = ask the device when there
+    is one, else False)."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")
     backend = device if device == "metal" else backend_of(device)
@@ -46,8 +47,10 @@ def plan_gemm(format: str, M: int, K: int, N: int, group_size: int = 128, dtype=
         compute_units = torch.cuda.get_device_properties(cuda_index).multi_processor_count
     if thread_block_clusters is None:
         thread_block_clusters = cuda_index is not None and _C.cuda_thread_block_clusters(cuda_index)
+    if wgmma is None:
+        wgmma = cuda_index is not None and _C.cuda_wgmma(cuda_index)
     return _C.plan_quant_gemm(format, M, K, N, group_size, _DTYPES[dtype], backend, compute_units, has_bias,
-                              variant, bool(thread_block_clusters))
+                              variant, bool(thread_block_clusters), bool(wgmma))
 
 
 def plan_trellis(M: int, K: int, N: int, bits: int = 3, group_size: int = 128, dtype=torch.float16,

@@ -37,6 +37,7 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <vector>
@@ -655,6 +656,323 @@ __global__ void dequant_kernel(u32 K, u32 Np, u32 gs, u32 n0, u32 cols, u32 ldw,
 }
 
 // ---------------------------------------------------------------------------------------------
+// wgmma kernel (sm_90a): M > TM_CUDA_WGMMA_MIN_M, fused dequant into Hopper warpgroup MMAs
+// ---------------------------------------------------------------------------------------------
+// One warpgroup (128 threads) per block computes a 128-column x BM-row output tile (BM = 64 or
+// 128), 2 blocks per SM. wgmma.m64nBMk16 takes its A operand from registers and B from shared
+// memory, so, as in the decode kernel, the weights are A (dequantized in registers with the same
+// bit tricks; each packed word is read from global memory once per block) and the activations are
+// B, staged through shared memory. The mma K-permutation trick carries over: a lane's 4 columns x
+// 8 k words give the A fragments of 2 k16 steps in permuted k order, and the activations are
+// written to shared memory in that same order (register-staged: a 16-byte global load of 8 k
+// values is regrouped with byte permutes into the 4 core matrices that hold them), so no nibble
+// shuffling is needed. Warp w owns columns n0 + 32w + 4g .. + 3 (g = lane / 4); wgmma jp (0, 1)
+// has the columns 2jp and 2jp + 1 of every lane as its rows g and g + 8.
+//  - Shared memory: two activation buffers of BM rows x 64 k in the no-swizzle K-major layout:
+//    core matrix (kc, rg) = rows 8rg..8rg+7, k 8kc..8kc+7 at byte (kc * BM / 8 + rg) * 128.
+//    Stores of 32 consecutive rows of one core-matrix column are 512 contiguous bytes (no bank
+//    conflicts); wgmma reads whole 128-byte core matrices.
+//  - Pipeline per 64-k stage: wait for the wgmmas of the chunk before last, dequantize one 32-k
+//    chunk into the free A-fragment set, issue its 4 wgmmas (2 k16 steps x 2 column halves),
+//    repeat for the second chunk; then store the next stage's activations (loaded one stage
+//    earlier) into the other buffer and load the stage after it. Weights stream 2 stages ahead.
+//    Tensor work of one chunk overlaps the dequant of the next and the other block on the SM.
+//  - K slices (grid.z) for shapes with too few tiles: fp32 partials summed by last_block_reduce.
+constexpr int kWgThreads = 128;
+constexpr int kWgTileN = int(TM_CUDA_WGMMA_TILE_N);
+constexpr int kWgKStep = int(TM_CUDA_WGMMA_K_STEP);
+static_assert(kWgTileN == 128 && kWgKStep == 64, "4 warps x 32 columns; 2 chunks of 32 k per stage");
+// Two activation buffers of BM rows x 64 k (the stage in use and the next).
+template <int BM>
+constexpr int wg_smem_bytes() {
+  return 2 * BM * kWgKStep * 2;
+}
+
+#define TM_D8(i) \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define TM_WGMMA_IN : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)
+#define TM_WGMMA_N64(TY)                                                                        \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                     \
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"                  \
+               : TM_D8(0), TM_D8(8), TM_D8(16), TM_D8(24) TM_WGMMA_IN)
+#define TM_WGMMA_N128(TY)                                                                       \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                    \
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "                                                                      \
+               "{%64, %65, %66, %67}, %68, 1, 1, 1, 0;\n"                                   \
+               : TM_D8(0), TM_D8(8), TM_D8(16), TM_D8(24), TM_D8(32), TM_D8(40), TM_D8(48),     \
+                 TM_D8(56) TM_WGMMA_IN)
+
+// d[BM / 2] += A (64 x 16, registers: the mma.m16n8k16 A fragment of each warp's 16 rows)
+// x B (16 x BM, shared memory, descriptor); accumulates (scale-d = 1).
+template <typename T, int BM>
+__device__ __forceinline__ void wgmma_rs(float* d, const u32 (&a)[4], uint64_t desc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool kHalf = std::is_same<T, __half>::value;
+  if constexpr (BM == 64) {
+    if constexpr (kHalf) TM_WGMMA_N64("f16");
+    else TM_WGMMA_N64("bf16");
+  } else {
+    if constexpr (kHalf) TM_WGMMA_N128("f16");
+    else TM_WGMMA_N128("bf16");
+  }
+#endif
+}
+#undef TM_WGMMA_N128
+#undef TM_WGMMA_N64
+#undef TM_WGMMA_IN
+#undef TM_D8
+
+__device__ __forceinline__ void wg_fence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wg_commit() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// Keeps the compiler from moving accesses of r across the asynchronous wgmma boundaries.
+__device__ __forceinline__ void wg_pin(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void wg_pin(u32& r) { asm volatile("" : "+r"(r)::"memory"); }
+// Makes this thread's generic-proxy shared-memory stores visible to wgmma (the async proxy).
+__device__ __forceinline__ void fence_proxy_async_smem() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// K-major, no-swizzle shared-memory matrix descriptor: lbo = bytes between the two core matrices
+// of a k16 step (adjacent in k), sbo = bytes between core matrices 8 rows apart.
+__device__ __forceinline__ uint64_t wg_desc(u32 smem_addr, u32 lbo, u32 sbo) {
+  return uint64_t((smem_addr & 0x3FFFFu) >> 4) | (uint64_t(lbo >> 4) << 16) | (uint64_t(sbo >> 4) << 32);
+}
+
+template <typename T, u32 FMT, int BM>
+__global__ void __launch_bounds__(kWgThreads, 2)
+    wgmma_kernel(QuantGemmParams p, u32 Np, int gs_shift, const T* __restrict__ A, const u32* __restrict__ B,
+                 const T* __restrict__ S, const uint8_t* __restrict__ Z, const T* __restrict__ bias,
+                 T* __restrict__ C, float* __restrict__ ws, int* __restrict__ counters) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kRowGroups = BM / 8;
+  constexpr u32 kBufBytes = u32(BM) * kWgKStep * 2u;
+  constexpr u32 kColBytes = u32(kRowGroups) * 128u;  // one core-matrix column (8 k) of all BM rows
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  // blockIdx.x: row tile (fastest: the row tiles of a column tile share its weights in L2),
+  // y: 128-column tile, z: K slice.
+  const u32 m0 = blockIdx.x * u32(BM);
+  const u32 n0 = blockIdx.y * u32(kWgTileN);
+  const u32 col_raw = n0 + 32u * warp + 4u * g;
+  const u32 col = col_raw < Np ? col_raw : 0u;  // past Np: reads column 0, outputs dropped
+  const u32 k_begin = blockIdx.z * p.k_slice_len;
+  const u32 k_end = min(p.K, k_begin + p.k_slice_len);
+  const int n_stages = int((k_end - k_begin) / u32(kWgKStep));  // K and k_slice_len: multiples of 64
+  const u32 num_groups = p.K / p.group_size;
+  const u32 smem_base = u32(__cvta_generic_to_shared(smem));
+
+  // Activation staging, coalesced: per load a warp reads 8 rows x 64 contiguous bytes (one 32-k
+  // chunk: lane = row (lane / 4) x 16-byte segment q = lane % 4), so each load touches 8 lines
+  // (loads of whole rows per thread touched 32 and saturated L1). Warp w takes chunk w % 2 of
+  // rows 8 (w / 2) + 16 i .. + 7 for i < BM / 16. Rows past M read row M - 1; their outputs are
+  // never stored. Segment q of rows r gives word q of row r of core matrices 4c + j.
+  constexpr int kSegs = BM / 16;
+  const int q_seg = lane & 3, c_seg = warp & 1;
+  const u32 r_seg = 8u * u32(warp >> 1) + u32(lane >> 2);
+  const T* a_col = A + k_begin + 32u * c_seg + 8u * q_seg;
+  const u32 a_dst = u32(4 * c_seg) * kColBytes + r_seg * 16u + 4u * q_seg;
+  uint4 a_reg[kSegs];
+  auto load_act = [&](int s) {
+#pragma unroll
+    for (int i = 0; i < kSegs; ++i) {
+      const u32 row = min(m0 + r_seg + 16u * i, p.M - 1u);
+      a_reg[i] = __ldg(reinterpret_cast<const uint4*>(a_col + size_t(row) * p.K + u32(s) * u32(kWgKStep)));
+    }
+  };
+  // Segment (k0..k7) -> core matrices 4c + j: j = 0: (k0, k4), 1: (k1, k5), 2: (k2, k6), 3: (k3, k7)
+  // (the decode kernel's a_pairs order). 32 lanes store 128 contiguous bytes: no bank conflicts.
+  auto store_act = [&](int buf) {
+    unsigned char* base = smem + buf * kBufBytes + a_dst;
+#pragma unroll
+    for (int i = 0; i < kSegs; ++i) {
+      const APairs x = a_pairs(a_reg[i]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) *reinterpret_cast<u32*>(base + 256u * i + u32(j) * kColBytes) = x.p[j];
+    }
+    fence_proxy_async_smem();
+  };
+
+  // Weights: the lane's word of chunk c of stage s is packed row 4 (k / 32) + t, 2 stages ahead.
+  const uint4* w_src = reinterpret_cast<const uint4*>(B + size_t(k_begin / 8u + u32(t)) * Np + col);
+  const size_t w_chunk = size_t(4) * Np / 4;  // uint4 stride of one 32-k chunk (4 packed rows)
+  auto load_w = [&](int s, uint4 (&w)[2]) {
+    if (s < n_stages) {
+      w[0] = ldg_stream(w_src + size_t(2 * s) * w_chunk);
+      w[1] = ldg_stream(w_src + size_t(2 * s + 1) * w_chunk);
+    }
+  };
+  // Dequantized A fragments of one 32-k chunk: frag[s][jp] for k16 step s and column half jp.
+  // Scales (and zero points) of the lane's 4 columns for both chunks of a stage, loaded one stage
+  // ahead: at use they would put an L2 round trip into every chunk's dequant.
+  uint2 sc_next[2] = {make_uint2(0u, 0u), make_uint2(0u, 0u)};
+  u32 zz_next[2] = {0u, 0u};
+  auto load_scales = [&](int s) {
+    if (s < n_stages) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const u32 k = k_begin + u32(s) * u32(kWgKStep) + 32u * c + 8u * t;
+        const u32 gi = min(gs_shift >= 0 ? k >> gs_shift : k / p.group_size, num_groups - 1u);
+        const size_t so = size_t(gi) * Np + col;
+        sc_next[c] = __ldg(reinterpret_cast<const uint2*>(S + so));
+        if constexpr (FMT == TM_FORMAT_U4) zz_next[c] = __ldg(reinterpret_cast<const u32*>(Z + so));
+      }
+    }
+  };
+  auto dequant_chunk = [&](const uint4& words, uint2 sc, u32 zz, u32 (&frag)[2][2][4]) {
+    ColQ<T> q[4];
+    make_colq<T, FMT>(q, sc, zz);
+    u32 b[4][4];
+    dequant_words<T, FMT>(b, words, q);
+#pragma unroll
+    for (int s = 0; s < 2; ++s)
+#pragma unroll
+      for (int jp = 0; jp < 2; ++jp) {
+        frag[s][jp][0] = b[2 * jp][2 * s];
+        frag[s][jp][1] = b[2 * jp + 1][2 * s];
+        frag[s][jp][2] = b[2 * jp][2 * s + 1];
+        frag[s][jp][3] = b[2 * jp + 1][2 * s + 1];
+      }
+  };
+
+  float acc[2][BM / 2];
+#pragma unroll
+  for (int jp = 0; jp < 2; ++jp)
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) acc[jp][i] = 0.f;
+  u32 frag[2][2][2][4];  // [chunk parity][step][column half][register]
+#pragma unroll
+  for (int i = 0; i < 32; ++i) frag[i / 16][(i / 8) % 2][(i / 4) % 2][i % 4] = 0u;
+
+  // The 8 descriptors (buffer, chunk, k16 step), computed once: registers that wgmmas read must
+  // not be redefined while earlier wgmmas are in flight (ptxas would serialize them, C7513).
+  uint64_t desc[2][2][2];
+#pragma unroll
+  for (int buf = 0; buf < 2; ++buf)
+#pragma unroll
+    for (int c = 0; c < 2; ++c)
+#pragma unroll
+      for (int s = 0; s < 2; ++s)
+        desc[buf][c][s] = wg_desc(smem_base + u32(buf) * kBufBytes + u32(4 * c + 2 * s) * kColBytes, kColBytes, 128u);
+  // Keeps a fragment set live (and so in its own registers) until the wait that retires its wgmmas.
+  auto pin_frag = [&](u32 (&f)[2][2][4]) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s)
+#pragma unroll
+      for (int jp = 0; jp < 2; ++jp)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) wg_pin(f[s][jp][r]);
+  };
+  auto issue_chunk = [&](int buf, int c, u32 (&f)[2][2][4]) {
+    pin_frag(f);
+    wg_fence();
+#pragma unroll
+    for (int s = 0; s < 2; ++s)
+#pragma unroll
+      for (int jp = 0; jp < 2; ++jp) wgmma_rs<T, BM>(acc[jp], f[s][jp], desc[buf][c][s]);
+    wg_commit();
+  };
+
+  uint4 w_ring[2][2];
+  load_scales(0);
+  load_w(0, w_ring[0]);
+  load_w(1, w_ring[1]);
+  if (n_stages > 0) {
+    load_act(0);
+    store_act(0);
+  }
+  if (n_stages > 1) load_act(1);
+  // One 64-k stage; kBuf = s % 2 is a template constant so the ring and descriptor indices stay
+  // in registers (a runtime index would put them in local memory).
+  auto stage = [&](int s, auto buf_tag) {
+    constexpr int kBuf = decltype(buf_tag)::value;
+    __syncthreads();  // buffer kBuf: stored and fenced by every thread
+    uint4(&w)[2] = w_ring[kBuf];
+    wg_wait<1>();  // chunk 2s - 2 done: frag[0] is free
+    pin_frag(frag[0]);
+    dequant_chunk(w[0], sc_next[0], zz_next[0], frag[0]);
+    issue_chunk(kBuf, 0, frag[0]);
+    wg_wait<1>();  // chunk 2s - 1 done: frag[1] and buffer 1 - kBuf are free
+    pin_frag(frag[1]);
+    dequant_chunk(w[1], sc_next[1], zz_next[1], frag[1]);
+    issue_chunk(kBuf, 1, frag[1]);
+    // The proxy fence after the stores compiles to MEMBAR.ALL.CTA, which waits for this thread's
+    // outstanding loads: issue the next loads after it.
+    if (s + 1 < n_stages) store_act(1 - kBuf);
+    load_scales(s + 1);
+    load_w(s + 2, w);
+    if (s + 2 < n_stages) load_act(s + 2);
+  };
+  for (int s = 0; s < n_stages; s += 2) {
+    stage(s, std::integral_constant<int, 0>{});
+    if (s + 1 < n_stages) stage(s + 1, std::integral_constant<int, 1>{});
+  }
+  wg_wait<0>();
+#pragma unroll
+  for (int i = 0; i < 8; ++i) asm volatile("" ::"l"(desc[i / 4][(i / 2) % 2][i % 2]) : "memory");
+#pragma unroll
+  for (int jp = 0; jp < 2; ++jp)
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) wg_pin(acc[jp][i]);
+
+  // acc[jp][4j + 2h + e]: column col + 2jp + h, activation row m0 + 8j + 2t + e.
+  const bool split = p.k_parallel > 1;
+  const bool vec = p.N % 4u == 0u;
+#pragma unroll
+  for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const u32 row = m0 + 8u * j + 2u * t + e;
+      if (row >= p.M || col_raw >= p.N) continue;
+      float v[4] = {acc[0][4 * j + e], acc[0][4 * j + 2 + e], acc[1][4 * j + e], acc[1][4 * j + 2 + e]};
+      if (split) {
+        float* dst = ws + size_t(blockIdx.z) * p.M * p.N + size_t(row) * p.N + col;
+        if (vec) *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
+        else
+          for (u32 q = 0; q < 4u && col + q < p.N; ++q) dst[q] = v[q];
+      } else {
+        if (p.has_bias)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) v[q] += Tr<T>::to_f(bias[min(col + u32(q), p.N - 1u)]);
+        T* dst = C + size_t(row) * p.N + col;
+        if (vec) {
+          typename Tr<T>::T2 lo, hi;
+          lo.x = Tr<T>::from_f(v[0]);
+          lo.y = Tr<T>::from_f(v[1]);
+          hi.x = Tr<T>::from_f(v[2]);
+          hi.y = Tr<T>::from_f(v[3]);
+          *reinterpret_cast<uint2*>(dst) = make_uint2(as_u32(lo), as_u32(hi));
+        } else {
+          for (u32 q = 0; q < 4u && col + q < p.N; ++q) dst[q] = Tr<T>::from_f(v[q]);
+        }
+      }
+    }
+  if (split) {
+    last_block_reduce<T>(p, blockIdx.x * gridDim.y + blockIdx.y, m0, u32(BM), n0, u32(kWgTileN), ws, bias, C,
+                         counters);
+  }
+#else
+  __trap();  // planned only where the loaded kernels are sm_90a (cuda_device_caps)
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
 // Host side
 // ---------------------------------------------------------------------------------------------
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
@@ -730,6 +1048,25 @@ void launch_decode(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const
   check_launch(plan.kernel.c_str());
 }
 
+template <typename T, u32 FMT, int BM>
+void launch_wgmma(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const u32* B, const T* S, const uint8_t* Z,
+                  const T* bias, T* C, float* ws, int* counters, cudaStream_t stream) {
+  const dim3 grid(plan.grid[0], plan.grid[1], plan.grid[2]);
+  // Over 48 KiB of dynamic shared memory needs an opt-in, once per device.
+  static std::atomic<uint64_t> opted_in{0};
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  const uint64_t bit = uint64_t(1) << (dev & 63);
+  if (!(opted_in.load() & bit)) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(wgmma_kernel<T, FMT, BM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        wg_smem_bytes<BM>()));
+    opted_in.fetch_or(bit);
+  }
+  wgmma_kernel<T, FMT, BM><<<grid, kWgThreads, wg_smem_bytes<BM>(), stream>>>(plan.params, Np, gs_shift, A, B, S, Z,
+                                                                                bias, C, ws, counters);
+  check_launch(plan.kernel.c_str());
+}
+
 // Columns [n0, n0 + cols) of B into W[K][ldw].
 template <typename T, u32 FMT>
 void launch_dequant(const QuantGemmArgs& a, const PaddedWeights& w, u32 n0, u32 cols, u32 ldw, T* W,
@@ -800,6 +1137,16 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
     else if (nt == 2) launch_decode<T, FMT, 2, false>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
     else if (fold) launch_decode<T, FMT, 1, true>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
     else launch_decode<T, FMT, 1, false>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+  } else if (k.rfind("wgmma_", 0) == 0) {
+    const QuantGemmParams& q = plan.params;
+    TORCH_CHECK((q.tile_m == 64u || q.tile_m == 128u) && q.tile_n == TM_CUDA_WGMMA_TILE_N &&
+                    q.K % TM_CUDA_WGMMA_K_STEP == 0 && q.k_slice_len % TM_CUDA_WGMMA_K_STEP == 0 &&
+                    plan.grid[0] == q.m_tiles && plan.grid[1] == q.n_tiles && plan.grid[2] == q.k_parallel &&
+                    plan.threads[0] == TM_CUDA_WGMMA_THREADS,
+                "torch_marlin: bad wgmma plan");
+    const u32 np = u32(Np);
+    if (q.tile_m == 64u) launch_wgmma<T, FMT, 64>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    else launch_wgmma<T, FMT, 128>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
   } else {
     TORCH_CHECK(false, "torch_marlin: unknown CUDA kernel tag '", k, "'");
   }
@@ -865,6 +1212,15 @@ DeviceCaps cuda_device_caps(int device_index) {
     cache[dev].compute_units = sms;
     cache[dev].max_shared_memory = smem;
     cache[dev].thread_block_clusters = major >= 9 && attr.ptxVersion >= 90 ? 1 : 0;
+    // wgmma needs the sm_90a kernels (setup.py builds them for TORCH_CUDA_ARCH_LIST "9.0a"), which
+    // load only on compute capability 9.0; another build or device keeps dequant_blas.
+    int minor = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+#ifdef TM_CUDA_SM90A
+    cache[dev].wgmma = major == 9 && minor == 0 && attr.ptxVersion >= 90 ? 1 : 0;
+#else
+    cache[dev].wgmma = 0;
+#endif
   }
   DeviceCaps caps = cache[dev];
   return caps;

@@ -22,11 +22,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "plan_quant_gemm",
       [](const std::string& format, int64_t M, int64_t K, int64_t N, int64_t group_size, const std::string& dtype,
          const std::string& backend, int compute_units, bool has_bias, const std::string& force,
-         bool thread_block_clusters) {
+         bool thread_block_clusters, bool wgmma) {
         DeviceCaps caps = parse_backend(backend) == Backend::Metal ? default_metal_caps() : DeviceCaps{};
         caps.backend = parse_backend(backend);
         if (compute_units > 0) caps.compute_units = compute_units;
         caps.thread_block_clusters = thread_block_clusters ? 1 : 0;
+        caps.wgmma = wgmma ? 1 : 0;
         const QuantFormat f = parse_format(format);
         try {
           return plan_to_dict(
@@ -37,13 +38,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("format"), py::arg("M"), py::arg("K"), py::arg("N"), py::arg("group_size"), py::arg("dtype"),
       py::arg("backend"), py::arg("compute_units") = 0, py::arg("has_bias") = false, py::arg("force") = "auto",
-      py::arg("thread_block_clusters") = false);
+      py::arg("thread_block_clusters") = false, py::arg("wgmma") = false);
 #ifdef TM_WITH_CUDA
   // What the op's planner sees for a CUDA device (plan_gemm passes it on, so the plan it returns
   // is the one the op runs).
   m.def(
       "cuda_thread_block_clusters",
       [](int device_index) { return cuda_device_caps(device_index).thread_block_clusters != 0; },
+      py::arg("device_index"));
+  m.def(
+      "cuda_wgmma", [](int device_index) { return cuda_device_caps(device_index).wgmma != 0; },
       py::arg("device_index"));
 #endif
   m.def(

@@ -217,6 +217,28 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     p.grid[2] = p.params.k_parallel;
     p.threads[0] = 32 * TM_CUDA_DECODE_WARPS;
     stem = "decode";
+  } else if (p.variant == GemmVariant::Tiled) {
+    // wgmma (sm_90a): one warpgroup over 128 columns x 64 or 128 rows, 2 blocks per SM. K slices
+    // (of at least 8 stages) only when the tiles leave block slots empty, as for decode.
+    if (!caps.wgmma) {
+      throw std::invalid_argument("plan_quant_gemm: the CUDA tiled (wgmma) kernel needs an sm_90a build on a "
+                                  "compute capability 9.0 device");
+    }
+    if (K % TM_CUDA_WGMMA_K_STEP != 0) {
+      throw std::invalid_argument("plan_quant_gemm: the CUDA tiled (wgmma) kernel needs K % 64 == 0");
+    }
+    const uint32_t tile_m = M <= 64 ? 64 : 128;
+    set_tiles(p, M, N, tile_m, TM_CUDA_WGMMA_TILE_N);
+    const int64_t capacity = int64_t(caps.compute_units) * 2;
+    const int64_t tiles = int64_t(p.params.m_tiles) * p.params.n_tiles;
+    const int64_t by_slots = std::max<int64_t>(1, capacity / tiles);
+    const int64_t by_k = std::max<int64_t>(1, K / (8 * TM_CUDA_WGMMA_K_STEP));
+    set_k_parallel(p, K, uint32_t(std::min<int64_t>({by_slots, by_k, 16})), TM_CUDA_WGMMA_K_STEP);
+    p.grid[0] = p.params.m_tiles;  // row tiles fastest: they share each column tile's weights in L2
+    p.grid[1] = p.params.n_tiles;
+    p.grid[2] = p.params.k_parallel;
+    p.threads[0] = TM_CUDA_WGMMA_THREADS;
+    stem = "wgmma";
   } else if (p.variant == GemmVariant::DequantBlas) {
     // Column panels of B are dequantized into a [K, tile_n] workspace in the activation dtype and
     // cuBLAS multiplies A by each into C's columns. One panel holds all of N unless that exceeds
@@ -296,7 +318,7 @@ GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, in
     const int64_t tiles = int64_t((M + 63) / 64) * ((N + 63) / 64);
     p.variant = (tiles < caps.compute_units * 2 && K / 32 >= 16) ? GemmVariant::Striped : GemmVariant::Tiled;
   } else if (caps.backend == Backend::CUDA && dtype != DType::F32) {
-    p.variant = GemmVariant::DequantBlas;
+    p.variant = caps.wgmma && K % TM_CUDA_WGMMA_K_STEP == 0 ? GemmVariant::Tiled : GemmVariant::DequantBlas;
   } else {
     p.variant = GemmVariant::Tiled;
   }

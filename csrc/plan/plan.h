@@ -27,6 +27,9 @@ struct DeviceCaps {
   // CUDA: 1 when the device runs thread-block clusters (sm_90+) and the loaded kernels were
   // compiled for them (sm_90+ PTX); the decode plan then reduces 2 K slices through a cluster.
   int thread_block_clusters = 0;
+  // CUDA: 1 when the device is compute capability 9.0 and the loaded kernels were built for
+  // sm_90a (wgmma); the planner then uses the wgmma kernel for M > kCudaDecodeMaxM-ish shapes.
+  int wgmma = 0;
 };
 
 // Kernel families of the FP4/INT4 GEMM. Every backend implements each family it plans.
