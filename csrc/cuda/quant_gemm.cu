@@ -682,12 +682,12 @@ constexpr int kWgThreads = 128;
 constexpr int kWgTileN = int(TM_CUDA_WGMMA_TILE_N);
 constexpr int kWgKStep = int(TM_CUDA_WGMMA_K_STEP);
 static_assert(kWgTileN == 128 && kWgKStep == 64, "4 warps x 32 columns; 2 chunks of 32 k per stage");
-constexpr int kWgRing = 3;  // cp.async stage slots: 2 stages in flight while one is used
-// Two permuted activation buffers of BM rows x 64 k (the stage in use and the next) and the ring
-// (per slot: raw activations, plus 7 KiB of thread-private weights, scales and zero points).
+constexpr int kWgRing = 4;  // cp.async weight stage slots: 3 stages in flight while one is used
+// Two permuted activation buffers of BM rows x 64 k (the stage in use and the next) and the
+// weight ring (per slot 4 KiB of weights and 2 KiB of scales, then 1 KiB of zero points).
 template <int BM>
 constexpr int wg_smem_bytes() {
-  return 2 * BM * kWgKStep * 2 + kWgRing * (BM * kWgKStep * 2 + 7168);
+  return 2 * BM * kWgKStep * 2 + kWgRing * (6144 + 1024);
 }
 
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
@@ -795,62 +795,66 @@ __global__ void __launch_bounds__(kWgThreads, 2)
   const u32 num_groups = p.K / p.group_size;
   const u32 smem_base = u32(__cvta_generic_to_shared(smem));
 
-  // Every global load of the main loop is a cp.async into a ring of kWgRing stage slots, and
-  // every thread copies exactly the bytes it later reads itself, so the ring needs no barrier:
-  // cp.async.wait_group retires the oldest stage precisely. (Register loads were waited for through
-  // shared scoreboards: the weights loaded 2 stages ahead were waited for as if 1 stage ahead.)
-  // Slot: raw activations (BM rows x 128 bytes), the thread's weight words (2 x 16 bytes),
-  // scales (2 x 8) and zero points (2 x 4).
-  // Activations, coalesced: per copy a warp moves 8 rows x 64 contiguous bytes (one 32-k chunk:
-  // lane = row (lane / 4) x 16-byte segment q = lane % 4). Warp w takes chunk w % 2 of rows
-  // 8 (w / 2) + 16 i .. + 7 for i < BM / 16; rows past M read row M - 1 (their outputs are never
-  // stored). Raw row r at r * 128, segment v = 4c + q at 16 (v ^ 4 (r & 1)) (the two rows of a
-  // quarter-warp hit disjoint banks).
-  constexpr int kSegs = BM / 16;
-  constexpr u32 kSlotBytes = kBufBytes + 7168u;
-  const int q_seg = lane & 3, c_seg = warp & 1;
-  const u32 r_seg = 8u * u32(warp >> 1) + u32(lane >> 2);
-  const T* a_col = A + k_begin + 32u * c_seg + 8u * q_seg;
-  const u32 a_dst = u32(4 * c_seg) * kColBytes + r_seg * 16u + 4u * q_seg;
-  const u32 raw_off = r_seg * 128u + 16u * (u32(4 * c_seg + q_seg) ^ ((r_seg & 1u) << 2));
-  const u32 w_off = kBufBytes + u32(tid) * 32u;
-  const u32 s_off = kBufBytes + 4096u + u32(tid) * 16u;
-  const u32 z_off = kBufBytes + 6144u + u32(tid) * 8u;
+  // Weights, scales and zero points stream through a ring of kWgRing stage slots by cp.async, each
+  // thread copying exactly the bytes it later reads itself, so the ring needs no barrier and
+  // cp.async.wait_group retires the oldest stage precisely. (As register loads 2 stages ahead they
+  // shared scoreboards with later loads and were waited for as if issued 1 stage ahead: ncu put
+  // a third of the stall samples on them.) Slot: the thread's 2 weight words (16 bytes each: 4
+  // columns x 8 k), 2 scale quads (8 bytes) and 2 zero-point quads (4 bytes), thread-contiguous.
+  constexpr u32 kSlotBytes = 128u * 48u;  // 2 x 16 bytes of weights and 2 x 8 of scales a thread
+  constexpr u32 kZeroBytes = 128u * 8u;   // after the kWgRing slots: 2 x 4 zero points a thread
   const u32 ring_base = smem_base + 2u * kBufBytes;
   const unsigned char* ring = smem + 2u * kBufBytes;
+  const u32 w_off = u32(tid) * 16u, s_off = 4096u + u32(tid) * 16u;  // + 2048 c / + 8 c
   // Weights: the lane's word of chunk c is packed row 4 (k / 32) + t (16 bytes: its 4 columns).
   const uint4* w_src = reinterpret_cast<const uint4*>(B + size_t(k_begin / 8u + u32(t)) * Np + col);
   const size_t w_chunk = Np;  // uint4 stride of one 32-k chunk (4 packed rows)
-  auto copy_stage = [&](int s) {
+  auto copy_weights = [&](int s) {
     if (s < n_stages) {
       const u32 slot = ring_base + u32(s % kWgRing) * kSlotBytes;
-#pragma unroll
-      for (int i = 0; i < kSegs; ++i) {
-        const u32 row = min(m0 + r_seg + 16u * i, p.M - 1u);
-        cp_async16(slot + raw_off + 2048u * i, a_col + size_t(row) * p.K + u32(s) * u32(kWgKStep));
-      }
+      const u32 zslot = ring_base + u32(kWgRing) * kSlotBytes + u32(s % kWgRing) * kZeroBytes;
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        cp_async16(slot + w_off + 16u * c, w_src + size_t(2 * s + c) * w_chunk);
+        cp_async16(slot + 2048u * c + w_off, w_src + size_t(2 * s + c) * w_chunk);
         const u32 k = k_begin + u32(s) * u32(kWgKStep) + 32u * c + 8u * t;
         const u32 gi = min(gs_shift >= 0 ? k >> gs_shift : k / p.group_size, num_groups - 1u);
         const size_t so = size_t(gi) * Np + col;
         cp_async8(slot + s_off + 8u * c, S + so);
-        if constexpr (FMT == TM_FORMAT_U4) cp_async4(slot + z_off + 4u * c, Z + so);
+        if constexpr (FMT == TM_FORMAT_U4) cp_async4(zslot + u32(tid) * 8u + 4u * c, Z + so);
       }
     }
     cp_async_commit();  // empty groups keep the group count uniform
   };
-  // Segment (k0..k7) -> core matrices 4c + j: j = 0: (k0, k4), 1: (k1, k5), 2: (k2, k6), 3: (k3, k7)
-  // (the decode kernel's a_pairs order). 32 lanes store 128 contiguous bytes: no bank conflicts.
-  auto permute_act = [&](int s, int buf) {
-    const unsigned char* raw = ring + u32(s % kWgRing) * kSlotBytes + raw_off;
-    unsigned char* dst = smem + buf * kBufBytes + a_dst;
+
+  // Activation staging, coalesced: per load a warp reads 8 rows x 64 contiguous bytes (one 32-k
+  // chunk: lane = row (lane / 4) x 16-byte segment q = lane % 4), so each load touches 8 lines
+  // (loads of whole rows per thread touched 32 and saturated L1). Warp w takes chunk w % 2 of
+  // rows 8 (w / 2) + 16 i .. + 7 for i < BM / 16. Rows past M read row M - 1; their outputs are
+  // never stored. Segment q of rows r gives word q of row r of core matrices 4c + j. Loaded one
+  // stage ahead into registers and stored permuted (a cp.async ring plus a shared-memory permute
+  // pass measured slower: the permute's loads sat on the short scoreboard).
+  constexpr int kSegs = BM / 16;
+  const int q_seg = lane & 3, c_seg = warp & 1;
+  const u32 r_seg = 8u * u32(warp >> 1) + u32(lane >> 2);
+  const T* a_col = A + k_begin + 32u * c_seg + 8u * q_seg;
+  const u32 a_dst = u32(4 * c_seg) * kColBytes + r_seg * 16u + 4u * q_seg;
+  uint4 a_reg[kSegs];
+  auto load_act = [&](int s) {
 #pragma unroll
     for (int i = 0; i < kSegs; ++i) {
-      const APairs x = a_pairs(*reinterpret_cast<const uint4*>(raw + 2048u * i));
+      const u32 row = min(m0 + r_seg + 16u * i, p.M - 1u);
+      a_reg[i] = __ldg(reinterpret_cast<const uint4*>(a_col + size_t(row) * p.K + u32(s) * u32(kWgKStep)));
+    }
+  };
+  // Segment (k0..k7) -> core matrices 4c + j: j = 0: (k0, k4), 1: (k1, k5), 2: (k2, k6), 3: (k3, k7)
+  // (the decode kernel's a_pairs order). 32 lanes store 128 contiguous bytes: no bank conflicts.
+  auto store_act = [&](int buf) {
+    unsigned char* base = smem + buf * kBufBytes + a_dst;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) *reinterpret_cast<u32*>(dst + 256u * i + u32(j) * kColBytes) = x.p[j];
+    for (int i = 0; i < kSegs; ++i) {
+      const APairs x = a_pairs(a_reg[i]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) *reinterpret_cast<u32*>(base + 256u * i + u32(j) * kColBytes) = x.p[j];
     }
     fence_proxy_async_smem();
   };
@@ -910,29 +914,35 @@ __global__ void __launch_bounds__(kWgThreads, 2)
   };
 
 #pragma unroll
-  for (int j = 0; j < kWgRing - 1; ++j) copy_stage(j);
-  cp_async_wait<kWgRing - 2>();  // stage 0 landed
-  if (n_stages > 0) permute_act(0, 0);
+  for (int j = 0; j < kWgRing - 1; ++j) copy_weights(j);
+  if (n_stages > 0) {
+    load_act(0);
+    store_act(0);
+  }
+  if (n_stages > 1) load_act(1);
   // One 64-k stage; kBuf = s % 2 is a template constant so the descriptor indices stay in
   // registers (a runtime index would put them in local memory).
   auto stage = [&](int s, auto buf_tag) {
     constexpr int kBuf = decltype(buf_tag)::value;
+    cp_async_wait<kWgRing - 2>();  // this thread's weights and scales of stage s landed
     __syncthreads();               // buffer kBuf: stored and fenced by every thread
-    copy_stage(s + kWgRing - 1);   // into the slot of stage s - 1 (dequantized and permuted)
+    copy_weights(s + kWgRing - 1);  // into the slot of stage s - 1 (already dequantized)
     const unsigned char* slot = ring + u32(s % kWgRing) * kSlotBytes;
+    const unsigned char* zslot = ring + u32(kWgRing) * kSlotBytes + u32(s % kWgRing) * kZeroBytes;
     wg_wait<1>();  // chunk 2s - 2 done: frag[0] is free
     pin_frag(frag[0]);
     dequant_chunk(*reinterpret_cast<const uint4*>(slot + w_off), *reinterpret_cast<const uint2*>(slot + s_off),
-                  FMT == TM_FORMAT_U4 ? *reinterpret_cast<const u32*>(slot + z_off) : 0u, frag[0]);
+                  FMT == TM_FORMAT_U4 ? *reinterpret_cast<const u32*>(zslot + u32(tid) * 8u) : 0u, frag[0]);
     issue_chunk(kBuf, 0, frag[0]);
     wg_wait<1>();  // chunk 2s - 1 done: frag[1] and buffer 1 - kBuf are free
     pin_frag(frag[1]);
-    dequant_chunk(*reinterpret_cast<const uint4*>(slot + w_off + 16u),
+    dequant_chunk(*reinterpret_cast<const uint4*>(slot + 2048u + w_off),
                   *reinterpret_cast<const uint2*>(slot + s_off + 8u),
-                  FMT == TM_FORMAT_U4 ? *reinterpret_cast<const u32*>(slot + z_off + 4u) : 0u, frag[1]);
+                  FMT == TM_FORMAT_U4 ? *reinterpret_cast<const u32*>(zslot + u32(tid) * 8u + 4u) : 0u, frag[1]);
     issue_chunk(kBuf, 1, frag[1]);
-    cp_async_wait<kWgRing - 2>();  // stage s + 1 landed
-    if (s + 1 < n_stages) permute_act(s + 1, 1 - kBuf);
+    // The proxy fence after the stores compiles to MEMBAR.ALL.CTA: issue the next loads after it.
+    if (s + 1 < n_stages) store_act(1 - kBuf);
+    if (s + 2 < n_stages) load_act(s + 2);
   };
   for (int s = 0; s < n_stages; s += 2) {
     stage(s, std::integral_constant<int, 0>{});
