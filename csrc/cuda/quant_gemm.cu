@@ -656,87 +656,60 @@ __global__ void dequant_kernel(u32 K, u32 Np, u32 gs, u32 n0, u32 cols, u32 ldw,
 }
 
 // ---------------------------------------------------------------------------------------------
-// wgmma kernel (sm_90a): M > TM_CUDA_WGMMA_MIN_M, fused dequant into Hopper warpgroup MMAs
+// wgmma kernel (sm_90a): fused dequant into Hopper warpgroup MMAs, M > kCudaDecodeMaxM
 // ---------------------------------------------------------------------------------------------
-// One warpgroup (128 threads) per block computes a 128-column x BM-row output tile (BM = 64 or
-// 128), 2 blocks per SM. wgmma.m64nBMk16 takes its A operand from registers and B from shared
-// memory, so, as in the decode kernel, the weights are A (dequantized in registers with the same
-// bit tricks; each packed word is read from global memory once per block) and the activations are
-// B, staged through shared memory. The mma K-permutation trick carries over: a lane's 4 columns x
-// 8 k words give the A fragments of 2 k16 steps in permuted k order, and the activations are
-// written to shared memory in that same order (register-staged: a 16-byte global load of 8 k
-// values is regrouped with byte permutes into the 4 core matrices that hold them), so no nibble
-// shuffling is needed. Warp w owns columns n0 + 32w + 4g .. + 3 (g = lane / 4); wgmma jp (0, 1)
-// has the columns 2jp and 2jp + 1 of every lane as its rows g and g + 8.
-//  - Shared memory: two activation buffers of BM rows x 64 k in the no-swizzle K-major layout:
-//    core matrix (kc, rg) = rows 8rg..8rg+7, k 8kc..8kc+7 at byte (kc * BM / 8 + rg) * 128.
-//    Stores of 32 consecutive rows of one core-matrix column are 512 contiguous bytes (no bank
-//    conflicts); wgmma reads whole 128-byte core matrices.
-//  - Pipeline per 64-k stage: wait for the wgmmas of the chunk before last, dequantize one 32-k
-//    chunk into the free A-fragment set, issue its 4 wgmmas (2 k16 steps x 2 column halves),
-//    repeat for the second chunk; then store the next stage's activations (loaded one stage
-//    earlier) into the other buffer and load the stage after it. Weights stream 2 stages ahead.
-//    Tensor work of one chunk overlaps the dequant of the next and the other block on the SM.
-//  - K slices (grid.z) for shapes with too few tiles: fp32 partials summed by last_block_reduce.
-constexpr int kWgThreads = 128;
+// A block of 2 warpgroups (256 threads) computes a BM x 128 output tile (BM = 128 or 256 rows of
+// activations, 128 weight columns), one block per SM. Per 64-k stage:
+//  - every thread dequantizes 4 packed words (one column x 32 k) of the stage's 128 x 64 weight
+//    tile into shared memory, in natural k order, as wgmma's B operand (K-major: a dequantized
+//    word is exactly one 16-byte core-matrix row). The tile is dequantized once and read by both
+//    warpgroups, so the dequant cost per multiply-add halves against a warpgroup dequantizing its
+//    own register fragments (measured: 0.51x cuBLAS at M = 1024, issue-bound);
+//  - each warpgroup multiplies its BM / 2 activation rows (1 or 2 m64 wgmmas per k16 step, both
+//    operands from shared memory) while the threads dequantize the next stage's tile;
+//  - activations, packed weights and scales stream in by cp.async, kWgStages deep; each thread
+//    copies the weights and scales it dequantizes itself (no barrier for those).
+// One barrier per stage: three B buffers, so the buffer written for stage s + 1 was last read by
+// stage s - 2, which both warpgroups have retired before the previous barrier.
+// Shared-memory layouts (no swizzle, K-major): core matrix = 8 rows x 16 bytes (8 k), contiguous.
+//  A slot: core (kc, rg) at (kc * BM / 8 + rg) * 128; B buffer: core (kc, cg) at (kc * 16 + cg) * 128.
+constexpr int kWgThreads = int(TM_CUDA_WGMMA_THREADS);
 constexpr int kWgTileN = int(TM_CUDA_WGMMA_TILE_N);
 constexpr int kWgKStep = int(TM_CUDA_WGMMA_K_STEP);
-static_assert(kWgTileN == 128 && kWgKStep == 64, "4 warps x 32 columns; 2 chunks of 32 k per stage");
-constexpr int kWgRing = 4;  // cp.async weight stage slots: 3 stages in flight while one is used
-// Two permuted activation buffers of BM rows x 64 k (the stage in use and the next) and the
-// weight ring (per slot 4 KiB of weights and 2 KiB of scales, then 1 KiB of zero points).
+constexpr int kWgStages = 4;  // cp.async ring: stages s + 1 .. s + 3 in flight while s is used
+constexpr int kWgBBufs = 3;
+static_assert(kWgThreads == 256 && kWgTileN == 128 && kWgKStep == 64,
+              "2 warpgroups; a thread dequantizes one column x 32 k per stage");
 template <int BM>
-constexpr int wg_smem_bytes() {
-  return 2 * BM * kWgKStep * 2 + kWgRing * (6144 + 1024);
-}
-
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async8(u32 dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
+struct WgSmem {
+  static constexpr int kA = BM * kWgKStep * 2;           // one activation stage
+  static constexpr int kB = kWgTileN * kWgKStep * 2;      // one dequantized weight tile
+  static constexpr int kW = kWgThreads * 16;              // packed words: 4 a thread
+  static constexpr int kS = kWgThreads * 4;               // 2 scales a thread (its column pair)
+  static constexpr int kZ = kWgThreads * 4;               // 4 zero points a thread (its column quad)
+  static constexpr int kStage = kA + kW + kS + kZ;
+  static constexpr int kBytes = kWgStages * kStage + kWgBBufs * kB;
+};
 
 #define TM_D8(i) \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
-#define TM_WGMMA_IN : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)
-#define TM_WGMMA_N64(TY)                                                                        \
-  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                     \
-               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"                  \
-               : TM_D8(0), TM_D8(8), TM_D8(16), TM_D8(24) TM_WGMMA_IN)
-#define TM_WGMMA_N128(TY)                                                                       \
-  asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                    \
-               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "                                                                      \
-               "{%64, %65, %66, %67}, %68, 1, 1, 1, 0;\n"                                   \
-               : TM_D8(0), TM_D8(8), TM_D8(16), TM_D8(24), TM_D8(32), TM_D8(40), TM_D8(48),     \
-                 TM_D8(56) TM_WGMMA_IN)
+#define TM_WGMMA_SS(TY)                                                                           \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                      \
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "                                                                        \
+               "%64, %65, 1, 1, 1, 0, 0;\n"                                                      \
+               : TM_D8(0), TM_D8(8), TM_D8(16), TM_D8(24), TM_D8(32), TM_D8(40), TM_D8(48),       \
+                 TM_D8(56)                                                                       \
+               : "l"(desc_a), "l"(desc_b))
 
-// d[BM / 2] += A (64 x 16, registers: the mma.m16n8k16 A fragment of each warp's 16 rows)
-// x B (16 x BM, shared memory, descriptor); accumulates (scale-d = 1).
-template <typename T, int BM>
-__device__ __forceinline__ void wgmma_rs(float* d, const u32 (&a)[4], uint64_t desc) {
+// d[64] += A (64 x 16) x B (16 x 128), both from shared memory (descriptors, K-major).
+template <typename T>
+__device__ __forceinline__ void wgmma_ss(float* d, uint64_t desc_a, uint64_t desc_b) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr bool kHalf = std::is_same<T, __half>::value;
-  if constexpr (BM == 64) {
-    if constexpr (kHalf) TM_WGMMA_N64("f16");
-    else TM_WGMMA_N64("bf16");
-  } else {
-    if constexpr (kHalf) TM_WGMMA_N128("f16");
-    else TM_WGMMA_N128("bf16");
-  }
+  if constexpr (std::is_same<T, __half>::value) TM_WGMMA_SS("f16");
+  else TM_WGMMA_SS("bf16");
 #endif
 }
-#undef TM_WGMMA_N128
-#undef TM_WGMMA_N64
-#undef TM_WGMMA_IN
+#undef TM_WGMMA_SS
 #undef TM_D8
 
 __device__ __forceinline__ void wg_fence() {
@@ -757,12 +730,22 @@ __device__ __forceinline__ void wg_wait() {
 }
 // Keeps the compiler from moving accesses of r across the asynchronous wgmma boundaries.
 __device__ __forceinline__ void wg_pin(float& r) { asm volatile("" : "+f"(r)::"memory"); }
-__device__ __forceinline__ void wg_pin(u32& r) { asm volatile("" : "+r"(r)::"memory"); }
 // Makes this thread's generic-proxy shared-memory stores visible to wgmma (the async proxy).
 __device__ __forceinline__ void fence_proxy_async_smem() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
+}
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // K-major, no-swizzle shared-memory matrix descriptor: lbo = bytes between the two core matrices
@@ -771,220 +754,172 @@ __device__ __forceinline__ uint64_t wg_desc(u32 smem_addr, u32 lbo, u32 sbo) {
   return uint64_t((smem_addr & 0x3FFFFu) >> 4) | (uint64_t(lbo >> 4) << 16) | (uint64_t(sbo >> 4) << 32);
 }
 
+// One packed word (8 k of one column) -> 8 values in natural k order (16 bytes).
+template <typename T, u32 FMT>
+__device__ __forceinline__ uint4 dequant_word_natural(u32 w, const ColQ<T>& q) {
+  const u32 d0 = dequant_pair<T, FMT, 0>(w, q), d1 = dequant_pair<T, FMT, 1>(w, q);
+  const u32 d2 = dequant_pair<T, FMT, 2>(w, q), d3 = dequant_pair<T, FMT, 3>(w, q);
+  // d_p = (k p, k p + 4): regroup into (0, 1), (2, 3), (4, 5), (6, 7).
+  return make_uint4(prmt(d0, d1, 0x5410), prmt(d2, d3, 0x5410), prmt(d0, d1, 0x7632), prmt(d2, d3, 0x7632));
+}
+
 template <typename T, u32 FMT, int BM>
-__global__ void __launch_bounds__(kWgThreads, 2)
-    wgmma_kernel(QuantGemmParams p, u32 Np, int gs_shift, const T* __restrict__ A, const u32* __restrict__ B,
+__global__ void __launch_bounds__(kWgThreads, 1)
+    wgmma_kernel(QuantGemmParams p, u32 Np, const T* __restrict__ A, const u32* __restrict__ B,
                  const T* __restrict__ S, const uint8_t* __restrict__ Z, const T* __restrict__ bias,
                  T* __restrict__ C, float* __restrict__ ws, int* __restrict__ counters) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int kRowGroups = BM / 8;
-  constexpr u32 kBufBytes = u32(BM) * kWgKStep * 2u;
-  constexpr u32 kColBytes = u32(kRowGroups) * 128u;  // one core-matrix column (8 k) of all BM rows
-  extern __shared__ __align__(16) unsigned char smem[];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
+  using L = WgSmem<BM>;
+  constexpr int kHalves = BM / 128;  // m64 wgmmas per warpgroup and k16 step
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127;
   // blockIdx.x: row tile (fastest: the row tiles of a column tile share its weights in L2),
   // y: 128-column tile, z: K slice.
   const u32 m0 = blockIdx.x * u32(BM);
   const u32 n0 = blockIdx.y * u32(kWgTileN);
-  const u32 col_raw = n0 + 32u * warp + 4u * g;
-  const u32 col = col_raw < Np ? col_raw : 0u;  // past Np: reads column 0, outputs dropped
   const u32 k_begin = blockIdx.z * p.k_slice_len;
   const u32 k_end = min(p.K, k_begin + p.k_slice_len);
-  const int n_stages = int((k_end - k_begin) / u32(kWgKStep));  // K and k_slice_len: multiples of 64
-  const u32 num_groups = p.K / p.group_size;
+  const int n_stages = int((k_end - k_begin) / u32(kWgKStep));  // K, k_slice_len: multiples of 64
   const u32 smem_base = u32(__cvta_generic_to_shared(smem));
+  const u32 b_base = smem_base + u32(kWgStages * L::kStage);
 
-  // Weights, scales and zero points stream through a ring of kWgRing stage slots by cp.async, each
-  // thread copying exactly the bytes it later reads itself, so the ring needs no barrier and
-  // cp.async.wait_group retires the oldest stage precisely. (As register loads 2 stages ahead they
-  // shared scoreboards with later loads and were waited for as if issued 1 stage ahead: ncu put
-  // a third of the stall samples on them.) Slot: the thread's 2 weight words (16 bytes each: 4
-  // columns x 8 k), 2 scale quads (8 bytes) and 2 zero-point quads (4 bytes), thread-contiguous.
-  constexpr u32 kSlotBytes = 128u * 48u;  // 2 x 16 bytes of weights and 2 x 8 of scales a thread
-  constexpr u32 kZeroBytes = 128u * 8u;   // after the kWgRing slots: 2 x 4 zero points a thread
-  const u32 ring_base = smem_base + 2u * kBufBytes;
-  const unsigned char* ring = smem + 2u * kBufBytes;
-  const u32 w_off = u32(tid) * 16u, s_off = 4096u + u32(tid) * 16u;  // + 2048 c / + 8 c
-  // Weights: the lane's word of chunk c is packed row 4 (k / 32) + t (16 bytes: its 4 columns).
-  const uint4* w_src = reinterpret_cast<const uint4*>(B + size_t(k_begin / 8u + u32(t)) * Np + col);
-  const size_t w_chunk = Np;  // uint4 stride of one 32-k chunk (4 packed rows)
-  auto copy_weights = [&](int s) {
+  // Activations: 16-byte chunk (row r, k-group kc) -> A core (kc, r / 8), row r % 8. Chunk i of
+  // this thread is idx = 256 i + tid: r = (idx / 2) % BM, kc = 2 (idx / (2 BM)) + idx % 2 (a
+  // lane pair reads 32 contiguous bytes of one row). Rows past M read row M - 1 (never stored).
+  constexpr int kChunks = BM * 8 / kWgThreads;
+  // Weights: thread = column c = tid % 128 and half h = tid / 128 of the stage (k 32h .. 32h + 31,
+  // packed rows 4h .. 4h + 3). Columns past Np read column 0 (their outputs are dropped).
+  const u32 c_w = u32(tid & 127), h_w = u32(tid >> 7);
+  const u32 col_w = n0 + c_w < Np ? n0 + c_w : 0u;
+  const u32 num_groups = p.K / p.group_size;
+  auto copy_stage = [&](int s) {
     if (s < n_stages) {
-      const u32 slot = ring_base + u32(s % kWgRing) * kSlotBytes;
-      const u32 zslot = ring_base + u32(kWgRing) * kSlotBytes + u32(s % kWgRing) * kZeroBytes;
+      const u32 slot = smem_base + u32(s % kWgStages) * u32(L::kStage);
+      const u32 k0 = k_begin + u32(s) * u32(kWgKStep);
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        cp_async16(slot + 2048u * c + w_off, w_src + size_t(2 * s + c) * w_chunk);
-        const u32 k = k_begin + u32(s) * u32(kWgKStep) + 32u * c + 8u * t;
-        const u32 gi = min(gs_shift >= 0 ? k >> gs_shift : k / p.group_size, num_groups - 1u);
-        const size_t so = size_t(gi) * Np + col;
-        cp_async8(slot + s_off + 8u * c, S + so);
-        if constexpr (FMT == TM_FORMAT_U4) cp_async4(zslot + u32(tid) * 8u + 4u * c, Z + so);
+      for (int i = 0; i < kChunks; ++i) {
+        const u32 idx = u32(i * kWgThreads + tid);
+        const u32 r = (idx >> 1) % u32(BM), kc = 2u * (idx / (2u * BM)) + (idx & 1u);
+        const u32 row = min(m0 + r, p.M - 1u);
+        cp_async16(slot + (kc * u32(BM / 8) + r / 8u) * 128u + (r % 8u) * 16u, A + size_t(row) * p.K + k0 + 8u * kc);
       }
+      const u32 wslot = slot + u32(L::kA) + u32(tid) * 16u;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) cp_async4(wslot + 4u * j, B + size_t(k0 / 8u + 4u * h_w + u32(j)) * Np + col_w);
+      // group_size % 32 == 0 (planner): the thread's 32 k lie in one group.
+      const u32 gi = min((k0 + 32u * h_w) / p.group_size, num_groups - 1u);
+      cp_async4(slot + u32(L::kA + L::kW) + u32(tid) * 4u, S + size_t(gi) * Np + (col_w & ~1u));
+      if constexpr (FMT == TM_FORMAT_U4)
+        cp_async4(slot + u32(L::kA + L::kW + L::kS) + u32(tid) * 4u, Z + size_t(gi) * Np + (col_w & ~3u));
     }
     cp_async_commit();  // empty groups keep the group count uniform
   };
-
-  // Activation staging, coalesced: per load a warp reads 8 rows x 64 contiguous bytes (one 32-k
-  // chunk: lane = row (lane / 4) x 16-byte segment q = lane % 4), so each load touches 8 lines
-  // (loads of whole rows per thread touched 32 and saturated L1). Warp w takes chunk w % 2 of
-  // rows 8 (w / 2) + 16 i .. + 7 for i < BM / 16. Rows past M read row M - 1; their outputs are
-  // never stored. Segment q of rows r gives word q of row r of core matrices 4c + j. Loaded one
-  // stage ahead into registers and stored permuted (a cp.async ring plus a shared-memory permute
-  // pass measured slower: the permute's loads sat on the short scoreboard).
-  constexpr int kSegs = BM / 16;
-  const int q_seg = lane & 3, c_seg = warp & 1;
-  const u32 r_seg = 8u * u32(warp >> 1) + u32(lane >> 2);
-  const T* a_col = A + k_begin + 32u * c_seg + 8u * q_seg;
-  const u32 a_dst = u32(4 * c_seg) * kColBytes + r_seg * 16u + 4u * q_seg;
-  uint4 a_reg[kSegs];
-  auto load_act = [&](int s) {
-#pragma unroll
-    for (int i = 0; i < kSegs; ++i) {
-      const u32 row = min(m0 + r_seg + 16u * i, p.M - 1u);
-      a_reg[i] = __ldg(reinterpret_cast<const uint4*>(a_col + size_t(row) * p.K + u32(s) * u32(kWgKStep)));
+  // Dequantizes this thread's 4 words of stage s into B buffer b: word j (k 32h + 8j ..) of column c
+  // -> core (4h + j, c / 8), row c % 8 = byte (4h + j) * 2048 + c * 16. A warp stores 512
+  // contiguous bytes per word: no bank conflicts.
+  auto dequant_stage = [&](int s, int b) {
+    const unsigned char* slot = smem + (s % kWgStages) * L::kStage;
+    const uint4 words = *reinterpret_cast<const uint4*>(slot + L::kA + tid * 16);
+    const u32 sp = *reinterpret_cast<const u32*>(slot + L::kA + L::kW + tid * 4);
+    ColQ<T> q;
+    q.s2 = Tr<T>::dup(t_from_bits<T>((unsigned short)(sp >> (16u * (col_w & 1u)))));
+    if constexpr (FMT == TM_FORMAT_U4) {
+      const u32 zq = *reinterpret_cast<const u32*>(slot + L::kA + L::kW + L::kS + tid * 4);
+      q.z2 = Tr<T>::dup(Tr<T>::from_f(Tr<T>::kMagicF + float((zq >> (8u * (col_w & 3u))) & 0xFFu)));
     }
-  };
-  // Segment (k0..k7) -> core matrices 4c + j: j = 0: (k0, k4), 1: (k1, k5), 2: (k2, k6), 3: (k3, k7)
-  // (the decode kernel's a_pairs order). 32 lanes store 128 contiguous bytes: no bank conflicts.
-  auto store_act = [&](int buf) {
-    unsigned char* base = smem + buf * kBufBytes + a_dst;
+    unsigned char* dst = smem + kWgStages * L::kStage + b * L::kB + (4 * int(h_w)) * 2048 + int(c_w) * 16;
+    const u32 w[4] = {words.x, words.y, words.z, words.w};
 #pragma unroll
-    for (int i = 0; i < kSegs; ++i) {
-      const APairs x = a_pairs(a_reg[i]);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) *reinterpret_cast<u32*>(base + 256u * i + u32(j) * kColBytes) = x.p[j];
-    }
+    for (int j = 0; j < 4; ++j) *reinterpret_cast<uint4*>(dst + j * 2048) = dequant_word_natural<T, FMT>(w[j], q);
     fence_proxy_async_smem();
   };
-  // Dequantized A fragments of one 32-k chunk: frag[s][jp] for k16 step s and column half jp.
-  auto dequant_chunk = [&](const uint4& words, uint2 sc, u32 zz, u32 (&frag)[2][2][4]) {
-    ColQ<T> q[4];
-    make_colq<T, FMT>(q, sc, zz);
-    u32 b[4][4];
-    dequant_words<T, FMT>(b, words, q);
-#pragma unroll
-    for (int s = 0; s < 2; ++s)
-#pragma unroll
-      for (int jp = 0; jp < 2; ++jp) {
-        frag[s][jp][0] = b[2 * jp][2 * s];
-        frag[s][jp][1] = b[2 * jp + 1][2 * s];
-        frag[s][jp][2] = b[2 * jp][2 * s + 1];
-        frag[s][jp][3] = b[2 * jp + 1][2 * s + 1];
-      }
-  };
 
-  float acc[2][BM / 2];
+  float acc[kHalves][64];
 #pragma unroll
-  for (int jp = 0; jp < 2; ++jp)
+  for (int hh = 0; hh < kHalves; ++hh)
 #pragma unroll
-    for (int i = 0; i < BM / 2; ++i) acc[jp][i] = 0.f;
-  u32 frag[2][2][2][4];  // [chunk parity][step][column half][register]
+    for (int i = 0; i < 64; ++i) acc[hh][i] = 0.f;
+  // This warpgroup's rows: BM / 2 from wg * BM / 2, in m64 halves.
+  const u32 a_row_off = (u32(wg) * u32(BM / 2) / 8u) * 128u;
+  auto issue_stage = [&](int s, int b) {
+    const u32 a_slot = smem_base + u32(s % kWgStages) * u32(L::kStage) + a_row_off;
+    const u32 b_buf = b_base + u32(b) * u32(L::kB);
 #pragma unroll
-  for (int i = 0; i < 32; ++i) frag[i / 16][(i / 8) % 2][(i / 4) % 2][i % 4] = 0u;
-
-  // The 8 descriptors (buffer, chunk, k16 step), computed once: registers that wgmmas read must
-  // not be redefined while earlier wgmmas are in flight (ptxas would serialize them, C7513).
-  uint64_t desc[2][2][2];
+    for (int hh = 0; hh < kHalves; ++hh)
 #pragma unroll
-  for (int buf = 0; buf < 2; ++buf)
-#pragma unroll
-    for (int c = 0; c < 2; ++c)
-#pragma unroll
-      for (int s = 0; s < 2; ++s)
-        desc[buf][c][s] = wg_desc(smem_base + u32(buf) * kBufBytes + u32(4 * c + 2 * s) * kColBytes, kColBytes, 128u);
-  // Keeps a fragment set live (and so in its own registers) until the wait that retires its wgmmas.
-  auto pin_frag = [&](u32 (&f)[2][2][4]) {
-#pragma unroll
-    for (int s = 0; s < 2; ++s)
-#pragma unroll
-      for (int jp = 0; jp < 2; ++jp)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) wg_pin(f[s][jp][r]);
-  };
-  auto issue_chunk = [&](int buf, int c, u32 (&f)[2][2][4]) {
-    pin_frag(f);
+      for (int i = 0; i < 64; ++i) wg_pin(acc[hh][i]);
     wg_fence();
 #pragma unroll
-    for (int s = 0; s < 2; ++s)
+    for (int ks = 0; ks < 4; ++ks) {
+      const uint64_t db = wg_desc(b_buf + u32(2 * ks) * 2048u, 2048u, 128u);
 #pragma unroll
-      for (int jp = 0; jp < 2; ++jp) wgmma_rs<T, BM>(acc[jp], f[s][jp], desc[buf][c][s]);
+      for (int hh = 0; hh < kHalves; ++hh) {
+        const uint64_t da = wg_desc(a_slot + u32(2 * ks) * u32(BM / 8) * 128u + u32(hh) * 8u * 128u,
+                                    u32(BM / 8) * 128u, 128u);
+        wgmma_ss<T>(acc[hh], da, db);
+      }
+    }
     wg_commit();
+#pragma unroll
+    for (int hh = 0; hh < kHalves; ++hh)
+#pragma unroll
+      for (int i = 0; i < 64; ++i) wg_pin(acc[hh][i]);
   };
 
 #pragma unroll
-  for (int j = 0; j < kWgRing - 1; ++j) copy_weights(j);
-  if (n_stages > 0) {
-    load_act(0);
-    store_act(0);
-  }
-  if (n_stages > 1) load_act(1);
-  // One 64-k stage; kBuf = s % 2 is a template constant so the descriptor indices stay in
-  // registers (a runtime index would put them in local memory).
-  auto stage = [&](int s, auto buf_tag) {
-    constexpr int kBuf = decltype(buf_tag)::value;
-    cp_async_wait<kWgRing - 2>();  // this thread's weights and scales of stage s landed
-    __syncthreads();               // buffer kBuf: stored and fenced by every thread
-    copy_weights(s + kWgRing - 1);  // into the slot of stage s - 1 (already dequantized)
-    const unsigned char* slot = ring + u32(s % kWgRing) * kSlotBytes;
-    const unsigned char* zslot = ring + u32(kWgRing) * kSlotBytes + u32(s % kWgRing) * kZeroBytes;
-    wg_wait<1>();  // chunk 2s - 2 done: frag[0] is free
-    pin_frag(frag[0]);
-    dequant_chunk(*reinterpret_cast<const uint4*>(slot + w_off), *reinterpret_cast<const uint2*>(slot + s_off),
-                  FMT == TM_FORMAT_U4 ? *reinterpret_cast<const u32*>(zslot + u32(tid) * 8u) : 0u, frag[0]);
-    issue_chunk(kBuf, 0, frag[0]);
-    wg_wait<1>();  // chunk 2s - 1 done: frag[1] and buffer 1 - kBuf are free
-    pin_frag(frag[1]);
-    dequant_chunk(*reinterpret_cast<const uint4*>(slot + 2048u + w_off),
-                  *reinterpret_cast<const uint2*>(slot + s_off + 8u),
-                  FMT == TM_FORMAT_U4 ? *reinterpret_cast<const u32*>(zslot + u32(tid) * 8u + 4u) : 0u, frag[1]);
-    issue_chunk(kBuf, 1, frag[1]);
-    // The proxy fence after the stores compiles to MEMBAR.ALL.CTA: issue the next loads after it.
-    if (s + 1 < n_stages) store_act(1 - kBuf);
-    if (s + 2 < n_stages) load_act(s + 2);
-  };
-  for (int s = 0; s < n_stages; s += 2) {
-    stage(s, std::integral_constant<int, 0>{});
-    if (s + 1 < n_stages) stage(s + 1, std::integral_constant<int, 1>{});
+  for (int j = 0; j < kWgStages - 1; ++j) copy_stage(j);
+  cp_async_wait<kWgStages - 2>();  // stage 0 landed (this thread's copies)
+  if (n_stages > 0) dequant_stage(0, 0);
+  __syncthreads();  // stage 0's activations (everyone's copies) and B buffer 0
+  for (int s = 0; s < n_stages; ++s) {
+    issue_stage(s, s % kWgBBufs);
+    wg_wait<1>();                    // this warpgroup's stage s - 1 retired
+    cp_async_wait<kWgStages - 3>();  // stage s + 1 landed (this thread's copies)
+    if (s + 1 < n_stages) dequant_stage(s + 1, (s + 1) % kWgBBufs);  // buffer of stage s - 2
+    __syncthreads();  // B buffer s + 1 and the activations of stage s + 1 ready; stage s - 1 retired
+    copy_stage(s + kWgStages - 1);  // into the slot of stage s - 1
   }
   wg_wait<0>();
 #pragma unroll
-  for (int i = 0; i < 8; ++i) asm volatile("" ::"l"(desc[i / 4][(i / 2) % 2][i % 2]) : "memory");
+  for (int hh = 0; hh < kHalves; ++hh)
 #pragma unroll
-  for (int jp = 0; jp < 2; ++jp)
-#pragma unroll
-    for (int i = 0; i < BM / 2; ++i) wg_pin(acc[jp][i]);
+    for (int i = 0; i < 64; ++i) wg_pin(acc[hh][i]);
 
-  // acc[jp][4j + 2h + e]: column col + 2jp + h, activation row m0 + 8j + 2t + e.
+  // acc[hh][4j + 2e + f]: activation row m0 + wg BM/2 + 64 hh + 16 warp + g + 8e, column
+  // n0 + 8j + 2t + f (the m64nNk16 accumulator layout; warp and lane within the warpgroup).
+  const int wwarp = wtid >> 5, lane = wtid & 31, g = lane >> 2, t = lane & 3;
   const bool split = p.k_parallel > 1;
-  const bool vec = p.N % 4u == 0u;
 #pragma unroll
-  for (int j = 0; j < BM / 8; ++j)
+  for (int hh = 0; hh < kHalves; ++hh)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const u32 row = m0 + 8u * j + 2u * t + e;
-      if (row >= p.M || col_raw >= p.N) continue;
-      float v[4] = {acc[0][4 * j + e], acc[0][4 * j + 2 + e], acc[1][4 * j + e], acc[1][4 * j + 2 + e]};
-      if (split) {
-        float* dst = ws + size_t(blockIdx.z) * p.M * p.N + size_t(row) * p.N + col;
-        if (vec) *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
-        else
-          for (u32 q = 0; q < 4u && col + q < p.N; ++q) dst[q] = v[q];
-      } else {
-        if (p.has_bias)
+      const u32 row = m0 + u32(wg) * u32(BM / 2) + 64u * hh + 16u * wwarp + u32(g) + 8u * e;
+      if (row >= p.M) continue;
 #pragma unroll
-          for (int q = 0; q < 4; ++q) v[q] += Tr<T>::to_f(bias[min(col + u32(q), p.N - 1u)]);
-        T* dst = C + size_t(row) * p.N + col;
-        if (vec) {
-          typename Tr<T>::T2 lo, hi;
-          lo.x = Tr<T>::from_f(v[0]);
-          lo.y = Tr<T>::from_f(v[1]);
-          hi.x = Tr<T>::from_f(v[2]);
-          hi.y = Tr<T>::from_f(v[3]);
-          *reinterpret_cast<uint2*>(dst) = make_uint2(as_u32(lo), as_u32(hi));
+      for (int j = 0; j < 16; ++j) {
+        const u32 col = n0 + 8u * j + 2u * t;
+        if (col >= p.N) continue;
+        float v0 = acc[hh][4 * j + 2 * e], v1 = acc[hh][4 * j + 2 * e + 1];
+        const bool pair = col + 1u < p.N;
+        if (split) {
+          float* dst = ws + size_t(blockIdx.z) * p.M * p.N + size_t(row) * p.N + col;
+          dst[0] = v0;
+          if (pair) dst[1] = v1;
         } else {
-          for (u32 q = 0; q < 4u && col + q < p.N; ++q) dst[q] = Tr<T>::from_f(v[q]);
+          if (p.has_bias) {
+            v0 += Tr<T>::to_f(bias[col]);
+            if (pair) v1 += Tr<T>::to_f(bias[col + 1u]);
+          }
+          T* dst = C + size_t(row) * p.N + col;
+          if (pair && p.N % 2u == 0u) {
+            typename Tr<T>::T2 v;
+            v.x = Tr<T>::from_f(v0);
+            v.y = Tr<T>::from_f(v1);
+            *reinterpret_cast<typename Tr<T>::T2*>(dst) = v;
+          } else {
+            dst[0] = Tr<T>::from_f(v0);
+            if (pair) dst[1] = Tr<T>::from_f(v1);
+          }
         }
       }
     }
@@ -1074,21 +1009,20 @@ void launch_decode(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const
 }
 
 template <typename T, u32 FMT, int BM>
-void launch_wgmma(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const u32* B, const T* S, const uint8_t* Z,
-                  const T* bias, T* C, float* ws, int* counters, cudaStream_t stream) {
+void launch_wgmma(const GemmPlan& plan, u32 Np, const T* A, const u32* B, const T* S, const uint8_t* Z, const T* bias,
+                  T* C, float* ws, int* counters, cudaStream_t stream) {
   const dim3 grid(plan.grid[0], plan.grid[1], plan.grid[2]);
+  constexpr int kSmem = WgSmem<BM>::kBytes;
   // Over 48 KiB of dynamic shared memory needs an opt-in, once per device.
   static std::atomic<uint64_t> opted_in{0};
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   const uint64_t bit = uint64_t(1) << (dev & 63);
   if (!(opted_in.load() & bit)) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(wgmma_kernel<T, FMT, BM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        wg_smem_bytes<BM>()));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(wgmma_kernel<T, FMT, BM>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     opted_in.fetch_or(bit);
   }
-  wgmma_kernel<T, FMT, BM><<<grid, kWgThreads, wg_smem_bytes<BM>(), stream>>>(plan.params, Np, gs_shift, A, B, S, Z,
-                                                                                bias, C, ws, counters);
+  wgmma_kernel<T, FMT, BM><<<grid, kWgThreads, kSmem, stream>>>(plan.params, Np, A, B, S, Z, bias, C, ws, counters);
   check_launch(plan.kernel.c_str());
 }
 
@@ -1164,14 +1098,14 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
     else launch_decode<T, FMT, 1, false>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
   } else if (k.rfind("wgmma_", 0) == 0) {
     const QuantGemmParams& q = plan.params;
-    TORCH_CHECK((q.tile_m == 64u || q.tile_m == 128u) && q.tile_n == TM_CUDA_WGMMA_TILE_N &&
+    TORCH_CHECK((q.tile_m == 128u || q.tile_m == 256u) && q.tile_n == TM_CUDA_WGMMA_TILE_N &&
                     q.K % TM_CUDA_WGMMA_K_STEP == 0 && q.k_slice_len % TM_CUDA_WGMMA_K_STEP == 0 &&
-                    plan.grid[0] == q.m_tiles && plan.grid[1] == q.n_tiles && plan.grid[2] == q.k_parallel &&
-                    plan.threads[0] == TM_CUDA_WGMMA_THREADS,
+                    q.group_size % 32u == 0 && plan.grid[0] == q.m_tiles && plan.grid[1] == q.n_tiles &&
+                    plan.grid[2] == q.k_parallel && plan.threads[0] == TM_CUDA_WGMMA_THREADS,
                 "torch_marlin: bad wgmma plan");
     const u32 np = u32(Np);
-    if (q.tile_m == 64u) launch_wgmma<T, FMT, 64>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
-    else launch_wgmma<T, FMT, 128>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    if (q.tile_m == 128u) launch_wgmma<T, FMT, 128>(plan, np, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    else launch_wgmma<T, FMT, 256>(plan, np, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
   } else {
     TORCH_CHECK(false, "torch_marlin: unknown CUDA kernel tag '", k, "'");
   }

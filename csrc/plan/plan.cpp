@@ -218,18 +218,19 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     p.threads[0] = 32 * TM_CUDA_DECODE_WARPS;
     stem = "decode";
   } else if (p.variant == GemmVariant::Tiled) {
-    // wgmma (sm_90a): one warpgroup over 128 columns x 64 or 128 rows, 2 blocks per SM. K slices
-    // (of at least 8 stages) only when the tiles leave block slots empty, as for decode.
+    // wgmma (sm_90a): 2 warpgroups over 128 columns x 128 or 256 rows, 1 block per SM. K slices
+    // (of at least 8 stages) only when the tiles leave SMs idle, as for decode.
     if (!caps.wgmma) {
       throw std::invalid_argument("plan_quant_gemm: the CUDA tiled (wgmma) kernel needs an sm_90a build on a "
                                   "compute capability 9.0 device");
     }
-    if (K % TM_CUDA_WGMMA_K_STEP != 0) {
-      throw std::invalid_argument("plan_quant_gemm: the CUDA tiled (wgmma) kernel needs K % 64 == 0");
+    if (K % TM_CUDA_WGMMA_K_STEP != 0 || p.params.group_size % 32 != 0) {
+      throw std::invalid_argument("plan_quant_gemm: the CUDA tiled (wgmma) kernel needs K % 64 == 0 and "
+                                  "group_size % 32 == 0");
     }
-    const uint32_t tile_m = M <= 64 ? 64 : 128;
+    const uint32_t tile_m = M <= 128 ? 128 : 256;
     set_tiles(p, M, N, tile_m, TM_CUDA_WGMMA_TILE_N);
-    const int64_t capacity = int64_t(caps.compute_units) * 2;
+    const int64_t capacity = int64_t(caps.compute_units);
     const int64_t tiles = int64_t(p.params.m_tiles) * p.params.n_tiles;
     const int64_t by_slots = std::max<int64_t>(1, capacity / tiles);
     const int64_t by_k = std::max<int64_t>(1, K / (8 * TM_CUDA_WGMMA_K_STEP));
@@ -318,7 +319,8 @@ GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, in
     const int64_t tiles = int64_t((M + 63) / 64) * ((N + 63) / 64);
     p.variant = (tiles < caps.compute_units * 2 && K / 32 >= 16) ? GemmVariant::Striped : GemmVariant::Tiled;
   } else if (caps.backend == Backend::CUDA && dtype != DType::F32) {
-    p.variant = caps.wgmma && K % TM_CUDA_WGMMA_K_STEP == 0 ? GemmVariant::Tiled : GemmVariant::DequantBlas;
+    p.variant = caps.wgmma && K % TM_CUDA_WGMMA_K_STEP == 0 && group_size % 32 == 0 ? GemmVariant::Tiled
+                                                                                     : GemmVariant::DequantBlas;
   } else {
     p.variant = GemmVariant::Tiled;
   }

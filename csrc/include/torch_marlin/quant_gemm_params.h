@@ -33,11 +33,11 @@ TM_NAMESPACE_BEGIN
 // 30 % slower than the global path on the H100 (docs/cuda_results/session5/cluster_reduction.txt).
 #define TM_CUDA_DECODE_MAX_CLUSTER_SLICES 2u
 // ---- CUDA wgmma kernel geometry (sm_90a) -------------------------------------------------------
-// One warpgroup per block over TM_CUDA_WGMMA_TILE_N columns and 64 or 128 rows, K in stages of
-// TM_CUDA_WGMMA_K_STEP rows (K and every K slice a multiple of it), 2 blocks per SM.
+// Two warpgroups per block over TM_CUDA_WGMMA_TILE_N columns and 128 or 256 rows, K in stages of
+// TM_CUDA_WGMMA_K_STEP rows (K and every K slice a multiple of it, group_size of 32), 1 block per SM.
 #define TM_CUDA_WGMMA_TILE_N 128u
 #define TM_CUDA_WGMMA_K_STEP 64u
-#define TM_CUDA_WGMMA_THREADS 128u
+#define TM_CUDA_WGMMA_THREADS 256u
 
 // ---- Launch parameters -------------------------------------------------------------------------
 struct QuantGemmParams {
