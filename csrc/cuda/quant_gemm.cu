@@ -33,7 +33,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cooperative_groups.h>
+#include <cuda.h>
 #include <cuda_runtime.h>
+#include <cudaTypedefs.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -687,8 +689,8 @@ struct WgSmem {
   static constexpr int kW = kWgThreads * 16;              // packed words: 4 a thread
   static constexpr int kS = kWgThreads * 4;               // 2 scales a thread (its column pair)
   static constexpr int kZ = kWgThreads * 4;               // 4 zero points a thread (its column quad)
-  static constexpr int kStage = kA + kW + kS + kZ;
-  static constexpr int kBytes = kWgStages * kStage + kWgBBufs * kB;
+  static constexpr int kStage = kA + kW + kS + kZ;  // kA % 1024 == 0: TMA 128-byte swizzle atoms
+  static constexpr int kBytes = kWgStages * kStage + kWgBBufs * kB + 1024;  // + alignment slack
 };
 
 #define TM_D8(i) \
@@ -765,7 +767,7 @@ __device__ __forceinline__ uint4 dequant_word_natural(u32 w, const ColQ<T>& q) {
 
 template <typename T, u32 FMT, int BM>
 __global__ void __launch_bounds__(kWgThreads, 1)
-    wgmma_kernel(QuantGemmParams p, u32 Np, const T* __restrict__ A, const u32* __restrict__ B,
+    wgmma_kernel(const __grid_constant__ CUtensorMap tmap_a, QuantGemmParams p, u32 Np, const u32* __restrict__ B,
                  const T* __restrict__ S, const uint8_t* __restrict__ Z, const T* __restrict__ bias,
                  T* __restrict__ C, float* __restrict__ ws, int* __restrict__ counters) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -780,13 +782,33 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const u32 k_begin = blockIdx.z * p.k_slice_len;
   const u32 k_end = min(p.K, k_begin + p.k_slice_len);
   const int n_stages = int((k_end - k_begin) / u32(kWgKStep));  // K, k_slice_len: multiples of 64
-  const u32 smem_base = u32(__cvta_generic_to_shared(smem));
+  // 1024-byte aligned base: the 128-byte swizzle pattern repeats every 8 rows of 128 bytes.
+  const u32 smem_raw = u32(__cvta_generic_to_shared(smem));
+  const u32 align_pad = (1024u - (smem_raw & 1023u)) & 1023u;
+  unsigned char* const sm = smem + align_pad;
+  const u32 smem_base = smem_raw + align_pad;
   const u32 b_base = smem_base + u32(kWgStages * L::kStage);
+  __shared__ __align__(8) uint64_t mbar[kWgStages];
+  const u32 mbar_base = u32(__cvta_generic_to_shared(mbar));
+  if (tid == 0) {
+#pragma unroll
+    for (int i = 0; i < kWgStages; ++i)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(mbar_base + 8u * i) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  // Waits until the TMA copy of stage s has landed (the slot's barrier completes once per use).
+  auto wait_act = [&](int s) {
+    const u32 bar = mbar_base + 8u * u32(s % kWgStages), parity = u32(s / kWgStages) & 1u;
+    asm volatile(
+        "{\n.reg .pred done;\nwait_%=:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra wait_%=;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+  };
 
-  // Activations: 16-byte chunk (row r, k-group kc) -> A core (kc, r / 8), row r % 8. Chunk i of
-  // this thread is idx = 256 i + tid: r = (idx / 2) % BM, kc = 2 (idx / (2 BM)) + idx % 2 (a
-  // lane pair reads 32 contiguous bytes of one row). Rows past M read row M - 1 (never stored).
-  constexpr int kChunks = BM * 8 / kWgThreads;
+  // Activations: one TMA copy per stage of the BM x 64 tile (k innermost, 128-byte rows, 128-byte
+  // swizzle: the canonical K-major SW128 layout wgmma reads), completing on the slot's mbarrier.
   // Weights: thread = column c = tid % 128 and half h = tid / 128 of the stage (k 32h .. 32h + 31,
   // packed rows 4h .. 4h + 3). Columns past Np read column 0 (their outputs are dropped).
   const u32 c_w = u32(tid & 127), h_w = u32(tid >> 7);
@@ -796,12 +818,14 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     if (s < n_stages) {
       const u32 slot = smem_base + u32(s % kWgStages) * u32(L::kStage);
       const u32 k0 = k_begin + u32(s) * u32(kWgKStep);
-#pragma unroll
-      for (int i = 0; i < kChunks; ++i) {
-        const u32 idx = u32(i * kWgThreads + tid);
-        const u32 r = (idx >> 1) % u32(BM), kc = 2u * (idx / (2u * BM)) + (idx & 1u);
-        const u32 row = min(m0 + r, p.M - 1u);
-        cp_async16(slot + (kc * u32(BM / 8) + r / 8u) * 128u + (r % 8u) * 16u, A + size_t(row) * p.K + k0 + 8u * kc);
+      if (tid == 0) {  // the activation tile: one TMA copy (rows past M are zero-filled)
+        const u32 bar = mbar_base + 8u * u32(s % kWgStages);
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(u32(L::kA)) : "memory");
+        asm volatile(
+            "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+                slot),
+            "l"(&tmap_a), "r"(k0), "r"(m0), "r"(bar)
+            : "memory");
       }
       const u32 wslot = slot + u32(L::kA) + u32(tid) * 16u;
 #pragma unroll
@@ -818,7 +842,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   // -> core (4h + j, c / 8), row c % 8 = byte (4h + j) * 2048 + c * 16. A warp stores 512
   // contiguous bytes per word: no bank conflicts.
   auto dequant_stage = [&](int s, int b) {
-    const unsigned char* slot = smem + (s % kWgStages) * L::kStage;
+    const unsigned char* slot = sm + (s % kWgStages) * L::kStage;
     const uint4 words = *reinterpret_cast<const uint4*>(slot + L::kA + tid * 16);
     const u32 sp = *reinterpret_cast<const u32*>(slot + L::kA + L::kW + tid * 4);
     ColQ<T> q;
@@ -827,7 +851,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       const u32 zq = *reinterpret_cast<const u32*>(slot + L::kA + L::kW + L::kS + tid * 4);
       q.z2 = Tr<T>::dup(Tr<T>::from_f(Tr<T>::kMagicF + float((zq >> (8u * (col_w & 3u))) & 0xFFu)));
     }
-    unsigned char* dst = smem + kWgStages * L::kStage + b * L::kB + (4 * int(h_w)) * 2048 + int(c_w) * 16;
+    unsigned char* dst = sm + kWgStages * L::kStage + b * L::kB + (4 * int(h_w)) * 2048 + int(c_w) * 16;
     const u32 w[4] = {words.x, words.y, words.z, words.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) *reinterpret_cast<uint4*>(dst + j * 2048) = dequant_word_natural<T, FMT>(w[j], q);
@@ -839,8 +863,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   for (int hh = 0; hh < kHalves; ++hh)
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[hh][i] = 0.f;
-  // This warpgroup's rows: BM / 2 from wg * BM / 2, in m64 halves.
-  const u32 a_row_off = (u32(wg) * u32(BM / 2) / 8u) * 128u;
+  // This warpgroup's rows: BM / 2 from wg * BM / 2, in m64 halves (128 bytes a row).
+  const u32 a_row_off = u32(wg) * u32(BM / 2) * 128u;
   auto issue_stage = [&](int s, int b) {
     const u32 a_slot = smem_base + u32(s % kWgStages) * u32(L::kStage) + a_row_off;
     const u32 b_buf = b_base + u32(b) * u32(L::kB);
@@ -854,8 +878,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       const uint64_t db = wg_desc(b_buf + u32(2 * ks) * 2048u, 2048u, 128u);
 #pragma unroll
       for (int hh = 0; hh < kHalves; ++hh) {
-        const uint64_t da = wg_desc(a_slot + u32(2 * ks) * u32(BM / 8) * 128u + u32(hh) * 8u * 128u,
-                                    u32(BM / 8) * 128u, 128u);
+        // SW128 K-major: 8-row atoms 1024 bytes apart; k16 step ks starts 32 ks bytes in.
+        const uint64_t da = wg_desc(a_slot + u32(hh) * 64u * 128u + 32u * u32(ks), 16u, 1024u) | (uint64_t(1) << 62);
         wgmma_ss<T>(acc[hh], da, db);
       }
     }
@@ -868,15 +892,21 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 
 #pragma unroll
   for (int j = 0; j < kWgStages - 1; ++j) copy_stage(j);
-  cp_async_wait<kWgStages - 2>();  // stage 0 landed (this thread's copies)
-  if (n_stages > 0) dequant_stage(0, 0);
-  __syncthreads();  // stage 0's activations (everyone's copies) and B buffer 0
+  cp_async_wait<kWgStages - 2>();  // stage 0's weights landed (this thread's copies)
+  if (n_stages > 0) {
+    dequant_stage(0, 0);
+    wait_act(0);
+  }
+  __syncthreads();  // B buffer 0
   for (int s = 0; s < n_stages; ++s) {
     issue_stage(s, s % kWgBBufs);
     wg_wait<1>();                    // this warpgroup's stage s - 1 retired
     cp_async_wait<kWgStages - 3>();  // stage s + 1 landed (this thread's copies)
-    if (s + 1 < n_stages) dequant_stage(s + 1, (s + 1) % kWgBBufs);  // buffer of stage s - 2
-    __syncthreads();  // B buffer s + 1 and the activations of stage s + 1 ready; stage s - 1 retired
+    if (s + 1 < n_stages) {
+      dequant_stage(s + 1, (s + 1) % kWgBBufs);  // buffer of stage s - 2
+      wait_act(s + 1);
+    }
+    __syncthreads();  // B buffer s + 1 ready; both warpgroups retired stage s - 1 (its slot is free)
     copy_stage(s + kWgStages - 1);  // into the slot of stage s - 1
   }
   wg_wait<0>();
@@ -1008,10 +1038,35 @@ void launch_decode(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const
   check_launch(plan.kernel.c_str());
 }
 
+// TMA descriptor of the activations A [M, K] for BM x 64 boxes with the 128-byte swizzle. The
+// encoder is a driver entry point (no link against libcuda), looked up once.
+template <typename T>
+CUtensorMap activation_tensor_map(const T* A, int64_t M, int64_t K, int BM) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
+    TORCH_CHECK(fn != nullptr && q == cudaDriverEntryPointSuccess, "torch_marlin: cuTensorMapEncodeTiled unavailable");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {cuuint64_t(K), cuuint64_t(M)};
+  const cuuint64_t strides[1] = {cuuint64_t(K) * sizeof(T)};
+  const cuuint32_t box[2] = {cuuint32_t(kWgKStep), cuuint32_t(BM)};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode(&map, std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                            2, const_cast<T*>(A), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "torch_marlin: cuTensorMapEncodeTiled failed (", int(r), ")");
+  return map;
+}
+
 template <typename T, u32 FMT, int BM>
 void launch_wgmma(const GemmPlan& plan, u32 Np, const T* A, const u32* B, const T* S, const uint8_t* Z, const T* bias,
                   T* C, float* ws, int* counters, cudaStream_t stream) {
   const dim3 grid(plan.grid[0], plan.grid[1], plan.grid[2]);
+  const CUtensorMap tmap = activation_tensor_map<T>(A, plan.params.M, plan.params.K, BM);
   constexpr int kSmem = WgSmem<BM>::kBytes;
   // Over 48 KiB of dynamic shared memory needs an opt-in, once per device.
   static std::atomic<uint64_t> opted_in{0};
@@ -1022,7 +1077,7 @@ void launch_wgmma(const GemmPlan& plan, u32 Np, const T* A, const u32* B, const 
     C10_CUDA_CHECK(cudaFuncSetAttribute(wgmma_kernel<T, FMT, BM>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     opted_in.fetch_or(bit);
   }
-  wgmma_kernel<T, FMT, BM><<<grid, kWgThreads, kSmem, stream>>>(plan.params, Np, A, B, S, Z, bias, C, ws, counters);
+  wgmma_kernel<T, FMT, BM><<<grid, kWgThreads, kSmem, stream>>>(tmap, plan.params, Np, B, S, Z, bias, C, ws, counters);
   check_launch(plan.kernel.c_str());
 }
 
