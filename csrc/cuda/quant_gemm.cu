@@ -765,7 +765,9 @@ __device__ __forceinline__ uint4 dequant_word_natural(u32 w, const ColQ<T>& q) {
   return make_uint4(prmt(d0, d1, 0x5410), prmt(d2, d3, 0x5410), prmt(d0, d1, 0x7632), prmt(d2, d3, 0x7632));
 }
 
-template <typename T, u32 FMT, int BM>
+// kCluster (plan.reduce_kernel "cluster_reduce"): the K slices of a tile run as one thread-block
+// cluster and sum their partial tiles through distributed shared memory (wgmma_cluster_reduce).
+template <typename T, u32 FMT, int BM, bool kCluster>
 __global__ void __launch_bounds__(kWgThreads, 1)
     wgmma_kernel(const __grid_constant__ CUtensorMap tmap_a, QuantGemmParams p, u32 Np, const u32* __restrict__ B,
                  const T* __restrict__ S, const uint8_t* __restrict__ Z, const T* __restrict__ bias,
@@ -918,24 +920,60 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   // acc[hh][4j + 2e + f]: activation row m0 + wg BM/2 + 64 hh + 16 warp + g + 8e, column
   // n0 + 8j + 2t + f (the m64nNk16 accumulator layout; warp and lane within the warpgroup).
   const int wwarp = wtid >> 5, lane = wtid & 31, g = lane >> 2, t = lane & 3;
-  const bool split = p.k_parallel > 1;
+  if constexpr (kCluster) {
+    // K slices: every block leaves its fp32 partial tile [BM][128] in its own shared memory (the
+    // pipeline's, free now); after a cluster barrier block r (= slice r) sums rows
+    // [r BM / kp, (r + 1) BM / kp) over all blocks' tiles in slice order (deterministic), adds the
+    // bias and writes C; a second barrier keeps every block resident until the others have read it.
+    namespace cg = cooperative_groups;
+    cg::cluster_group cluster = cg::this_cluster();
+    float* part = reinterpret_cast<float*>(sm);
+    __syncthreads();  // every wgmma retired: the shared memory is free
 #pragma unroll
-  for (int hh = 0; hh < kHalves; ++hh)
+    for (int hh = 0; hh < kHalves; ++hh)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const u32 row = m0 + u32(wg) * u32(BM / 2) + 64u * hh + 16u * wwarp + u32(g) + 8u * e;
+      for (int e = 0; e < 2; ++e) {
+        const int r = wg * (BM / 2) + 64 * hh + 16 * wwarp + g + 8 * e;
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+          *reinterpret_cast<float2*>(part + r * kWgTileN + 8 * j + 2 * t) =
+              make_float2(acc[hh][4 * j + 2 * e], acc[hh][4 * j + 2 * e + 1]);
+      }
+    cluster.sync();
+    const u32 kp = p.k_parallel, rank = cluster.block_rank();
+    const u32 rows_per = (u32(BM) + kp - 1u) / kp;
+    const u32 r_end = min(u32(BM), (rank + 1u) * rows_per);
+    for (u32 v = rank * rows_per * 32u + u32(tid); v < r_end * 32u; v += kWgThreads) {
+      const u32 r = v / 32u, c4 = 4u * (v % 32u);  // 4 columns
+      const u32 row = m0 + r, col = n0 + c4;
+      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (u32 sl = 0; sl < kp; ++sl) {
+        const float4 x = *reinterpret_cast<const float4*>(cluster.map_shared_rank(part, sl) + r * kWgTileN + c4);
+        sum.x += x.x;
+        sum.y += x.y;
+        sum.z += x.z;
+        sum.w += x.w;
+      }
       if (row >= p.M) continue;
+      const float v4[4] = {sum.x, sum.y, sum.z, sum.w};
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const u32 col = n0 + 8u * j + 2u * t;
-        if (col >= p.N) continue;
-        float v0 = acc[hh][4 * j + 2 * e], v1 = acc[hh][4 * j + 2 * e + 1];
-        const bool pair = col + 1u < p.N;
-        if (split) {
-          float* dst = ws + size_t(blockIdx.z) * p.M * p.N + size_t(row) * p.N + col;
-          dst[0] = v0;
-          if (pair) dst[1] = v1;
-        } else {
+      for (u32 q = 0; q < 4u; ++q)
+        if (col + q < p.N) C[size_t(row) * p.N + col + q] = Tr<T>::from_f(v4[q] + (p.has_bias ? Tr<T>::to_f(bias[col + q]) : 0.f));
+    }
+    cluster.sync();
+  } else {
+#pragma unroll
+    for (int hh = 0; hh < kHalves; ++hh)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const u32 row = m0 + u32(wg) * u32(BM / 2) + 64u * hh + 16u * wwarp + u32(g) + 8u * e;
+        if (row >= p.M) continue;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const u32 col = n0 + 8u * j + 2u * t;
+          if (col >= p.N) continue;
+          float v0 = acc[hh][4 * j + 2 * e], v1 = acc[hh][4 * j + 2 * e + 1];
+          const bool pair = col + 1u < p.N;
           if (p.has_bias) {
             v0 += Tr<T>::to_f(bias[col]);
             if (pair) v1 += Tr<T>::to_f(bias[col + 1u]);
@@ -952,10 +990,6 @@ __global__ void __launch_bounds__(kWgThreads, 1)
           }
         }
       }
-    }
-  if (split) {
-    last_block_reduce<T>(p, blockIdx.x * gridDim.y + blockIdx.y, m0, u32(BM), n0, u32(kWgTileN), ws, bias, C,
-                         counters);
   }
 #else
   __trap();  // planned only where the loaded kernels are sm_90a (cuda_device_caps)
@@ -1062,23 +1096,42 @@ CUtensorMap activation_tensor_map(const T* A, int64_t M, int64_t K, int BM) {
   return map;
 }
 
-template <typename T, u32 FMT, int BM>
-void launch_wgmma(const GemmPlan& plan, u32 Np, const T* A, const u32* B, const T* S, const uint8_t* Z, const T* bias,
-                  T* C, float* ws, int* counters, cudaStream_t stream) {
-  const dim3 grid(plan.grid[0], plan.grid[1], plan.grid[2]);
-  const CUtensorMap tmap = activation_tensor_map<T>(A, plan.params.M, plan.params.K, BM);
+template <typename T, u32 FMT, int BM, bool kCluster>
+void launch_wgmma_as(const GemmPlan& plan, const CUtensorMap& tmap, u32 Np, const u32* B, const T* S,
+                     const uint8_t* Z, const T* bias, T* C, float* ws, int* counters, cudaStream_t stream) {
   constexpr int kSmem = WgSmem<BM>::kBytes;
+  auto* kernel = wgmma_kernel<T, FMT, BM, kCluster>;
   // Over 48 KiB of dynamic shared memory needs an opt-in, once per device.
   static std::atomic<uint64_t> opted_in{0};
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   const uint64_t bit = uint64_t(1) << (dev & 63);
   if (!(opted_in.load() & bit)) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(wgmma_kernel<T, FMT, BM>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     opted_in.fetch_or(bit);
   }
-  wgmma_kernel<T, FMT, BM><<<grid, kWgThreads, kSmem, stream>>>(tmap, plan.params, Np, B, S, Z, bias, C, ws, counters);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(plan.grid[0], plan.grid[1], plan.grid[2]);
+  cfg.blockDim = dim3(kWgThreads);
+  cfg.dynamicSmemBytes = kSmem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = kCluster ? plan.params.k_parallel : 1;  // grid.z == k_parallel
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, tmap, plan.params, Np, B, S, Z, bias, C, ws, counters));
   check_launch(plan.kernel.c_str());
+}
+
+template <typename T, u32 FMT, int BM>
+void launch_wgmma(const GemmPlan& plan, u32 Np, const T* A, const u32* B, const T* S, const uint8_t* Z, const T* bias,
+                  T* C, float* ws, int* counters, cudaStream_t stream) {
+  const CUtensorMap tmap = activation_tensor_map<T>(A, plan.params.M, plan.params.K, BM);
+  if (plan.reduce_kernel == "cluster_reduce") launch_wgmma_as<T, FMT, BM, true>(plan, tmap, Np, B, S, Z, bias, C, ws, counters, stream);
+  else launch_wgmma_as<T, FMT, BM, false>(plan, tmap, Np, B, S, Z, bias, C, ws, counters, stream);
 }
 
 // Columns [n0, n0 + cols) of B into W[K][ldw].

@@ -234,7 +234,8 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     const int64_t tiles = int64_t(p.params.m_tiles) * p.params.n_tiles;
     const int64_t by_slots = std::max<int64_t>(1, capacity / tiles);
     const int64_t by_k = std::max<int64_t>(1, K / (8 * TM_CUDA_WGMMA_K_STEP));
-    set_k_parallel(p, K, uint32_t(std::min<int64_t>({by_slots, by_k, 16})), TM_CUDA_WGMMA_K_STEP);
+    set_k_parallel(p, K, uint32_t(std::min<int64_t>({by_slots, by_k, int64_t(TM_CUDA_WGMMA_MAX_SLICES)})),
+                   TM_CUDA_WGMMA_K_STEP);
     p.grid[0] = p.params.m_tiles;  // row tiles fastest: they share each column tile's weights in L2
     p.grid[1] = p.params.n_tiles;
     p.grid[2] = p.params.k_parallel;
@@ -262,11 +263,13 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
   }
   p.kernel = stem + "_" + format_name(f) + "_" + dtype_name(d);
   // K slices are summed inside the GEMM kernel (no second dispatch; reduce_grid/threads unused):
-  // up to TM_CUDA_DECODE_MAX_CLUSTER_SLICES decode slices by a thread-block cluster through
+  // wgmma slices (at most TM_CUDA_WGMMA_MAX_SLICES) and up to TM_CUDA_DECODE_MAX_CLUSTER_SLICES
+  // decode slices by a thread-block cluster through
   // distributed shared memory where the device and build have clusters (no workspace), otherwise
   // by the last block of each tile to finish, from an fp32 workspace [k_parallel][M][N].
-  if (p.params.k_parallel > 1 && p.variant == GemmVariant::Decode && caps.thread_block_clusters &&
-      p.params.k_parallel <= TM_CUDA_DECODE_MAX_CLUSTER_SLICES) {
+  if (p.params.k_parallel > 1 && ((p.variant == GemmVariant::Decode && caps.thread_block_clusters &&
+                                    p.params.k_parallel <= TM_CUDA_DECODE_MAX_CLUSTER_SLICES) ||
+                                   stem == "wgmma")) {
     p.reduce_kernel = "cluster_reduce";
   } else {
     set_reduction(p, "last_block_reduce", 256);

@@ -38,6 +38,8 @@ TM_NAMESPACE_BEGIN
 #define TM_CUDA_WGMMA_TILE_N 128u
 #define TM_CUDA_WGMMA_K_STEP 64u
 #define TM_CUDA_WGMMA_THREADS 256u
+// Most K slices of the wgmma kernel: they always reduce through a thread-block cluster (sm_90a).
+#define TM_CUDA_WGMMA_MAX_SLICES 4u
 
 // ---- Launch parameters -------------------------------------------------------------------------
 struct QuantGemmParams {
