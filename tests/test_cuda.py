@@ -180,6 +180,56 @@ def test_cluster_reduction_chosen_on_sm90(K, k_parallel):
     assert cluster == expect_cluster, names[0]
 
 
+# ---- The wgmma kernel (sm_90a): 64 < M <= 512 with >= 64 column tiles --------------------------------
+def on_sm90a_build():
+    return torch.cuda.get_device_capability() == (9, 0) and torch_marlin._C.cuda_wgmma(torch.cuda.current_device())
+
+
+# (M, K, N, group_size): a 128-row tile with N not a multiple of 16 (padded weights) or of the
+# 128-column tile; 256-row tiles, one of them partial; group sizes 32..128; K slices summed
+# through a thread-block cluster (2 slices at K = 2048 and 8192).
+WGMMA_CASES = [(65, 256, 8200, 64), (100, 512, 8192, 32), (200, 384, 8208, 128), (300, 256, 8192, 64),
+               (100, 2048, 8192, 128), (70, 8192, 8192, 128)]
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("M,K,N,group_size", WGMMA_CASES)
+def test_wgmma(fmt, dtype, M, K, N, group_size):
+    plan = torch_marlin.plan_gemm(fmt, M, K, N, group_size, dtype=dtype, device="cuda")
+    if on_sm90a_build():  # elsewhere the same shapes run decode / dequant_blas (still checked)
+        assert plan["kernel"].startswith("wgmma_"), plan["kernel"]
+        assert plan["k_parallel"] == (2 if K >= 2048 else 1) and plan["workspace_bytes"] == 0
+    case(fmt, M, K, N, group_size, dtype, with_bias=True)
+
+
+def test_wgmma_chosen_on_sm90a():
+    # Guards against the wgmma path silently switching off on an H100/H200 built for sm_90a (the
+    # default TORCH_CUDA_ARCH_LIST of setup.py); results would still be right through other kernels.
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma needs a compute capability 9.0 device")
+    assert torch_marlin._C.cuda_wgmma(torch.cuda.current_device()), "built without sm_90a (TORCH_CUDA_ARCH_LIST)?"
+    M, K, N = 128, 1024, 8192
+    B, s, _ = make_weights("fp4", K, N, 128, torch.float16, on_gpu=True)
+    A = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.ops.marlin.gemm_fp4(A, B, s, 128)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if "wgmma_kernel<" in e.name]
+    assert len(names) == 1, [e.name for e in prof.events()]
+
+
+@pytest.mark.parametrize("M,K", [(100, 2048), (300, 1024)])  # 2 K slices (cluster) / 2 row tiles
+def test_wgmma_deterministic(M, K):
+    N = 8192
+    B, s, z = make_weights("u4", K, N, 128, torch.bfloat16, on_gpu=True)
+    A = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    first = run_op("u4", A, B, s, z, 128, bias)
+    for _ in range(5):
+        assert torch.equal(run_op("u4", A, B, s, z, 128, bias), first)
+
+
 # ---- Large M: dequantized panels + cuBLAS ----------------------------------------------------------
 @pytest.mark.parametrize("fmt", ["fp4", "u4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
@@ -237,11 +287,12 @@ def test_misaligned_activation_view(M):
     check_close(C, A.float() @ dequant_fp4_reference(B, s, 64), torch.float16)
 
 
-@pytest.mark.parametrize("M", [4, 200])
-def test_cuda_graph_replay(M):
+@pytest.mark.parametrize("M,N", [(4, 384), (200, 384), (100, 8192)])
+def test_cuda_graph_replay(M, N):
     # Captured once, replayed on new activations: the op allocates its workspace and launches on
-    # the capturing stream (decode kernel / dequant kernel + cuBLAS), nothing on the host per replay.
-    K, N = 2048, 384
+    # the capturing stream (decode kernel / dequant kernel + cuBLAS / wgmma kernel with its TMA
+    # descriptor and 2 K slices through a cluster on sm_90a), nothing on the host per replay.
+    K = 2048
     B, s, _ = make_weights("fp4", K, N, 128, torch.float16)
     A = torch.randn(M, K, device="cuda", dtype=torch.float16)
     side = torch.cuda.Stream()

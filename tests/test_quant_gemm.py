@@ -231,10 +231,43 @@ def test_policy_cuda_kernels_by_m():
     assert huge["tile_n"] == 8192 and huge["n_tiles"] == 2
     assert plan(1024, K=256, N=200)["tile_n"] == 208  # all of N, padded to 16 columns
     assert plan(200, dtype=torch.float32)["kernel"] == "simt_fp4_float"
-    with pytest.raises(ValueError, match="CUDA has no 'tiled' kernel"):
-        plan(200, variant="tiled")
+    with pytest.raises(ValueError, match="tiled \\(wgmma\\) kernel needs an sm_90a build"):
+        plan(200, variant="tiled")  # no wgmma without an sm_90a build on an H100-class device
     with pytest.raises(ValueError, match="dequant_blas variant is CUDA fp16/bf16 only"):
         torch_marlin.plan_gemm("fp4", 200, 256, 64, variant="dequant_blas")
+
+
+def test_policy_cuda_wgmma():
+    # Planned without a GPU, as for an sm_90a build on a 132-SM H100 (wgmma=True): the wgmma kernel
+    # above 64 rows and up to 512 when N gives it >= 64 column tiles, 256-row tiles above 128 rows
+    # only while they fit in one wave; otherwise decode (<= 128 rows) and dequant + cuBLAS.
+    def plan(M, K=4096, N=12288, group_size=128, wgmma=True, **kw):
+        return torch_marlin.plan_gemm("fp4", M, K, N, group_size, device="cuda", compute_units=132, wgmma=wgmma,
+                                      **kw)
+    assert plan(64)["kernel"] == "decode_fp4_half"
+    w = plan(65, dtype=torch.bfloat16)
+    assert w["kernel"] == "wgmma_fp4_bfloat" and w["variant"] == "tiled"
+    assert w["tile_m"] == 128 and w["tile_n"] == 128 and w["threads"] == (256, 1, 1)
+    assert w["grid"] == (1, 96, 1) and w["k_parallel"] == 1 and w["workspace_bytes"] == 0
+    assert plan(200)["tile_m"] == 256 and plan(512, N=8192)["kernel"] == "wgmma_fp4_half"
+    assert plan(384)["kernel"] == "dequant_blas_fp4_half"  # 2 x 96 tiles: a second wave
+    assert plan(513, N=8192)["kernel"] == "dequant_blas_fp4_half"
+    assert plan(128, N=4096)["kernel"] == "decode_fp4_half"  # 32 column tiles: too few
+    assert plan(200, N=4096)["kernel"] == "dequant_blas_fp4_half"
+    assert plan(128, wgmma=False)["kernel"] == "decode_fp4_half"
+    # Shapes the kernel does not take: K % 64, group_size % 32, fp32 activations.
+    assert plan(128, K=4104, group_size=8)["kernel"] == "decode_fp4_half"
+    assert plan(128, group_size=16)["kernel"] == "decode_fp4_half"
+    assert plan(128, dtype=torch.float32)["kernel"] == "simt_fp4_float"
+    with pytest.raises(ValueError, match="needs K % 64 == 0 and group_size % 32 == 0"):
+        plan(128, K=4104, group_size=8, variant="tiled")
+    # K slices (at most 4, each >= 512 rows) when the tiles leave SMs idle; always summed through a
+    # thread-block cluster (no workspace).
+    kp = plan(100, K=2048, N=8192)
+    assert kp["kernel"] == "wgmma_fp4_half" and kp["k_parallel"] == 2 and kp["grid"] == (1, 64, 2)
+    assert kp["reduce_kernel"] == "cluster_reduce" and kp["workspace_bytes"] == 0
+    forced = plan(8, K=8192, N=256, variant="tiled")  # 2 tiles: the slice cap, not the SM count
+    assert forced["k_parallel"] == 4 and forced["k_slice_len"] == 2048
 
 
 @pytest.mark.parametrize("clusters", [False, True])

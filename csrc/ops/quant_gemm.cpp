@@ -6,12 +6,10 @@
 //   dequant_u4(B_packed, scales, zeros, group_size) -> W
 //
 // Fake (meta) kernels live in torch_marlin/ops.py (register_fake handles symbolic shapes).
-#include <cstdlib>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "ops/quant_gemm.h"
-#include "plan/plan_py.h"  // EXPERIMENT
 
 namespace torch_marlin {
 
@@ -128,9 +126,7 @@ at::Tensor run_gemm(const QuantGemmArgs& a) {
   at::Tensor C = at::empty({a.M, a.N}, a.A.options());
   if (a.M == 0) return C;
   const DeviceCaps caps = device_caps(a.A.device());
-  GemmVariant force_exp = GemmVariant::Auto;  // EXPERIMENT (not for commit)
-  if (const char* v = std::getenv("TM_EXP_FORCE")) force_exp = parse_variant(v);
-  const GemmPlan plan = plan_quant_gemm(a.format, a.M, a.K, a.N, a.group_size, a.dtype, a.bias.defined(), caps, force_exp);
+  const GemmPlan plan = plan_quant_gemm(a.format, a.M, a.K, a.N, a.group_size, a.dtype, a.bias.defined(), caps);
   at::Tensor workspace;
   if (plan.workspace_bytes > 0) {
     workspace = at::empty({int64_t(plan.workspace_bytes / sizeof(float))}, a.A.options().dtype(at::kFloat));

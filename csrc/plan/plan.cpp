@@ -77,6 +77,24 @@ int64_t decode_policy_max_m(Backend b, DType d) {
 
 uint32_t ceil_div(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 1) / b); }
 
+// CUDA wgmma kernel (sm_90a) policy, measured on an H100 over the five issue shapes (FP4, fp16;
+// docs/cuda.md "The wgmma kernel"): it beats the decode kernel above 64 rows and dequant + cuBLAS
+// up to 512 rows when the weights give it at least 64 column tiles (N >= 8192) to spread over the
+// SMs without K slices; above 256 rows (256-row tiles) only while all tiles fit in one wave.
+// Fewer column tiles leave it behind decode (M <= 128) and dequant + cuBLAS (a 4096-column layer at
+// M = 96..256: 0.47..0.59x of cuBLAS against 0.57..0.74x); from 768 rows on, dequant + cuBLAS wins
+// (1024 rows: 0.61..0.67x against 0.69..0.72x).
+constexpr int64_t kCudaWgmmaMinM = 64;          // exclusive: decode below
+constexpr int64_t kCudaWgmmaMaxM = 512;
+constexpr int64_t kCudaWgmmaMinColTiles = 64;
+bool cuda_wgmma_pays(int64_t M, int64_t K, int64_t N, int64_t group_size, const DeviceCaps& caps) {
+  if (!caps.wgmma || K % TM_CUDA_WGMMA_K_STEP != 0 || group_size % 32 != 0) return false;
+  if (M <= kCudaWgmmaMinM || M > kCudaWgmmaMaxM) return false;
+  const int64_t col_tiles = (N + TM_CUDA_WGMMA_TILE_N - 1) / TM_CUDA_WGMMA_TILE_N;
+  const int64_t row_tiles = M <= 128 ? 1 : (M + 255) / 256;
+  return col_tiles >= kCudaWgmmaMinColTiles && (M <= 256 || row_tiles * col_tiles <= caps.compute_units);
+}
+
 void set_tiles(GemmPlan& p, int64_t M, int64_t N, uint32_t tile_m, uint32_t tile_n) {
   p.params.tile_m = tile_m;
   p.params.tile_n = tile_n;
@@ -180,6 +198,10 @@ void plan_metal(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTy
 //    8 warps over 32 columns; each warp streams a contiguous run of 32-row K chunks and the 8 meet
 //    in shared memory; grid = (row tiles, column tiles, K slices), the K slices' fp32 partials
 //    summed in slice order by the last block of each tile inside the same kernel.
+//  - Tiled, sm_90a only (cuda_wgmma_pays): "wgmma_<fmt>_<dtype>", 2 warpgroups over 128 columns x
+//    128 or 256 rows; each stage's weight tile is dequantized once into shared memory and both
+//    operands feed wgmma from there (activations by TMA); grid = (row tiles, column tiles, K
+//    slices), up to 4 slices summed through a thread-block cluster.
 //  - Larger M: "dequant_blas_<fmt>_<dtype>": the dequant kernel writes column panels of B into
 //    the workspace and cuBLAS (at::mm_out) multiplies each into C's columns.
 void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DType d,
@@ -315,6 +337,8 @@ GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, in
 
   if (force != GemmVariant::Auto) {
     p.variant = force;
+  } else if (caps.backend == Backend::CUDA && dtype != DType::F32 && cuda_wgmma_pays(M, K, N, group_size, caps)) {
+    p.variant = GemmVariant::Tiled;
   } else if (M <= decode_policy_max_m(caps.backend, dtype)) {
     p.variant = GemmVariant::Decode;
   } else if (caps.backend == Backend::Metal) {
@@ -322,8 +346,7 @@ GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, in
     const int64_t tiles = int64_t((M + 63) / 64) * ((N + 63) / 64);
     p.variant = (tiles < caps.compute_units * 2 && K / 32 >= 16) ? GemmVariant::Striped : GemmVariant::Tiled;
   } else if (caps.backend == Backend::CUDA && dtype != DType::F32) {
-    p.variant = caps.wgmma && K % TM_CUDA_WGMMA_K_STEP == 0 && group_size % 32 == 0 ? GemmVariant::Tiled
-                                                                                     : GemmVariant::DequantBlas;
+    p.variant = GemmVariant::DequantBlas;
   } else {
     p.variant = GemmVariant::Tiled;
   }
