@@ -10,7 +10,12 @@
 //              summed in slice order (deterministic, no second launch): on sm_90 with 2 slices by
 //              a thread-block cluster through distributed shared memory, otherwise the slices
 //              write fp32 partials and the last block of each tile to arrive sums them.
-//   dequant_blas  M > 128. Each column panel of B (all of N up to 1 GiB) is dequantized into a
+//   wgmma_*    sm_90a, 64 < M <= 512 on layers with N >= 8192 (plan.cpp cuda_wgmma_pays). Two
+//              warpgroups over a 128/256-row x 128-column tile: each stage's weight tile is
+//              dequantized once into shared memory (natural k order) and both operands feed
+//              wgmma.m64n128k16 from there; activations by TMA, weights/scales by cp.async; up to 4
+//              K slices summed through a thread-block cluster.
+//   dequant_blas  M > 128 outside that band. Each column panel of B (all of N up to 1 GiB) is dequantized into a
 //              workspace (the dequant kernel below) and multiplied by cuBLAS (at::mm_out) into C's
 //              columns: from 129 rows on that beats our decode kernel and the fused tensor-core
 //              kernel we had (docs/cuda.md has the measurements).
@@ -658,7 +663,7 @@ __global__ void dequant_kernel(u32 K, u32 Np, u32 gs, u32 n0, u32 cols, u32 ldw,
 }
 
 // ---------------------------------------------------------------------------------------------
-// wgmma kernel (sm_90a): fused dequant into Hopper warpgroup MMAs, M > kCudaDecodeMaxM
+// wgmma kernel (sm_90a): fused dequant into Hopper warpgroup MMAs, 64 < M <= 512 (cuda_wgmma_pays)
 // ---------------------------------------------------------------------------------------------
 // A block of 2 warpgroups (256 threads) computes a BM x 128 output tile (BM = 128 or 256 rows of
 // activations, 128 weight columns), one block per SM. Per 64-k stage:
@@ -669,12 +674,14 @@ __global__ void dequant_kernel(u32 K, u32 Np, u32 gs, u32 n0, u32 cols, u32 ldw,
 //    own register fragments (measured: 0.51x cuBLAS at M = 1024, issue-bound);
 //  - each warpgroup multiplies its BM / 2 activation rows (1 or 2 m64 wgmmas per k16 step, both
 //    operands from shared memory) while the threads dequantize the next stage's tile;
-//  - activations, packed weights and scales stream in by cp.async, kWgStages deep; each thread
-//    copies the weights and scales it dequantizes itself (no barrier for those).
+//  - the activation tile arrives by one TMA copy (mbarrier), packed weights and scales by
+//    cp.async, kWgStages deep; each thread copies the weights and scales it dequantizes itself
+//    (no barrier for those).
 // One barrier per stage: three B buffers, so the buffer written for stage s + 1 was last read by
 // stage s - 2, which both warpgroups have retired before the previous barrier.
-// Shared-memory layouts (no swizzle, K-major): core matrix = 8 rows x 16 bytes (8 k), contiguous.
-//  A slot: core (kc, rg) at (kc * BM / 8 + rg) * 128; B buffer: core (kc, cg) at (kc * 16 + cg) * 128.
+// Shared-memory layouts (K-major): A slot = the TMA box, BM rows of 128 bytes with the 128-byte
+// swizzle (wgmma's canonical SW128 layout: 8-row atoms of 1024 bytes); B buffer = no swizzle,
+// core matrix (8 columns x 8 k, 128 contiguous bytes) (kc, cg) at (kc * 16 + cg) * 128.
 constexpr int kWgThreads = int(TM_CUDA_WGMMA_THREADS);
 constexpr int kWgTileN = int(TM_CUDA_WGMMA_TILE_N);
 constexpr int kWgKStep = int(TM_CUDA_WGMMA_K_STEP);
@@ -738,9 +745,6 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
 __device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
 }
@@ -771,11 +775,11 @@ template <typename T, u32 FMT, int BM, bool kCluster>
 __global__ void __launch_bounds__(kWgThreads, 1)
     wgmma_kernel(const __grid_constant__ CUtensorMap tmap_a, QuantGemmParams p, u32 Np, const u32* __restrict__ B,
                  const T* __restrict__ S, const uint8_t* __restrict__ Z, const T* __restrict__ bias,
-                 T* __restrict__ C, float* __restrict__ ws, int* __restrict__ counters) {
+                 T* __restrict__ C) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = WgSmem<BM>;
   constexpr int kHalves = BM / 128;  // m64 wgmmas per warpgroup and k16 step
-  extern __shared__ __align__(128) unsigned char smem[];
+  extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127;
   // blockIdx.x: row tile (fastest: the row tiles of a column tile share its weights in L2),
   // y: 128-column tile, z: K slice.
@@ -1098,7 +1102,7 @@ CUtensorMap activation_tensor_map(const T* A, int64_t M, int64_t K, int BM) {
 
 template <typename T, u32 FMT, int BM, bool kCluster>
 void launch_wgmma_as(const GemmPlan& plan, const CUtensorMap& tmap, u32 Np, const u32* B, const T* S,
-                     const uint8_t* Z, const T* bias, T* C, float* ws, int* counters, cudaStream_t stream) {
+                     const uint8_t* Z, const T* bias, T* C, cudaStream_t stream) {
   constexpr int kSmem = WgSmem<BM>::kBytes;
   auto* kernel = wgmma_kernel<T, FMT, BM, kCluster>;
   // Over 48 KiB of dynamic shared memory needs an opt-in, once per device.
@@ -1122,16 +1126,16 @@ void launch_wgmma_as(const GemmPlan& plan, const CUtensorMap& tmap, u32 Np, cons
   attr[0].val.clusterDim.z = kCluster ? plan.params.k_parallel : 1;  // grid.z == k_parallel
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, tmap, plan.params, Np, B, S, Z, bias, C, ws, counters));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, tmap, plan.params, Np, B, S, Z, bias, C));
   check_launch(plan.kernel.c_str());
 }
 
 template <typename T, u32 FMT, int BM>
 void launch_wgmma(const GemmPlan& plan, u32 Np, const T* A, const u32* B, const T* S, const uint8_t* Z, const T* bias,
-                  T* C, float* ws, int* counters, cudaStream_t stream) {
+                  T* C, cudaStream_t stream) {
   const CUtensorMap tmap = activation_tensor_map<T>(A, plan.params.M, plan.params.K, BM);
-  if (plan.reduce_kernel == "cluster_reduce") launch_wgmma_as<T, FMT, BM, true>(plan, tmap, Np, B, S, Z, bias, C, ws, counters, stream);
-  else launch_wgmma_as<T, FMT, BM, false>(plan, tmap, Np, B, S, Z, bias, C, ws, counters, stream);
+  if (plan.reduce_kernel == "cluster_reduce") launch_wgmma_as<T, FMT, BM, true>(plan, tmap, Np, B, S, Z, bias, C, stream);
+  else launch_wgmma_as<T, FMT, BM, false>(plan, tmap, Np, B, S, Z, bias, C, stream);
 }
 
 // Columns [n0, n0 + cols) of B into W[K][ldw].
@@ -1209,11 +1213,13 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
     TORCH_CHECK((q.tile_m == 128u || q.tile_m == 256u) && q.tile_n == TM_CUDA_WGMMA_TILE_N &&
                     q.K % TM_CUDA_WGMMA_K_STEP == 0 && q.k_slice_len % TM_CUDA_WGMMA_K_STEP == 0 &&
                     q.group_size % 32u == 0 && plan.grid[0] == q.m_tiles && plan.grid[1] == q.n_tiles &&
-                    plan.grid[2] == q.k_parallel && plan.threads[0] == TM_CUDA_WGMMA_THREADS,
+                    plan.grid[2] == q.k_parallel && plan.threads[0] == TM_CUDA_WGMMA_THREADS &&
+                    (q.k_parallel == 1 || (plan.reduce_kernel == "cluster_reduce" &&
+                                           q.k_parallel <= TM_CUDA_WGMMA_MAX_SLICES)),
                 "torch_marlin: bad wgmma plan");
     const u32 np = u32(Np);
-    if (q.tile_m == 128u) launch_wgmma<T, FMT, 128>(plan, np, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
-    else launch_wgmma<T, FMT, 256>(plan, np, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    if (q.tile_m == 128u) launch_wgmma<T, FMT, 128>(plan, np, pA, pB, pS, pZ, pbias, pC, stream);
+    else launch_wgmma<T, FMT, 256>(plan, np, pA, pB, pS, pZ, pbias, pC, stream);
   } else {
     TORCH_CHECK(false, "torch_marlin: unknown CUDA kernel tag '", k, "'");
   }
