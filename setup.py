@@ -31,6 +31,17 @@ def want_cuda():
     return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
 
 
+def sm90a_requested(arch_list):
+    """True when TORCH_CUDA_ARCH_LIST builds sm_90a (the wgmma kernel). An sm_90 cubin beside it
+    would leave the driver two candidates for an H100, one with the kernel compiled out: refused."""
+    archs = [a.strip() for a in arch_list.replace(" ", ";").split(";") if a.strip()]
+    has_90a = any(a.startswith("9.0a") for a in archs)
+    if has_90a and any(a in ("9.0", "9.0+PTX") for a in archs):
+        raise SystemExit(f"TORCH_CUDA_ARCH_LIST={arch_list!r} lists both 9.0 and 9.0a: keep 9.0a only "
+                         "(it runs on every compute capability 9.0 GPU and has the wgmma kernel)")
+    return has_90a
+
+
 def build_extension():
     sources = rel("csrc/ops/*.cpp") + rel("csrc/plan/*.cpp") + rel("csrc/cpu/*.cpp")
     include_dirs = [os.path.join(ROOT, "csrc"), os.path.join(ROOT, "csrc/include")]
@@ -64,7 +75,7 @@ def build_extension():
         arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
         if not arch:
             arch = os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0a"
-        if "9.0a" in arch.replace(" ", ";").split(";") or "9.0a+PTX" in arch:
+        if sm90a_requested(arch):
             define_macros.append(("TM_CUDA_SM90A", "1"))
         ext_cls = cpp_extension.CUDAExtension
 
