@@ -906,12 +906,14 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   __syncthreads();  // B buffer 0
   for (int s = 0; s < n_stages; ++s) {
     issue_stage(s, s % kWgBBufs);
-    wg_wait<1>();                    // this warpgroup's stage s - 1 retired
     cp_async_wait<kWgStages - 3>();  // stage s + 1 landed (this thread's copies)
     if (s + 1 < n_stages) {
-      dequant_stage(s + 1, (s + 1) % kWgBBufs);  // buffer of stage s - 2
+      // Into the buffer stage s - 2 read (retired by both warpgroups before the last barrier), so
+      // it overlaps the tensor work of stages s - 1 and s.
+      dequant_stage(s + 1, (s + 1) % kWgBBufs);
       wait_act(s + 1);
     }
+    wg_wait<1>();     // this warpgroup's stage s - 1 retired
     __syncthreads();  // B buffer s + 1 ready; both warpgroups retired stage s - 1 (its slot is free)
     copy_stage(s + kWgStages - 1);  // into the slot of stage s - 1
   }
