@@ -239,8 +239,9 @@ def test_policy_cuda_kernels_by_m():
 
 def test_policy_cuda_wgmma():
     # Planned without a GPU, as for an sm_90a build on a 132-SM H100 (wgmma=True): the wgmma kernel
-    # above 64 rows and up to 512 when N gives it >= 64 column tiles, 256-row tiles above 128 rows
-    # only while they fit in one wave; otherwise decode (<= 128 rows) and dequant + cuBLAS.
+    # above 64 rows and up to 512 when the output has >= 64 tiles of 128 x 128/256, 256-row tiles
+    # above 128 rows only while they fit in one wave; otherwise decode (<= 128 rows) and
+    # dequant + cuBLAS.
     def plan(M, K=4096, N=12288, group_size=128, wgmma=True, **kw):
         return torch_marlin.plan_gemm("fp4", M, K, N, group_size, device="cuda", compute_units=132, wgmma=wgmma,
                                       **kw)
@@ -252,8 +253,10 @@ def test_policy_cuda_wgmma():
     assert plan(200)["tile_m"] == 256 and plan(512, N=8192)["kernel"] == "wgmma_fp4_half"
     assert plan(384)["kernel"] == "dequant_blas_fp4_half"  # 2 x 96 tiles: a second wave
     assert plan(513, N=8192)["kernel"] == "dequant_blas_fp4_half"
-    assert plan(128, N=4096)["kernel"] == "decode_fp4_half"  # 32 column tiles: too few
+    assert plan(128, N=4096)["kernel"] == "decode_fp4_half"  # 32 tiles: too few
     assert plan(200, N=4096)["kernel"] == "dequant_blas_fp4_half"
+    four = plan(300, N=4096)  # 2 row tiles x 32 column tiles, 2 K slices
+    assert four["kernel"] == "wgmma_fp4_half" and four["grid"] == (2, 32, 2)
     assert plan(128, wgmma=False)["kernel"] == "decode_fp4_half"
     # Shapes the kernel does not take: K % 64, group_size % 32, fp32 activations.
     assert plan(128, K=4104, group_size=8)["kernel"] == "decode_fp4_half"

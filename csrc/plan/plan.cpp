@@ -79,20 +79,20 @@ uint32_t ceil_div(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 
 
 // CUDA wgmma kernel (sm_90a) policy, measured on an H100 over the five issue shapes (FP4, fp16;
 // docs/cuda.md "The wgmma kernel"): it beats the decode kernel above 64 rows and dequant + cuBLAS
-// up to 512 rows when the weights give it at least 64 column tiles (N >= 8192) to spread over the
-// SMs without K slices; above 256 rows (256-row tiles) only while all tiles fit in one wave.
-// Fewer column tiles leave it behind decode (M <= 128) and dequant + cuBLAS (a 4096-column layer at
-// M = 96..256: 0.47..0.59x of cuBLAS against 0.57..0.74x); from 768 rows on, dequant + cuBLAS wins
-// (1024 rows: 0.61..0.67x against 0.69..0.72x).
+// up to 512 rows when the output has at least 64 tiles (N >= 8192, or 2 row tiles of a 4096-column
+// layer) to spread over the SMs with at most 2 K slices; above 256 rows (256-row tiles) only while
+// all tiles fit in one wave. Fewer tiles leave it behind decode (M <= 128) and dequant + cuBLAS (a
+// 4096-column layer at M = 96..256: 0.47..0.59x of cuBLAS against 0.57..0.74x); from 768 rows on,
+// dequant + cuBLAS wins (1024 rows: 0.60..0.68x against 0.69..0.72x).
 constexpr int64_t kCudaWgmmaMinM = 64;          // exclusive: decode below
 constexpr int64_t kCudaWgmmaMaxM = 512;
-constexpr int64_t kCudaWgmmaMinColTiles = 64;
+constexpr int64_t kCudaWgmmaMinTiles = 64;
 bool cuda_wgmma_pays(int64_t M, int64_t K, int64_t N, int64_t group_size, const DeviceCaps& caps) {
   if (!caps.wgmma || K % TM_CUDA_WGMMA_K_STEP != 0 || group_size % 32 != 0) return false;
   if (M <= kCudaWgmmaMinM || M > kCudaWgmmaMaxM) return false;
   const int64_t col_tiles = (N + TM_CUDA_WGMMA_TILE_N - 1) / TM_CUDA_WGMMA_TILE_N;
-  const int64_t row_tiles = M <= 128 ? 1 : (M + 255) / 256;
-  return col_tiles >= kCudaWgmmaMinColTiles && (M <= 256 || row_tiles * col_tiles <= caps.compute_units);
+  const int64_t tiles = (M <= 128 ? 1 : (M + 255) / 256) * col_tiles;
+  return tiles >= kCudaWgmmaMinTiles && (M <= 256 || tiles <= caps.compute_units);
 }
 
 void set_tiles(GemmPlan& p, int64_t M, int64_t N, uint32_t tile_m, uint32_t tile_n) {
