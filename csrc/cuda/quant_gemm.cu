@@ -10,7 +10,7 @@
 //              summed in slice order (deterministic, no second launch): on sm_90 with 2 slices by
 //              a thread-block cluster through distributed shared memory, otherwise the slices
 //              write fp32 partials and the last block of each tile to arrive sums them.
-//   wgmma_*    sm_90a, 64 < M <= 512 on layers with N >= 8192 (plan.cpp cuda_wgmma_pays). Two
+//   wgmma_*    sm_90a, 64 < M <= 512 with >= 64 output tiles (plan.cpp cuda_wgmma_pays). Two
 //              warpgroups over a 128/256-row x 128-column tile: each stage's weight tile is
 //              dequantized once into shared memory (natural k order) and both operands feed
 //              wgmma.m64n128k16 from there; activations by TMA, weights/scales by cp.async; up to 4
