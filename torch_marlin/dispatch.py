@@ -4,8 +4,9 @@ It asks the C++ planner (csrc/plan/plan.cpp) — the same code every op runs thr
 variant and launch geometry a shape gets on a backend. Modules do not decide anything themselves:
 they call the op, and the op plans. Small M (16 rows on Metal, 8 on CPU, 128 on CUDA: measured
 crossovers) selects the decode (GEMV-style) kernels; larger M the tiled (prefill) kernels, stripes
-with K-parallel slices where the output is too small to fill the GPU, or on CUDA dequantized
-weights + cuBLAS (``dequant_blas``).
+with K-parallel slices where the output is too small to fill the GPU, or on CUDA the sm_90a
+``wgmma`` kernel (64 < M <= 512 with enough output tiles) and dequantized weights + cuBLAS
+(``dequant_blas``).
 """
 
 import torch

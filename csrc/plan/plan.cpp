@@ -87,11 +87,17 @@ uint32_t ceil_div(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 
 constexpr int64_t kCudaWgmmaMinM = 64;          // exclusive: decode below
 constexpr int64_t kCudaWgmmaMaxM = 512;
 constexpr int64_t kCudaWgmmaMinTiles = 64;
+// Shapes the wgmma kernel takes: whole 64-row K stages, a thread's 32 k under one scale.
+bool cuda_wgmma_shape_ok(int64_t K, int64_t group_size) {
+  return K % TM_CUDA_WGMMA_K_STEP == 0 && group_size % 32 == 0;
+}
+// Its row tile: one m64 wgmma per warpgroup up to 128 rows, two above.
+uint32_t cuda_wgmma_tile_m(int64_t M) { return M <= 128 ? 128 : 256; }
 bool cuda_wgmma_pays(int64_t M, int64_t K, int64_t N, int64_t group_size, const DeviceCaps& caps) {
-  if (!caps.wgmma || K % TM_CUDA_WGMMA_K_STEP != 0 || group_size % 32 != 0) return false;
+  if (!caps.wgmma || !cuda_wgmma_shape_ok(K, group_size)) return false;
   if (M <= kCudaWgmmaMinM || M > kCudaWgmmaMaxM) return false;
-  const int64_t col_tiles = (N + TM_CUDA_WGMMA_TILE_N - 1) / TM_CUDA_WGMMA_TILE_N;
-  const int64_t tiles = (M <= 128 ? 1 : (M + 255) / 256) * col_tiles;
+  const int64_t tile_m = cuda_wgmma_tile_m(M);
+  const int64_t tiles = ((M + tile_m - 1) / tile_m) * ((N + TM_CUDA_WGMMA_TILE_N - 1) / TM_CUDA_WGMMA_TILE_N);
   return tiles >= kCudaWgmmaMinTiles && (M <= 256 || tiles <= caps.compute_units);
 }
 
@@ -204,9 +210,25 @@ void plan_metal(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTy
 //    slices), up to 4 slices summed through a thread-block cluster.
 //  - Larger M: "dequant_blas_<fmt>_<dtype>": the dequant kernel writes column panels of B into
 //    the workspace and cuBLAS (at::mm_out) multiplies each into C's columns.
+// The CUDA tile kernels' K slices and grid: as many slices as keep the resident block slots
+// (`slots`) full in one wave, never a second wave, each at least min_slice rows of K, at most
+// max_slices; grid = (row tiles, column tiles, K slices), row tiles fastest so they share each
+// column tile's weights in L2.
+void set_cuda_tile_grid(GemmPlan& p, int64_t K, int64_t slots, int64_t min_slice, int64_t max_slices,
+                        uint32_t k_step) {
+  const int64_t tiles = int64_t(p.params.m_tiles) * p.params.n_tiles;
+  const int64_t by_slots = std::max<int64_t>(1, slots / tiles);
+  const int64_t by_k = std::max<int64_t>(1, K / min_slice);
+  set_k_parallel(p, K, uint32_t(std::min<int64_t>({by_slots, by_k, max_slices})), k_step);
+  p.grid[0] = p.params.m_tiles;
+  p.grid[1] = p.params.n_tiles;
+  p.grid[2] = p.params.k_parallel;
+}
+
 void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DType d,
                const DeviceCaps& caps) {
   std::string stem;
+  bool cluster_slices = false;  // K slices summed through a thread-block cluster (below)
   if (d == DType::F32) {
     constexpr uint32_t kRows = 8, kCols = 128;
     p.variant = GemmVariant::Tiled;
@@ -229,16 +251,10 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     const uint32_t tile_m = M <= 8 ? 8 : (M <= 16 ? 16 : (M <= 32 ? 32 : 64));
     const int64_t blocks_per_sm = TM_CUDA_DECODE_BLOCKS_PER_SM(tile_m);
     set_tiles(p, M, N, tile_m, TM_CUDA_DECODE_TILE_N);
-    const int64_t capacity = int64_t(caps.compute_units) * blocks_per_sm;
-    const int64_t tiles = int64_t(p.params.m_tiles) * p.params.n_tiles;
-    const int64_t by_slots = std::max<int64_t>(1, capacity / tiles);
-    const int64_t by_k = std::max<int64_t>(1, K / 1024);
-    set_k_parallel(p, K, uint32_t(std::min<int64_t>({by_slots, by_k, 16})), kKStep);
-    p.grid[0] = p.params.m_tiles;  // row tiles fastest: they share each column tile's weights in L2
-    p.grid[1] = p.params.n_tiles;
-    p.grid[2] = p.params.k_parallel;
+    set_cuda_tile_grid(p, K, int64_t(caps.compute_units) * blocks_per_sm, 1024, 16, kKStep);
     p.threads[0] = 32 * TM_CUDA_DECODE_WARPS;
     stem = "decode";
+    cluster_slices = caps.thread_block_clusters && p.params.k_parallel <= TM_CUDA_DECODE_MAX_CLUSTER_SLICES;
   } else if (p.variant == GemmVariant::Tiled) {
     // wgmma (sm_90a): 2 warpgroups over 128 columns x 128 or 256 rows, 1 block per SM. K slices
     // (of at least 8 stages) only when the tiles leave SMs idle, as for decode.
@@ -246,23 +262,16 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
       throw std::invalid_argument("plan_quant_gemm: the CUDA tiled (wgmma) kernel needs an sm_90a build on a "
                                   "compute capability 9.0 device");
     }
-    if (K % TM_CUDA_WGMMA_K_STEP != 0 || p.params.group_size % 32 != 0) {
+    if (!cuda_wgmma_shape_ok(K, p.params.group_size)) {
       throw std::invalid_argument("plan_quant_gemm: the CUDA tiled (wgmma) kernel needs K % 64 == 0 and "
                                   "group_size % 32 == 0");
     }
-    const uint32_t tile_m = M <= 128 ? 128 : 256;
-    set_tiles(p, M, N, tile_m, TM_CUDA_WGMMA_TILE_N);
-    const int64_t capacity = int64_t(caps.compute_units);
-    const int64_t tiles = int64_t(p.params.m_tiles) * p.params.n_tiles;
-    const int64_t by_slots = std::max<int64_t>(1, capacity / tiles);
-    const int64_t by_k = std::max<int64_t>(1, K / (8 * TM_CUDA_WGMMA_K_STEP));
-    set_k_parallel(p, K, uint32_t(std::min<int64_t>({by_slots, by_k, int64_t(TM_CUDA_WGMMA_MAX_SLICES)})),
-                   TM_CUDA_WGMMA_K_STEP);
-    p.grid[0] = p.params.m_tiles;  // row tiles fastest: they share each column tile's weights in L2
-    p.grid[1] = p.params.n_tiles;
-    p.grid[2] = p.params.k_parallel;
+    set_tiles(p, M, N, cuda_wgmma_tile_m(M), TM_CUDA_WGMMA_TILE_N);
+    set_cuda_tile_grid(p, K, caps.compute_units, 8 * TM_CUDA_WGMMA_K_STEP, TM_CUDA_WGMMA_MAX_SLICES,
+                       TM_CUDA_WGMMA_K_STEP);
     p.threads[0] = TM_CUDA_WGMMA_THREADS;
     stem = "wgmma";
+    cluster_slices = true;
   } else if (p.variant == GemmVariant::DequantBlas) {
     // Column panels of B are dequantized into a [K, tile_n] workspace in the activation dtype and
     // cuBLAS multiplies A by each into C's columns. One panel holds all of N unless that exceeds
@@ -289,9 +298,7 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
   // decode slices by a thread-block cluster through
   // distributed shared memory where the device and build have clusters (no workspace), otherwise
   // by the last block of each tile to finish, from an fp32 workspace [k_parallel][M][N].
-  if (p.params.k_parallel > 1 && ((p.variant == GemmVariant::Decode && caps.thread_block_clusters &&
-                                    p.params.k_parallel <= TM_CUDA_DECODE_MAX_CLUSTER_SLICES) ||
-                                   stem == "wgmma")) {
+  if (p.params.k_parallel > 1 && cluster_slices) {
     p.reduce_kernel = "cluster_reduce";
   } else {
     set_reduction(p, "last_block_reduce", 256);

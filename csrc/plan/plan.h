@@ -28,7 +28,7 @@ struct DeviceCaps {
   // compiled for them (sm_90+ PTX); the decode plan then reduces 2 K slices through a cluster.
   int thread_block_clusters = 0;
   // CUDA: 1 when the device is compute capability 9.0 and the loaded kernels were built for
-  // sm_90a (wgmma); the planner then uses the wgmma kernel for M > kCudaDecodeMaxM-ish shapes.
+  // sm_90a; the planner may then pick the wgmma kernel (plan.cpp cuda_wgmma_pays).
   int wgmma = 0;
 };
 
