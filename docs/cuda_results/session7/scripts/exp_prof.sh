@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Session 7: ncu stall samples + speed-of-light of one gemm_fp4 launch (the build on the machine).
+#   FMT=fp4 M=128 K=4096 N=12288 bash docs/cuda_results/session7/scripts/exp_prof.sh
+set -uo pipefail
+cd "$(dirname "$0")/../../../.."
+OUT="${OUT:-/tmp/out}"; export PYTHONPATH=$PWD
+tag="${M:-128}_${K:-4096}x${N:-12288}"
+timeout 240 ncu --kernel-name "regex:${KERNEL:-wgmma_kernel}" --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+  --section SourceCounters --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+  --metrics regex:smsp__pcsamp_warps_issue_stalled_.* -o "$OUT/prof_$tag" \
+  python scripts/cuda_profile_one.py "${FMT:-fp4}" "${M:-128}" "${K:-4096}" "${N:-12288}" > "$OUT/ncu_$tag.log" 2>&1
+ncu -i "$OUT/prof_$tag.ncu-rep" --page details > "$OUT/details_$tag.txt" 2>&1
+ncu -i "$OUT/prof_$tag.ncu-rep" --page raw --csv 2>/dev/null | python3 -c "
+import sys,csv
+rows=list(csv.reader(sys.stdin)); h=rows[0]; v=rows[-1]
+for k,x in zip(h,v):
+    if 'pcsamp_warps_issue_stalled' in k and 'not_issued' not in k and x not in ('','0'):
+        print(k.replace('smsp__pcsamp_warps_issue_stalled_',''), x)
+" > "$OUT/stall_totals_$tag.txt"
+ncu -i "$OUT/prof_$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/src_$tag.csv" 2>&1
+python3 - "$OUT/src_$tag.csv" <<'PY' > "$OUT/top_stalls_$tag.txt"
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+hdr = [i for i, r in enumerate(rows) if 'Source' in r and any('Sampling' in c for c in r)][0]
+h = rows[hdr]; data = rows[hdr + 1:]
+si = h.index('Source'); ci = [j for j, c in enumerate(h) if 'Warp Stall Sampling (All' in c][0]
+num = lambda x: float(x.replace(',', '')) if x.replace(',', '').replace('.', '').isdigit() else 0.0
+tot = sum(num(r[ci]) for r in data if len(r) > ci)
+print('total samples', tot)
+for j, r in enumerate(data):
+    if len(r) > ci and num(r[ci]) > 0.01 * tot:
+        top = max((k for k in range(len(h)) if h[k].startswith('stall_') and 'Not' not in h[k]), key=lambda k: num(r[k]))
+        print(j, r[ci], h[top], r[si][:70])
+PY
+grep -E "Duration|Throughput|Pipe|Busy|Bandwidth|Warp Cycles|Registers|Shared Memory" "$OUT/details_$tag.txt" | head -40
+sort -k2 -n -r "$OUT/stall_totals_$tag.txt" | head -12
+cat "$OUT/top_stalls_$tag.txt"

@@ -1,0 +1,53 @@
+"""Session 7 experiment: gemm_fp4 (whatever the build's planner picks) vs cuBLAS fp16, the issue
+shapes, M given on the command line. Timing as scripts/bench_cuda.py (memset flush, median of 11).
+
+    python docs/cuda_results/session7/scripts/exp_ring.py TAG [M,M,...]
+"""
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import torch_marlin
+from torch_marlin.formats import pack_int4
+
+SHAPES = [(4096, 12288), (4096, 4096), (4096, 21504), (10752, 4096), (28672, 8192)]
+
+
+def timed(fn, flush, reps=11):
+    for _ in range(3):
+        fn()
+    ts = []
+    for _ in range(reps):
+        flush.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(ts)
+
+
+def main():
+    tag = sys.argv[1]
+    ms = [int(v) for v in (sys.argv[2] if len(sys.argv) > 2 else "64,96,128,256,512,1024").split(",")]
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for K, N in SHAPES:
+        B = pack_int4(torch.randint(0, 16, (K, N), device="cuda"))
+        s = (torch.rand(K // 128, N, device="cuda") * 0.02 + 0.001).half()
+        W16 = torch.randn(N, K, device="cuda", dtype=torch.float16)
+        for M in ms:
+            A = torch.randn(M, K, device="cuda", dtype=torch.float16)
+            tc = timed(lambda: F.linear(A, W16), flush)
+            tf = timed(lambda: torch.ops.marlin.gemm_fp4(A, B, s, 128), flush)
+            plan = torch_marlin.plan_gemm("fp4", M, K, N, 128, dtype=torch.float16, device="cuda")
+            print(f"{tag} K={K} N={N} M={M}: cublas {tc:.1f} | fp4 {tf:.1f} ({tc / tf:.2f}x) | "
+                  f"{plan['kernel']} tm={plan['tile_m']} kp={plan['k_parallel']}", flush=True)
+        del B, s, W16
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
