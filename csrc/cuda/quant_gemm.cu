@@ -819,7 +819,16 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   // packed rows 4h .. 4h + 3). Columns past Np read column 0 (their outputs are dropped).
   const u32 c_w = u32(tid & 127), h_w = u32(tid >> 7);
   const u32 col_w = n0 + c_w < Np ? n0 + c_w : 0u;
-  const u32 num_groups = p.K / p.group_size;
+  // Running sources of this thread's next copy_stage (stages are copied in order, one call each):
+  // the first of its 4 packed rows, and the scales (zero points) of the group its 32 k lie in
+  // (group_size % 32 == 0, planner; K % group_size == 0, op checks), advanced without a division.
+  const u32* b_src = B + size_t(k_begin / 8u + 4u * h_w) * Np + col_w;
+  const size_t b_stage_step = size_t(kWgKStep / 8) * Np;
+  const u32 k_thread = k_begin + 32u * h_w;
+  u32 k_in_group = k_thread % p.group_size;
+  const size_t g_off = size_t(k_thread / p.group_size) * Np;
+  const T* s_src = S + g_off + (col_w & ~1u);
+  const uint8_t* z_src = FMT == TM_FORMAT_U4 ? Z + g_off + (col_w & ~3u) : nullptr;
   auto copy_stage = [&](int s) {
     if (s < n_stages) {
       const u32 slot = smem_base + u32(s % kWgStages) * u32(L::kStage);
@@ -835,12 +844,16 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       }
       const u32 wslot = slot + u32(L::kA) + u32(tid) * 16u;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) cp_async4(wslot + 4u * j, B + size_t(k0 / 8u + 4u * h_w + u32(j)) * Np + col_w);
-      // group_size % 32 == 0 (planner): the thread's 32 k lie in one group.
-      const u32 gi = min((k0 + 32u * h_w) / p.group_size, num_groups - 1u);
-      cp_async4(slot + u32(L::kA + L::kW) + u32(tid) * 4u, S + size_t(gi) * Np + (col_w & ~1u));
-      if constexpr (FMT == TM_FORMAT_U4)
-        cp_async4(slot + u32(L::kA + L::kW + L::kS) + u32(tid) * 4u, Z + size_t(gi) * Np + (col_w & ~3u));
+      for (int j = 0; j < 4; ++j) cp_async4(wslot + 4u * j, b_src + size_t(j) * Np);
+      b_src += b_stage_step;
+      cp_async4(slot + u32(L::kA + L::kW) + u32(tid) * 4u, s_src);
+      if constexpr (FMT == TM_FORMAT_U4) cp_async4(slot + u32(L::kA + L::kW + L::kS) + u32(tid) * 4u, z_src);
+      k_in_group += u32(kWgKStep);  // the next stage's 32 k: 0, 1 or 2 groups on
+      while (k_in_group >= p.group_size) {
+        k_in_group -= p.group_size;
+        s_src += Np;
+        if constexpr (FMT == TM_FORMAT_U4) z_src += Np;
+      }
     }
     cp_async_commit();  // empty groups keep the group count uniform
   };
@@ -870,10 +883,13 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[hh][i] = 0.f;
   // This warpgroup's rows: BM / 2 from wg * BM / 2, in m64 halves (128 bytes a row).
-  const u32 a_row_off = u32(wg) * u32(BM / 2) * 128u;
+  // Descriptors of the first A slot (this warpgroup's rows) and B buffer; the others are byte
+  // offsets added to the start-address field (16-byte units; no carry: shared addresses < 256 KB).
+  const uint64_t desc_a0 = wg_desc(smem_base + u32(wg) * u32(BM / 2) * 128u, 16u, 1024u) | (uint64_t(1) << 62);
+  const uint64_t desc_b0 = wg_desc(b_base, 2048u, 128u);
   auto issue_stage = [&](int s, int b) {
-    const u32 a_slot = smem_base + u32(s % kWgStages) * u32(L::kStage) + a_row_off;
-    const u32 b_buf = b_base + u32(b) * u32(L::kB);
+    const uint64_t da_s = desc_a0 + ((u32(s % kWgStages) * u32(L::kStage)) >> 4);
+    const uint64_t db_b = desc_b0 + ((u32(b) * u32(L::kB)) >> 4);
 #pragma unroll
     for (int hh = 0; hh < kHalves; ++hh)
 #pragma unroll
@@ -881,11 +897,11 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     wg_fence();
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      const uint64_t db = wg_desc(b_buf + u32(2 * ks) * 2048u, 2048u, 128u);
+      const uint64_t db = db_b + ((2u * u32(ks) * 2048u) >> 4);
 #pragma unroll
       for (int hh = 0; hh < kHalves; ++hh) {
         // SW128 K-major: 8-row atoms 1024 bytes apart; k16 step ks starts 32 ks bytes in.
-        const uint64_t da = wg_desc(a_slot + u32(hh) * 64u * 128u + 32u * u32(ks), 16u, 1024u) | (uint64_t(1) << 62);
+        const uint64_t da = da_s + ((u32(hh) * 64u * 128u + 32u * u32(ks)) >> 4);
         wgmma_ss<T>(acc[hh], da, db);
       }
     }

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/../../../.."
 OUT="${OUT:-/tmp/out}"; export PYTHONPATH=$PWD
 cp csrc/cuda/quant_gemm.cu /tmp/qg.cu.orig; cp csrc/plan/plan.cpp /tmp/plan.cpp.orig
 sed -i 's/constexpr int64_t kCudaWgmmaMinM = 64;/constexpr int64_t kCudaWgmmaMinM = 32;/; s/constexpr int64_t kCudaWgmmaMinTiles = 64;/constexpr int64_t kCudaWgmmaMinTiles = 1;/' csrc/plan/plan.cpp
-for v in ${VARIANTS:-12:6}; do
+for v in ${VARIANTS:-12:6}; do  # "W128:W256"; a tag without ":" keeps the source as it is
   w128=${v%:*}; w256=${v#*:}
   cp /tmp/qg.cu.orig csrc/cuda/quant_gemm.cu
   sed -i "s/static constexpr int kWStages = BM == 128 ? [0-9]* : [0-9]*;/static constexpr int kWStages = BM == 128 ? $w128 : $w256;/" csrc/cuda/quant_gemm.cu
