@@ -33,6 +33,7 @@ CASES = [  # fmt, M, K, N, group_size, dtype
     ("fp4", 70, 256, 8200, 64, torch.float16),    # wgmma (sm_90a): 128-row tile, padded N
     ("u4", 300, 128, 8192, 32, torch.bfloat16),   # wgmma: two 256-row tiles, rows past M
     ("fp4", 100, 2048, 8192, 128, torch.bfloat16),  # wgmma: 2 K slices summed through a cluster
+    ("u4", 160, 8192, 1000, 128, torch.float16),    # wgmma: 256-row tile, 4 K slices in a cluster, padded N
 ]
 worst = 0.0
 skip_blas = "--no-blas" in sys.argv[1:]

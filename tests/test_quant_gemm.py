@@ -239,9 +239,9 @@ def test_policy_cuda_kernels_by_m():
 
 def test_policy_cuda_wgmma():
     # Planned without a GPU, as for an sm_90a build on a 132-SM H100 (wgmma=True): the wgmma kernel
-    # above 64 rows and up to 512 when the output has >= 64 tiles of 128 x 128/256, 256-row tiles
-    # above 128 rows only while they fit in one wave; otherwise decode (<= 128 rows) and
-    # dequant + cuBLAS.
+    # above 64 rows and up to 512 when the output has >= 64 tiles of 128 x 128/256 (or, above 128
+    # rows, K >= 8192), 256-row tiles above 256 rows only in one wave or with a last wave >= 80 %
+    # full; otherwise decode (<= 128 rows) and dequant + cuBLAS.
     def plan(M, K=4096, N=12288, group_size=128, wgmma=True, **kw):
         return torch_marlin.plan_gemm("fp4", M, K, N, group_size, device="cuda", compute_units=132, wgmma=wgmma,
                                       **kw)
@@ -251,10 +251,15 @@ def test_policy_cuda_wgmma():
     assert w["tile_m"] == 128 and w["tile_n"] == 128 and w["threads"] == (256, 1, 1)
     assert w["grid"] == (1, 96, 1) and w["k_parallel"] == 1 and w["workspace_bytes"] == 0
     assert plan(200)["tile_m"] == 256 and plan(512, N=8192)["kernel"] == "wgmma_fp4_half"
-    assert plan(384)["kernel"] == "dequant_blas_fp4_half"  # 2 x 96 tiles: a second wave
+    assert plan(384)["kernel"] == "dequant_blas_fp4_half"  # 2 x 96 tiles: a second wave 73 % full
+    assert plan(384, N=21504)["kernel"] == "wgmma_fp4_half"  # 2 x 168 tiles: 3 waves, 85 % full
+    assert plan(512, N=21504)["grid"] == (2, 168, 1)
     assert plan(513, N=8192)["kernel"] == "dequant_blas_fp4_half"
     assert plan(128, N=4096)["kernel"] == "decode_fp4_half"  # 32 tiles: too few
     assert plan(200, N=4096)["kernel"] == "dequant_blas_fp4_half"
+    long_k = plan(200, K=10752, N=4096)  # 32 tiles, but 4 slices of 2688 k each
+    assert long_k["kernel"] == "wgmma_fp4_half" and long_k["grid"] == (1, 32, 4) and long_k["k_slice_len"] == 2688
+    assert plan(128, K=10752, N=4096)["kernel"] == "decode_fp4_half"
     four = plan(300, N=4096)  # 2 row tiles x 32 column tiles, 2 K slices
     assert four["kernel"] == "wgmma_fp4_half" and four["grid"] == (2, 32, 2)
     assert plan(128, wgmma=False)["kernel"] == "decode_fp4_half"

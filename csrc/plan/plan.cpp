@@ -78,15 +78,20 @@ int64_t decode_policy_max_m(Backend b, DType d) {
 uint32_t ceil_div(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 1) / b); }
 
 // CUDA wgmma kernel (sm_90a) policy, measured on an H100 over the five issue shapes (FP4, fp16;
-// docs/cuda.md "The wgmma kernel"): it beats the decode kernel above 64 rows and dequant + cuBLAS
-// up to 512 rows when the output has at least 64 tiles (N >= 8192, or 2 row tiles of a 4096-column
-// layer) to spread over the SMs with at most 2 K slices; above 256 rows (256-row tiles) only while
-// all tiles fit in one wave. Fewer tiles leave it behind decode (M <= 128) and dequant + cuBLAS (a
-// 4096-column layer at M = 96..256: 0.47..0.59x of cuBLAS against 0.57..0.74x); from 768 rows on,
-// dequant + cuBLAS wins (1024 rows: 0.60..0.68x against 0.69..0.72x).
+// docs/cuda.md "The wgmma kernel", sweeps in docs/cuda_results/session{6,7}/): it beats the decode
+// kernel above 64 rows and dequant + cuBLAS up to 512 rows when
+//  - the output has at least 64 tiles (N >= 8192, or 2 row tiles of a 4096-column layer), or
+//  - above 128 rows, K >= 8192: fewer tiles run 4 K slices through a cluster, and a long slice
+//    (>= 2048 k) pays for the cluster reduction (10752 x 4096 at M = 192 / 256: 97 / 98 us against
+//    116 / 105; 4096 x 4096, slices of 1024: 47.5 / 48.5 against 42.0 / 45.5);
+// and above 256 rows (256-row tiles) when the tiles fit in one wave or their last wave is at
+// least 80 % full (4096 x 21504 at M = 384 / 512, 3 waves 85 % full: 191 / 200 us against
+// 203 / 241; 4096 x 12288, 2 waves 73 % full: 130 / 136 against 127 / 137). From 768 rows on,
+// dequant + cuBLAS wins on most shapes (1024 rows: 0.65..0.70x against 0.69..0.71x).
 constexpr int64_t kCudaWgmmaMinM = 64;          // exclusive: decode below
 constexpr int64_t kCudaWgmmaMaxM = 512;
 constexpr int64_t kCudaWgmmaMinTiles = 64;
+constexpr int64_t kCudaWgmmaLongK = 8192;       // 4 slices of >= 2048 k
 // Shapes the wgmma kernel takes: whole 64-row K stages, a thread's 32 k under one scale.
 bool cuda_wgmma_shape_ok(int64_t K, int64_t group_size) {
   return K % TM_CUDA_WGMMA_K_STEP == 0 && group_size % 32 == 0;
@@ -98,7 +103,10 @@ bool cuda_wgmma_pays(int64_t M, int64_t K, int64_t N, int64_t group_size, const 
   if (M <= kCudaWgmmaMinM || M > kCudaWgmmaMaxM) return false;
   const int64_t tile_m = cuda_wgmma_tile_m(M);
   const int64_t tiles = ((M + tile_m - 1) / tile_m) * ((N + TM_CUDA_WGMMA_TILE_N - 1) / TM_CUDA_WGMMA_TILE_N);
-  return tiles >= kCudaWgmmaMinTiles && (M <= 256 || tiles <= caps.compute_units);
+  if (tiles < kCudaWgmmaMinTiles && !(M > 128 && K >= kCudaWgmmaLongK)) return false;
+  const int64_t sms = std::max<int64_t>(1, caps.compute_units);
+  const int64_t waves = (tiles + sms - 1) / sms;
+  return M <= 256 || waves == 1 || tiles * 5 >= waves * sms * 4;
 }
 
 void set_tiles(GemmPlan& p, int64_t M, int64_t N, uint32_t tile_m, uint32_t tile_n) {

@@ -3,6 +3,7 @@ shapes, M given on the command line. Timing as scripts/bench_cuda.py (memset flu
 
     python docs/cuda_results/session7/scripts/exp_ring.py TAG [M,M,...]
 """
+import os
 import statistics
 import sys
 
@@ -43,8 +44,11 @@ def main():
             tc = timed(lambda: F.linear(A, W16), flush)
             tf = timed(lambda: torch.ops.marlin.gemm_fp4(A, B, s, 128), flush)
             plan = torch_marlin.plan_gemm("fp4", M, K, N, 128, dtype=torch.float16, device="cuda")
+            # dequant + cuBLAS by hand (what the dequant_blas plan does), for the band's edge.
+            td = timed(lambda: A @ torch.ops.marlin.dequant_fp4(B, s, 128), flush) if os.environ.get("DEQ") else float("nan")
             print(f"{tag} K={K} N={N} M={M}: cublas {tc:.1f} | fp4 {tf:.1f} ({tc / tf:.2f}x) | "
-                  f"{plan['kernel']} tm={plan['tile_m']} kp={plan['k_parallel']}", flush=True)
+                  f"{plan['kernel']} tm={plan['tile_m']} kp={plan['k_parallel']} | dequant+mm {td:.1f} ({tc / td:.2f}x)",
+                  flush=True)
         del B, s, W16
         torch.cuda.empty_cache()
 

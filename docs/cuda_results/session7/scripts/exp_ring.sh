@@ -8,6 +8,8 @@ cd "$(dirname "$0")/../../../.."
 OUT="${OUT:-/tmp/out}"; export PYTHONPATH=$PWD
 cp csrc/cuda/quant_gemm.cu /tmp/qg.cu.orig; cp csrc/plan/plan.cpp /tmp/plan.cpp.orig
 sed -i 's/constexpr int64_t kCudaWgmmaMinM = 64;/constexpr int64_t kCudaWgmmaMinM = 32;/; s/constexpr int64_t kCudaWgmmaMinTiles = 64;/constexpr int64_t kCudaWgmmaMinTiles = 1;/' csrc/plan/plan.cpp
+# WIDE=1: also above 512 rows and past one wave of 256-row tiles.
+[ -n "${WIDE:-}" ] && sed -i 's/constexpr int64_t kCudaWgmmaMaxM = 512;/constexpr int64_t kCudaWgmmaMaxM = 1 << 20;/; s/(M <= 256 || tiles <= caps.compute_units)/true/' csrc/plan/plan.cpp
 for v in ${VARIANTS:-12:6}; do  # "W128:W256"; a tag without ":" keeps the source as it is
   w128=${v%:*}; w256=${v#*:}
   cp /tmp/qg.cu.orig csrc/cuda/quant_gemm.cu
