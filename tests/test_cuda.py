@@ -289,6 +289,40 @@ def test_misaligned_activation_view(M):
     check_close(C, A.float() @ dequant_fp4_reference(B, s, 64), torch.float16)
 
 
+FIRST_CALL_CAPTURED = """
+import torch, torch_marlin
+from torch_marlin.formats import dequant_fp4_reference, quantize_fp4
+M, K, N = 100, 1024, 8192
+assert torch_marlin.plan_gemm("fp4", M, K, N, 128, dtype=torch.float16, device="cuda")["kernel"] == "wgmma_fp4_half"
+B, s = quantize_fp4(torch.randn(K, N), 128, scale_dtype=torch.float16)
+B, s = B.cuda(), s.cuda()
+A = torch.randn(M, K, device="cuda", dtype=torch.float16)
+side, g = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.graph(g, stream=side):  # the process's first marlin call
+    C = torch.ops.marlin.gemm_fp4(A, B, s, 128)
+g.replay()
+torch.cuda.synchronize()
+ref = A.float() @ dequant_fp4_reference(B, s, 128)
+err = ((C.float() - ref).abs().max() / ref.abs().max()).item()
+assert err < 1e-2, err
+print("first call captured: ok", err)
+"""
+
+
+def test_wgmma_first_call_inside_graph_capture():
+    # A fresh process whose first marlin call is captured: the wgmma launcher's one-time host work
+    # (the shared-memory opt-in, the driver entry point for the TMA descriptor) must be legal
+    # inside stream capture, and the replay must compute the product.
+    import subprocess
+    import sys
+
+    if not on_sm90a_build():
+        pytest.skip("the wgmma kernel needs an sm_90a build on a compute-capability 9.0 device")
+    r = subprocess.run([sys.executable, "-c", FIRST_CALL_CAPTURED], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "first call captured: ok" in r.stdout, r.stdout + r.stderr
+
+
 @pytest.mark.parametrize("M,N", [(4, 384), (200, 384), (100, 8192)])
 def test_cuda_graph_replay(M, N):
     # Captured once, replayed on new activations: the op allocates its workspace and launches on

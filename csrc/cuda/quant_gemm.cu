@@ -1101,30 +1101,37 @@ void check_launch(const char* what) {
   TORCH_CHECK(e == cudaSuccess, "torch_marlin: CUDA launch of ", what, " failed: ", cudaGetErrorString(e));
 }
 
+// Launches a tile kernel (decode, wgmma) over the plan's grid; with kCluster the K slices of an
+// output tile (grid.z == k_parallel) run as one thread-block cluster.
+template <bool kCluster, typename... KArgs, typename... Args>
+void launch_tile_kernel(const GemmPlan& plan, void (*kernel)(KArgs...), u32 threads, int smem_bytes,
+                        cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(plan.grid[0], plan.grid[1], plan.grid[2]);
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = size_t(smem_bytes);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = plan.params.k_parallel;
+  cfg.attrs = attr;
+  cfg.numAttrs = kCluster ? 1 : 0;  // no cluster attribute at all otherwise (sm_80 has none)
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+  check_launch(plan.kernel.c_str());
+}
+
 template <typename T, u32 FMT, int NT, bool kFold>
 void launch_decode(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const u32* B, const T* S, const uint8_t* Z,
                    const T* bias, T* C, float* ws, int* counters, cudaStream_t stream) {
-  const dim3 grid(plan.grid[0], plan.grid[1], plan.grid[2]);
   if (plan.reduce_kernel == "cluster_reduce") {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(kDecThreads);
-    cfg.dynamicSmemBytes = dec_smem_bytes<NT, true>();
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 1;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = plan.params.k_parallel;  // grid.z == k_parallel: one cluster per output tile
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_kernel<T, FMT, NT, kFold, true>, plan.params, Np, gs_shift, A, B,
-                                      S, Z, bias, C, ws, counters));
+    launch_tile_kernel<true>(plan, decode_kernel<T, FMT, NT, kFold, true>, kDecThreads, dec_smem_bytes<NT, true>(),
+                             stream, plan.params, Np, gs_shift, A, B, S, Z, bias, C, ws, counters);
   } else {
-    decode_kernel<T, FMT, NT, kFold, false><<<grid, kDecThreads, dec_smem_bytes<NT, false>(), stream>>>(
-        plan.params, Np, gs_shift, A, B, S, Z, bias, C, ws, counters);
+    launch_tile_kernel<false>(plan, decode_kernel<T, FMT, NT, kFold, false>, kDecThreads, dec_smem_bytes<NT, false>(),
+                              stream, plan.params, Np, gs_shift, A, B, S, Z, bias, C, ws, counters);
   }
-  check_launch(plan.kernel.c_str());
 }
 
 // TMA descriptor of the activations A [M, K] for BM x 64 boxes with the 128-byte swizzle. The
@@ -1165,20 +1172,7 @@ void launch_wgmma_as(const GemmPlan& plan, const CUtensorMap& tmap, u32 Np, cons
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     opted_in.fetch_or(bit);
   }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(plan.grid[0], plan.grid[1], plan.grid[2]);
-  cfg.blockDim = dim3(kWgThreads);
-  cfg.dynamicSmemBytes = kSmem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = kCluster ? plan.params.k_parallel : 1;  // grid.z == k_parallel
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, tmap, plan.params, Np, B, S, Z, bias, C));
-  check_launch(plan.kernel.c_str());
+  launch_tile_kernel<kCluster>(plan, kernel, kWgThreads, kSmem, stream, tmap, plan.params, Np, B, S, Z, bias, C);
 }
 
 template <typename T, u32 FMT, int BM>
