@@ -13,20 +13,7 @@ for k,x in zip(h,v):
         print(k.replace('smsp__pcsamp_warps_issue_stalled_',''), x)
 " > $OUT/stall_totals.txt
 ncu -i $OUT/prof.ncu-rep --page source --csv --print-source sass > $OUT/src.csv 2>&1
-python3 - <<'PY' > $OUT/top_stalls.txt
-import csv, os
-rows = list(csv.reader(open(os.environ['OUT'] + '/src.csv')))
-hdr = [i for i, r in enumerate(rows) if 'Source' in r and any('Sampling' in c for c in r)][0]
-h = rows[hdr]; data = rows[hdr + 1:]
-si = h.index('Source'); ci = [j for j, c in enumerate(h) if 'Warp Stall Sampling (All' in c][0]
-num = lambda x: float(x.replace(',', '')) if x.replace(',', '').replace('.', '').isdigit() else 0.0
-tot = sum(num(r[ci]) for r in data if len(r) > ci)
-print('total samples', tot)
-for j, r in enumerate(data):
-    if len(r) > ci and num(r[ci]) > 0.01 * tot:
-        top = max((k for k in range(len(h)) if h[k].startswith('stall_') and 'Not' not in h[k]), key=lambda k: num(r[k]))
-        print(j, r[ci], h[top], r[si][:70])
-PY
+python3 scripts/ncu_stall_lines.py $OUT/src.csv > $OUT/top_stalls.txt
 tr '\n' ';' < $OUT/stall_totals.txt; echo; cat $OUT/top_stalls.txt
 fi
 grep -v "^OK" $OUT/timing.txt

@@ -4,7 +4,6 @@ shapes, M given on the command line. Timing as scripts/bench_cuda.py (memset flu
     python docs/cuda_results/session7/scripts/exp_ring.py TAG [M,M,...]
 """
 import os
-import statistics
 import sys
 
 import torch
@@ -13,28 +12,18 @@ import torch.nn.functional as F
 import torch_marlin
 from torch_marlin.formats import pack_int4
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import memset_flush, timed  # noqa: E402
+
 SHAPES = [(4096, 12288), (4096, 4096), (4096, 21504), (10752, 4096), (28672, 8192)]
 
 
-def timed(fn, flush, reps=11):
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(reps):
-        flush.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
 
 
 def main():
     tag = sys.argv[1]
     ms = [int(v) for v in (sys.argv[2] if len(sys.argv) > 2 else "64,96,128,256,512,1024").split(",")]
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    flush = memset_flush()
     for K, N in SHAPES:
         B = pack_int4(torch.randint(0, 16, (K, N), device="cuda"))
         s = (torch.rand(K // 128, N, device="cuda") * 0.02 + 0.001).half()

@@ -7,15 +7,15 @@ read (clean lines), a memset followed by a read. With --ncu it runs each flush +
 once, for `ncu --cache-control none` to count the GEMM kernel's DRAM bytes read and written.
 """
 import os
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "scripts"))
-from bench_cuda import make_flush  # noqa: E402
-from torch_marlin.formats import pack_int4  # noqa: E402
+from torch_marlin.formats import pack_int4
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import memset_flush, read_flush, timed  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 12288), (28672, 8192)]
 
@@ -27,23 +27,10 @@ def weights(K, N):
     return B, s, W16
 
 
-def timed(fn, flush, reps=21):
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(reps):
-        flush()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
 
 
 def main():
-    memset, read = make_flush("memset"), make_flush("read")
+    memset, read = memset_flush(), read_flush()
     flushes = {"none": lambda: None, "memset": memset, "read": read,
                "memset+read": lambda: (memset(), read())}
     if "--ncu" in sys.argv:
@@ -61,8 +48,8 @@ def main():
         B, s, W16 = weights(K, N)
         A = torch.randn(1, K, device="cuda", dtype=torch.float16)
         for name, fl in flushes.items():
-            tc = timed(lambda: F.linear(A, W16), fl)
-            tf = timed(lambda: torch.ops.marlin.gemm_fp4(A, B, s, 128), fl)
+            tc = timed(lambda: F.linear(A, W16), fl, reps=21)
+            tf = timed(lambda: torch.ops.marlin.gemm_fp4(A, B, s, 128), fl, reps=21)
             print(f"{K:>5}x{N:<6} {name:>12} {tc:10.2f} {tf:8.2f} {tc / tf:6.2f}x", flush=True)
         del B, s, W16
         torch.cuda.empty_cache()

@@ -9,13 +9,17 @@ thread per iteration, grid-stride; best of several grid sizes) over (a) the FP4 
 fp16 at M = 1 and gemm_fp4 at M = 1. t_cuBLAS / t_read(FP4 bytes) bounds the speed-up any FP4
 kernel can show over cuBLAS at M = 1 under this timing.
 """
-import statistics
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch.utils.cpp_extension import load_inline
 
 from torch_marlin.formats import pack_int4
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import memset_flush, timed  # noqa: E402
 
 SRC = r"""
 #include <torch/extension.h>
@@ -43,32 +47,19 @@ CPP = "void read_bytes(torch::Tensor src, torch::Tensor out, int64_t blocks, int
 SHAPES = [(4096, 12288), (4096, 4096), (4096, 21504), (10752, 4096), (28672, 8192)]
 
 
-def timed(fn, flush, reps=21):
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(reps):
-        flush.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
 
 
 def main():
     ext = load_inline("read_floor", CPP, cuda_sources=SRC, functions=["read_bytes", "empty"],
                       extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90"])
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    flush = memset_flush()
     out = torch.zeros(1, dtype=torch.int32, device="cuda")
-    print(f"empty kernel: {timed(ext.empty, flush):.2f} us")
+    print(f"empty kernel: {timed(ext.empty, flush, reps=21):.2f} us")
 
     def read_time(nbytes):
         src = torch.randint(0, 256, (nbytes // 16 * 16,), dtype=torch.uint8, device="cuda")
-        best = min((timed(lambda: ext.read_bytes(src, out, sms * bps, thr), flush), bps, thr)
+        best = min((timed(lambda: ext.read_bytes(src, out, sms * bps, thr), flush, reps=21), bps, thr)
                    for bps in (1, 2, 4, 8) for thr in (256, 512, 1024) if bps * thr <= 2048)
         return best
 
@@ -83,8 +74,8 @@ def main():
         s = (torch.rand(K // 128, N, device="cuda") * 0.02 + 0.001).half()
         W16 = torch.randn(N, K, device="cuda", dtype=torch.float16)
         A = torch.randn(1, K, device="cuda", dtype=torch.float16)
-        tc = timed(lambda: F.linear(A, W16), flush)
-        tf = timed(lambda: torch.ops.marlin.gemm_fp4(A, B, s, 128), flush)
+        tc = timed(lambda: F.linear(A, W16), flush, reps=21)
+        tf = timed(lambda: torch.ops.marlin.gemm_fp4(A, B, s, 128), flush, reps=21)
         print(f"{K:>5}x{N:<6} {b4 / 1e6:7.1f} {r4:8.2f} ({bps}x{thr:4d}) {b16 / 1e6:8.1f} {r16:8.2f} {tc:7.2f} "
               f"{tf:7.2f} {tc / r4:11.2f}x {tf / r4:8.2f}x", flush=True)
         del B, s, W16
