@@ -5,8 +5,8 @@
 
 Covers: decode with 1/2/4/8 n8 tiles and two 64-row tiles, folded and per-weight scales, a partial last K chunk
 (K-parallel and not, fp16/bf16, fp4/u4), dequant_blas (padded N, N % 8 != 0; racecheck skips
-these: our dequant kernel uses no shared memory and cuBLAS's kernels are not ours), the in-kernel K-slice reduction, the wgmma kernel on sm_90a (128- and 256-row tiles, padded N, rows
-past M, 2 K slices through a cluster), the fp32 simt kernel and the dequant kernel
+these: our dequant kernel uses no shared memory and cuBLAS's kernels are not ours), the in-kernel K-slice reduction, the wgmma kernel on sm_90a (128 x 256, 128 x 128 and 256 x 128 tiles,
+padded N, rows past M, 2 and 4 K slices through a cluster), the fp32 simt kernel and the dequant kernel
 (16-byte row stores and the scalar tail). Also
 checks each result against the fp32 reference so a silent wrong answer fails the run.
 """
@@ -30,10 +30,11 @@ CASES = [  # fmt, M, K, N, group_size, dtype
     ("u4", 12, 1536, 72, 16, torch.bfloat16),     # decode, per-weight scales, 2 n8 tiles
     ("fp4", 9, 2072, 200, 56, torch.float16),     # decode, per-weight scales, partial last chunk, K-parallel
     ("u4", 5, 256, 72, 64, torch.float32),        # simt
-    ("fp4", 70, 256, 8200, 64, torch.float16),    # wgmma (sm_90a): 128-row tile, padded N
+    ("fp4", 70, 256, 8200, 64, torch.float16),    # wgmma (sm_90a): 128 x 256 tile, padded N
     ("u4", 300, 128, 8192, 32, torch.bfloat16),   # wgmma: two 256-row tiles, rows past M
     ("fp4", 100, 2048, 8192, 128, torch.bfloat16),  # wgmma: 2 K slices summed through a cluster
     ("u4", 160, 8192, 1000, 128, torch.float16),    # wgmma: 256-row tile, 4 K slices in a cluster, padded N
+    ("fp4", 96, 8192, 2000, 128, torch.bfloat16),   # wgmma: 128 x 256 tiles, 4 K slices in a cluster
 ]
 worst = 0.0
 skip_blas = "--no-blas" in sys.argv[1:]

@@ -185,23 +185,24 @@ def on_sm90a_build():
     return torch.cuda.get_device_capability() == (9, 0) and torch_marlin._C.cuda_wgmma(torch.cuda.current_device())
 
 
-# (M, K, N, group_size, K slices): a 128-row tile with N not a multiple of 16 (padded weights) or
-# of the 128-column tile; 256-row tiles, one of them partial; group sizes 32..128; K slices summed
-# through a thread-block cluster (2 slices at K = 2048 and 8192, and for 2 row tiles of a
-# 4096-column layer at K = 1024; 4 for the 8 tiles of a long-K layer with N = 1000).
-WGMMA_CASES = [(65, 256, 8200, 64, 1), (100, 512, 8192, 32, 1), (200, 384, 8208, 128, 1), (300, 256, 8192, 64, 1),
-               (100, 2048, 8192, 128, 2), (70, 8192, 8192, 128, 2), (300, 1024, 4096, 128, 2),
-               (160, 8192, 1000, 128, 4)]
+# (M, K, N, group_size, K slices, tile columns): 128-row tiles 256 columns wide, N not a multiple
+# of 16 (padded weights) or of the tile; 128-row tiles 128 wide where wide ones would need more K
+# slices; 256-row tiles (128 wide), one of them partial; group sizes 32..128; K slices summed through
+# a thread-block cluster (2 slices at K = 2048 and 8192 and for 2 row tiles of a 4096-column layer
+# at K = 1024; 4 for long-K layers with few tiles, 128- and 256-row).
+WGMMA_CASES = [(65, 256, 8200, 64, 1, 256), (100, 512, 8192, 32, 1, 256), (200, 384, 8208, 128, 1, 128),
+               (300, 256, 8192, 64, 1, 128), (100, 2048, 8192, 128, 2, 128), (70, 8192, 8192, 128, 2, 128),
+               (300, 1024, 4096, 128, 2, 128), (160, 8192, 1000, 128, 4, 128), (96, 8192, 2000, 128, 4, 256)]
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "u4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("M,K,N,group_size,k_parallel", WGMMA_CASES)
-def test_wgmma(fmt, dtype, M, K, N, group_size, k_parallel):
+@pytest.mark.parametrize("M,K,N,group_size,k_parallel,tile_n", WGMMA_CASES)
+def test_wgmma(fmt, dtype, M, K, N, group_size, k_parallel, tile_n):
     plan = torch_marlin.plan_gemm(fmt, M, K, N, group_size, dtype=dtype, device="cuda")
     if on_sm90a_build():  # elsewhere the same shapes run decode / dequant_blas (still checked)
         assert plan["kernel"].startswith("wgmma_"), plan["kernel"]
-        assert plan["k_parallel"] == k_parallel and plan["workspace_bytes"] == 0
+        assert (plan["k_parallel"], plan["tile_n"]) == (k_parallel, tile_n) and plan["workspace_bytes"] == 0
     case(fmt, M, K, N, group_size, dtype, with_bias=True)
 
 

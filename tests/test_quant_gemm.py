@@ -239,9 +239,9 @@ def test_policy_cuda_kernels_by_m():
 
 def test_policy_cuda_wgmma():
     # Planned without a GPU, as for an sm_90a build on a 132-SM H100 (wgmma=True): the wgmma kernel
-    # above 64 rows and up to 512 when the output has >= 64 tiles of 128 x 128/256 (or, above 128
-    # rows, K >= 8192), 256-row tiles above 256 rows only in one wave or with a last wave >= 80 %
-    # full; otherwise decode (<= 128 rows) and dequant + cuBLAS.
+    # above 64 rows and up to 512 when the output has >= 64 tiles of 128 x 128/256 (or K >= 8192),
+    # 256-row tiles above 256 rows only in one wave or with a last wave >= 80 % full; otherwise
+    # decode (<= 128 rows) and dequant + cuBLAS.
     def plan(M, K=4096, N=12288, group_size=128, wgmma=True, **kw):
         return torch_marlin.plan_gemm("fp4", M, K, N, group_size, device="cuda", compute_units=132, wgmma=wgmma,
                                       **kw)
@@ -259,7 +259,14 @@ def test_policy_cuda_wgmma():
     assert plan(200, N=4096)["kernel"] == "dequant_blas_fp4_half"
     long_k = plan(200, K=10752, N=4096)  # 32 tiles, but 4 slices of 2688 k each
     assert long_k["kernel"] == "wgmma_fp4_half" and long_k["grid"] == (1, 32, 4) and long_k["k_slice_len"] == 2688
-    assert plan(128, K=10752, N=4096)["kernel"] == "decode_fp4_half"
+    assert plan(100, K=4096, N=4096)["kernel"] == "decode_fp4_half"  # 32 tiles, short K: decode
+    # 128-row tiles are 256 columns wide unless half as many tiles would need more K slices.
+    wide = plan(128, K=10752, N=4096)  # 16 wide tiles, 4 slices (as 32 narrow ones would need)
+    assert wide["kernel"] == "wgmma_fp4_half" and wide["tile_n"] == 256 and wide["grid"] == (1, 16, 4)
+    assert plan(100, N=21504)["tile_n"] == 256 and plan(100, N=21504)["grid"] == (1, 84, 1)
+    narrow = plan(100, K=28672, N=8192)  # 32 wide tiles would need 4 slices, 64 narrow ones 2
+    assert narrow["tile_n"] == 128 and narrow["grid"] == (1, 64, 2)
+    assert plan(65)["tile_n"] == 128  # 48 wide tiles would need 2 slices, 96 narrow ones 1
     four = plan(300, N=4096)  # 2 row tiles x 32 column tiles, 2 K slices
     assert four["kernel"] == "wgmma_fp4_half" and four["grid"] == (2, 32, 2)
     assert plan(128, wgmma=False)["kernel"] == "decode_fp4_half"

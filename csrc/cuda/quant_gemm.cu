@@ -683,21 +683,25 @@ __global__ void dequant_kernel(u32 K, u32 Np, u32 gs, u32 n0, u32 cols, u32 ldw,
 // swizzle (wgmma's canonical SW128 layout: 8-row atoms of 1024 bytes); B buffer = no swizzle,
 // core matrix (8 columns x 8 k, 128 contiguous bytes) (kc, cg) at (kc * 16 + cg) * 128.
 constexpr int kWgThreads = int(TM_CUDA_WGMMA_THREADS);
-constexpr int kWgTileN = int(TM_CUDA_WGMMA_TILE_N);
 constexpr int kWgKStep = int(TM_CUDA_WGMMA_K_STEP);
 constexpr int kWgStages = 4;  // cp.async ring: stages s + 1 .. s + 3 in flight while s is used
 constexpr int kWgBBufs = 3;
-static_assert(kWgThreads == 256 && kWgTileN == 128 && kWgKStep == 64,
-              "2 warpgroups; a thread dequantizes one column x 32 k per stage");
-template <int BM>
+static_assert(kWgThreads == 256 && kWgKStep == 64, "2 warpgroups; a thread dequantizes 32 k of a column per stage");
+// BM x TN tile: TN = 128 (one column a thread) or, with BM = 128, 256 (two columns a thread,
+// TM_CUDA_WGMMA_WIDE_TILE_N: twice the work between the same barriers and waits).
+template <int BM, int TN>
 struct WgSmem {
+  static_assert(TN == 128 || (TN == 256 && BM == 128), "128-column tiles, or 256 with 128 rows");
+  static constexpr int kCols = TN / 128;                  // columns a thread dequantizes
   static constexpr int kA = BM * kWgKStep * 2;           // one activation stage
-  static constexpr int kB = kWgTileN * kWgKStep * 2;      // one dequantized weight tile
-  static constexpr int kW = kWgThreads * 16;              // packed words: 4 a thread
-  static constexpr int kS = kWgThreads * 4;               // 2 scales a thread (its column pair)
-  static constexpr int kZ = kWgThreads * 4;               // 4 zero points a thread (its column quad)
+  static constexpr int kB = TN * kWgKStep * 2;            // one dequantized weight tile
+  static constexpr int kBLbo = TN / 8 * 128;              // bytes between k-adjacent core matrices
+  static constexpr int kW = kWgThreads * 16 * kCols;      // packed words: 4 a thread and column
+  static constexpr int kS = kWgThreads * 4 * kCols;       // 2 scales a thread (its column pair)
+  static constexpr int kZ = kWgThreads * 4 * kCols;       // 4 zero points a thread (its column quad)
   static constexpr int kStage = kA + kW + kS + kZ;  // kA % 1024 == 0: TMA 128-byte swizzle atoms
   static constexpr int kBytes = kWgStages * kStage + kWgBBufs * kB + 1024;  // + alignment slack
+  static_assert(kStage % 1024 == 0 && kBytes <= 227 * 1024, "stage alignment / shared-memory limit");
 };
 
 #define TM_D8(i) \
@@ -710,15 +714,30 @@ struct WgSmem {
                  TM_D8(56)                                                                       \
                : "l"(desc_a), "l"(desc_b))
 
-// d[64] += A (64 x 16) x B (16 x 128), both from shared memory (descriptors, K-major).
-template <typename T>
+#define TM_WGMMA_SS256(TY)                                                                        \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " "                      \
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "                                                                      \
+               "%128, %129, 1, 1, 1, 0, 0;\n"                                                    \
+               : TM_D8(0), TM_D8(8), TM_D8(16), TM_D8(24), TM_D8(32), TM_D8(40), TM_D8(48),       \
+                 TM_D8(56), TM_D8(64), TM_D8(72), TM_D8(80), TM_D8(88), TM_D8(96), TM_D8(104),    \
+                 TM_D8(112), TM_D8(120)                                                           \
+               : "l"(desc_a), "l"(desc_b))
+
+// d[TN / 2] += A (64 x 16) x B (16 x TN), both from shared memory (descriptors, K-major).
+template <typename T, int TN>
 __device__ __forceinline__ void wgmma_ss(float* d, uint64_t desc_a, uint64_t desc_b) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  if constexpr (std::is_same<T, __half>::value) TM_WGMMA_SS("f16");
-  else TM_WGMMA_SS("bf16");
+  if constexpr (TN == 128) {
+    if constexpr (std::is_same<T, __half>::value) TM_WGMMA_SS("f16");
+    else TM_WGMMA_SS("bf16");
+  } else {
+    if constexpr (std::is_same<T, __half>::value) TM_WGMMA_SS256("f16");
+    else TM_WGMMA_SS256("bf16");
+  }
 #endif
 }
 #undef TM_WGMMA_SS
+#undef TM_WGMMA_SS256
 #undef TM_D8
 
 __device__ __forceinline__ void wg_fence() {
@@ -804,20 +823,21 @@ __device__ __forceinline__ uint4 dequant_word_natural(u32 w, const ColQ<T>& q) {
 
 // kCluster (plan.reduce_kernel "cluster_reduce"): the K slices of a tile run as one thread-block
 // cluster and sum their partial tiles through distributed shared memory (wgmma_cluster_reduce).
-template <typename T, u32 FMT, int BM, bool kCluster>
+template <typename T, u32 FMT, int BM, int TN, bool kCluster>
 __global__ void __launch_bounds__(kWgThreads, 1)
     wgmma_kernel(const __grid_constant__ CUtensorMap tmap_a, QuantGemmParams p, u32 Np, const u32* __restrict__ B,
                  const T* __restrict__ S, const uint8_t* __restrict__ Z, const T* __restrict__ bias,
                  T* __restrict__ C) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using L = WgSmem<BM>;
+  using L = WgSmem<BM, TN>;
   constexpr int kHalves = BM / 128;  // m64 wgmmas per warpgroup and k16 step
+  constexpr int kCols = L::kCols;    // columns a thread dequantizes (TN / 128)
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127;
   // blockIdx.x: row tile (fastest: the row tiles of a column tile share its weights in L2),
-  // y: 128-column tile, z: K slice.
+  // y: TN-column tile, z: K slice.
   const u32 m0 = blockIdx.x * u32(BM);
-  const u32 n0 = blockIdx.y * u32(kWgTileN);
+  const u32 n0 = blockIdx.y * u32(TN);
   const u32 k_begin = blockIdx.z * p.k_slice_len;
   const u32 k_end = min(p.K, k_begin + p.k_slice_len);
   const int n_stages = int((k_end - k_begin) / u32(kWgKStep));  // K, k_slice_len: multiples of 64
@@ -848,20 +868,30 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 
   // Activations: one TMA copy per stage of the BM x 64 tile (k innermost, 128-byte rows, 128-byte
   // swizzle: the canonical K-major SW128 layout wgmma reads), completing on the slot's mbarrier.
-  // Weights: thread = column c = tid % 128 and half h = tid / 128 of the stage (k 32h .. 32h + 31,
-  // packed rows 4h .. 4h + 3). Columns past Np read column 0 (their outputs are dropped).
+  // Weights: thread = column c = tid % 128 (and c + 128 for 256-column tiles) and half h = tid / 128
+  // of the stage (k 32h .. 32h + 31, packed rows 4h .. 4h + 3). Columns past Np read column 0
+  // (their outputs are dropped).
   const u32 c_w = u32(tid & 127), h_w = u32(tid >> 7);
-  const u32 col_w = n0 + c_w < Np ? n0 + c_w : 0u;
+  u32 col_w[kCols];
+#pragma unroll
+  for (int i = 0; i < kCols; ++i) col_w[i] = n0 + c_w + 128u * i < Np ? n0 + c_w + 128u * i : 0u;
   // Running sources of this thread's next copy_stage (stages are copied in order, one call each):
-  // the first of its 4 packed rows, and the scales (zero points) of the group its 32 k lie in
-  // (group_size % 32 == 0, planner; K % group_size == 0, op checks), advanced without a division.
-  const u32* b_src = B + size_t(k_begin / 8u + 4u * h_w) * Np + col_w;
+  // the first of its 4 packed rows per column, and the scales (zero points) of the group its 32 k
+  // lie in (group_size % 32 == 0, planner; K % group_size == 0, op checks), advanced without a
+  // division.
   const size_t b_stage_step = size_t(kWgKStep / 8) * Np;
   const u32 k_thread = k_begin + 32u * h_w;
   u32 k_in_group = k_thread % p.group_size;
   const size_t g_off = size_t(k_thread / p.group_size) * Np;
-  const T* s_src = S + g_off + (col_w & ~1u);
-  const uint8_t* z_src = FMT == TM_FORMAT_U4 ? Z + g_off + (col_w & ~3u) : nullptr;
+  const u32* b_src[kCols];
+  const T* s_src[kCols];
+  const uint8_t* z_src[kCols];
+#pragma unroll
+  for (int i = 0; i < kCols; ++i) {
+    b_src[i] = B + size_t(k_begin / 8u + 4u * h_w) * Np + col_w[i];
+    s_src[i] = S + g_off + (col_w[i] & ~1u);
+    z_src[i] = FMT == TM_FORMAT_U4 ? Z + g_off + (col_w[i] & ~3u) : nullptr;
+  }
   auto copy_stage = [&](int s) {
     if (s < n_stages) {
       const u32 slot = smem_base + u32(s % kWgStages) * u32(L::kStage);
@@ -875,74 +905,88 @@ __global__ void __launch_bounds__(kWgThreads, 1)
             "l"(&tmap_a), "r"(k0), "r"(m0), "r"(bar)
             : "memory");
       }
-      const u32 wslot = slot + u32(L::kA) + u32(tid) * 16u;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) cp_async4(wslot + 4u * j, b_src + size_t(j) * Np);
-      b_src += b_stage_step;
-      cp_async4(slot + u32(L::kA + L::kW) + u32(tid) * 4u, s_src);
-      if constexpr (FMT == TM_FORMAT_U4) cp_async4(slot + u32(L::kA + L::kW + L::kS) + u32(tid) * 4u, z_src);
+      for (int i = 0; i < kCols; ++i) {
+        const u32 wslot = slot + u32(L::kA) + u32(i * kWgThreads + tid) * 16u;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) cp_async4(wslot + 4u * j, b_src[i] + size_t(j) * Np);
+        b_src[i] += b_stage_step;
+        cp_async4(slot + u32(L::kA + L::kW) + u32(i * kWgThreads + tid) * 4u, s_src[i]);
+        if constexpr (FMT == TM_FORMAT_U4)
+          cp_async4(slot + u32(L::kA + L::kW + L::kS) + u32(i * kWgThreads + tid) * 4u, z_src[i]);
+      }
       k_in_group += u32(kWgKStep);  // the next stage's 32 k: 0, 1 or 2 groups on
       while (k_in_group >= p.group_size) {
         k_in_group -= p.group_size;
-        s_src += Np;
-        if constexpr (FMT == TM_FORMAT_U4) z_src += Np;
+#pragma unroll
+        for (int i = 0; i < kCols; ++i) {
+          s_src[i] += Np;
+          if constexpr (FMT == TM_FORMAT_U4) z_src[i] += Np;
+        }
       }
     }
     cp_async_commit();  // empty groups keep the group count uniform
   };
-  // Dequantizes this thread's 4 words of stage s into B buffer b: word j (k 32h + 8j ..) of column c
-  // -> core (4h + j, c / 8), row c % 8 = byte (4h + j) * 2048 + c * 16. A warp stores 512
-  // contiguous bytes per word: no bank conflicts.
+  // Dequantizes this thread's 4 words a column of stage s into B buffer b: word j (k 32h + 8j ..)
+  // of column c -> core (4h + j, c / 8), row c % 8 = byte (4h + j) * kBLbo + c * 16. A warp stores
+  // 512 contiguous bytes per word: no bank conflicts.
   auto dequant_stage = [&](int s, int b) {
     const unsigned char* slot = sm + (s % kWgStages) * L::kStage;
-    const uint4 words = *reinterpret_cast<const uint4*>(slot + L::kA + tid * 16);
-    const u32 sp = *reinterpret_cast<const u32*>(slot + L::kA + L::kW + tid * 4);
-    ColQ<T> q;
-    q.s2 = Tr<T>::dup(t_from_bits<T>((unsigned short)(sp >> (16u * (col_w & 1u)))));
-    if constexpr (FMT == TM_FORMAT_U4) {
-      const u32 zq = *reinterpret_cast<const u32*>(slot + L::kA + L::kW + L::kS + tid * 4);
-      q.z2 = Tr<T>::dup(Tr<T>::from_f(Tr<T>::kMagicF + float((zq >> (8u * (col_w & 3u))) & 0xFFu)));
-    }
-    unsigned char* dst = sm + kWgStages * L::kStage + b * L::kB + (4 * int(h_w)) * 2048 + int(c_w) * 16;
-    const u32 w[4] = {words.x, words.y, words.z, words.w};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) *reinterpret_cast<uint4*>(dst + j * 2048) = dequant_word_natural<T, FMT>(w[j], q);
+    for (int i = 0; i < kCols; ++i) {
+      const int ti = i * kWgThreads + tid;
+      const uint4 words = *reinterpret_cast<const uint4*>(slot + L::kA + ti * 16);
+      const u32 sp = *reinterpret_cast<const u32*>(slot + L::kA + L::kW + ti * 4);
+      ColQ<T> q;
+      q.s2 = Tr<T>::dup(t_from_bits<T>((unsigned short)(sp >> (16u * (col_w[i] & 1u)))));
+      if constexpr (FMT == TM_FORMAT_U4) {
+        const u32 zq = *reinterpret_cast<const u32*>(slot + L::kA + L::kW + L::kS + ti * 4);
+        q.z2 = Tr<T>::dup(Tr<T>::from_f(Tr<T>::kMagicF + float((zq >> (8u * (col_w[i] & 3u))) & 0xFFu)));
+      }
+      unsigned char* dst =
+          sm + kWgStages * L::kStage + b * L::kB + (4 * int(h_w)) * L::kBLbo + (int(c_w) + 128 * i) * 16;
+      const u32 w[4] = {words.x, words.y, words.z, words.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        *reinterpret_cast<uint4*>(dst + j * L::kBLbo) = dequant_word_natural<T, FMT>(w[j], q);
+    }
     fence_proxy_async_smem();
   };
 
-  float acc[kHalves][64];
+  constexpr int kAcc = TN / 2;  // accumulators a thread per m64 half
+  float acc[kHalves][kAcc];
 #pragma unroll
   for (int hh = 0; hh < kHalves; ++hh)
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[hh][i] = 0.f;
+    for (int i = 0; i < kAcc; ++i) acc[hh][i] = 0.f;
   // This warpgroup's rows: BM / 2 from wg * BM / 2, in m64 halves (128 bytes a row).
   // Descriptors of the first A slot (this warpgroup's rows) and B buffer; the others are byte
   // offsets added to the start-address field (16-byte units; no carry: shared addresses < 256 KB).
   const uint64_t desc_a0 = wg_desc(smem_base + u32(wg) * u32(BM / 2) * 128u, 16u, 1024u) | (uint64_t(1) << 62);
-  const uint64_t desc_b0 = wg_desc(b_base, 2048u, 128u);
+  const uint64_t desc_b0 = wg_desc(b_base, u32(L::kBLbo), 128u);
   auto issue_stage = [&](int s, int b) {
     const uint64_t da_s = desc_a0 + ((u32(s % kWgStages) * u32(L::kStage)) >> 4);
     const uint64_t db_b = desc_b0 + ((u32(b) * u32(L::kB)) >> 4);
 #pragma unroll
     for (int hh = 0; hh < kHalves; ++hh)
 #pragma unroll
-      for (int i = 0; i < 64; ++i) wg_pin(acc[hh][i]);
+      for (int i = 0; i < kAcc; ++i) wg_pin(acc[hh][i]);
     wg_fence();
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      const uint64_t db = db_b + ((2u * u32(ks) * 2048u) >> 4);
+      const uint64_t db = db_b + ((2u * u32(ks) * u32(L::kBLbo)) >> 4);
 #pragma unroll
       for (int hh = 0; hh < kHalves; ++hh) {
         // SW128 K-major: 8-row atoms 1024 bytes apart; k16 step ks starts 32 ks bytes in.
         const uint64_t da = da_s + ((u32(hh) * 64u * 128u + 32u * u32(ks)) >> 4);
-        wgmma_ss<T>(acc[hh], da, db);
+        wgmma_ss<T, TN>(acc[hh], da, db);
       }
     }
     wg_commit();
 #pragma unroll
     for (int hh = 0; hh < kHalves; ++hh)
 #pragma unroll
-      for (int i = 0; i < 64; ++i) wg_pin(acc[hh][i]);
+      for (int i = 0; i < kAcc; ++i) wg_pin(acc[hh][i]);
   };
 
 #pragma unroll
@@ -970,13 +1014,13 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #pragma unroll
   for (int hh = 0; hh < kHalves; ++hh)
 #pragma unroll
-    for (int i = 0; i < 64; ++i) wg_pin(acc[hh][i]);
+    for (int i = 0; i < kAcc; ++i) wg_pin(acc[hh][i]);
 
   // acc[hh][4j + 2e + f]: activation row m0 + wg BM/2 + 64 hh + 16 warp + g + 8e, column
   // n0 + 8j + 2t + f (the m64nNk16 accumulator layout; warp and lane within the warpgroup).
   const int wwarp = wtid >> 5, lane = wtid & 31, g = lane >> 2, t = lane & 3;
   if constexpr (kCluster) {
-    // K slices: every block leaves its fp32 partial tile [BM][128] in its own shared memory (the
+    // K slices: every block leaves its fp32 partial tile [BM][TN] in its own shared memory (the
     // pipeline's, free now); after a cluster barrier block r (= slice r) sums rows
     // [r BM / kp, (r + 1) BM / kp) over all blocks' tiles in slice order (deterministic), adds the
     // bias and writes C; a second barrier keeps every block resident until the others have read it.
@@ -990,20 +1034,21 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       for (int e = 0; e < 2; ++e) {
         const int r = wg * (BM / 2) + 64 * hh + 16 * wwarp + g + 8 * e;
 #pragma unroll
-        for (int j = 0; j < 16; ++j)
-          *reinterpret_cast<float2*>(part + r * kWgTileN + 8 * j + 2 * t) =
+        for (int j = 0; j < TN / 8; ++j)
+          *reinterpret_cast<float2*>(part + r * TN + 8 * j + 2 * t) =
               make_float2(acc[hh][4 * j + 2 * e], acc[hh][4 * j + 2 * e + 1]);
       }
     cluster.sync();
     const u32 kp = p.k_parallel, rank = cluster.block_rank();
     const u32 rows_per = (u32(BM) + kp - 1u) / kp;
     const u32 r_end = min(u32(BM), (rank + 1u) * rows_per);
-    for (u32 v = rank * rows_per * 32u + u32(tid); v < r_end * 32u; v += kWgThreads) {
-      const u32 r = v / 32u, c4 = 4u * (v % 32u);  // 4 columns
+    constexpr u32 kQuads = u32(TN) / 4u;  // 4 columns a thread and step
+    for (u32 v = rank * rows_per * kQuads + u32(tid); v < r_end * kQuads; v += kWgThreads) {
+      const u32 r = v / kQuads, c4 = 4u * (v % kQuads);
       const u32 row = m0 + r, col = n0 + c4;
       float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
       for (u32 sl = 0; sl < kp; ++sl) {
-        const float4 x = *reinterpret_cast<const float4*>(cluster.map_shared_rank(part, sl) + r * kWgTileN + c4);
+        const float4 x = *reinterpret_cast<const float4*>(cluster.map_shared_rank(part, sl) + r * TN + c4);
         sum.x += x.x;
         sum.y += x.y;
         sum.z += x.z;
@@ -1024,7 +1069,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         const u32 row = m0 + u32(wg) * u32(BM / 2) + 64u * hh + 16u * wwarp + u32(g) + 8u * e;
         if (row >= p.M) continue;
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
+        for (int j = 0; j < TN / 8; ++j) {
           const u32 col = n0 + 8u * j + 2u * t;
           if (col >= p.N) continue;
           float v0 = acc[hh][4 * j + 2 * e], v1 = acc[hh][4 * j + 2 * e + 1];
@@ -1158,11 +1203,11 @@ CUtensorMap activation_tensor_map(const T* A, int64_t M, int64_t K, int BM) {
   return map;
 }
 
-template <typename T, u32 FMT, int BM, bool kCluster>
+template <typename T, u32 FMT, int BM, int TN, bool kCluster>
 void launch_wgmma_as(const GemmPlan& plan, const CUtensorMap& tmap, u32 Np, const u32* B, const T* S,
                      const uint8_t* Z, const T* bias, T* C, cudaStream_t stream) {
-  constexpr int kSmem = WgSmem<BM>::kBytes;
-  auto* kernel = wgmma_kernel<T, FMT, BM, kCluster>;
+  constexpr int kSmem = WgSmem<BM, TN>::kBytes;
+  auto* kernel = wgmma_kernel<T, FMT, BM, TN, kCluster>;
   // Over 48 KiB of dynamic shared memory needs an opt-in, once per device.
   static std::atomic<uint64_t> opted_in{0};
   int dev = 0;
@@ -1175,12 +1220,15 @@ void launch_wgmma_as(const GemmPlan& plan, const CUtensorMap& tmap, u32 Np, cons
   launch_tile_kernel<kCluster>(plan, kernel, kWgThreads, kSmem, stream, tmap, plan.params, Np, B, S, Z, bias, C);
 }
 
-template <typename T, u32 FMT, int BM>
+template <typename T, u32 FMT, int BM, int TN>
 void launch_wgmma(const GemmPlan& plan, u32 Np, const T* A, const u32* B, const T* S, const uint8_t* Z, const T* bias,
                   T* C, cudaStream_t stream) {
   const CUtensorMap tmap = activation_tensor_map<T>(A, plan.params.M, plan.params.K, BM);
-  if (plan.reduce_kernel == "cluster_reduce") launch_wgmma_as<T, FMT, BM, true>(plan, tmap, Np, B, S, Z, bias, C, stream);
-  else launch_wgmma_as<T, FMT, BM, false>(plan, tmap, Np, B, S, Z, bias, C, stream);
+  if (plan.reduce_kernel == "cluster_reduce") {
+    launch_wgmma_as<T, FMT, BM, TN, true>(plan, tmap, Np, B, S, Z, bias, C, stream);
+  } else {
+    launch_wgmma_as<T, FMT, BM, TN, false>(plan, tmap, Np, B, S, Z, bias, C, stream);
+  }
 }
 
 // Columns [n0, n0 + cols) of B into W[K][ldw].
@@ -1255,7 +1303,8 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
     else launch_decode<T, FMT, 1, false>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
   } else if (k.rfind("wgmma_", 0) == 0) {
     const QuantGemmParams& q = plan.params;
-    TORCH_CHECK((q.tile_m == 128u || q.tile_m == 256u) && q.tile_n == TM_CUDA_WGMMA_TILE_N &&
+    const bool wide = q.tile_m == 128u && q.tile_n == TM_CUDA_WGMMA_WIDE_TILE_N;
+    TORCH_CHECK((q.tile_m == 128u || q.tile_m == 256u) && (q.tile_n == TM_CUDA_WGMMA_TILE_N || wide) &&
                     q.K % TM_CUDA_WGMMA_K_STEP == 0 && q.k_slice_len % TM_CUDA_WGMMA_K_STEP == 0 &&
                     q.group_size % 32u == 0 && plan.grid[0] == q.m_tiles && plan.grid[1] == q.n_tiles &&
                     plan.grid[2] == q.k_parallel && plan.threads[0] == TM_CUDA_WGMMA_THREADS &&
@@ -1263,8 +1312,9 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
                                            q.k_parallel <= TM_CUDA_WGMMA_MAX_SLICES)),
                 "torch_marlin: bad wgmma plan");
     const u32 np = u32(Np);
-    if (q.tile_m == 128u) launch_wgmma<T, FMT, 128>(plan, np, pA, pB, pS, pZ, pbias, pC, stream);
-    else launch_wgmma<T, FMT, 256>(plan, np, pA, pB, pS, pZ, pbias, pC, stream);
+    if (wide) launch_wgmma<T, FMT, 128, int(TM_CUDA_WGMMA_WIDE_TILE_N)>(plan, np, pA, pB, pS, pZ, pbias, pC, stream);
+    else if (q.tile_m == 128u) launch_wgmma<T, FMT, 128, 128>(plan, np, pA, pB, pS, pZ, pbias, pC, stream);
+    else launch_wgmma<T, FMT, 256, 128>(plan, np, pA, pB, pS, pZ, pbias, pC, stream);
   } else {
     TORCH_CHECK(false, "torch_marlin: unknown CUDA kernel tag '", k, "'");
   }

@@ -77,13 +77,23 @@ int64_t decode_policy_max_m(Backend b, DType d) {
 
 uint32_t ceil_div(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 1) / b); }
 
+// The CUDA tile kernels' K slices for `tiles` output tiles: as many as keep the resident block
+// slots (`slots`) full in one wave, never a second wave, each at least min_slice rows of K, at
+// most max_slices.
+int64_t cuda_tile_slices(int64_t tiles, int64_t K, int64_t slots, int64_t min_slice, int64_t max_slices) {
+  const int64_t by_slots = std::max<int64_t>(1, slots / std::max<int64_t>(1, tiles));
+  const int64_t by_k = std::max<int64_t>(1, K / min_slice);
+  return std::min<int64_t>({by_slots, by_k, max_slices});
+}
+
 // CUDA wgmma kernel (sm_90a) policy, measured on an H100 over the five issue shapes (FP4, fp16;
 // docs/cuda.md "The wgmma kernel", sweeps in docs/cuda_results/session{6,7}/): it beats the decode
 // kernel above 64 rows and dequant + cuBLAS up to 512 rows when
 //  - the output has at least 64 tiles (N >= 8192, or 2 row tiles of a 4096-column layer), or
-//  - above 128 rows, K >= 8192: fewer tiles run 4 K slices through a cluster, and a long slice
-//    (>= 2048 k) pays for the cluster reduction (10752 x 4096 at M = 192 / 256: 97 / 98 us against
-//    116 / 105; 4096 x 4096, slices of 1024: 47.5 / 48.5 against 42.0 / 45.5);
+//  - K >= 8192: fewer tiles run 4 K slices through a cluster, and a long slice (>= 2048 k) pays
+//    for the cluster reduction (10752 x 4096 at M = 96 / 128: 56.2 / 57.3 us against decode's
+//    62.2 at 128; at M = 192 / 256: 97 / 98 against dequant + cuBLAS's 116 / 105; 4096 x 4096,
+//    slices of 1024: 47.5 / 48.5 against 42.0 / 45.5 at M = 192 / 256, a tie with decode at 128);
 // and above 256 rows (256-row tiles) when the tiles fit in one wave or their last wave is at
 // least 80 % full (4096 x 21504 at M = 384 / 512, 3 waves 85 % full: 191 / 200 us against
 // 203 / 241; 4096 x 12288, 2 waves 73 % full: 130 / 136 against 127 / 137). From 768 rows on,
@@ -92,18 +102,33 @@ constexpr int64_t kCudaWgmmaMinM = 64;          // exclusive: decode below
 constexpr int64_t kCudaWgmmaMaxM = 512;
 constexpr int64_t kCudaWgmmaMinTiles = 64;
 constexpr int64_t kCudaWgmmaLongK = 8192;       // 4 slices of >= 2048 k
+constexpr int64_t kCudaWgmmaMinSlice = 8 * TM_CUDA_WGMMA_K_STEP;
 // Shapes the wgmma kernel takes: whole 64-row K stages, a thread's 32 k under one scale.
 bool cuda_wgmma_shape_ok(int64_t K, int64_t group_size) {
   return K % TM_CUDA_WGMMA_K_STEP == 0 && group_size % 32 == 0;
 }
 // Its row tile: one m64 wgmma per warpgroup up to 128 rows, two above.
 uint32_t cuda_wgmma_tile_m(int64_t M) { return M <= 128 ? 128 : 256; }
+// Its column tile: with 128-row tiles, 256 columns (twice the weights a stage between the same
+// waits and barriers) unless half as many tiles would need more K slices than 128-column ones.
+// Measured at M = 64..128 (docs/cuda_results/session7/exp_wgmma_wide_tile.txt): 4096 x 21504
+// (84 tiles, 1 slice either way) 78.6..83.1 us against 91.6..95.6; 4096 x 4096 and 10752 x 4096
+// (4 slices either way) 17..21 % faster; 28672 x 8192, where 32 wide tiles need 4 slices instead
+// of 2 (32 clusters of 4 blocks, more than one wave of them), 256..259 us against 159..162.
+uint32_t cuda_wgmma_tile_n(int64_t M, int64_t K, int64_t N, int64_t slots) {
+  if (M > 128) return TM_CUDA_WGMMA_TILE_N;
+  const auto slices = [&](int64_t tile_n) {
+    return cuda_tile_slices((N + tile_n - 1) / tile_n, K, slots, kCudaWgmmaMinSlice, TM_CUDA_WGMMA_MAX_SLICES);
+  };
+  return slices(TM_CUDA_WGMMA_WIDE_TILE_N) <= slices(TM_CUDA_WGMMA_TILE_N) ? TM_CUDA_WGMMA_WIDE_TILE_N
+                                                                           : TM_CUDA_WGMMA_TILE_N;
+}
 bool cuda_wgmma_pays(int64_t M, int64_t K, int64_t N, int64_t group_size, const DeviceCaps& caps) {
   if (!caps.wgmma || !cuda_wgmma_shape_ok(K, group_size)) return false;
   if (M <= kCudaWgmmaMinM || M > kCudaWgmmaMaxM) return false;
   const int64_t tile_m = cuda_wgmma_tile_m(M);
   const int64_t tiles = ((M + tile_m - 1) / tile_m) * ((N + TM_CUDA_WGMMA_TILE_N - 1) / TM_CUDA_WGMMA_TILE_N);
-  if (tiles < kCudaWgmmaMinTiles && !(M > 128 && K >= kCudaWgmmaLongK)) return false;
+  if (tiles < kCudaWgmmaMinTiles && K < kCudaWgmmaLongK) return false;
   const int64_t sms = std::max<int64_t>(1, caps.compute_units);
   const int64_t waves = (tiles + sms - 1) / sms;
   return M <= 256 || waves == 1 || tiles * 5 >= waves * sms * 4;
@@ -212,22 +237,18 @@ void plan_metal(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTy
 //    8 warps over 32 columns; each warp streams a contiguous run of 32-row K chunks and the 8 meet
 //    in shared memory; grid = (row tiles, column tiles, K slices), the K slices' fp32 partials
 //    summed in slice order by the last block of each tile inside the same kernel.
-//  - Tiled, sm_90a only (cuda_wgmma_pays): "wgmma_<fmt>_<dtype>", 2 warpgroups over 128 columns x
-//    128 or 256 rows; each stage's weight tile is dequantized once into shared memory and both
+//  - Tiled, sm_90a only (cuda_wgmma_pays): "wgmma_<fmt>_<dtype>", 2 warpgroups over 128 x 256,
+//    128 x 128 or 256 x 128 (rows x columns) tiles; each stage's weight tile is dequantized once into shared memory and both
 //    operands feed wgmma from there (activations by TMA); grid = (row tiles, column tiles, K
 //    slices), up to 4 slices summed through a thread-block cluster.
 //  - Larger M: "dequant_blas_<fmt>_<dtype>": the dequant kernel writes column panels of B into
 //    the workspace and cuBLAS (at::mm_out) multiplies each into C's columns.
-// The CUDA tile kernels' K slices and grid: as many slices as keep the resident block slots
-// (`slots`) full in one wave, never a second wave, each at least min_slice rows of K, at most
-// max_slices; grid = (row tiles, column tiles, K slices), row tiles fastest so they share each
-// column tile's weights in L2.
+// The CUDA tile kernels' K slices (cuda_tile_slices) and grid = (row tiles, column tiles, K
+// slices), row tiles fastest so they share each column tile's weights in L2.
 void set_cuda_tile_grid(GemmPlan& p, int64_t K, int64_t slots, int64_t min_slice, int64_t max_slices,
                         uint32_t k_step) {
   const int64_t tiles = int64_t(p.params.m_tiles) * p.params.n_tiles;
-  const int64_t by_slots = std::max<int64_t>(1, slots / tiles);
-  const int64_t by_k = std::max<int64_t>(1, K / min_slice);
-  set_k_parallel(p, K, uint32_t(std::min<int64_t>({by_slots, by_k, max_slices})), k_step);
+  set_k_parallel(p, K, uint32_t(cuda_tile_slices(tiles, K, slots, min_slice, max_slices)), k_step);
   p.grid[0] = p.params.m_tiles;
   p.grid[1] = p.params.n_tiles;
   p.grid[2] = p.params.k_parallel;
@@ -264,7 +285,7 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     stem = "decode";
     cluster_slices = caps.thread_block_clusters && p.params.k_parallel <= TM_CUDA_DECODE_MAX_CLUSTER_SLICES;
   } else if (p.variant == GemmVariant::Tiled) {
-    // wgmma (sm_90a): 2 warpgroups over 128 columns x 128 or 256 rows, 1 block per SM. K slices
+    // wgmma (sm_90a): 2 warpgroups over 128 or 256 columns x 128 or 256 rows, 1 block per SM. K slices
     // (of at least 8 stages) only when the tiles leave SMs idle, as for decode.
     if (!caps.wgmma) {
       throw std::invalid_argument("plan_quant_gemm: the CUDA tiled (wgmma) kernel needs an sm_90a build on a "
@@ -274,9 +295,8 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
       throw std::invalid_argument("plan_quant_gemm: the CUDA tiled (wgmma) kernel needs K % 64 == 0 and "
                                   "group_size % 32 == 0");
     }
-    set_tiles(p, M, N, cuda_wgmma_tile_m(M), TM_CUDA_WGMMA_TILE_N);
-    set_cuda_tile_grid(p, K, caps.compute_units, 8 * TM_CUDA_WGMMA_K_STEP, TM_CUDA_WGMMA_MAX_SLICES,
-                       TM_CUDA_WGMMA_K_STEP);
+    set_tiles(p, M, N, cuda_wgmma_tile_m(M), cuda_wgmma_tile_n(M, K, N, caps.compute_units));
+    set_cuda_tile_grid(p, K, caps.compute_units, kCudaWgmmaMinSlice, TM_CUDA_WGMMA_MAX_SLICES, TM_CUDA_WGMMA_K_STEP);
     p.threads[0] = TM_CUDA_WGMMA_THREADS;
     stem = "wgmma";
     cluster_slices = true;

@@ -33,9 +33,11 @@ TM_NAMESPACE_BEGIN
 // 30 % slower than the global path on the H100 (docs/cuda_results/session5/cluster_reduction.txt).
 #define TM_CUDA_DECODE_MAX_CLUSTER_SLICES 2u
 // ---- CUDA wgmma kernel geometry (sm_90a) -------------------------------------------------------
-// Two warpgroups per block over TM_CUDA_WGMMA_TILE_N columns and 128 or 256 rows, K in stages of
-// TM_CUDA_WGMMA_K_STEP rows (K and every K slice a multiple of it, group_size of 32), 1 block per SM.
+// Two warpgroups per block over TM_CUDA_WGMMA_TILE_N columns and 128 or 256 rows (or, with 128
+// rows, TM_CUDA_WGMMA_WIDE_TILE_N columns), K in stages of TM_CUDA_WGMMA_K_STEP rows (K and every K
+// slice a multiple of it, group_size of 32), 1 block per SM.
 #define TM_CUDA_WGMMA_TILE_N 128u
+#define TM_CUDA_WGMMA_WIDE_TILE_N 256u
 #define TM_CUDA_WGMMA_K_STEP 64u
 #define TM_CUDA_WGMMA_THREADS 256u
 // Most K slices of the wgmma kernel: they always reduce through a thread-block cluster (sm_90a).
