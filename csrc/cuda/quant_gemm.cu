@@ -10,11 +10,11 @@
 //              summed in slice order (deterministic, no second launch): on sm_90 with 2 slices by
 //              a thread-block cluster through distributed shared memory, otherwise the slices
 //              write fp32 partials and the last block of each tile to arrive sums them.
-//   wgmma_*    sm_90a, 64 < M <= 512 with >= 64 output tiles (plan.cpp cuda_wgmma_pays). Two
-//              warpgroups over a 128/256-row x 128-column tile: each stage's weight tile is
-//              dequantized once into shared memory (natural k order) and both operands feed
-//              wgmma.m64n128k16 from there; activations by TMA, weights/scales by cp.async; up to 4
-//              K slices summed through a thread-block cluster.
+//   wgmma_*    sm_90a, 64 < M <= 512 with >= 64 output tiles or long K (plan.cpp cuda_wgmma_pays).
+//              Two warpgroups over a 128 x 256, 128 x 128 or 256 x 128 (rows x columns) tile: each
+//              stage's weight tile is dequantized once into shared memory (natural k order) and
+//              both operands feed wgmma.m64n{128,256}k16 from there; activations by TMA,
+//              weights/scales by cp.async; up to 4 K slices summed through a thread-block cluster.
 //   dequant_blas  M > 128 outside that band. Each column panel of B (all of N up to 1 GiB) is dequantized into a
 //              workspace (the dequant kernel below) and multiplied by cuBLAS (at::mm_out) into C's
 //              columns: from 129 rows on that beats our decode kernel and the fused tensor-core
@@ -665,14 +665,14 @@ __global__ void dequant_kernel(u32 K, u32 Np, u32 gs, u32 n0, u32 cols, u32 ldw,
 // ---------------------------------------------------------------------------------------------
 // wgmma kernel (sm_90a): fused dequant into Hopper warpgroup MMAs, 64 < M <= 512 (cuda_wgmma_pays)
 // ---------------------------------------------------------------------------------------------
-// A block of 2 warpgroups (256 threads) computes a BM x 128 output tile (BM = 128 or 256 rows of
-// activations, 128 weight columns), one block per SM. Per 64-k stage:
-//  - every thread dequantizes 4 packed words (one column x 32 k) of the stage's 128 x 64 weight
-//    tile into shared memory, in natural k order, as wgmma's B operand (K-major: a dequantized
+// A block of 2 warpgroups (256 threads) computes a BM x TN output tile (BM = 128 or 256 rows of
+// activations, TN = 128 weight columns, or 256 with BM = 128), one block per SM. Per 64-k stage:
+//  - every thread dequantizes 4 packed words (one column x 32 k; two columns for TN = 256) of the
+//    stage's TN x 64 weight tile into shared memory, in natural k order, as wgmma's B operand (K-major: a dequantized
 //    word is exactly one 16-byte core-matrix row). The tile is dequantized once and read by both
 //    warpgroups, so the dequant cost per multiply-add halves against a warpgroup dequantizing its
 //    own register fragments (measured: 0.51x cuBLAS at M = 1024, issue-bound);
-//  - each warpgroup multiplies its BM / 2 activation rows (1 or 2 m64 wgmmas per k16 step, both
+//  - each warpgroup multiplies its BM / 2 activation rows (1 or 2 m64nTN wgmmas per k16 step, both
 //    operands from shared memory) while the threads dequantize the next stage's tile;
 //  - the activation tile arrives by one TMA copy (mbarrier), packed weights and scales by
 //    cp.async, kWgStages deep; each thread copies the weights and scales it dequantizes itself
@@ -681,7 +681,7 @@ __global__ void dequant_kernel(u32 K, u32 Np, u32 gs, u32 n0, u32 cols, u32 ldw,
 // stage s - 2, which both warpgroups have retired before the previous barrier.
 // Shared-memory layouts (K-major): A slot = the TMA box, BM rows of 128 bytes with the 128-byte
 // swizzle (wgmma's canonical SW128 layout: 8-row atoms of 1024 bytes); B buffer = no swizzle,
-// core matrix (8 columns x 8 k, 128 contiguous bytes) (kc, cg) at (kc * 16 + cg) * 128.
+// core matrix (8 columns x 8 k, 128 contiguous bytes) (kc, cg) at (kc * TN / 8 + cg) * 128.
 constexpr int kWgThreads = int(TM_CUDA_WGMMA_THREADS);
 constexpr int kWgKStep = int(TM_CUDA_WGMMA_K_STEP);
 constexpr int kWgStages = 4;  // cp.async ring: stages s + 1 .. s + 3 in flight while s is used
