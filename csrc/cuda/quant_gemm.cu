@@ -822,7 +822,7 @@ __device__ __forceinline__ uint4 dequant_word_natural(u32 w, const ColQ<T>& q) {
 }
 
 // kCluster (plan.reduce_kernel "cluster_reduce"): the K slices of a tile run as one thread-block
-// cluster and sum their partial tiles through distributed shared memory (wgmma_cluster_reduce).
+// cluster and sum their partial tiles through distributed shared memory (the epilogue below).
 template <typename T, u32 FMT, int BM, int TN, bool kCluster>
 __global__ void __launch_bounds__(kWgThreads, 1)
     wgmma_kernel(const __grid_constant__ CUtensorMap tmap_a, QuantGemmParams p, u32 Np, const u32* __restrict__ B,

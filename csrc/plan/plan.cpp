@@ -77,13 +77,21 @@ int64_t decode_policy_max_m(Backend b, DType d) {
 
 uint32_t ceil_div(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 1) / b); }
 
-// The CUDA tile kernels' K slices for `tiles` output tiles: as many as keep the resident block
-// slots (`slots`) full in one wave, never a second wave, each at least min_slice rows of K, at
-// most max_slices.
-int64_t cuda_tile_slices(int64_t tiles, int64_t K, int64_t slots, int64_t min_slice, int64_t max_slices) {
+// How a CUDA tile kernel splits K: slices of at least min_slice rows, at most max_slices of them,
+// each slice one kernel iteration multiple (k_step).
+struct CudaSliceRule {
+  int64_t min_slice, max_slices;
+  uint32_t k_step;
+};
+// Decode: a slice is whole rounds of the 8 warps' 32-row chunks.
+constexpr CudaSliceRule kCudaDecodeSlices{1024, 16, 32 * TM_CUDA_DECODE_WARPS};
+constexpr CudaSliceRule kCudaWgmmaSlices{8 * TM_CUDA_WGMMA_K_STEP, TM_CUDA_WGMMA_MAX_SLICES, TM_CUDA_WGMMA_K_STEP};
+// K slices for `tiles` output tiles: as many as keep the resident block slots (`slots`) full in
+// one wave, never a second wave, within the rule's bounds.
+int64_t cuda_tile_slices(int64_t tiles, int64_t K, int64_t slots, const CudaSliceRule& rule) {
   const int64_t by_slots = std::max<int64_t>(1, slots / std::max<int64_t>(1, tiles));
-  const int64_t by_k = std::max<int64_t>(1, K / min_slice);
-  return std::min<int64_t>({by_slots, by_k, max_slices});
+  const int64_t by_k = std::max<int64_t>(1, K / rule.min_slice);
+  return std::min<int64_t>({by_slots, by_k, rule.max_slices});
 }
 
 // CUDA wgmma kernel (sm_90a) policy, measured on an H100 over the five issue shapes (FP4, fp16;
@@ -102,7 +110,6 @@ constexpr int64_t kCudaWgmmaMinM = 64;          // exclusive: decode below
 constexpr int64_t kCudaWgmmaMaxM = 512;
 constexpr int64_t kCudaWgmmaMinTiles = 64;
 constexpr int64_t kCudaWgmmaLongK = 8192;       // 4 slices of >= 2048 k
-constexpr int64_t kCudaWgmmaMinSlice = 8 * TM_CUDA_WGMMA_K_STEP;
 // Shapes the wgmma kernel takes: whole 64-row K stages, a thread's 32 k under one scale.
 bool cuda_wgmma_shape_ok(int64_t K, int64_t group_size) {
   return K % TM_CUDA_WGMMA_K_STEP == 0 && group_size % 32 == 0;
@@ -118,7 +125,7 @@ uint32_t cuda_wgmma_tile_m(int64_t M) { return M <= 128 ? 128 : 256; }
 uint32_t cuda_wgmma_tile_n(int64_t M, int64_t K, int64_t N, int64_t slots) {
   if (M > 128) return TM_CUDA_WGMMA_TILE_N;
   const auto slices = [&](int64_t tile_n) {
-    return cuda_tile_slices((N + tile_n - 1) / tile_n, K, slots, kCudaWgmmaMinSlice, TM_CUDA_WGMMA_MAX_SLICES);
+    return cuda_tile_slices((N + tile_n - 1) / tile_n, K, slots, kCudaWgmmaSlices);
   };
   return slices(TM_CUDA_WGMMA_WIDE_TILE_N) <= slices(TM_CUDA_WGMMA_TILE_N) ? TM_CUDA_WGMMA_WIDE_TILE_N
                                                                            : TM_CUDA_WGMMA_TILE_N;
@@ -245,10 +252,9 @@ void plan_metal(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTy
 //    the workspace and cuBLAS (at::mm_out) multiplies each into C's columns.
 // The CUDA tile kernels' K slices (cuda_tile_slices) and grid = (row tiles, column tiles, K
 // slices), row tiles fastest so they share each column tile's weights in L2.
-void set_cuda_tile_grid(GemmPlan& p, int64_t K, int64_t slots, int64_t min_slice, int64_t max_slices,
-                        uint32_t k_step) {
+void set_cuda_tile_grid(GemmPlan& p, int64_t K, int64_t slots, const CudaSliceRule& rule) {
   const int64_t tiles = int64_t(p.params.m_tiles) * p.params.n_tiles;
-  set_k_parallel(p, K, uint32_t(cuda_tile_slices(tiles, K, slots, min_slice, max_slices)), k_step);
+  set_k_parallel(p, K, uint32_t(cuda_tile_slices(tiles, K, slots, rule)), rule.k_step);
   p.grid[0] = p.params.m_tiles;
   p.grid[1] = p.params.n_tiles;
   p.grid[2] = p.params.k_parallel;
@@ -276,11 +282,10 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     // mma's n dimension); above 64 rows, 64-row tiles along grid.x (each streams the weights once
     // more, mostly from L2). Geometry from quant_gemm_params.h (shared with the kernel): 8 warps
     // over 32 columns.
-    constexpr uint32_t kKStep = 32 * TM_CUDA_DECODE_WARPS;
     const uint32_t tile_m = M <= 8 ? 8 : (M <= 16 ? 16 : (M <= 32 ? 32 : 64));
     const int64_t blocks_per_sm = TM_CUDA_DECODE_BLOCKS_PER_SM(tile_m);
     set_tiles(p, M, N, tile_m, TM_CUDA_DECODE_TILE_N);
-    set_cuda_tile_grid(p, K, int64_t(caps.compute_units) * blocks_per_sm, 1024, 16, kKStep);
+    set_cuda_tile_grid(p, K, int64_t(caps.compute_units) * blocks_per_sm, kCudaDecodeSlices);
     p.threads[0] = 32 * TM_CUDA_DECODE_WARPS;
     stem = "decode";
     cluster_slices = caps.thread_block_clusters && p.params.k_parallel <= TM_CUDA_DECODE_MAX_CLUSTER_SLICES;
@@ -296,7 +301,7 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
                                   "group_size % 32 == 0");
     }
     set_tiles(p, M, N, cuda_wgmma_tile_m(M), cuda_wgmma_tile_n(M, K, N, caps.compute_units));
-    set_cuda_tile_grid(p, K, caps.compute_units, kCudaWgmmaMinSlice, TM_CUDA_WGMMA_MAX_SLICES, TM_CUDA_WGMMA_K_STEP);
+    set_cuda_tile_grid(p, K, caps.compute_units, kCudaWgmmaSlices);
     p.threads[0] = TM_CUDA_WGMMA_THREADS;
     stem = "wgmma";
     cluster_slices = true;
