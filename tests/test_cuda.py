@@ -318,8 +318,9 @@ def test_wgmma_first_call_inside_graph_capture():
     import subprocess
     import sys
 
-    if not on_sm90a_build():
-        pytest.skip("the wgmma kernel needs an sm_90a build on a compute-capability 9.0 device")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma needs a compute capability 9.0 device")
+    assert torch_marlin._C.cuda_wgmma(torch.cuda.current_device()), "built without sm_90a (TORCH_CUDA_ARCH_LIST)?"
     r = subprocess.run([sys.executable, "-c", FIRST_CALL_CAPTURED], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "first call captured: ok" in r.stdout, r.stdout + r.stderr
 
