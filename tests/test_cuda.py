@@ -185,6 +185,14 @@ def on_sm90a_build():
     return torch.cuda.get_device_capability() == (9, 0) and torch_marlin._C.cuda_wgmma(torch.cuda.current_device())
 
 
+def require_wgmma():
+    """Skips off compute capability 9.0 devices; on one, fails unless this build has the sm_90a
+    kernels (setup.py's default TORCH_CUDA_ARCH_LIST), so the wgmma tests cannot skip silently."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma needs a compute capability 9.0 device")
+    assert torch_marlin._C.cuda_wgmma(torch.cuda.current_device()), "built without sm_90a (TORCH_CUDA_ARCH_LIST)?"
+
+
 # (M, K, N, group_size, K slices, tile columns): 128-row tiles 256 columns wide, N not a multiple
 # of 16 (padded weights) or of the tile; 128-row tiles 128 wide where wide ones would need more K
 # slices; 256-row tiles (128 wide), one of them partial; group sizes 32..128; K slices summed through
@@ -209,9 +217,7 @@ def test_wgmma(fmt, dtype, M, K, N, group_size, k_parallel, tile_n):
 def test_wgmma_chosen_on_sm90a():
     # Guards against the wgmma path silently switching off on an H100/H200 built for sm_90a (the
     # default TORCH_CUDA_ARCH_LIST of setup.py); results would still be right through other kernels.
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("wgmma needs a compute capability 9.0 device")
-    assert torch_marlin._C.cuda_wgmma(torch.cuda.current_device()), "built without sm_90a (TORCH_CUDA_ARCH_LIST)?"
+    require_wgmma()
     M, K, N = 128, 1024, 8192
     B, s, _ = make_weights("fp4", K, N, 128, torch.float16, on_gpu=True)
     A = torch.randn(M, K, device="cuda", dtype=torch.float16)
@@ -318,9 +324,7 @@ def test_wgmma_first_call_inside_graph_capture():
     import subprocess
     import sys
 
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("wgmma needs a compute capability 9.0 device")
-    assert torch_marlin._C.cuda_wgmma(torch.cuda.current_device()), "built without sm_90a (TORCH_CUDA_ARCH_LIST)?"
+    require_wgmma()
     r = subprocess.run([sys.executable, "-c", FIRST_CALL_CAPTURED], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "first call captured: ok" in r.stdout, r.stdout + r.stderr
 
