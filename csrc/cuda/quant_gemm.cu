@@ -773,52 +773,134 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// mbarrier and TMA (cp.async.bulk.tensor) wrappers: shared-memory addresses as u32.
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Spins until the barrier's phase with this parity has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// One 2-D TMA box at coordinates (c0 innermost, c1) into dst, completing bytes on bar.
+__device__ __forceinline__ void tma_load_2d(u32 dst, const CUtensorMap* map, u32 c0, u32 c1, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          dst),
+      "l"(map), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
 // K-major, no-swizzle shared-memory matrix descriptor: lbo = bytes between the two core matrices
 // of a k16 step (adjacent in k), sbo = bytes between core matrices 8 rows apart.
 __device__ __forceinline__ uint64_t wg_desc(u32 smem_addr, u32 lbo, u32 sbo) {
   return uint64_t((smem_addr & 0x3FFFFu) >> 4) | (uint64_t(lbo >> 4) << 16) | (uint64_t(sbo >> 4) << 32);
 }
 
+// FP4 word -> its 8 unscaled values in natural k order, h[i] = (k 2i, k 2i + 1) (see below).
+template <typename T>
+__device__ __forceinline__ void fp4_natural(u32 w, u32 (&h)[4]) {
+  const u32 idx_lo = w & 0x77777777u, idx_hi = idx_lo >> 16;  // magnitudes of codes 0..3, 4..7
+  // Byte j bit 7 = sign of code 2j (even) / 2j + 1 (odd), then in code order 0..3 and 4..7.
+  const u32 even = (w << 4) & 0x80808080u, odd = w & 0x80808080u;
+  const u32 sign_lo = prmt(even, odd, 0x5140), sign_hi = prmt(even, odd, 0x7362);
+  if constexpr (std::is_same<T, __half>::value) {
+    constexpr u32 kHi0 = 0x3E3C3800u, kHi1 = 0x46444240u;  // fp16 high bytes of magnitudes 0..7
+    const u32 lo4 = prmt(kHi0, kHi1, idx_lo) | sign_lo, hi4 = prmt(kHi0, kHi1, idx_hi) | sign_hi;
+    h[0] = prmt(lo4, 0u, 0x1404);  // (k0, k1): bytes 0, hi(k0), 0, hi(k1)
+    h[1] = prmt(lo4, 0u, 0x3424);
+    h[2] = prmt(hi4, 0u, 0x1404);
+    h[3] = prmt(hi4, 0u, 0x3424);
+  } else {
+    constexpr u32 kHi0 = 0x3F3F3F00u, kHi1 = 0x40404040u;  // bf16 high bytes
+    constexpr u32 kLo0 = 0xC0800000u, kLo1 = 0xC0804000u;  // bf16 low bytes
+    const u32 lo4h = prmt(kHi0, kHi1, idx_lo) | sign_lo, hi4h = prmt(kHi0, kHi1, idx_hi) | sign_hi;
+    const u32 lo4l = prmt(kLo0, kLo1, idx_lo), hi4l = prmt(kLo0, kLo1, idx_hi);
+    h[0] = prmt(lo4l, lo4h, 0x5140);  // (k0, k1): lo(k0), hi(k0), lo(k1), hi(k1)
+    h[1] = prmt(lo4l, lo4h, 0x7362);
+    h[2] = prmt(hi4l, hi4h, 0x5140);
+    h[3] = prmt(hi4l, hi4h, 0x7362);
+  }
+}
+
+// U4 word -> 8 values in natural k order: the pairs (k p, k p + 4) dequantized with q (whose two
+// halves may belong to different columns: lo for k 0..3, hi for k 4..7), then regrouped.
+template <typename T>
+__device__ __forceinline__ uint4 u4_natural(u32 w, const ColQ<T>& q) {
+  const u32 d0 = dequant_pair<T, TM_FORMAT_U4, 0>(w, q), d1 = dequant_pair<T, TM_FORMAT_U4, 1>(w, q);
+  const u32 d2 = dequant_pair<T, TM_FORMAT_U4, 2>(w, q), d3 = dequant_pair<T, TM_FORMAT_U4, 3>(w, q);
+  // d_p = (k p, k p + 4): regroup into (0, 1), (2, 3), (4, 5), (6, 7).
+  return make_uint4(prmt(d0, d1, 0x5410), prmt(d2, d3, 0x5410), prmt(d0, d1, 0x7632), prmt(d2, d3, 0x7632));
+}
+
 // One packed word (8 k of one column) -> 8 values in natural k order (16 bytes).
-// FP4 by table lookup: a byte permute picks 4 of 8 table bytes by the low 3 bits of 4 selector
-// nibbles, so one prmt turns 4 codes' magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6) into the high bytes
-// of their exact fp16 (low bytes all 0) or bf16 values; the signs are ORed into those bytes and a
-// second prmt places the bytes in k order. 19 instructions a word against 28 for the shift/mask
-// form with its 2^-14 rescale (the wgmma kernel is issue-bound; docs/cuda.md). Products with the
-// scale are the same single rounding of value x scale as the shift/mask form.
+// FP4 by table lookup (fp4_natural): a byte permute picks 4 of 8 table bytes by the low 3 bits of
+// 4 selector nibbles, so one prmt turns 4 codes' magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6) into the
+// high bytes of their exact fp16 (low bytes all 0) or bf16 values; the signs are ORed into those
+// bytes and a second prmt places the bytes in k order. 19 instructions a word against 28 for the
+// shift/mask form with its 2^-14 rescale (the wgmma kernel is issue-bound; docs/cuda.md). Products
+// with the scale are the same single rounding of value x scale as the shift/mask form.
 template <typename T, u32 FMT>
 __device__ __forceinline__ uint4 dequant_word_natural(u32 w, const ColQ<T>& q) {
   if constexpr (FMT == TM_FORMAT_FP4) {
     using T2 = typename Tr<T>::T2;
-    const u32 idx_lo = w & 0x77777777u, idx_hi = idx_lo >> 16;  // magnitudes of codes 0..3, 4..7
-    // Byte j bit 7 = sign of code 2j (even) / 2j + 1 (odd), then in code order 0..3 and 4..7.
-    const u32 even = (w << 4) & 0x80808080u, odd = w & 0x80808080u;
-    const u32 sign_lo = prmt(even, odd, 0x5140), sign_hi = prmt(even, odd, 0x7362);
     u32 h[4];
-    if constexpr (std::is_same<T, __half>::value) {
-      constexpr u32 kHi0 = 0x3E3C3800u, kHi1 = 0x46444240u;  // fp16 high bytes of magnitudes 0..7
-      const u32 lo4 = prmt(kHi0, kHi1, idx_lo) | sign_lo, hi4 = prmt(kHi0, kHi1, idx_hi) | sign_hi;
-      h[0] = prmt(lo4, 0u, 0x1404);  // (k0, k1): bytes 0, hi(k0), 0, hi(k1)
-      h[1] = prmt(lo4, 0u, 0x3424);
-      h[2] = prmt(hi4, 0u, 0x1404);
-      h[3] = prmt(hi4, 0u, 0x3424);
-    } else {
-      constexpr u32 kHi0 = 0x3F3F3F00u, kHi1 = 0x40404040u;  // bf16 high bytes
-      constexpr u32 kLo0 = 0xC0800000u, kLo1 = 0xC0804000u;  // bf16 low bytes
-      const u32 lo4h = prmt(kHi0, kHi1, idx_lo) | sign_lo, hi4h = prmt(kHi0, kHi1, idx_hi) | sign_hi;
-      const u32 lo4l = prmt(kLo0, kLo1, idx_lo), hi4l = prmt(kLo0, kLo1, idx_hi);
-      h[0] = prmt(lo4l, lo4h, 0x5140);  // (k0, k1): lo(k0), hi(k0), lo(k1), hi(k1)
-      h[1] = prmt(lo4l, lo4h, 0x7362);
-      h[2] = prmt(hi4l, hi4h, 0x5140);
-      h[3] = prmt(hi4l, hi4h, 0x7362);
-    }
+    fp4_natural<T>(w, h);
     return make_uint4(as_u32(__hmul2(as_t2<T2>(h[0]), q.s2)), as_u32(__hmul2(as_t2<T2>(h[1]), q.s2)),
                       as_u32(__hmul2(as_t2<T2>(h[2]), q.s2)), as_u32(__hmul2(as_t2<T2>(h[3]), q.s2)));
+  } else {
+    return u4_natural<T>(w, q);
   }
-  const u32 d0 = dequant_pair<T, FMT, 0>(w, q), d1 = dequant_pair<T, FMT, 1>(w, q);
-  const u32 d2 = dequant_pair<T, FMT, 2>(w, q), d3 = dequant_pair<T, FMT, 3>(w, q);
-  // d_p = (k p, k p + 4): regroup into (0, 1), (2, 3), (4, 5), (6, 7).
-  return make_uint4(prmt(d0, d1, 0x5410), prmt(d2, d3, 0x5410), prmt(d0, d1, 0x7632), prmt(d2, d3, 0x7632));
+}
+
+// K-slice epilogue of the wgmma kernels (plan.reduce_kernel "cluster_reduce"): the slices of an
+// output tile run as one cluster (dims (1, 1, k_parallel): cluster rank = slice) and every block
+// has left its fp32 partial tile part[rows][TN] in its own shared memory. After a cluster barrier
+// block r sums rows [r rows / kp, (r + 1) rows / kp) over all blocks' tiles in slice order
+// (deterministic), adds the bias and writes C; a second barrier keeps every block resident until
+// the others have read its shared memory. Threads tid = 0 .. nthreads - 1 share the sums; every
+// other thread of the cluster must pass the two barriers too.
+template <typename T, int TN>
+__device__ void wgmma_cluster_reduce(const QuantGemmParams& p, const float* part, u32 rows, u32 m0, u32 n0,
+                                     const T* bias, T* C, u32 tid, u32 nthreads) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  const u32 kp = p.k_parallel, rank = cluster.block_rank();
+  const u32 rows_per = (rows + kp - 1u) / kp;
+  const u32 r_end = min(rows, (rank + 1u) * rows_per);
+  constexpr u32 kQuads = u32(TN) / 4u;  // 4 columns a thread and step
+  for (u32 v = rank * rows_per * kQuads + tid; v < r_end * kQuads; v += nthreads) {
+    const u32 r = v / kQuads, c4 = 4u * (v % kQuads);
+    const u32 row = m0 + r, col = n0 + c4;
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (u32 sl = 0; sl < kp; ++sl) {
+      const float4 x = *reinterpret_cast<const float4*>(cluster.map_shared_rank(part, sl) + r * TN + c4);
+      sum.x += x.x;
+      sum.y += x.y;
+      sum.z += x.z;
+      sum.w += x.w;
+    }
+    if (row >= p.M) continue;
+    const float v4[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+    for (u32 q = 0; q < 4u; ++q)
+      if (col + q < p.N) C[size_t(row) * p.N + col + q] = Tr<T>::from_f(v4[q] + (p.has_bias ? Tr<T>::to_f(bias[col + q]) : 0.f));
+  }
+  cluster.sync();
+#else
+  __trap();
+#endif
 }
 
 // kCluster (plan.reduce_kernel "cluster_reduce"): the K slices of a tile run as one thread-block
@@ -851,20 +933,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const u32 mbar_base = u32(__cvta_generic_to_shared(mbar));
   if (tid == 0) {
 #pragma unroll
-    for (int i = 0; i < kWgStages; ++i)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(mbar_base + 8u * i) : "memory");
+    for (int i = 0; i < kWgStages; ++i) mbar_init(mbar_base + 8u * i, 1u);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
   // Waits until the TMA copy of stage s has landed (the slot's barrier completes once per use).
-  auto wait_act = [&](int s) {
-    const u32 bar = mbar_base + 8u * u32(s % kWgStages), parity = u32(s / kWgStages) & 1u;
-    asm volatile(
-        "{\n.reg .pred done;\nwait_%=:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra wait_%=;\n}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-  };
+  auto wait_act = [&](int s) { mbar_wait(mbar_base + 8u * u32(s % kWgStages), u32(s / kWgStages) & 1u); };
 
   // Activations: one TMA copy per stage of the BM x 64 tile (k innermost, 128-byte rows, 128-byte
   // swizzle: the canonical K-major SW128 layout wgmma reads), completing on the slot's mbarrier.
@@ -898,12 +972,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       const u32 k0 = k_begin + u32(s) * u32(kWgKStep);
       if (tid == 0) {  // the activation tile: one TMA copy (rows past M are zero-filled)
         const u32 bar = mbar_base + 8u * u32(s % kWgStages);
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(u32(L::kA)) : "memory");
-        asm volatile(
-            "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
-                slot),
-            "l"(&tmap_a), "r"(k0), "r"(m0), "r"(bar)
-            : "memory");
+        mbar_expect_tx(bar, u32(L::kA));
+        tma_load_2d(slot, &tmap_a, k0, m0, bar);
       }
 #pragma unroll
       for (int i = 0; i < kCols; ++i) {
@@ -1024,8 +1094,6 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     // pipeline's, free now); after a cluster barrier block r (= slice r) sums rows
     // [r BM / kp, (r + 1) BM / kp) over all blocks' tiles in slice order (deterministic), adds the
     // bias and writes C; a second barrier keeps every block resident until the others have read it.
-    namespace cg = cooperative_groups;
-    cg::cluster_group cluster = cg::this_cluster();
     float* part = reinterpret_cast<float*>(sm);
     __syncthreads();  // every wgmma retired: the shared memory is free
 #pragma unroll
@@ -1038,29 +1106,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
           *reinterpret_cast<float2*>(part + r * TN + 8 * j + 2 * t) =
               make_float2(acc[hh][4 * j + 2 * e], acc[hh][4 * j + 2 * e + 1]);
       }
-    cluster.sync();
-    const u32 kp = p.k_parallel, rank = cluster.block_rank();
-    const u32 rows_per = (u32(BM) + kp - 1u) / kp;
-    const u32 r_end = min(u32(BM), (rank + 1u) * rows_per);
-    constexpr u32 kQuads = u32(TN) / 4u;  // 4 columns a thread and step
-    for (u32 v = rank * rows_per * kQuads + u32(tid); v < r_end * kQuads; v += kWgThreads) {
-      const u32 r = v / kQuads, c4 = 4u * (v % kQuads);
-      const u32 row = m0 + r, col = n0 + c4;
-      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (u32 sl = 0; sl < kp; ++sl) {
-        const float4 x = *reinterpret_cast<const float4*>(cluster.map_shared_rank(part, sl) + r * TN + c4);
-        sum.x += x.x;
-        sum.y += x.y;
-        sum.z += x.z;
-        sum.w += x.w;
-      }
-      if (row >= p.M) continue;
-      const float v4[4] = {sum.x, sum.y, sum.z, sum.w};
-#pragma unroll
-      for (u32 q = 0; q < 4u; ++q)
-        if (col + q < p.N) C[size_t(row) * p.N + col + q] = Tr<T>::from_f(v4[q] + (p.has_bias ? Tr<T>::to_f(bias[col + q]) : 0.f));
-    }
-    cluster.sync();
+    wgmma_cluster_reduce<T, TN>(p, part, u32(BM), m0, n0, bias, C, threadIdx.x, blockDim.x);
   } else {
 #pragma unroll
     for (int hh = 0; hh < kHalves; ++hh)
@@ -1090,6 +1136,278 @@ __global__ void __launch_bounds__(kWgThreads, 1)
           }
         }
       }
+  }
+#else
+  __trap();  // planned only where the loaded kernels are sm_90a (cuda_device_caps)
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// wgmma_ws kernel (sm_90a): warp-specialized, weights as the register A operand
+// ---------------------------------------------------------------------------------------------
+// C^T = W^T A^T: the dequantized weights are wgmma's A operand straight from registers (64 weight
+// columns = the m64 rows of one warpgroup), the activations its B operand from shared memory (the
+// n dimension: BN = 64, 128 or 256 rows of A). A block is one producer warp and two consumer
+// warpgroups over a 128-column x BN-row output tile, one block per SM.
+//  - The producer warp (one lane) keeps a kStages-deep ring of 64-k stages full by TMA: the
+//    activation box (BN rows x 64 k, 128-byte swizzle: wgmma's canonical K-major layout), the
+//    packed-weight box (8 packed rows x 128 columns), the stage's scale row and (U4) zero-point row,
+//    all completing on the slot's "full" mbarrier; it refills a slot once all 8 consumer warps have
+//    arrived on its "empty" mbarrier.
+//  - A consumer lane (g, t) of warp w holds the A rows 16 w + g and 16 w + g + 8 of its warpgroup.
+//    The order of the m64 rows is free (it only decides where each output lands), so those two rows
+//    are the adjacent weight columns 2 g and 2 g + 1 of the warp's 16: one 8-byte shared load per
+//    packed row gives both. A k16 step needs k = {2t, 2t+1} (a0, a1) and {2t+8, 2t+9} (a2, a3): byte
+//    t of packed rows 2 ks and 2 ks + 1. Three byte permutes gather the 4 bytes (2 columns x 2 rows)
+//    into one word that the FP4 table lookup / INT4 magic numbers turn into the 4 A registers.
+//  - No shared-memory store of dequantized weights, no fence and no block barrier per stage: the
+//    consumers dequantize stage s + 1 into the other of two register fragment sets while stage s's
+//    wgmmas run, and wait only for the full barrier and their own wgmma groups.
+// Tile: 128 weight columns x BN activation rows; K slices (cluster dims (1, 1, k_parallel)) sum
+// through wgmma_cluster_reduce. The stage needs group_size % 64 == 0 (one scale row a stage).
+constexpr int kWsConsumerThreads = 256;  // two warpgroups
+// + a producer warpgroup: setmaxnreg moves registers between whole warpgroups (3 warps a
+// scheduler: the producer's 40 + two consumers' 232 fill the 512 a lane has).
+constexpr int kWsThreads = kWsConsumerThreads + 128;
+static_assert(kWsThreads == int(TM_CUDA_WGMMA_WS_THREADS), "params header");
+constexpr u32 kWsProducerRegs = 40, kWsConsumerRegs = 232;
+constexpr int kWsTileN = int(TM_CUDA_WGMMA_WS_TILE_N);  // 64 weight columns a consumer warpgroup
+template <int BN>
+struct WsSmem {
+  static_assert(BN == 64 || BN == 128 || BN == 256, "wgmma n of 64, 128 or 256 activation rows");
+  static constexpr int kA = BN * kWgKStep * 2;           // activation box: BN rows of 128 bytes
+  static constexpr int kW = (kWgKStep / 8) * kWsTileN * 4;  // 8 packed rows x 128 columns
+  static constexpr int kS = kWsTileN * 2;                 // one scale row
+  static constexpr int kZ = kWsTileN;                     // one zero-point row (U4)
+  static constexpr int kStage = (kA + kW + kS + kZ + 1023) / 1024 * 1024;  // 1024-aligned swizzle atoms
+  static constexpr int kStages = (200 * 1024) / kStage < 8 ? (200 * 1024) / kStage : 8;
+  static constexpr int kPart = BN * kWsTileN * 4;         // fp32 partial tile of the K-slice epilogue
+  static constexpr int kBytes = (kStages * kStage > kPart ? kStages * kStage : kPart) + 1024;
+  static_assert(kStages >= 4 && kBytes <= 227 * 1024, "shared-memory budget");
+};
+
+#define TM_D8(i) \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define TM_WGMMA_RS64(TY)                                                                        \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                       \
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "  \
+               "{%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"                                                     \
+               : TM_D8(0), TM_D8(8), TM_D8(16), TM_D8(24)  \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b))
+#define TM_WGMMA_RS128(TY)                                                                        \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                       \
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "  \
+               "{%64, %65, %66, %67}, %68, 1, 1, 1, 0;\n"                                                     \
+               : TM_D8(0), TM_D8(8), TM_D8(16), TM_D8(24), TM_D8(32), TM_D8(40), TM_D8(48), TM_D8(56)  \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b))
+#define TM_WGMMA_RS256(TY)                                                                        \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " "                       \
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "  \
+               "{%128, %129, %130, %131}, %132, 1, 1, 1, 0;\n"                                                     \
+               : TM_D8(0), TM_D8(8), TM_D8(16), TM_D8(24), TM_D8(32), TM_D8(40), TM_D8(48), TM_D8(56), TM_D8(64), TM_D8(72), TM_D8(80), TM_D8(88), TM_D8(96), TM_D8(104), TM_D8(112), TM_D8(120)  \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b))
+
+// d[BN / 2] += A (64 x 16, registers) x B (16 x BN, shared memory descriptor, K-major).
+template <typename T, int BN>
+__device__ __forceinline__ void wgmma_rs(float* d, const u32 (&a)[4], uint64_t desc_b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool kH = std::is_same<T, __half>::value;
+  if constexpr (BN == 64) {
+    if constexpr (kH) TM_WGMMA_RS64("f16");
+    else TM_WGMMA_RS64("bf16");
+  } else if constexpr (BN == 128) {
+    if constexpr (kH) TM_WGMMA_RS128("f16");
+    else TM_WGMMA_RS128("bf16");
+  } else {
+    if constexpr (kH) TM_WGMMA_RS256("f16");
+    else TM_WGMMA_RS256("bf16");
+  }
+#endif
+}
+#undef TM_WGMMA_RS64
+#undef TM_WGMMA_RS128
+#undef TM_WGMMA_RS256
+#undef TM_D8
+
+// 4 bytes (columns e = 0, 1 x packed rows 2 ks, 2 ks + 1) -> the A fragment of one k16 step:
+// a0 = (col 0, k 2t, 2t+1), a1 = (col 1, same k), a2 = (col 0, k 2t+8, 2t+9), a3 = (col 1, same k).
+// x = [row 2ks col 0, row 2ks+1 col 0, row 2ks col 1, row 2ks+1 col 1] (bytes, low first), so x's
+// natural k order is (a0, a2, a1, a3). s0 / s1: the columns' scales (duplicated); U4: qp holds the
+// pair (col 0, col 1) of scales and magic + zero points (nibbles p and p + 4 are the two columns).
+template <typename T, u32 FMT>
+__device__ __forceinline__ void rs_fragment(u32 (&a)[4], u32 x, typename Tr<T>::T2 s0, typename Tr<T>::T2 s1,
+                                            const ColQ<T>& qp) {
+  using T2 = typename Tr<T>::T2;
+  if constexpr (FMT == TM_FORMAT_FP4) {
+    u32 h[4];
+    fp4_natural<T>(x, h);
+    a[0] = as_u32(__hmul2(as_t2<T2>(h[0]), s0));
+    a[2] = as_u32(__hmul2(as_t2<T2>(h[1]), s0));
+    a[1] = as_u32(__hmul2(as_t2<T2>(h[2]), s1));
+    a[3] = as_u32(__hmul2(as_t2<T2>(h[3]), s1));
+  } else {
+    const uint4 v = u4_natural<T>(x, qp);
+    a[0] = v.x;
+    a[2] = v.y;
+    a[1] = v.z;
+    a[3] = v.w;
+  }
+}
+
+template <typename T, u32 FMT, int BN, bool kCluster>
+__global__ void __launch_bounds__(kWsThreads, 1)
+    wgmma_ws_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
+                    const __grid_constant__ CUtensorMap tmap_s, const __grid_constant__ CUtensorMap tmap_z,
+                    QuantGemmParams p, const T* __restrict__ bias, T* __restrict__ C) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using L = WsSmem<BN>;
+  using T2 = typename Tr<T>::T2;
+  constexpr int kS = L::kStages;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const u32 m0 = blockIdx.x * u32(BN), n0 = blockIdx.y * u32(kWsTileN);
+  const u32 k_begin = blockIdx.z * p.k_slice_len;
+  const u32 k_end = min(p.K, k_begin + p.k_slice_len);
+  const int n_stages = int((k_end - k_begin) / u32(kWgKStep));  // multiples of 64 (planner)
+  const u32 smem_raw = u32(__cvta_generic_to_shared(smem));
+  const u32 align_pad = (1024u - (smem_raw & 1023u)) & 1023u;
+  unsigned char* const sm = smem + align_pad;
+  const u32 smem_base = smem_raw + align_pad;
+  __shared__ __align__(8) uint64_t full_bar[kS], empty_bar[kS];
+  const u32 full_base = u32(__cvta_generic_to_shared(full_bar)), empty_base = u32(__cvta_generic_to_shared(empty_bar));
+  if (tid == 0) {
+#pragma unroll
+    for (int i = 0; i < kS; ++i) {
+      mbar_init(full_base + 8u * i, 1u);
+      mbar_init(empty_base + 8u * i, kWsConsumerThreads / 32);  // every consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp >= kWsConsumerThreads / 32) {
+    // Producer: stage s into slot s % kS once the consumers released its previous use.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
+    if (tid == kWsConsumerThreads) {
+      constexpr u32 kTx = u32(L::kA + L::kW + L::kS + (FMT == TM_FORMAT_U4 ? L::kZ : 0));
+      for (int s = 0; s < n_stages; ++s) {
+        const int slot = s % kS;
+        if (s >= kS) mbar_wait(empty_base + 8u * slot, u32(s / kS - 1) & 1u);
+        const u32 bar = full_base + 8u * slot, dst = smem_base + u32(slot * L::kStage);
+        const u32 k0 = k_begin + u32(s) * u32(kWgKStep), grp = k0 / p.group_size;
+        mbar_expect_tx(bar, kTx);
+        tma_load_2d(dst, &tmap_a, k0, m0, bar);
+        tma_load_2d(dst + L::kA, &tmap_b, n0, k0 / 8u, bar);
+        tma_load_2d(dst + L::kA + L::kW, &tmap_s, n0, grp, bar);
+        if constexpr (FMT == TM_FORMAT_U4) tma_load_2d(dst + L::kA + L::kW + L::kS, &tmap_z, n0, grp, bar);
+      }
+    }
+    if constexpr (kCluster) {  // the two cluster barriers of the consumers' wgmma_cluster_reduce
+      namespace cg = cooperative_groups;
+      cg::this_cluster().sync();
+      cg::this_cluster().sync();
+    }
+  } else {
+    // Consumer warpgroup wg, warp w: A rows 16 w + g (+ 8) = tile columns 64 wg + 16 w + 2 g (+ 1).
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWsConsumerRegs));
+    const int wg = warp >> 2, w = warp & 3, g = lane >> 2, t = lane & 3;
+    const int col = 64 * wg + 16 * w + 2 * g;  // this lane's column pair within the tile
+    const u32 sel = u32(t) | (u32(t + 4) << 4);  // byte t of each of two words
+    float acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    u32 frag[2][4][4];
+    // Loads and dequantizes stage s into fragment set F (after waiting for its TMA copies).
+    auto load_stage = [&](int s, u32 (&fr)[4][4]) {
+      const int slot = s % kS;
+      mbar_wait(full_base + 8u * slot, u32(s / kS) & 1u);
+      const unsigned char* st = sm + slot * L::kStage;
+      uint2 wd[8];
+#pragma unroll
+      for (int r = 0; r < 8; ++r) wd[r] = *reinterpret_cast<const uint2*>(st + L::kA + (r * kWsTileN + col) * 4);
+      const u32 sp = *reinterpret_cast<const u32*>(st + L::kA + L::kW + col * 2);
+      const T2 s0 = as_t2<T2>(prmt(sp, sp, 0x1010)), s1 = as_t2<T2>(prmt(sp, sp, 0x3232));
+      ColQ<T> qp;
+      if constexpr (FMT == TM_FORMAT_U4) {
+        const u32 zp = *reinterpret_cast<const unsigned short*>(st + L::kA + L::kW + L::kS + col);
+        qp.s2 = as_t2<T2>(sp);
+        qp.z2.x = Tr<T>::from_f(Tr<T>::kMagicF + float(zp & 0xFFu));
+        qp.z2.y = Tr<T>::from_f(Tr<T>::kMagicF + float(zp >> 8));
+      }
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+        const u32 c0 = prmt(wd[2 * ks].x, wd[2 * ks + 1].x, sel), c1 = prmt(wd[2 * ks].y, wd[2 * ks + 1].y, sel);
+        rs_fragment<T, FMT>(fr[ks], prmt(c0, c1, 0x5410), s0, s1, qp);
+      }
+    };
+    // SW128 K-major B descriptor of slot 0 (8-row atoms 1024 bytes apart); k16 step ks starts 32 ks
+    // bytes into the 128-byte rows.
+    const uint64_t desc0 = wg_desc(smem_base, 16u, 1024u) | (uint64_t(1) << 62);
+    auto issue_stage = [&](int s, const u32 (&fr)[4][4]) {
+      const uint64_t ds = desc0 + ((u32(s % kS) * u32(L::kStage)) >> 4);
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) wg_pin(acc[i]);
+      wg_fence();
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) wgmma_rs<T, BN>(acc, fr[ks], ds + ((32u * u32(ks)) >> 4));
+      wg_commit();
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) wg_pin(acc[i]);
+    };
+    // Stage s runs on fragment set s & 1; the set of s + 1 was read by stage s - 1, retired by the
+    // wait below before it is overwritten.
+    auto step = [&](int s, u32 (&cur)[4][4], u32 (&next)[4][4]) {
+      issue_stage(s, cur);
+      wg_wait<1>();  // stage s - 1 retired: its slot and fragment set are free
+      if (s > 0 && lane == 0) mbar_arrive(empty_base + 8u * u32((s - 1) % kS));
+      if (s + 1 < n_stages) load_stage(s + 1, next);
+    };
+    if (n_stages > 0) load_stage(0, frag[0]);
+    for (int s = 0; s < n_stages; s += 2) {
+      step(s, frag[0], frag[1]);
+      if (s + 1 < n_stages) step(s + 1, frag[1], frag[0]);
+    }
+    wg_wait<0>();
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) wg_pin(acc[i]);
+
+    // acc[4 j + 2 e + f]: tile column col + e, activation row m0 + 8 j + 2 t + f.
+    if constexpr (kCluster) {
+      // The partial tile goes where the ring was: both warpgroups must be done with it.
+      asm volatile("bar.sync 1, %0;\n" ::"n"(kWsConsumerThreads) : "memory");
+      float* part = reinterpret_cast<float*>(sm);
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int f = 0; f < 2; ++f)
+          *reinterpret_cast<float2*>(part + (8 * j + 2 * t + f) * kWsTileN + col) =
+              make_float2(acc[4 * j + f], acc[4 * j + 2 + f]);
+      wgmma_cluster_reduce<T, kWsTileN>(p, part, u32(BN), m0, n0, bias, C, u32(tid), u32(kWsConsumerThreads));
+    } else {
+      const u32 c = n0 + u32(col);
+      if (c >= p.N) return;
+      const bool pair = c + 1u < p.N;
+      const float b0 = p.has_bias ? Tr<T>::to_f(bias[c]) : 0.f;
+      const float b1 = p.has_bias && pair ? Tr<T>::to_f(bias[c + 1u]) : 0.f;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int f = 0; f < 2; ++f) {
+          const u32 row = m0 + u32(8 * j + 2 * t + f);
+          if (row >= p.M) continue;
+          const float v0 = acc[4 * j + f] + b0, v1 = acc[4 * j + 2 + f] + b1;
+          T* dst = C + size_t(row) * p.N + c;
+          if (pair && p.N % 2u == 0u) {
+            T2 v;
+            v.x = Tr<T>::from_f(v0);
+            v.y = Tr<T>::from_f(v1);
+            *reinterpret_cast<T2*>(dst) = v;
+          } else {
+            dst[0] = Tr<T>::from_f(v0);
+            if (pair) dst[1] = Tr<T>::from_f(v1);
+          }
+        }
+    }
   }
 #else
   __trap();  // planned only where the loaded kernels are sm_90a (cuda_device_caps)
@@ -1179,10 +1497,11 @@ void launch_decode(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const
   }
 }
 
-// TMA descriptor of the activations A [M, K] for BM x 64 boxes with the 128-byte swizzle. The
-// encoder is a driver entry point (no link against libcuda), looked up once.
-template <typename T>
-CUtensorMap activation_tensor_map(const T* A, int64_t M, int64_t K, int BM) {
+// A 2-D TMA descriptor: rows x cols elements (cols contiguous, row stride in bytes), box_rows x
+// box_cols boxes; out-of-range elements of a box read as zero. The encoder is a driver entry point
+// (no link against libcuda), looked up once.
+CUtensorMap tensor_map_2d(const void* base, CUtensorMapDataType type, int64_t rows, int64_t cols, int64_t row_bytes,
+                          int box_rows, int box_cols, CUtensorMapSwizzle swizzle) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult q{};
@@ -1191,16 +1510,35 @@ CUtensorMap activation_tensor_map(const T* A, int64_t M, int64_t K, int BM) {
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }();
   CUtensorMap map;
-  const cuuint64_t dims[2] = {cuuint64_t(K), cuuint64_t(M)};
-  const cuuint64_t strides[1] = {cuuint64_t(K) * sizeof(T)};
-  const cuuint32_t box[2] = {cuuint32_t(kWgKStep), cuuint32_t(BM)};
+  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(row_bytes)};
+  const cuuint32_t box[2] = {cuuint32_t(box_cols), cuuint32_t(box_rows)};
   const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = encode(&map, std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                            2, const_cast<T*>(A), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+  const CUresult r = encode(&map, type, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(r == CUDA_SUCCESS, "torch_marlin: cuTensorMapEncodeTiled failed (", int(r), ")");
   return map;
+}
+
+// The activations A [M, K] in rows x 64 boxes with the 128-byte swizzle (wgmma's K-major SW128).
+template <typename T>
+CUtensorMap activation_tensor_map(const T* A, int64_t M, int64_t K, int rows) {
+  const CUtensorMapDataType type =
+      std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  return tensor_map_2d(A, type, M, K, K * int64_t(sizeof(T)), rows, kWgKStep, CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
+// Opts a kernel in to more than 48 KiB of dynamic shared memory, once per device.
+template <typename Kernel>
+void opt_in_smem(Kernel kernel, int bytes, std::atomic<uint64_t>& opted_in) {
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  const uint64_t bit = uint64_t(1) << (dev & 63);
+  if (!(opted_in.load() & bit)) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    opted_in.fetch_or(bit);
+  }
 }
 
 template <typename T, u32 FMT, int BM, int TN, bool kCluster>
@@ -1208,15 +1546,8 @@ void launch_wgmma_as(const GemmPlan& plan, const CUtensorMap& tmap, u32 Np, cons
                      const uint8_t* Z, const T* bias, T* C, cudaStream_t stream) {
   constexpr int kSmem = WgSmem<BM, TN>::kBytes;
   auto* kernel = wgmma_kernel<T, FMT, BM, TN, kCluster>;
-  // Over 48 KiB of dynamic shared memory needs an opt-in, once per device.
   static std::atomic<uint64_t> opted_in{0};
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  const uint64_t bit = uint64_t(1) << (dev & 63);
-  if (!(opted_in.load() & bit)) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-    opted_in.fetch_or(bit);
-  }
+  opt_in_smem(kernel, kSmem, opted_in);
   launch_tile_kernel<kCluster>(plan, kernel, kWgThreads, kSmem, stream, tmap, plan.params, Np, B, S, Z, bias, C);
 }
 
@@ -1228,6 +1559,40 @@ void launch_wgmma(const GemmPlan& plan, u32 Np, const T* A, const u32* B, const 
     launch_wgmma_as<T, FMT, BM, TN, true>(plan, tmap, Np, B, S, Z, bias, C, stream);
   } else {
     launch_wgmma_as<T, FMT, BM, TN, false>(plan, tmap, Np, B, S, Z, bias, C, stream);
+  }
+}
+
+// wgmma_ws: TMA descriptors of the activations, packed weights (8 packed rows x 128 columns),
+// scales and zero points (one row of 128 columns); the padded weights are 16-byte aligned with Np a
+// multiple of 16 (padded_weights), as TMA needs.
+template <typename T, u32 FMT, int BN, bool kCluster>
+void launch_wgmma_ws_as(const GemmPlan& plan, const CUtensorMap (&maps)[4], const T* bias, T* C, cudaStream_t stream) {
+  constexpr int kSmem = WsSmem<BN>::kBytes;
+  auto* kernel = wgmma_ws_kernel<T, FMT, BN, kCluster>;
+  static std::atomic<uint64_t> opted_in{0};
+  opt_in_smem(kernel, kSmem, opted_in);
+  launch_tile_kernel<kCluster>(plan, kernel, kWsThreads, kSmem, stream, maps[0], maps[1], maps[2], maps[3], plan.params,
+                               bias, C);
+}
+
+template <typename T, u32 FMT, int BN>
+void launch_wgmma_ws(const GemmPlan& plan, int64_t Np, const T* A, const u32* B, const T* S, const uint8_t* Z,
+                     const T* bias, T* C, cudaStream_t stream) {
+  const QuantGemmParams& q = plan.params;
+  const int64_t groups = q.K / q.group_size;
+  const CUtensorMap maps[4] = {
+      activation_tensor_map<T>(A, q.M, q.K, BN),
+      tensor_map_2d(B, CU_TENSOR_MAP_DATA_TYPE_UINT32, q.K / 8, Np, Np * 4, kWgKStep / 8, kWsTileN,
+                    CU_TENSOR_MAP_SWIZZLE_NONE),
+      tensor_map_2d(S, CU_TENSOR_MAP_DATA_TYPE_UINT16, groups, Np, Np * 2, 1, kWsTileN, CU_TENSOR_MAP_SWIZZLE_NONE),
+      FMT == TM_FORMAT_U4
+          ? tensor_map_2d(Z, CU_TENSOR_MAP_DATA_TYPE_UINT8, groups, Np, Np, 1, kWsTileN, CU_TENSOR_MAP_SWIZZLE_NONE)
+          : tensor_map_2d(S, CU_TENSOR_MAP_DATA_TYPE_UINT16, groups, Np, Np * 2, 1, kWsTileN,
+                          CU_TENSOR_MAP_SWIZZLE_NONE)};  // unused by FP4
+  if (plan.reduce_kernel == "cluster_reduce") {
+    launch_wgmma_ws_as<T, FMT, BN, true>(plan, maps, bias, C, stream);
+  } else {
+    launch_wgmma_ws_as<T, FMT, BN, false>(plan, maps, bias, C, stream);
   }
 }
 
@@ -1301,6 +1666,18 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
     else if (nt == 2) launch_decode<T, FMT, 2, false>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
     else if (fold) launch_decode<T, FMT, 1, true>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
     else launch_decode<T, FMT, 1, false>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+  } else if (k.rfind("wgmma_ws_", 0) == 0) {
+    const QuantGemmParams& q = plan.params;
+    TORCH_CHECK((q.tile_m == 64u || q.tile_m == 128u || q.tile_m == 256u) && q.tile_n == u32(kWsTileN) &&
+                    q.K % TM_CUDA_WGMMA_K_STEP == 0 && q.k_slice_len % TM_CUDA_WGMMA_K_STEP == 0 &&
+                    q.group_size % TM_CUDA_WGMMA_K_STEP == 0 && plan.grid[0] == q.m_tiles &&
+                    plan.grid[1] == q.n_tiles && plan.grid[2] == q.k_parallel && plan.threads[0] == u32(kWsThreads) &&
+                    (q.k_parallel == 1 ||
+                     (plan.reduce_kernel == "cluster_reduce" && q.k_parallel <= TM_CUDA_WGMMA_MAX_SLICES)),
+                "torch_marlin: bad wgmma_ws plan");
+    if (q.tile_m == 64u) launch_wgmma_ws<T, FMT, 64>(plan, Np, pA, pB, pS, pZ, pbias, pC, stream);
+    else if (q.tile_m == 128u) launch_wgmma_ws<T, FMT, 128>(plan, Np, pA, pB, pS, pZ, pbias, pC, stream);
+    else launch_wgmma_ws<T, FMT, 256>(plan, Np, pA, pB, pS, pZ, pbias, pC, stream);
   } else if (k.rfind("wgmma_", 0) == 0) {
     const QuantGemmParams& q = plan.params;
     const bool wide = q.tile_m == 128u && q.tile_n == TM_CUDA_WGMMA_WIDE_TILE_N;

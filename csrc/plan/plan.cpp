@@ -1,6 +1,7 @@
 #include "plan/plan.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <stdexcept>
 
 namespace torch_marlin {
@@ -13,6 +14,7 @@ const char* variant_name(GemmVariant v) {
     case GemmVariant::TiledStaged: return "tiled_staged";
     case GemmVariant::Striped: return "striped";
     case GemmVariant::DequantBlas: return "dequant_blas";
+    case GemmVariant::WarpSpecialized: return "warp_specialized";
   }
   return "?";
 }
@@ -130,6 +132,13 @@ uint32_t cuda_wgmma_tile_n(int64_t M, int64_t K, int64_t N, int64_t slots) {
   return slices(TM_CUDA_WGMMA_WIDE_TILE_N) <= slices(TM_CUDA_WGMMA_TILE_N) ? TM_CUDA_WGMMA_WIDE_TILE_N
                                                                            : TM_CUDA_WGMMA_TILE_N;
 }
+// Warp-specialized wgmma kernel (wgmma_ws): whole 64-k stages under one scale row; the activation
+// rows are wgmma's n dimension, 64, 128 or 256 of them a tile.
+bool cuda_wgmma_ws_shape_ok(int64_t K, int64_t group_size) {
+  return K % TM_CUDA_WGMMA_K_STEP == 0 && group_size % TM_CUDA_WGMMA_K_STEP == 0;
+}
+uint32_t cuda_wgmma_ws_tile_m(int64_t M) { return M <= 64 ? 64 : (M <= 128 ? 128 : 256); }
+
 bool cuda_wgmma_pays(int64_t M, int64_t K, int64_t N, int64_t group_size, const DeviceCaps& caps) {
   if (!caps.wgmma || !cuda_wgmma_shape_ok(K, group_size)) return false;
   if (M <= kCudaWgmmaMinM || M > kCudaWgmmaMaxM) return false;
@@ -305,6 +314,22 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     p.threads[0] = TM_CUDA_WGMMA_THREADS;
     stem = "wgmma";
     cluster_slices = true;
+  } else if (p.variant == GemmVariant::WarpSpecialized) {
+    // wgmma_ws (sm_90a): 128 weight columns x 64/128/256 activation rows a block, 1 block per SM;
+    // K slices as for the wgmma kernel.
+    if (!caps.wgmma) {
+      throw std::invalid_argument("plan_quant_gemm: the CUDA warp_specialized (wgmma_ws) kernel needs an sm_90a "
+                                  "build on a compute capability 9.0 device");
+    }
+    if (!cuda_wgmma_ws_shape_ok(K, p.params.group_size)) {
+      throw std::invalid_argument("plan_quant_gemm: the CUDA warp_specialized (wgmma_ws) kernel needs K % 64 == 0 "
+                                  "and group_size % 64 == 0");
+    }
+    set_tiles(p, M, N, cuda_wgmma_ws_tile_m(M), TM_CUDA_WGMMA_WS_TILE_N);
+    set_cuda_tile_grid(p, K, caps.compute_units, kCudaWgmmaSlices);
+    p.threads[0] = TM_CUDA_WGMMA_WS_THREADS;
+    stem = "wgmma_ws";
+    cluster_slices = true;
   } else if (p.variant == GemmVariant::DequantBlas) {
     // Column panels of B are dequantized into a [K, tile_n] workspace in the activation dtype and
     // cuBLAS multiplies A by each into C's columns. One panel holds all of N unless that exceeds
@@ -375,6 +400,12 @@ GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, in
   p.params.has_bias = has_bias ? 1u : 0u;
   p.params.k_parallel = 1;
 
+  const char* exp_force = std::getenv("TM_EXP_FORCE");  // EXPERIMENT ONLY: removed before landing
+  if (force == GemmVariant::Auto && exp_force != nullptr && caps.backend == Backend::CUDA && dtype != DType::F32) {
+    const std::string e = exp_force;
+    force = e == "ws" ? GemmVariant::WarpSpecialized : e == "ss" ? GemmVariant::Tiled : e == "decode" ? GemmVariant::Decode
+          : e == "blas" ? GemmVariant::DequantBlas : GemmVariant::Auto;
+  }
   if (force != GemmVariant::Auto) {
     p.variant = force;
   } else if (caps.backend == Backend::CUDA && dtype != DType::F32 && cuda_wgmma_pays(M, K, N, group_size, caps)) {
@@ -389,6 +420,9 @@ GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, in
     p.variant = GemmVariant::DequantBlas;
   } else {
     p.variant = GemmVariant::Tiled;
+  }
+  if (p.variant == GemmVariant::WarpSpecialized && (caps.backend != Backend::CUDA || dtype == DType::F32)) {
+    throw std::invalid_argument("plan_quant_gemm: the warp_specialized variant is CUDA fp16/bf16 only");
   }
   if (p.variant == GemmVariant::DequantBlas && (caps.backend != Backend::CUDA || dtype == DType::F32)) {
     throw std::invalid_argument("plan_quant_gemm: the dequant_blas variant is CUDA fp16/bf16 only");

@@ -42,6 +42,8 @@ enum class GemmVariant : int {
   Striped,      // 1-D grid, column-major stripes over the tile space, K-parallel slices
   DequantBlas,  // CUDA, large M: dequantize column panels of B into a workspace and multiply each
                 // with cuBLAS (the CPU's Tiled variant is the same idea with MKL)
+  WarpSpecialized,  // CUDA sm_90a: a TMA producer warpgroup and two consumer warpgroups that
+                    // dequantize into wgmma's register A operand (wgmma_ws)
 };
 
 constexpr int64_t kDecodeMaxM = 16;

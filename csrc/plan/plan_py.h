@@ -43,7 +43,8 @@ inline GemmVariant parse_variant(const std::string& s) {
                                   {"tiled", GemmVariant::Tiled},
                                   {"tiled_staged", GemmVariant::TiledStaged},
                                   {"striped", GemmVariant::Striped},
-                                  {"dequant_blas", GemmVariant::DequantBlas}},
+                                  {"dequant_blas", GemmVariant::DequantBlas},
+                                  {"warp_specialized", GemmVariant::WarpSpecialized}},
                                  "variant");
 }
 

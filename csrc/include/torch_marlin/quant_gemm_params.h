@@ -40,8 +40,14 @@ TM_NAMESPACE_BEGIN
 #define TM_CUDA_WGMMA_WIDE_TILE_N 256u
 #define TM_CUDA_WGMMA_K_STEP 64u
 #define TM_CUDA_WGMMA_THREADS 256u
-// Most K slices of the wgmma kernel: they always reduce through a thread-block cluster (sm_90a).
+// Most K slices of the wgmma kernels: they always reduce through a thread-block cluster (sm_90a).
 #define TM_CUDA_WGMMA_MAX_SLICES 4u
+// ---- CUDA warp-specialized wgmma kernel (wgmma_ws, sm_90a) -------------------------------------
+// A producer warpgroup (TMA) and two consumer warpgroups over TM_CUDA_WGMMA_WS_TILE_N weight
+// columns and 64, 128 or 256 activation rows; stages of TM_CUDA_WGMMA_K_STEP k under one scale
+// row (group_size a multiple of 64).
+#define TM_CUDA_WGMMA_WS_TILE_N 128u
+#define TM_CUDA_WGMMA_WS_THREADS 384u
 
 // ---- Launch parameters -------------------------------------------------------------------------
 struct QuantGemmParams {

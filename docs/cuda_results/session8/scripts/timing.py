@@ -1,0 +1,32 @@
+"""Shared by the session-8 experiment scripts (a copy of session 7's): one CUDA-event-timed call after an L2 flush, median
+of `reps` after 3 warm-ups (the same timing as scripts/bench_cuda.py)."""
+import statistics
+
+import torch
+
+
+def memset_flush():
+    """The benchmark's flush: write 256 MB (evicts the 50 MB L2)."""
+    buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    return buf.zero_
+
+
+def read_flush():
+    """Evict the L2 by reading 256 MB instead, leaving clean lines behind."""
+    words = torch.ones(64 << 20, dtype=torch.int32, device="cuda")
+    return words.amax
+
+
+def timed(fn, flush, reps=11):
+    for _ in range(3):
+        fn()
+    ts = []
+    for _ in range(reps):
+        flush()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(ts)  # us
