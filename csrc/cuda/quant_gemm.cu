@@ -43,6 +43,7 @@
 #include <cudaTypedefs.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 #include <atomic>
 #include <map>
@@ -1254,7 +1255,7 @@ __device__ __forceinline__ void rs_fragment(u32 (&a)[4], u32 x, typename Tr<T>::
   }
 }
 
-template <typename T, u32 FMT, int BN, bool kCluster>
+template <typename T, u32 FMT, int BN, bool kCluster, int kSets>
 __global__ void __launch_bounds__(kWsThreads, 1)
     wgmma_ws_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                     const __grid_constant__ CUtensorMap tmap_s, const __grid_constant__ CUtensorMap tmap_z,
@@ -1313,9 +1314,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     const int wg = warp >> 2, w = warp & 3, g = lane >> 2, t = lane & 3;
     const int col = 64 * wg + 16 * w + 2 * g;  // this lane's column pair within the tile
     const u32 sel = u32(t) | (u32(t + 4) << 4);  // byte t of each of two words
-    float acc[BN / 2];
+    float acc_sets[kSets][BN / 2];
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    for (int a = 0; a < kSets; ++a)
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc_sets[a][i] = 0.f;
+    float (&acc)[BN / 2] = acc_sets[0];
     u32 frag[2][4][4];
     // Loads and dequantizes stage s into fragment set F (after waiting for its TMA copies).
     auto load_stage = [&](int s, u32 (&fr)[4][4]) {
@@ -1346,13 +1350,17 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     auto issue_stage = [&](int s, const u32 (&fr)[4][4]) {
       const uint64_t ds = desc0 + ((u32(s % kS) * u32(L::kStage)) >> 4);
 #pragma unroll
-      for (int i = 0; i < BN / 2; ++i) wg_pin(acc[i]);
+      for (int a = 0; a < kSets; ++a)
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) wg_pin(acc_sets[a][i]);
       wg_fence();
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) wgmma_rs<T, BN>(acc, fr[ks], ds + ((32u * u32(ks)) >> 4));
+      for (int ks = 0; ks < 4; ++ks) wgmma_rs<T, BN>(acc_sets[ks % kSets], fr[ks], ds + ((32u * u32(ks)) >> 4));
       wg_commit();
 #pragma unroll
-      for (int i = 0; i < BN / 2; ++i) wg_pin(acc[i]);
+      for (int a = 0; a < kSets; ++a)
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) wg_pin(acc_sets[a][i]);
     };
     // Stage s runs on fragment set s & 1; the set of s + 1 was read by stage s - 1, retired by the
     // wait below before it is overwritten.
@@ -1369,7 +1377,13 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     }
     wg_wait<0>();
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) wg_pin(acc[i]);
+    for (int a = 0; a < kSets; ++a)
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) wg_pin(acc_sets[a][i]);
+#pragma unroll
+    for (int a = 1; a < kSets; ++a)
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[i] += acc_sets[a][i];
 
     // acc[4 j + 2 e + f]: tile column col + e, activation row m0 + 8 j + 2 t + f.
     if constexpr (kCluster) {
@@ -1565,10 +1579,10 @@ void launch_wgmma(const GemmPlan& plan, u32 Np, const T* A, const u32* B, const 
 // wgmma_ws: TMA descriptors of the activations, packed weights (8 packed rows x 128 columns),
 // scales and zero points (one row of 128 columns); the padded weights are 16-byte aligned with Np a
 // multiple of 16 (padded_weights), as TMA needs.
-template <typename T, u32 FMT, int BN, bool kCluster>
+template <typename T, u32 FMT, int BN, bool kCluster, int kSets>
 void launch_wgmma_ws_as(const GemmPlan& plan, const CUtensorMap (&maps)[4], const T* bias, T* C, cudaStream_t stream) {
   constexpr int kSmem = WsSmem<BN>::kBytes;
-  auto* kernel = wgmma_ws_kernel<T, FMT, BN, kCluster>;
+  auto* kernel = wgmma_ws_kernel<T, FMT, BN, kCluster, kSets>;
   static std::atomic<uint64_t> opted_in{0};
   opt_in_smem(kernel, kSmem, opted_in);
   launch_tile_kernel<kCluster>(plan, kernel, kWsThreads, kSmem, stream, maps[0], maps[1], maps[2], maps[3], plan.params,
@@ -1589,10 +1603,13 @@ void launch_wgmma_ws(const GemmPlan& plan, int64_t Np, const T* A, const u32* B,
           ? tensor_map_2d(Z, CU_TENSOR_MAP_DATA_TYPE_UINT8, groups, Np, Np, 1, kWsTileN, CU_TENSOR_MAP_SWIZZLE_NONE)
           : tensor_map_2d(S, CU_TENSOR_MAP_DATA_TYPE_UINT16, groups, Np, Np * 2, 1, kWsTileN,
                           CU_TENSOR_MAP_SWIZZLE_NONE)};  // unused by FP4
+  const bool split = BN <= 128 && std::getenv("TM_EXP_ACC") != nullptr;  // EXPERIMENT ONLY
   if (plan.reduce_kernel == "cluster_reduce") {
-    launch_wgmma_ws_as<T, FMT, BN, true>(plan, maps, bias, C, stream);
+    if (split) launch_wgmma_ws_as<T, FMT, BN, true, BN <= 128 ? 2 : 1>(plan, maps, bias, C, stream);
+    else launch_wgmma_ws_as<T, FMT, BN, true, 1>(plan, maps, bias, C, stream);
   } else {
-    launch_wgmma_ws_as<T, FMT, BN, false>(plan, maps, bias, C, stream);
+    if (split) launch_wgmma_ws_as<T, FMT, BN, false, BN <= 128 ? 2 : 1>(plan, maps, bias, C, stream);
+    else launch_wgmma_ws_as<T, FMT, BN, false, 1>(plan, maps, bias, C, stream);
   }
 }
 

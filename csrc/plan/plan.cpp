@@ -263,6 +263,10 @@ void plan_metal(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTy
 // slices), row tiles fastest so they share each column tile's weights in L2.
 void set_cuda_tile_grid(GemmPlan& p, int64_t K, int64_t slots, const CudaSliceRule& rule) {
   const int64_t tiles = int64_t(p.params.m_tiles) * p.params.n_tiles;
+  const char* exp_kp = std::getenv("TM_EXP_KP");  // EXPERIMENT ONLY: removed before landing
+  if (exp_kp != nullptr) {
+    set_k_parallel(p, K, uint32_t(std::atoi(exp_kp)), rule.k_step);
+  } else
   set_k_parallel(p, K, uint32_t(cuda_tile_slices(tiles, K, slots, rule)), rule.k_step);
   p.grid[0] = p.params.m_tiles;
   p.grid[1] = p.params.n_tiles;

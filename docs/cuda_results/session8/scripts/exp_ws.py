@@ -2,8 +2,9 @@
 experiment switch TM_EXP_FORCE (plan.cpp, work in progress only), checked against the reference,
 then timed against cuBLAS fp16 and whatever the planner picks without the switch.
 
-    python docs/cuda_results/session8/scripts/exp_ws.py check
+    python docs/cuda_results/session8/scripts/exp_ws.py check [FORCE]
     python docs/cuda_results/session8/scripts/exp_ws.py time TAG [M,M,...] [FORCE,FORCE,...]
+FORCE: auto, or KERNEL[+acc][+kpN] (set_force).
 """
 import os
 import sys
@@ -26,9 +27,25 @@ CHECKS = [(1, 512, 256, 64), (17, 1024, 1000, 128), (64, 4096, 4096, 128), (100,
           (129, 512, 8200, 256), (64, 8192, 200, 128)]
 
 
-def check():
+def set_force(force):
+    """auto, or KERNEL[+acc][+kpN]: TM_EXP_FORCE=KERNEL, TM_EXP_ACC (two accumulator sets),
+    TM_EXP_KP=N (K slices)."""
+    for k in ("TM_EXP_FORCE", "TM_EXP_ACC", "TM_EXP_KP"):
+        os.environ.pop(k, None)
+    if force == "auto":
+        return
+    kernel, *opts = force.split("+")
+    os.environ["TM_EXP_FORCE"] = kernel
+    for o in opts:
+        if o == "acc":
+            os.environ["TM_EXP_ACC"] = "1"
+        elif o.startswith("kp"):
+            os.environ["TM_EXP_KP"] = o[2:]
+
+
+def check(force="ws"):
     import test_cuda  # noqa: E402  (the tests' reference and tolerances)
-    os.environ["TM_EXP_FORCE"] = "ws"
+    set_force(force)
     bad = 0
     for fmt in ("fp4", "u4"):
         for dtype in (torch.float16, torch.bfloat16):
@@ -56,10 +73,7 @@ def time_shapes(tag, ms, forces):
             tc = timed(lambda: F.linear(A, W16), flush)
             parts = [f"{tag} K={K} N={N} M={M}: cublas {tc:.1f}"]
             for force in forces:
-                if force == "auto":
-                    os.environ.pop("TM_EXP_FORCE", None)
-                else:
-                    os.environ["TM_EXP_FORCE"] = force
+                set_force(force)
                 try:
                     plan = torch_marlin.plan_gemm("fp4", M, K, N, 128, dtype=torch.float16, device="cuda")
                     tf = timed(lambda: torch.ops.marlin.gemm_fp4(A, B, s, 128), flush)
@@ -67,7 +81,7 @@ def time_shapes(tag, ms, forces):
                                  f"kp={plan['k_parallel']}] {tf:.1f} ({tc / tf:.2f}x)")
                 except Exception as e:  # noqa: BLE001
                     parts.append(f"{force} ERR {str(e)[:80]}")
-            os.environ.pop("TM_EXP_FORCE", None)
+            set_force("auto")
             print(" | ".join(parts), flush=True)
         del B, s, W16
         torch.cuda.empty_cache()
@@ -76,7 +90,7 @@ def time_shapes(tag, ms, forces):
 if __name__ == "__main__":
     try:
         if sys.argv[1] == "check":
-            check()
+            check(sys.argv[2] if len(sys.argv) > 2 else "ws")
         else:
             ms = [int(v) for v in (sys.argv[3] if len(sys.argv) > 3 else "16,32,64,128,256,1024").split(",")]
             forces = (sys.argv[4] if len(sys.argv) > 4 else "auto,ws").split(",")
