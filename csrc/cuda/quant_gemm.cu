@@ -1148,12 +1148,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 // ---------------------------------------------------------------------------------------------
 // C^T = W^T A^T: the dequantized weights are wgmma's A operand straight from registers (64 weight
 // columns = the m64 rows of one warpgroup), the activations its B operand from shared memory (the
-// n dimension: BN = 64, 128 or 256 rows of A). A block is one producer warp and two consumer
-// warpgroups over a 128-column x BN-row output tile, one block per SM.
-//  - The producer warp (one lane) keeps a kStages-deep ring of 64-k stages full by TMA: the
-//    activation box (BN rows x 64 k, 128-byte swizzle: wgmma's canonical K-major layout), the
-//    packed-weight box (8 packed rows x 128 columns), the stage's scale row and (U4) zero-point row,
-//    all completing on the slot's "full" mbarrier; it refills a slot once all 8 consumer warps have
+// n dimension: BN = 64, 128 or 256 rows of A). A block is one producer warpgroup and NC = 2, 3 or 4
+// consumer warpgroups over a 64 NC-column x BN-row output tile, one block per SM.
+//  - One producer thread keeps a kStages-deep ring of 64-k stages full by TMA: the activation box
+//    (BN rows x 64 k, 128-byte swizzle: wgmma's canonical K-major layout), the packed-weight box
+//    (8 packed rows x 64 NC columns) and the two scale (and U4 zero-point) rows the stage can touch,
+//    all completing on the slot's "full" mbarrier; it refills a slot once every consumer warp has
 //    arrived on its "empty" mbarrier.
 //  - A consumer lane (g, t) of warp w holds the A rows 16 w + g and 16 w + g + 8 of its warpgroup.
 //    The order of the m64 rows is free (it only decides where each output lands), so those two rows
@@ -1164,25 +1164,29 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 //  - No shared-memory store of dequantized weights, no fence and no block barrier per stage: the
 //    consumers dequantize stage s + 1 into the other of two register fragment sets while stage s's
 //    wgmmas run, and wait only for the full barrier and their own wgmma groups.
-// Tile: 128 weight columns x BN activation rows; K slices (cluster dims (1, 1, k_parallel)) sum
-// through wgmma_cluster_reduce. The stage needs group_size % 64 == 0 (one scale row a stage).
-constexpr int kWsConsumerThreads = 256;  // two warpgroups
-// + a producer warpgroup: setmaxnreg moves registers between whole warpgroups (3 warps a
-// scheduler: the producer's 40 + two consumers' 232 fill the 512 a lane has).
-constexpr int kWsThreads = kWsConsumerThreads + 128;
-static_assert(kWsThreads == int(TM_CUDA_WGMMA_WS_THREADS), "params header");
-constexpr u32 kWsProducerRegs = 40, kWsConsumerRegs = 232;
-constexpr int kWsTileN = int(TM_CUDA_WGMMA_WS_TILE_N);  // 64 weight columns a consumer warpgroup
-template <int BN>
+// K slices (cluster dims (1, 1, k_parallel)) sum through wgmma_cluster_reduce. group_size % 32 == 0:
+// a 64-k stage spans at most two groups, and a group boundary inside it can only fall at k0 + 32.
+constexpr int kWsMaxConsumers = int(TM_CUDA_WGMMA_WS_MAX_TILE_N) / 64;
+// setmaxnreg moves registers between whole warpgroups: per scheduler the producer's warp keeps 40
+// and each consumer warp gets what is left of the 512 registers a lane has there.
+constexpr u32 kWsProducerRegs = 40;
+template <int NC>
+constexpr u32 ws_consumer_regs() {
+  return NC == 2 ? 232u : (NC == 3 ? 152u : 112u);
+}
+template <int BN, int NC>
 struct WsSmem {
   static_assert(BN == 64 || BN == 128 || BN == 256, "wgmma n of 64, 128 or 256 activation rows");
-  static constexpr int kA = BN * kWgKStep * 2;           // activation box: BN rows of 128 bytes
-  static constexpr int kW = (kWgKStep / 8) * kWsTileN * 4;  // 8 packed rows x 128 columns
-  static constexpr int kS = kWsTileN * 2;                 // one scale row
-  static constexpr int kZ = kWsTileN;                     // one zero-point row (U4)
+  static_assert(NC >= 2 && NC <= kWsMaxConsumers && (BN < 256 || NC == 2) && (BN < 128 || NC <= 3),
+                "consumer registers (ws_consumer_regs) for BN / 2 accumulators");
+  static constexpr int kTN = 64 * NC;                      // weight columns of a block
+  static constexpr int kA = BN * kWgKStep * 2;             // activation box: BN rows of 128 bytes
+  static constexpr int kW = (kWgKStep / 8) * kTN * 4;      // 8 packed rows x kTN columns
+  static constexpr int kS = 2 * kTN * 2;                   // two scale rows
+  static constexpr int kZ = 2 * kTN;                       // two zero-point rows (U4)
   static constexpr int kStage = (kA + kW + kS + kZ + 1023) / 1024 * 1024;  // 1024-aligned swizzle atoms
   static constexpr int kStages = (200 * 1024) / kStage < 8 ? (200 * 1024) / kStage : 8;
-  static constexpr int kPart = BN * kWsTileN * 4;         // fp32 partial tile of the K-slice epilogue
+  static constexpr int kPart = BN * kTN * 4;               // fp32 partial tile of the K-slice epilogue
   static constexpr int kBytes = (kStages * kStage > kPart ? kStages * kStage : kPart) + 1024;
   static_assert(kStages >= 4 && kBytes <= 227 * 1024, "shared-memory budget");
 };
@@ -1255,18 +1259,18 @@ __device__ __forceinline__ void rs_fragment(u32 (&a)[4], u32 x, typename Tr<T>::
   }
 }
 
-template <typename T, u32 FMT, int BN, bool kCluster, int kSets>
-__global__ void __launch_bounds__(kWsThreads, 1)
+template <typename T, u32 FMT, int BN, int NC, bool kCluster>
+__global__ void __launch_bounds__(128 * (NC + 1), 1)
     wgmma_ws_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                     const __grid_constant__ CUtensorMap tmap_s, const __grid_constant__ CUtensorMap tmap_z,
                     QuantGemmParams p, const T* __restrict__ bias, T* __restrict__ C) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using L = WsSmem<BN>;
+  using L = WsSmem<BN, NC>;
   using T2 = typename Tr<T>::T2;
-  constexpr int kS = L::kStages;
+  constexpr int kS = L::kStages, kTN = L::kTN, kConsumers = 128 * NC;
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const u32 m0 = blockIdx.x * u32(BN), n0 = blockIdx.y * u32(kWsTileN);
+  const u32 m0 = blockIdx.x * u32(BN), n0 = blockIdx.y * u32(kTN);
   const u32 k_begin = blockIdx.z * p.k_slice_len;
   const u32 k_end = min(p.K, k_begin + p.k_slice_len);
   const int n_stages = int((k_end - k_begin) / u32(kWgKStep));  // multiples of 64 (planner)
@@ -1280,16 +1284,17 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #pragma unroll
     for (int i = 0; i < kS; ++i) {
       mbar_init(full_base + 8u * i, 1u);
-      mbar_init(empty_base + 8u * i, kWsConsumerThreads / 32);  // every consumer warp
+      mbar_init(empty_base + 8u * i, u32(kConsumers / 32));  // every consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
 
-  if (warp >= kWsConsumerThreads / 32) {
-    // Producer: stage s into slot s % kS once the consumers released its previous use.
+  if (tid >= kConsumers) {
+    // Producer warpgroup: one thread puts stage s into slot s % kS once the consumers released the
+    // slot's previous stage.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
-    if (tid == kWsConsumerThreads) {
+    if (tid == kConsumers) {
       constexpr u32 kTx = u32(L::kA + L::kW + L::kS + (FMT == TM_FORMAT_U4 ? L::kZ : 0));
       for (int s = 0; s < n_stages; ++s) {
         const int slot = s % kS;
@@ -1299,7 +1304,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         mbar_expect_tx(bar, kTx);
         tma_load_2d(dst, &tmap_a, k0, m0, bar);
         tma_load_2d(dst + L::kA, &tmap_b, n0, k0 / 8u, bar);
-        tma_load_2d(dst + L::kA + L::kW, &tmap_s, n0, grp, bar);
+        tma_load_2d(dst + L::kA + L::kW, &tmap_s, n0, grp, bar);  // rows grp, grp + 1
         if constexpr (FMT == TM_FORMAT_U4) tma_load_2d(dst + L::kA + L::kW + L::kS, &tmap_z, n0, grp, bar);
       }
     }
@@ -1310,38 +1315,45 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     }
   } else {
     // Consumer warpgroup wg, warp w: A rows 16 w + g (+ 8) = tile columns 64 wg + 16 w + 2 g (+ 1).
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWsConsumerRegs));
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(ws_consumer_regs<NC>()));
     const int wg = warp >> 2, w = warp & 3, g = lane >> 2, t = lane & 3;
     const int col = 64 * wg + 16 * w + 2 * g;  // this lane's column pair within the tile
     const u32 sel = u32(t) | (u32(t + 4) << 4);  // byte t of each of two words
-    float acc_sets[kSets][BN / 2];
+    float acc[BN / 2];
 #pragma unroll
-    for (int a = 0; a < kSets; ++a)
-#pragma unroll
-      for (int i = 0; i < BN / 2; ++i) acc_sets[a][i] = 0.f;
-    float (&acc)[BN / 2] = acc_sets[0];
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
     u32 frag[2][4][4];
-    // Loads and dequantizes stage s into fragment set F (after waiting for its TMA copies).
+    // Where this thread's next load_stage starts within its group (stages are loaded in order).
+    u32 k_in_group = k_begin % p.group_size;
+    // Waits for stage s and dequantizes it into fragment set fr. The stage's k16 steps 2 and 3
+    // use the second scale row when a group ends at k0 + 32 (group_size % 64 == 32).
     auto load_stage = [&](int s, u32 (&fr)[4][4]) {
       const int slot = s % kS;
       mbar_wait(full_base + 8u * slot, u32(s / kS) & 1u);
       const unsigned char* st = sm + slot * L::kStage;
       uint2 wd[8];
 #pragma unroll
-      for (int r = 0; r < 8; ++r) wd[r] = *reinterpret_cast<const uint2*>(st + L::kA + (r * kWsTileN + col) * 4);
-      const u32 sp = *reinterpret_cast<const u32*>(st + L::kA + L::kW + col * 2);
-      const T2 s0 = as_t2<T2>(prmt(sp, sp, 0x1010)), s1 = as_t2<T2>(prmt(sp, sp, 0x3232));
-      ColQ<T> qp;
-      if constexpr (FMT == TM_FORMAT_U4) {
-        const u32 zp = *reinterpret_cast<const unsigned short*>(st + L::kA + L::kW + L::kS + col);
-        qp.s2 = as_t2<T2>(sp);
-        qp.z2.x = Tr<T>::from_f(Tr<T>::kMagicF + float(zp & 0xFFu));
-        qp.z2.y = Tr<T>::from_f(Tr<T>::kMagicF + float(zp >> 8));
-      }
+      for (int r = 0; r < 8; ++r) wd[r] = *reinterpret_cast<const uint2*>(st + L::kA + (r * kTN + col) * 4);
+      const int row2 = k_in_group + 32u == p.group_size ? 1 : 0;  // scale row of k16 steps 2, 3
+      k_in_group += u32(kWgKStep);
+      while (k_in_group >= p.group_size) k_in_group -= p.group_size;
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        const u32 c0 = prmt(wd[2 * ks].x, wd[2 * ks + 1].x, sel), c1 = prmt(wd[2 * ks].y, wd[2 * ks + 1].y, sel);
-        rs_fragment<T, FMT>(fr[ks], prmt(c0, c1, 0x5410), s0, s1, qp);
+      for (int half = 0; half < 2; ++half) {
+        const int row = half == 0 ? 0 : row2;
+        const u32 sp = *reinterpret_cast<const u32*>(st + L::kA + L::kW + (row * kTN + col) * 2);
+        const T2 s0 = as_t2<T2>(prmt(sp, sp, 0x1010)), s1 = as_t2<T2>(prmt(sp, sp, 0x3232));
+        ColQ<T> qp;
+        if constexpr (FMT == TM_FORMAT_U4) {
+          const u32 zp = *reinterpret_cast<const unsigned short*>(st + L::kA + L::kW + L::kS + row * kTN + col);
+          qp.s2 = as_t2<T2>(sp);
+          qp.z2.x = Tr<T>::from_f(Tr<T>::kMagicF + float(zp & 0xFFu));
+          qp.z2.y = Tr<T>::from_f(Tr<T>::kMagicF + float(zp >> 8));
+        }
+#pragma unroll
+        for (int ks = 2 * half; ks < 2 * half + 2; ++ks) {
+          const u32 c0 = prmt(wd[2 * ks].x, wd[2 * ks + 1].x, sel), c1 = prmt(wd[2 * ks].y, wd[2 * ks + 1].y, sel);
+          rs_fragment<T, FMT>(fr[ks], prmt(c0, c1, 0x5410), s0, s1, qp);
+        }
       }
     };
     // SW128 K-major B descriptor of slot 0 (8-row atoms 1024 bytes apart); k16 step ks starts 32 ks
@@ -1350,17 +1362,13 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     auto issue_stage = [&](int s, const u32 (&fr)[4][4]) {
       const uint64_t ds = desc0 + ((u32(s % kS) * u32(L::kStage)) >> 4);
 #pragma unroll
-      for (int a = 0; a < kSets; ++a)
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) wg_pin(acc_sets[a][i]);
+      for (int i = 0; i < BN / 2; ++i) wg_pin(acc[i]);
       wg_fence();
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) wgmma_rs<T, BN>(acc_sets[ks % kSets], fr[ks], ds + ((32u * u32(ks)) >> 4));
+      for (int ks = 0; ks < 4; ++ks) wgmma_rs<T, BN>(acc, fr[ks], ds + ((32u * u32(ks)) >> 4));
       wg_commit();
 #pragma unroll
-      for (int a = 0; a < kSets; ++a)
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) wg_pin(acc_sets[a][i]);
+      for (int i = 0; i < BN / 2; ++i) wg_pin(acc[i]);
     };
     // Stage s runs on fragment set s & 1; the set of s + 1 was read by stage s - 1, retired by the
     // wait below before it is overwritten.
@@ -1377,26 +1385,20 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     }
     wg_wait<0>();
 #pragma unroll
-    for (int a = 0; a < kSets; ++a)
-#pragma unroll
-      for (int i = 0; i < BN / 2; ++i) wg_pin(acc_sets[a][i]);
-#pragma unroll
-    for (int a = 1; a < kSets; ++a)
-#pragma unroll
-      for (int i = 0; i < BN / 2; ++i) acc[i] += acc_sets[a][i];
+    for (int i = 0; i < BN / 2; ++i) wg_pin(acc[i]);
 
     // acc[4 j + 2 e + f]: tile column col + e, activation row m0 + 8 j + 2 t + f.
     if constexpr (kCluster) {
-      // The partial tile goes where the ring was: both warpgroups must be done with it.
-      asm volatile("bar.sync 1, %0;\n" ::"n"(kWsConsumerThreads) : "memory");
+      // The partial tile goes where the ring was: every consumer warpgroup must be done with it.
+      asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumers) : "memory");
       float* part = reinterpret_cast<float*>(sm);
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
         for (int f = 0; f < 2; ++f)
-          *reinterpret_cast<float2*>(part + (8 * j + 2 * t + f) * kWsTileN + col) =
+          *reinterpret_cast<float2*>(part + (8 * j + 2 * t + f) * kTN + col) =
               make_float2(acc[4 * j + f], acc[4 * j + 2 + f]);
-      wgmma_cluster_reduce<T, kWsTileN>(p, part, u32(BN), m0, n0, bias, C, u32(tid), u32(kWsConsumerThreads));
+      wgmma_cluster_reduce<T, kTN>(p, part, u32(BN), m0, n0, bias, C, u32(tid), u32(kConsumers));
     } else {
       const u32 c = n0 + u32(col);
       if (c >= p.N) return;
@@ -1576,40 +1578,38 @@ void launch_wgmma(const GemmPlan& plan, u32 Np, const T* A, const u32* B, const 
   }
 }
 
-// wgmma_ws: TMA descriptors of the activations, packed weights (8 packed rows x 128 columns),
-// scales and zero points (one row of 128 columns); the padded weights are 16-byte aligned with Np a
-// multiple of 16 (padded_weights), as TMA needs.
-template <typename T, u32 FMT, int BN, bool kCluster, int kSets>
+// wgmma_ws: TMA descriptors of the activations, packed weights (8 packed rows x 64 NC columns),
+// scales and zero points (two rows of 64 NC columns); the padded weights are 16-byte aligned with Np
+// a multiple of 16 (padded_weights), as TMA needs.
+template <typename T, u32 FMT, int BN, int NC, bool kCluster>
 void launch_wgmma_ws_as(const GemmPlan& plan, const CUtensorMap (&maps)[4], const T* bias, T* C, cudaStream_t stream) {
-  constexpr int kSmem = WsSmem<BN>::kBytes;
-  auto* kernel = wgmma_ws_kernel<T, FMT, BN, kCluster, kSets>;
+  constexpr int kSmem = WsSmem<BN, NC>::kBytes;
+  auto* kernel = wgmma_ws_kernel<T, FMT, BN, NC, kCluster>;
   static std::atomic<uint64_t> opted_in{0};
   opt_in_smem(kernel, kSmem, opted_in);
-  launch_tile_kernel<kCluster>(plan, kernel, kWsThreads, kSmem, stream, maps[0], maps[1], maps[2], maps[3], plan.params,
-                               bias, C);
+  launch_tile_kernel<kCluster>(plan, kernel, u32(128 * (NC + 1)), kSmem, stream, maps[0], maps[1], maps[2], maps[3],
+                               plan.params, bias, C);
 }
 
-template <typename T, u32 FMT, int BN>
+template <typename T, u32 FMT, int BN, int NC>
 void launch_wgmma_ws(const GemmPlan& plan, int64_t Np, const T* A, const u32* B, const T* S, const uint8_t* Z,
                      const T* bias, T* C, cudaStream_t stream) {
   const QuantGemmParams& q = plan.params;
   const int64_t groups = q.K / q.group_size;
+  constexpr int kTN = 64 * NC;
   const CUtensorMap maps[4] = {
       activation_tensor_map<T>(A, q.M, q.K, BN),
-      tensor_map_2d(B, CU_TENSOR_MAP_DATA_TYPE_UINT32, q.K / 8, Np, Np * 4, kWgKStep / 8, kWsTileN,
+      tensor_map_2d(B, CU_TENSOR_MAP_DATA_TYPE_UINT32, q.K / 8, Np, Np * 4, kWgKStep / 8, kTN,
                     CU_TENSOR_MAP_SWIZZLE_NONE),
-      tensor_map_2d(S, CU_TENSOR_MAP_DATA_TYPE_UINT16, groups, Np, Np * 2, 1, kWsTileN, CU_TENSOR_MAP_SWIZZLE_NONE),
+      tensor_map_2d(S, CU_TENSOR_MAP_DATA_TYPE_UINT16, groups, Np, Np * 2, 2, kTN, CU_TENSOR_MAP_SWIZZLE_NONE),
       FMT == TM_FORMAT_U4
-          ? tensor_map_2d(Z, CU_TENSOR_MAP_DATA_TYPE_UINT8, groups, Np, Np, 1, kWsTileN, CU_TENSOR_MAP_SWIZZLE_NONE)
-          : tensor_map_2d(S, CU_TENSOR_MAP_DATA_TYPE_UINT16, groups, Np, Np * 2, 1, kWsTileN,
+          ? tensor_map_2d(Z, CU_TENSOR_MAP_DATA_TYPE_UINT8, groups, Np, Np, 2, kTN, CU_TENSOR_MAP_SWIZZLE_NONE)
+          : tensor_map_2d(S, CU_TENSOR_MAP_DATA_TYPE_UINT16, groups, Np, Np * 2, 2, kTN,
                           CU_TENSOR_MAP_SWIZZLE_NONE)};  // unused by FP4
-  const bool split = BN <= 128 && std::getenv("TM_EXP_ACC") != nullptr;  // EXPERIMENT ONLY
   if (plan.reduce_kernel == "cluster_reduce") {
-    if (split) launch_wgmma_ws_as<T, FMT, BN, true, BN <= 128 ? 2 : 1>(plan, maps, bias, C, stream);
-    else launch_wgmma_ws_as<T, FMT, BN, true, 1>(plan, maps, bias, C, stream);
+    launch_wgmma_ws_as<T, FMT, BN, NC, true>(plan, maps, bias, C, stream);
   } else {
-    if (split) launch_wgmma_ws_as<T, FMT, BN, false, BN <= 128 ? 2 : 1>(plan, maps, bias, C, stream);
-    else launch_wgmma_ws_as<T, FMT, BN, false, 1>(plan, maps, bias, C, stream);
+    launch_wgmma_ws_as<T, FMT, BN, NC, false>(plan, maps, bias, C, stream);
   }
 }
 
@@ -1685,16 +1685,21 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
     else launch_decode<T, FMT, 1, false>(plan, np, gs_shift, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
   } else if (k.rfind("wgmma_ws_", 0) == 0) {
     const QuantGemmParams& q = plan.params;
-    TORCH_CHECK((q.tile_m == 64u || q.tile_m == 128u || q.tile_m == 256u) && q.tile_n == u32(kWsTileN) &&
+    const u32 nc = q.tile_n / 64u;
+    TORCH_CHECK((q.tile_m == 64u || q.tile_m == 128u || q.tile_m == 256u) && q.tile_n % 64u == 0 && nc >= 2u &&
+                    nc <= u32(kWsMaxConsumers) && (q.tile_m < 256u || nc == 2u) && (q.tile_m < 128u || nc <= 3u) &&
                     q.K % TM_CUDA_WGMMA_K_STEP == 0 && q.k_slice_len % TM_CUDA_WGMMA_K_STEP == 0 &&
-                    q.group_size % TM_CUDA_WGMMA_K_STEP == 0 && plan.grid[0] == q.m_tiles &&
-                    plan.grid[1] == q.n_tiles && plan.grid[2] == q.k_parallel && plan.threads[0] == u32(kWsThreads) &&
+                    q.group_size % 32u == 0 && plan.grid[0] == q.m_tiles && plan.grid[1] == q.n_tiles &&
+                    plan.grid[2] == q.k_parallel && plan.threads[0] == 128u * (nc + 1u) &&
                     (q.k_parallel == 1 ||
                      (plan.reduce_kernel == "cluster_reduce" && q.k_parallel <= TM_CUDA_WGMMA_MAX_SLICES)),
                 "torch_marlin: bad wgmma_ws plan");
-    if (q.tile_m == 64u) launch_wgmma_ws<T, FMT, 64>(plan, Np, pA, pB, pS, pZ, pbias, pC, stream);
-    else if (q.tile_m == 128u) launch_wgmma_ws<T, FMT, 128>(plan, Np, pA, pB, pS, pZ, pbias, pC, stream);
-    else launch_wgmma_ws<T, FMT, 256>(plan, Np, pA, pB, pS, pZ, pbias, pC, stream);
+    if (q.tile_m == 256u) launch_wgmma_ws<T, FMT, 256, 2>(plan, Np, pA, pB, pS, pZ, pbias, pC, stream);
+    else if (q.tile_m == 128u && nc == 2u) launch_wgmma_ws<T, FMT, 128, 2>(plan, Np, pA, pB, pS, pZ, pbias, pC, stream);
+    else if (q.tile_m == 128u) launch_wgmma_ws<T, FMT, 128, 3>(plan, Np, pA, pB, pS, pZ, pbias, pC, stream);
+    else if (nc == 2u) launch_wgmma_ws<T, FMT, 64, 2>(plan, Np, pA, pB, pS, pZ, pbias, pC, stream);
+    else if (nc == 3u) launch_wgmma_ws<T, FMT, 64, 3>(plan, Np, pA, pB, pS, pZ, pbias, pC, stream);
+    else launch_wgmma_ws<T, FMT, 64, 4>(plan, Np, pA, pB, pS, pZ, pbias, pC, stream);
   } else if (k.rfind("wgmma_", 0) == 0) {
     const QuantGemmParams& q = plan.params;
     const bool wide = q.tile_m == 128u && q.tile_n == TM_CUDA_WGMMA_WIDE_TILE_N;

@@ -88,6 +88,10 @@ struct CudaSliceRule {
 // Decode: a slice is whole rounds of the 8 warps' 32-row chunks.
 constexpr CudaSliceRule kCudaDecodeSlices{1024, 16, 32 * TM_CUDA_DECODE_WARPS};
 constexpr CudaSliceRule kCudaWgmmaSlices{8 * TM_CUDA_WGMMA_K_STEP, TM_CUDA_WGMMA_MAX_SLICES, TM_CUDA_WGMMA_K_STEP};
+// wgmma_ws: at most 3 slices. 4-block clusters of 1-block-per-SM kernels do not all fit in one wave
+// on the H100 (a cluster's blocks share a GPC): 4096 x 4096 at M = 64 (32 tiles) took 20.5 us of
+// kernel time with 4 slices against 13.5 with 3 (docs/cuda_results/session8/exp_kp.txt).
+constexpr CudaSliceRule kCudaWgmmaWsSlices{8 * TM_CUDA_WGMMA_K_STEP, 3, TM_CUDA_WGMMA_K_STEP};
 // K slices for `tiles` output tiles: as many as keep the resident block slots (`slots`) full in
 // one wave, never a second wave, within the rule's bounds.
 int64_t cuda_tile_slices(int64_t tiles, int64_t K, int64_t slots, const CudaSliceRule& rule) {
@@ -132,10 +136,10 @@ uint32_t cuda_wgmma_tile_n(int64_t M, int64_t K, int64_t N, int64_t slots) {
   return slices(TM_CUDA_WGMMA_WIDE_TILE_N) <= slices(TM_CUDA_WGMMA_TILE_N) ? TM_CUDA_WGMMA_WIDE_TILE_N
                                                                            : TM_CUDA_WGMMA_TILE_N;
 }
-// Warp-specialized wgmma kernel (wgmma_ws): whole 64-k stages under one scale row; the activation
+// Warp-specialized wgmma kernel (wgmma_ws): whole 64-k stages, at most two groups each; the activation
 // rows are wgmma's n dimension, 64, 128 or 256 of them a tile.
 bool cuda_wgmma_ws_shape_ok(int64_t K, int64_t group_size) {
-  return K % TM_CUDA_WGMMA_K_STEP == 0 && group_size % TM_CUDA_WGMMA_K_STEP == 0;
+  return K % TM_CUDA_WGMMA_K_STEP == 0 && group_size % 32 == 0;
 }
 uint32_t cuda_wgmma_ws_tile_m(int64_t M) { return M <= 64 ? 64 : (M <= 128 ? 128 : 256); }
 
@@ -327,11 +331,16 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     }
     if (!cuda_wgmma_ws_shape_ok(K, p.params.group_size)) {
       throw std::invalid_argument("plan_quant_gemm: the CUDA warp_specialized (wgmma_ws) kernel needs K % 64 == 0 "
-                                  "and group_size % 64 == 0");
+                                  "and group_size % 32 == 0");
     }
-    set_tiles(p, M, N, cuda_wgmma_ws_tile_m(M), TM_CUDA_WGMMA_WS_TILE_N);
-    set_cuda_tile_grid(p, K, caps.compute_units, kCudaWgmmaSlices);
-    p.threads[0] = TM_CUDA_WGMMA_WS_THREADS;
+    const uint32_t tile_m = cuda_wgmma_ws_tile_m(M);
+    uint32_t consumers = 2;
+    if (const char* e = std::getenv("TM_EXP_NC")) consumers = uint32_t(std::atoi(e));  // EXPERIMENT ONLY
+    if (tile_m == 256) consumers = 2;
+    if (tile_m == 128) consumers = std::min<uint32_t>(consumers, 3);
+    set_tiles(p, M, N, tile_m, 64 * consumers);
+    set_cuda_tile_grid(p, K, caps.compute_units, kCudaWgmmaWsSlices);
+    p.threads[0] = 128 * (consumers + 1);
     stem = "wgmma_ws";
     cluster_slices = true;
   } else if (p.variant == GemmVariant::DequantBlas) {

@@ -43,11 +43,10 @@ TM_NAMESPACE_BEGIN
 // Most K slices of the wgmma kernels: they always reduce through a thread-block cluster (sm_90a).
 #define TM_CUDA_WGMMA_MAX_SLICES 4u
 // ---- CUDA warp-specialized wgmma kernel (wgmma_ws, sm_90a) -------------------------------------
-// A producer warpgroup (TMA) and two consumer warpgroups over TM_CUDA_WGMMA_WS_TILE_N weight
-// columns and 64, 128 or 256 activation rows; stages of TM_CUDA_WGMMA_K_STEP k under one scale
-// row (group_size a multiple of 64).
-#define TM_CUDA_WGMMA_WS_TILE_N 128u
-#define TM_CUDA_WGMMA_WS_THREADS 384u
+// A producer warpgroup (TMA) and NC = 2..4 consumer warpgroups of 64 weight columns each (tile_n =
+// 64 NC, at most TM_CUDA_WGMMA_WS_MAX_TILE_N; 128 (NC + 1) threads) over 64, 128 or 256 activation
+// rows; 64-k stages (group_size a multiple of 32). 128-row tiles take up to 3 consumers, 256-row 2.
+#define TM_CUDA_WGMMA_WS_MAX_TILE_N 256u
 
 // ---- Launch parameters -------------------------------------------------------------------------
 struct QuantGemmParams {

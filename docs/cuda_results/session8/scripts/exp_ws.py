@@ -4,7 +4,7 @@ then timed against cuBLAS fp16 and whatever the planner picks without the switch
 
     python docs/cuda_results/session8/scripts/exp_ws.py check [FORCE]
     python docs/cuda_results/session8/scripts/exp_ws.py time TAG [M,M,...] [FORCE,FORCE,...]
-FORCE: auto, or KERNEL[+acc][+kpN] (set_force).
+FORCE: auto, or KERNEL[+kpN][+ncN] (set_force).
 """
 import os
 import sys
@@ -22,23 +22,23 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "..", "tests"))
 from timing import memset_flush, timed  # noqa: E402
 
 SHAPES = [(4096, 12288), (4096, 4096), (4096, 21504), (10752, 4096), (28672, 8192)]
-CHECKS = [(1, 512, 256, 64), (17, 1024, 1000, 128), (64, 4096, 4096, 128), (100, 2048, 8192, 128),
+CHECKS = [(1, 512, 256, 64), (17, 1024, 1000, 32), (70, 1536, 2000, 96), (64, 4096, 4096, 128), (100, 2048, 8192, 128),
           (200, 1024, 2000, 64), (256, 4096, 4096, 128), (300, 8192, 1024, 128), (1024, 4096, 4096, 128),
           (129, 512, 8200, 256), (64, 8192, 200, 128)]
 
 
 def set_force(force):
-    """auto, or KERNEL[+acc][+kpN]: TM_EXP_FORCE=KERNEL, TM_EXP_ACC (two accumulator sets),
-    TM_EXP_KP=N (K slices)."""
-    for k in ("TM_EXP_FORCE", "TM_EXP_ACC", "TM_EXP_KP"):
+    """auto, or KERNEL[+kpN][+ncN]: TM_EXP_FORCE=KERNEL, TM_EXP_KP=N (K slices), TM_EXP_NC=N
+    (wgmma_ws consumer warpgroups)."""
+    for k in ("TM_EXP_FORCE", "TM_EXP_KP", "TM_EXP_NC"):
         os.environ.pop(k, None)
     if force == "auto":
         return
     kernel, *opts = force.split("+")
     os.environ["TM_EXP_FORCE"] = kernel
     for o in opts:
-        if o == "acc":
-            os.environ["TM_EXP_ACC"] = "1"
+        if o.startswith("nc"):
+            os.environ["TM_EXP_NC"] = o[2:]
         elif o.startswith("kp"):
             os.environ["TM_EXP_KP"] = o[2:]
 
