@@ -1167,13 +1167,22 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 // K slices (cluster dims (1, 1, k_parallel)) sum through wgmma_cluster_reduce. group_size % 32 == 0:
 // a 64-k stage spans at most two groups, and a group boundary inside it can only fall at k0 + 32.
 constexpr int kWsMaxConsumers = int(TM_CUDA_WGMMA_WS_MAX_TILE_N) / 64;
-// setmaxnreg moves registers between whole warpgroups: per scheduler the producer's warp keeps 40
-// and each consumer warp gets what is left of the 512 registers a lane has there.
+// setmaxnreg moves registers between the warpgroups of a block: the block starts with
+// ws_launch_regs a thread (__launch_bounds__ (128 (NC + 1), 1): the 64 K registers of an SM in
+// multiples of 8), the producer gives all but 40 back and the consumers share what it gave. They
+// must not ask for more: setmaxnreg.inc waits for registers the block's pool does not have (a
+// deadlock; launch_wgmma_ws_as checks the compiled count this assumes).
 constexpr u32 kWsProducerRegs = 40;
 template <int NC>
-constexpr u32 ws_consumer_regs() {
-  return NC == 2 ? 232u : (NC == 3 ? 152u : 112u);
+constexpr u32 ws_launch_regs() {
+  return 65536u / (128u * (NC + 1)) / 8u * 8u;
 }
+template <int NC>
+constexpr u32 ws_consumer_regs() {
+  return ws_launch_regs<NC>() + (ws_launch_regs<NC>() - kWsProducerRegs) / NC / 8u * 8u;
+}
+static_assert(ws_consumer_regs<2>() == 232u && ws_consumer_regs<3>() == 152u && ws_consumer_regs<4>() == 104u,
+              "consumer register budgets");
 template <int BN, int NC>
 struct WsSmem {
   static_assert(BN == 64 || BN == 128 || BN == 256, "wgmma n of 64, 128 or 256 activation rows");
@@ -1586,6 +1595,12 @@ void launch_wgmma_ws_as(const GemmPlan& plan, const CUtensorMap (&maps)[4], cons
   constexpr int kSmem = WsSmem<BN, NC>::kBytes;
   auto* kernel = wgmma_ws_kernel<T, FMT, BN, NC, kCluster>;
   static std::atomic<uint64_t> opted_in{0};
+  if (opted_in.load() == 0) {  // first launch: the register pool setmaxnreg redistributes (ws_consumer_regs)
+    cudaFuncAttributes attr;
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    TORCH_CHECK(attr.numRegs == int(ws_launch_regs<NC>()), "torch_marlin: wgmma_ws compiled with ", attr.numRegs,
+                " registers a thread, expected ", ws_launch_regs<NC>());
+  }
   opt_in_smem(kernel, kSmem, opted_in);
   launch_tile_kernel<kCluster>(plan, kernel, u32(128 * (NC + 1)), kSmem, stream, maps[0], maps[1], maps[2], maps[3],
                                plan.params, bias, C);
