@@ -144,19 +144,21 @@ def plan_for(M, K, N, dtype):
 @pytest.mark.parametrize("M", [1, 5, 16, 48, 100])
 @pytest.mark.parametrize("K,k_parallel", [(4096, 4), (2048, 2)])
 def test_k_parallel(fmt, dtype, M, K, k_parallel):
-    # 4 slices reduce through global memory (last_block_reduce); 2 slices through a thread-block
+    # Decode K slices: 4 reduce through global memory (last_block_reduce); 2 through a thread-block
     # cluster's distributed shared memory on sm_90 (cluster_reduce), global memory before sm_90.
-    N = 328
-    assert plan_for(M, K, N, dtype)["k_parallel"] == k_parallel, "shape meant to exercise this many K slices"
-    case(fmt, M, K, N, 128, dtype, True)
+    # Above 32 rows group size 32 keeps the decode kernel (wgmma_ws needs group_size % 64 == 0).
+    N, group_size = 328, 128 if M <= 32 else 32
+    plan = torch_marlin.plan_gemm("fp4", M, K, N, group_size, dtype=dtype, device="cuda")
+    assert plan["kernel"].startswith("decode_") and plan["k_parallel"] == k_parallel, plan
+    case(fmt, M, K, N, group_size, dtype, True)
 
 
-def launched_decode_kernels(fn):
-    """The decode_kernel instantiations fn launches (names from the CUDA profiler)."""
+def launched(fn, name):
+    """Names of the kernels fn launches whose name contains `name` (CUDA profiler)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return [e.name for e in prof.events() if "decode_kernel<" in e.name]
+    return [e.name for e in prof.events() if name in e.name]
 
 
 @pytest.mark.parametrize("K,k_parallel", [(2048, 2), (4096, 4)])
@@ -173,7 +175,7 @@ def test_cluster_reduction_chosen_on_sm90(K, k_parallel):
     assert plan["workspace_bytes"] == (0 if expect_cluster else k_parallel * M * N * 4)
     B, s, _ = make_weights("fp4", K, N, 128, torch.float16)
     A = torch.randn(M, K, device="cuda", dtype=torch.float16)
-    names = launched_decode_kernels(lambda: torch.ops.marlin.gemm_fp4(A, B, s, 128))
+    names = launched(lambda: torch.ops.marlin.gemm_fp4(A, B, s, 128), "decode_kernel<")
     assert len(names) == 1, names
     template_args = re.search(r"decode_kernel<(.*?)>\(", names[0]).group(1).split(",")
     cluster = template_args[-1].strip() in ("true", "(bool)1")
@@ -193,14 +195,16 @@ def require_wgmma():
     assert torch_marlin._C.cuda_wgmma(torch.cuda.current_device()), "built without sm_90a (TORCH_CUDA_ARCH_LIST)?"
 
 
-# (M, K, N, group_size, K slices, tile columns): 128-row tiles 256 columns wide, N not a multiple
-# of 16 (padded weights) or of the tile; 128-row tiles 128 wide where wide ones would need more K
-# slices; 256-row tiles (128 wide), one of them partial; group sizes 32..128; K slices summed through
-# a thread-block cluster (2 slices at K = 2048 and 8192 and for 2 row tiles of a 4096-column layer
-# at K = 1024; 4 for long-K layers with few tiles, 128- and 256-row).
-WGMMA_CASES = [(65, 256, 8200, 64, 1, 256), (100, 512, 8192, 32, 1, 256), (200, 384, 8208, 128, 1, 128),
-               (300, 256, 8192, 64, 1, 128), (100, 2048, 8192, 128, 2, 128), (70, 8192, 8192, 128, 2, 128),
-               (300, 1024, 4096, 128, 2, 128), (160, 8192, 1000, 128, 4, 128), (96, 8192, 2000, 128, 4, 256)]
+# The wgmma kernel now serves group sizes that are multiples of 32 but not of 64 (wgmma_ws takes the
+# others). (M, K, N, group_size, K slices, tile columns): 128-row tiles 256 columns wide, N not a
+# multiple of 16 (padded weights) or of the tile; 128-row tiles 128 wide where wide ones would need
+# more K slices; 256-row tiles (128 wide), one of them partial; K slices summed through a
+# thread-block cluster (2 slices at K = 2048 and 8192 and for 2 row tiles of a 4096-column layer at
+# K = 1024; 4 for long-K layers with few tiles, 128- and 256-row); group size 96.
+WGMMA_CASES = [(65, 256, 8200, 32, 1, 256), (100, 512, 8192, 32, 1, 256), (200, 384, 8208, 32, 1, 128),
+               (300, 256, 8192, 32, 1, 128), (100, 2048, 8192, 32, 2, 128), (70, 8192, 8192, 32, 2, 128),
+               (300, 1024, 4096, 32, 2, 128), (160, 8192, 1000, 32, 4, 128), (96, 8192, 2000, 32, 4, 256),
+               (130, 768, 8192, 96, 1, 128)]
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "u4"])
@@ -209,31 +213,70 @@ WGMMA_CASES = [(65, 256, 8200, 64, 1, 256), (100, 512, 8192, 32, 1, 256), (200, 
 def test_wgmma(fmt, dtype, M, K, N, group_size, k_parallel, tile_n):
     plan = torch_marlin.plan_gemm(fmt, M, K, N, group_size, dtype=dtype, device="cuda")
     if on_sm90a_build():  # elsewhere the same shapes run decode / dequant_blas (still checked)
-        assert plan["kernel"].startswith("wgmma_"), plan["kernel"]
+        assert plan["kernel"].startswith("wgmma_") and not plan["kernel"].startswith("wgmma_ws_"), plan["kernel"]
         assert (plan["k_parallel"], plan["tile_n"]) == (k_parallel, tile_n) and plan["workspace_bytes"] == 0
     case(fmt, M, K, N, group_size, dtype, with_bias=True)
 
 
-def test_wgmma_chosen_on_sm90a():
-    # Guards against the wgmma path silently switching off on an H100/H200 built for sm_90a (the
+@pytest.mark.parametrize("group_size,kernel", [(128, "wgmma_ws_kernel<"), (32, "wgmma_kernel<")])
+def test_wgmma_chosen_on_sm90a(group_size, kernel):
+    # Guards against the Hopper kernels silently switching off on an H100/H200 built for sm_90a (the
     # default TORCH_CUDA_ARCH_LIST of setup.py); results would still be right through other kernels.
     require_wgmma()
     M, K, N = 128, 1024, 8192
-    B, s, _ = make_weights("fp4", K, N, 128, torch.float16, on_gpu=True)
+    B, s, _ = make_weights("fp4", K, N, group_size, torch.float16, on_gpu=True)
     A = torch.randn(M, K, device="cuda", dtype=torch.float16)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        torch.ops.marlin.gemm_fp4(A, B, s, 128)
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if "wgmma_kernel<" in e.name]
-    assert len(names) == 1, [e.name for e in prof.events()]
+    names = launched(lambda: torch.ops.marlin.gemm_fp4(A, B, s, group_size), kernel)
+    assert len(names) == 1, names
 
 
 @pytest.mark.parametrize("M,K", [(100, 2048), (300, 1024)])  # 2 K slices (cluster) / 2 row tiles
 def test_wgmma_deterministic(M, K):
     N = 8192
-    B, s, z = make_weights("u4", K, N, 128, torch.bfloat16, on_gpu=True)
+    B, s, z = make_weights("u4", K, N, 32, torch.bfloat16, on_gpu=True)
     A = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    first = run_op("u4", A, B, s, z, 32, bias)
+    for _ in range(5):
+        assert torch.equal(run_op("u4", A, B, s, z, 32, bias), first)
+
+
+# ---- The warp-specialized wgmma kernel (sm_90a): M > 32, group_size % 64 == 0 ---------------------
+def on_132_sms():
+    return torch.cuda.get_device_properties(0).multi_processor_count == 132
+
+
+# (M, K, N, group_size, K slices, tile rows, tile columns), plans of a 132-SM H100/H200: 64-row tiles
+# (wgmma n = 64) with N not a multiple of 16 (padded weights) or of the tile, 3 K slices through a
+# cluster, 3 consumer warpgroups (192 columns, N = 21504 and 12288 with 2 slices); 128-row tiles
+# with 3 consumers; 256-row tiles, partial and several (M = 300, 1024), with 3 slices; group sizes
+# 64..256; M = 40 / 129 just past the tile-size boundaries; N = 200: 2 column tiles.
+WS_CASES = [(33, 256, 8200, 64, 1, 64, 128), (64, 4096, 4096, 128, 3, 64, 128), (64, 2048, 21504, 64, 1, 64, 192),
+            (40, 8192, 200, 128, 3, 64, 128), (100, 1024, 12288, 128, 2, 128, 192),
+            (128, 1024, 8192, 128, 2, 128, 128), (129, 8192, 1000, 128, 3, 256, 128),
+            (200, 8192, 2000, 256, 3, 256, 128), (300, 512, 1000, 128, 1, 256, 128),
+            (1024, 1024, 4096, 128, 1, 256, 128)]
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("M,K,N,group_size,k_parallel,tile_m,tile_n", WS_CASES)
+def test_wgmma_ws(fmt, dtype, M, K, N, group_size, k_parallel, tile_m, tile_n):
+    plan = torch_marlin.plan_gemm(fmt, M, K, N, group_size, dtype=dtype, device="cuda")
+    if on_sm90a_build():  # elsewhere the same shapes run other kernels (still checked)
+        assert plan["kernel"].startswith("wgmma_ws_") and plan["workspace_bytes"] == 0, plan
+        assert plan["threads"][0] == 128 * (plan["tile_n"] // 64 + 1)
+        if on_132_sms():
+            assert (plan["k_parallel"], plan["tile_m"], plan["tile_n"]) == (k_parallel, tile_m, tile_n), plan
+    gpu_case(fmt, M, K, N, dtype, with_bias=True, seed=M, group_size=group_size)
+
+
+@pytest.mark.parametrize("M,K,N", [(64, 4096, 4096), (100, 1024, 12288), (129, 8192, 1000)])
+def test_wgmma_ws_deterministic(M, K, N):
+    # 3 / 2 / 3 K slices summed through a cluster in slice order: repeated runs bitwise equal.
+    B, s, z = make_weights("u4", K, N, 128, torch.float16, on_gpu=True)
+    A = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    bias = torch.randn(N, device="cuda", dtype=torch.float16)
     first = run_op("u4", A, B, s, z, 128, bias)
     for _ in range(5):
         assert torch.equal(run_op("u4", A, B, s, z, 128, bias), first)
@@ -252,7 +295,9 @@ def test_dequant_blas_two_panels(fmt, dtype):
 
 
 @pytest.mark.parametrize("M", [4, 64, 128, 300])
-@pytest.mark.parametrize("K", [8192, 2048])  # decode: 4-8 K slices (global memory), 2 (cluster on sm_90)
+# M = 4: decode with 4-8 K slices (global memory) or 2 (cluster on sm_90); above 32 rows on sm_90a
+# wgmma_ws with 3 slices through a cluster (elsewhere decode / dequant_blas).
+@pytest.mark.parametrize("K", [8192, 2048])
 def test_deterministic(M, K):
     N = 1024
     plan = plan_for(M, K, N, torch.float16)
@@ -297,35 +342,37 @@ def test_misaligned_activation_view(M):
 
 
 FIRST_CALL_CAPTURED = """
-import torch, torch_marlin
+import sys, torch, torch_marlin
 from torch_marlin.formats import dequant_fp4_reference, quantize_fp4
-M, K, N = 100, 1024, 8192
-assert torch_marlin.plan_gemm("fp4", M, K, N, 128, dtype=torch.float16, device="cuda")["kernel"] == "wgmma_fp4_half"
-B, s = quantize_fp4(torch.randn(K, N), 128, scale_dtype=torch.float16)
+M, K, N, gs, kernel = 100, 1024, 8192, int(sys.argv[1]), sys.argv[2]
+assert torch_marlin.plan_gemm("fp4", M, K, N, gs, dtype=torch.float16, device="cuda")["kernel"] == kernel
+B, s = quantize_fp4(torch.randn(K, N), gs, scale_dtype=torch.float16)
 B, s = B.cuda(), s.cuda()
 A = torch.randn(M, K, device="cuda", dtype=torch.float16)
 side, g = torch.cuda.Stream(), torch.cuda.CUDAGraph()
 side.wait_stream(torch.cuda.current_stream())
 with torch.cuda.graph(g, stream=side):  # the process's first marlin call
-    C = torch.ops.marlin.gemm_fp4(A, B, s, 128)
+    C = torch.ops.marlin.gemm_fp4(A, B, s, gs)
 g.replay()
 torch.cuda.synchronize()
-ref = A.float() @ dequant_fp4_reference(B, s, 128)
+ref = A.float() @ dequant_fp4_reference(B, s, gs)
 err = ((C.float() - ref).abs().max() / ref.abs().max()).item()
 assert err < 1e-2, err
 print("first call captured: ok", err)
 """
 
 
-def test_wgmma_first_call_inside_graph_capture():
-    # A fresh process whose first marlin call is captured: the wgmma launcher's one-time host work
-    # (the shared-memory opt-in, the driver entry point for the TMA descriptor) must be legal
-    # inside stream capture, and the replay must compute the product.
+@pytest.mark.parametrize("group_size,kernel", [(128, "wgmma_ws_fp4_half"), (32, "wgmma_fp4_half")])
+def test_wgmma_first_call_inside_graph_capture(group_size, kernel):
+    # A fresh process whose first marlin call is captured: the Hopper launchers' one-time host work
+    # (the shared-memory opt-in, wgmma_ws's register-count check, the driver entry point for the
+    # TMA descriptors) must be legal inside stream capture, and the replay must compute the product.
     import subprocess
     import sys
 
     require_wgmma()
-    r = subprocess.run([sys.executable, "-c", FIRST_CALL_CAPTURED], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", FIRST_CALL_CAPTURED, str(group_size), kernel], capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0 and "first call captured: ok" in r.stdout, r.stdout + r.stderr
 
 

@@ -238,11 +238,11 @@ def test_policy_cuda_kernels_by_m():
 
 
 def test_policy_cuda_wgmma():
-    # Planned without a GPU, as for an sm_90a build on a 132-SM H100 (wgmma=True): the wgmma kernel
-    # above 64 rows and up to 512 when the output has >= 64 tiles of 128 x 128/256 (or K >= 8192),
-    # 256-row tiles above 256 rows only in one wave or with a last wave >= 80 % full; otherwise
-    # decode (<= 128 rows) and dequant + cuBLAS.
-    def plan(M, K=4096, N=12288, group_size=128, wgmma=True, **kw):
+    # Planned without a GPU, as for an sm_90a build on a 132-SM H100 (wgmma=True), for group sizes
+    # that wgmma_ws does not take (% 64 != 0): the wgmma kernel above 64 rows and up to 512 when the
+    # output has >= 64 tiles of 128 x 128/256 (or K >= 8192), 256-row tiles above 256 rows only in
+    # one wave or with a last wave >= 80 % full; otherwise decode (<= 128 rows) and dequant + cuBLAS.
+    def plan(M, K=4096, N=12288, group_size=32, wgmma=True, **kw):
         return torch_marlin.plan_gemm("fp4", M, K, N, group_size, device="cuda", compute_units=132, wgmma=wgmma,
                                       **kw)
     assert plan(64)["kernel"] == "decode_fp4_half"
@@ -270,6 +270,7 @@ def test_policy_cuda_wgmma():
     four = plan(300, N=4096)  # 2 row tiles x 32 column tiles, 2 K slices
     assert four["kernel"] == "wgmma_fp4_half" and four["grid"] == (2, 32, 2)
     assert plan(128, wgmma=False)["kernel"] == "decode_fp4_half"
+    assert plan(128, K=6144, group_size=96)["kernel"] == "wgmma_fp4_half"
     # Shapes the kernel does not take: K % 64, group_size % 32, fp32 activations.
     assert plan(128, K=4104, group_size=8)["kernel"] == "decode_fp4_half"
     assert plan(128, group_size=16)["kernel"] == "decode_fp4_half"
@@ -283,6 +284,44 @@ def test_policy_cuda_wgmma():
     assert kp["reduce_kernel"] == "cluster_reduce" and kp["workspace_bytes"] == 0
     forced = plan(8, K=8192, N=256, variant="tiled")  # 2 tiles: the slice cap, not the SM count
     assert forced["k_parallel"] == 4 and forced["k_slice_len"] == 2048
+
+
+def test_policy_cuda_wgmma_ws():
+    # Planned without a GPU, as for an sm_90a build on a 132-SM H100: the warp-specialized kernel
+    # from 33 rows on (any N, any M) when K % 64 == 0 and group_size % 64 == 0; 64 / 128 / 256
+    # activation rows a tile, 2 consumer warpgroups (128 columns) or 3 (192) where that grid runs in
+    # fewer stage-waves, K slices (<= 3, summed through a cluster) when the tiles leave SMs idle.
+    def plan(M, K=4096, N=12288, group_size=128, wgmma=True, **kw):
+        return torch_marlin.plan_gemm("fp4", M, K, N, group_size, device="cuda", compute_units=132, wgmma=wgmma,
+                                      thread_block_clusters=True, **kw)
+    assert plan(32)["kernel"] == "decode_fp4_half"
+    w = plan(33, dtype=torch.bfloat16)
+    assert w["kernel"] == "wgmma_ws_fp4_bfloat" and w["variant"] == "warp_specialized"
+    assert (w["tile_m"], w["tile_n"], w["threads"], w["grid"]) == (64, 192, (512, 1, 1), (1, 64, 2))
+    assert w["reduce_kernel"] == "cluster_reduce" and w["workspace_bytes"] == 0 and w["k_slice_len"] == 2048
+    assert plan(128)["tile_m"] == 128 and (plan(129)["tile_m"], plan(129)["tile_n"]) == (256, 128)
+    assert plan(4096)["kernel"] == "wgmma_ws_fp4_half" and plan(4096)["grid"] == (16, 96, 1)
+    assert plan(64, N=4096)["grid"] == (1, 32, 3)  # 32 tiles: 3 slices in 96 SMs
+    # 43 tiles of 192 columns would need 3-block clusters on 129 SMs (more than 3/4 of them): 2 slices,
+    # which makes 128-column tiles (64 x 2 blocks) the cheaper grid.
+    big = plan(64, K=28672, N=8192)
+    assert (big["tile_n"], big["grid"]) == (128, (1, 64, 2))
+    assert (plan(64, N=21504)["tile_n"], plan(64, N=21504)["grid"]) == (192, (1, 112, 1))  # 1 wave, not 2
+    assert plan(1024, group_size=64)["kernel"] == "wgmma_ws_fp4_half"
+    # Shapes it does not take: group_size % 64 != 0, K % 64 != 0, no sm_90a build, fp32 activations.
+    assert plan(100, group_size=32)["kernel"] == "wgmma_fp4_half"
+    assert plan(100, K=4104, group_size=8)["kernel"] == "decode_fp4_half"
+    assert plan(100, wgmma=False)["kernel"] == "decode_fp4_half"
+    assert plan(300, wgmma=False)["kernel"] == "dequant_blas_fp4_half"
+    assert plan(100, dtype=torch.float32)["kernel"] == "simt_fp4_float"
+    with pytest.raises(ValueError, match="needs K % 64 == 0 and group_size % 64 == 0"):
+        plan(100, group_size=32, variant="warp_specialized")
+    with pytest.raises(ValueError, match="warp_specialized.*needs an sm_90a"):
+        plan(100, wgmma=False, variant="warp_specialized")
+    with pytest.raises(ValueError, match="warp_specialized variant is CUDA fp16/bf16 only"):
+        torch_marlin.plan_gemm("fp4", 100, 256, 64, variant="warp_specialized")
+    with pytest.raises(ValueError, match="warp_specialized variant is CUDA fp16/bf16 only"):
+        plan(100, dtype=torch.float32, variant="warp_specialized")
 
 
 @pytest.mark.parametrize("clusters", [False, True])

@@ -1148,12 +1148,11 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 // ---------------------------------------------------------------------------------------------
 // C^T = W^T A^T: the dequantized weights are wgmma's A operand straight from registers (64 weight
 // columns = the m64 rows of one warpgroup), the activations its B operand from shared memory (the
-// n dimension: BN = 64, 128 or 256 rows of A). A block is one producer warpgroup and NC = 2, 3 or 4
+// n dimension: BN = 64, 128 or 256 rows of A). A block is one producer warpgroup and NC = 2 or 3
 // consumer warpgroups over a 64 NC-column x BN-row output tile, one block per SM.
 //  - One producer thread keeps a kStages-deep ring of 64-k stages full by TMA: the activation box
 //    (BN rows x 64 k, 128-byte swizzle: wgmma's canonical K-major layout), the packed-weight box
-//    (8 packed rows x 64 NC columns) and the two scale (and U4 zero-point) rows the stage can touch,
-//    all completing on the slot's "full" mbarrier; it refills a slot once every consumer warp has
+//    (8 packed rows x 64 NC columns) and the stage's scale (and U4 zero-point) row, all completing on the slot's "full" mbarrier; it refills a slot once every consumer warp has
 //    arrived on its "empty" mbarrier.
 //  - A consumer lane (g, t) of warp w holds the A rows 16 w + g and 16 w + g + 8 of its warpgroup.
 //    The order of the m64 rows is free (it only decides where each output lands), so those two rows
@@ -1164,8 +1163,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 //  - No shared-memory store of dequantized weights, no fence and no block barrier per stage: the
 //    consumers dequantize stage s + 1 into the other of two register fragment sets while stage s's
 //    wgmmas run, and wait only for the full barrier and their own wgmma groups.
-// K slices (cluster dims (1, 1, k_parallel)) sum through wgmma_cluster_reduce. group_size % 32 == 0:
-// a 64-k stage spans at most two groups, and a group boundary inside it can only fall at k0 + 32.
+// K slices (cluster dims (1, 1, k_parallel)) sum through wgmma_cluster_reduce. group_size % 64 == 0:
+// one scale row a stage (a second row for group sizes of 32 or 96 cost 10 % at M = 64..128 in
+// session 8's sweep; the wgmma kernel serves them).
 constexpr int kWsMaxConsumers = int(TM_CUDA_WGMMA_WS_MAX_TILE_N) / 64;
 // setmaxnreg moves registers between the warpgroups of a block: the block starts with
 // ws_launch_regs a thread (__launch_bounds__ (128 (NC + 1), 1): the 64 K registers of an SM in
@@ -1181,18 +1181,17 @@ template <int NC>
 constexpr u32 ws_consumer_regs() {
   return ws_launch_regs<NC>() + (ws_launch_regs<NC>() - kWsProducerRegs) / NC / 8u * 8u;
 }
-static_assert(ws_consumer_regs<2>() == 232u && ws_consumer_regs<3>() == 152u && ws_consumer_regs<4>() == 104u,
-              "consumer register budgets");
+static_assert(ws_consumer_regs<2>() == 232u && ws_consumer_regs<3>() == 152u, "consumer register budgets");
 template <int BN, int NC>
 struct WsSmem {
   static_assert(BN == 64 || BN == 128 || BN == 256, "wgmma n of 64, 128 or 256 activation rows");
-  static_assert(NC >= 2 && NC <= kWsMaxConsumers && (BN < 256 || NC == 2) && (BN < 128 || NC <= 3),
+  static_assert(NC >= 2 && NC <= kWsMaxConsumers && (BN < 256 || NC == 2),
                 "consumer registers (ws_consumer_regs) for BN / 2 accumulators");
   static constexpr int kTN = 64 * NC;                      // weight columns of a block
   static constexpr int kA = BN * kWgKStep * 2;             // activation box: BN rows of 128 bytes
   static constexpr int kW = (kWgKStep / 8) * kTN * 4;      // 8 packed rows x kTN columns
-  static constexpr int kS = 2 * kTN * 2;                   // two scale rows
-  static constexpr int kZ = 2 * kTN;                       // two zero-point rows (U4)
+  static constexpr int kS = kTN * 2;                       // one scale row
+  static constexpr int kZ = kTN;                           // one zero-point row (U4)
   static constexpr int kStage = (kA + kW + kS + kZ + 1023) / 1024 * 1024;  // 1024-aligned swizzle atoms
   static constexpr int kStages = (200 * 1024) / kStage < 8 ? (200 * 1024) / kStage : 8;
   static constexpr int kPart = BN * kTN * 4;               // fp32 partial tile of the K-slice epilogue
@@ -1313,7 +1312,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
         mbar_expect_tx(bar, kTx);
         tma_load_2d(dst, &tmap_a, k0, m0, bar);
         tma_load_2d(dst + L::kA, &tmap_b, n0, k0 / 8u, bar);
-        tma_load_2d(dst + L::kA + L::kW, &tmap_s, n0, grp, bar);  // rows grp, grp + 1
+        tma_load_2d(dst + L::kA + L::kW, &tmap_s, n0, grp, bar);
         if constexpr (FMT == TM_FORMAT_U4) tma_load_2d(dst + L::kA + L::kW + L::kS, &tmap_z, n0, grp, bar);
       }
     }
@@ -1332,10 +1331,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
     u32 frag[2][4][4];
-    // Where this thread's next load_stage starts within its group (stages are loaded in order).
-    u32 k_in_group = k_begin % p.group_size;
-    // Waits for stage s and dequantizes it into fragment set fr. The stage's k16 steps 2 and 3
-    // use the second scale row when a group ends at k0 + 32 (group_size % 64 == 32).
+    // Waits for stage s and dequantizes it into fragment set fr.
     auto load_stage = [&](int s, u32 (&fr)[4][4]) {
       const int slot = s % kS;
       mbar_wait(full_base + 8u * slot, u32(s / kS) & 1u);
@@ -1343,26 +1339,19 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
       uint2 wd[8];
 #pragma unroll
       for (int r = 0; r < 8; ++r) wd[r] = *reinterpret_cast<const uint2*>(st + L::kA + (r * kTN + col) * 4);
-      const int row2 = k_in_group + 32u == p.group_size ? 1 : 0;  // scale row of k16 steps 2, 3
-      k_in_group += u32(kWgKStep);
-      while (k_in_group >= p.group_size) k_in_group -= p.group_size;
+      const u32 sp = *reinterpret_cast<const u32*>(st + L::kA + L::kW + col * 2);
+      const T2 s0 = as_t2<T2>(prmt(sp, sp, 0x1010)), s1 = as_t2<T2>(prmt(sp, sp, 0x3232));
+      ColQ<T> qp;
+      if constexpr (FMT == TM_FORMAT_U4) {
+        const u32 zp = *reinterpret_cast<const unsigned short*>(st + L::kA + L::kW + L::kS + col);
+        qp.s2 = as_t2<T2>(sp);
+        qp.z2.x = Tr<T>::from_f(Tr<T>::kMagicF + float(zp & 0xFFu));
+        qp.z2.y = Tr<T>::from_f(Tr<T>::kMagicF + float(zp >> 8));
+      }
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = half == 0 ? 0 : row2;
-        const u32 sp = *reinterpret_cast<const u32*>(st + L::kA + L::kW + (row * kTN + col) * 2);
-        const T2 s0 = as_t2<T2>(prmt(sp, sp, 0x1010)), s1 = as_t2<T2>(prmt(sp, sp, 0x3232));
-        ColQ<T> qp;
-        if constexpr (FMT == TM_FORMAT_U4) {
-          const u32 zp = *reinterpret_cast<const unsigned short*>(st + L::kA + L::kW + L::kS + row * kTN + col);
-          qp.s2 = as_t2<T2>(sp);
-          qp.z2.x = Tr<T>::from_f(Tr<T>::kMagicF + float(zp & 0xFFu));
-          qp.z2.y = Tr<T>::from_f(Tr<T>::kMagicF + float(zp >> 8));
-        }
-#pragma unroll
-        for (int ks = 2 * half; ks < 2 * half + 2; ++ks) {
-          const u32 c0 = prmt(wd[2 * ks].x, wd[2 * ks + 1].x, sel), c1 = prmt(wd[2 * ks].y, wd[2 * ks + 1].y, sel);
-          rs_fragment<T, FMT>(fr[ks], prmt(c0, c1, 0x5410), s0, s1, qp);
-        }
+      for (int ks = 0; ks < 4; ++ks) {
+        const u32 c0 = prmt(wd[2 * ks].x, wd[2 * ks + 1].x, sel), c1 = prmt(wd[2 * ks].y, wd[2 * ks + 1].y, sel);
+        rs_fragment<T, FMT>(fr[ks], prmt(c0, c1, 0x5410), s0, s1, qp);
       }
     };
     // SW128 K-major B descriptor of slot 0 (8-row atoms 1024 bytes apart); k16 step ks starts 32 ks
@@ -1588,7 +1577,7 @@ void launch_wgmma(const GemmPlan& plan, u32 Np, const T* A, const u32* B, const 
 }
 
 // wgmma_ws: TMA descriptors of the activations, packed weights (8 packed rows x 64 NC columns),
-// scales and zero points (two rows of 64 NC columns); the padded weights are 16-byte aligned with Np
+// scales and zero points (one row of 64 NC columns); the padded weights are 16-byte aligned with Np
 // a multiple of 16 (padded_weights), as TMA needs.
 template <typename T, u32 FMT, int BN, int NC, bool kCluster>
 void launch_wgmma_ws_as(const GemmPlan& plan, const CUtensorMap (&maps)[4], const T* bias, T* C, cudaStream_t stream) {
@@ -1616,10 +1605,10 @@ void launch_wgmma_ws(const GemmPlan& plan, int64_t Np, const T* A, const u32* B,
       activation_tensor_map<T>(A, q.M, q.K, BN),
       tensor_map_2d(B, CU_TENSOR_MAP_DATA_TYPE_UINT32, q.K / 8, Np, Np * 4, kWgKStep / 8, kTN,
                     CU_TENSOR_MAP_SWIZZLE_NONE),
-      tensor_map_2d(S, CU_TENSOR_MAP_DATA_TYPE_UINT16, groups, Np, Np * 2, 2, kTN, CU_TENSOR_MAP_SWIZZLE_NONE),
+      tensor_map_2d(S, CU_TENSOR_MAP_DATA_TYPE_UINT16, groups, Np, Np * 2, 1, kTN, CU_TENSOR_MAP_SWIZZLE_NONE),
       FMT == TM_FORMAT_U4
-          ? tensor_map_2d(Z, CU_TENSOR_MAP_DATA_TYPE_UINT8, groups, Np, Np, 2, kTN, CU_TENSOR_MAP_SWIZZLE_NONE)
-          : tensor_map_2d(S, CU_TENSOR_MAP_DATA_TYPE_UINT16, groups, Np, Np * 2, 2, kTN,
+          ? tensor_map_2d(Z, CU_TENSOR_MAP_DATA_TYPE_UINT8, groups, Np, Np, 1, kTN, CU_TENSOR_MAP_SWIZZLE_NONE)
+          : tensor_map_2d(S, CU_TENSOR_MAP_DATA_TYPE_UINT16, groups, Np, Np * 2, 1, kTN,
                           CU_TENSOR_MAP_SWIZZLE_NONE)};  // unused by FP4
   if (plan.reduce_kernel == "cluster_reduce") {
     launch_wgmma_ws_as<T, FMT, BN, NC, true>(plan, maps, bias, C, stream);
@@ -1702,10 +1691,10 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
     const QuantGemmParams& q = plan.params;
     const u32 nc = q.tile_n / 64u;
     TORCH_CHECK((q.tile_m == 64u || q.tile_m == 128u || q.tile_m == 256u) && q.tile_n % 64u == 0 && nc >= 2u &&
-                    nc <= u32(kWsMaxConsumers) && (q.tile_m < 256u || nc == 2u) && (q.tile_m < 128u || nc <= 3u) &&
+                    nc <= u32(kWsMaxConsumers) && (q.tile_m < 256u || nc == 2u) &&
                     q.K % TM_CUDA_WGMMA_K_STEP == 0 && q.k_slice_len % TM_CUDA_WGMMA_K_STEP == 0 &&
-                    q.group_size % 32u == 0 && plan.grid[0] == q.m_tiles && plan.grid[1] == q.n_tiles &&
-                    plan.grid[2] == q.k_parallel && plan.threads[0] == 128u * (nc + 1u) &&
+                    q.group_size % TM_CUDA_WGMMA_K_STEP == 0 && plan.grid[0] == q.m_tiles &&
+                    plan.grid[1] == q.n_tiles && plan.grid[2] == q.k_parallel && plan.threads[0] == 128u * (nc + 1u) &&
                     (q.k_parallel == 1 ||
                      (plan.reduce_kernel == "cluster_reduce" && q.k_parallel <= TM_CUDA_WGMMA_MAX_SLICES)),
                 "torch_marlin: bad wgmma_ws plan");
@@ -1713,8 +1702,7 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
     else if (q.tile_m == 128u && nc == 2u) launch_wgmma_ws<T, FMT, 128, 2>(plan, Np, pA, pB, pS, pZ, pbias, pC, stream);
     else if (q.tile_m == 128u) launch_wgmma_ws<T, FMT, 128, 3>(plan, Np, pA, pB, pS, pZ, pbias, pC, stream);
     else if (nc == 2u) launch_wgmma_ws<T, FMT, 64, 2>(plan, Np, pA, pB, pS, pZ, pbias, pC, stream);
-    else if (nc == 3u) launch_wgmma_ws<T, FMT, 64, 3>(plan, Np, pA, pB, pS, pZ, pbias, pC, stream);
-    else launch_wgmma_ws<T, FMT, 64, 4>(plan, Np, pA, pB, pS, pZ, pbias, pC, stream);
+    else launch_wgmma_ws<T, FMT, 64, 3>(plan, Np, pA, pB, pS, pZ, pbias, pC, stream);
   } else if (k.rfind("wgmma_", 0) == 0) {
     const QuantGemmParams& q = plan.params;
     const bool wide = q.tile_m == 128u && q.tile_n == TM_CUDA_WGMMA_WIDE_TILE_N;

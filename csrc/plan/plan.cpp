@@ -88,9 +88,7 @@ struct CudaSliceRule {
 // Decode: a slice is whole rounds of the 8 warps' 32-row chunks.
 constexpr CudaSliceRule kCudaDecodeSlices{1024, 16, 32 * TM_CUDA_DECODE_WARPS};
 constexpr CudaSliceRule kCudaWgmmaSlices{8 * TM_CUDA_WGMMA_K_STEP, TM_CUDA_WGMMA_MAX_SLICES, TM_CUDA_WGMMA_K_STEP};
-// wgmma_ws: at most 3 slices. 4-block clusters of 1-block-per-SM kernels do not all fit in one wave
-// on the H100 (a cluster's blocks share a GPC): 4096 x 4096 at M = 64 (32 tiles) took 20.5 us of
-// kernel time with 4 slices against 13.5 with 3 (docs/cuda_results/session8/exp_kp.txt).
+// wgmma_ws: at most 3 slices (cuda_wgmma_ws_slices).
 constexpr CudaSliceRule kCudaWgmmaWsSlices{8 * TM_CUDA_WGMMA_K_STEP, 3, TM_CUDA_WGMMA_K_STEP};
 // K slices for `tiles` output tiles: as many as keep the resident block slots (`slots`) full in
 // one wave, never a second wave, within the rule's bounds.
@@ -136,12 +134,46 @@ uint32_t cuda_wgmma_tile_n(int64_t M, int64_t K, int64_t N, int64_t slots) {
   return slices(TM_CUDA_WGMMA_WIDE_TILE_N) <= slices(TM_CUDA_WGMMA_TILE_N) ? TM_CUDA_WGMMA_WIDE_TILE_N
                                                                            : TM_CUDA_WGMMA_TILE_N;
 }
-// Warp-specialized wgmma kernel (wgmma_ws): whole 64-k stages, at most two groups each; the activation
-// rows are wgmma's n dimension, 64, 128 or 256 of them a tile.
+// ---- wgmma_ws (warp-specialized, sm_90a) policy and geometry ---------------------------------------
+// Measured on an H100 over the five issue shapes (FP4, fp16, every kernel forced in one process:
+// docs/cuda_results/session8/): it beats every other kernel from 33 rows on, on every shape, up to
+// the largest M measured (4096; 4096 x 21504 there within 2 % of dequant + cuBLAS): e.g. at
+// M = 64 1.16x..1.90x of cuBLAS against decode's 0.92x..1.35x, at M = 1024 0.89x..1.01x against
+// dequant + cuBLAS's 0.70x..0.72x. At M <= 32 the decode kernel is faster on 4 of the 5 shapes.
+constexpr int64_t kCudaWgmmaWsMinM = 32;  // exclusive: decode at and below
+// Whole 64-k stages under one scale row.
 bool cuda_wgmma_ws_shape_ok(int64_t K, int64_t group_size) {
-  return K % TM_CUDA_WGMMA_K_STEP == 0 && group_size % 32 == 0;
+  return K % TM_CUDA_WGMMA_K_STEP == 0 && group_size % TM_CUDA_WGMMA_K_STEP == 0;
 }
+bool cuda_wgmma_ws_pays(int64_t M, int64_t K, int64_t group_size, const DeviceCaps& caps) {
+  return caps.wgmma && cuda_wgmma_ws_shape_ok(K, group_size) && M > kCudaWgmmaWsMinM;
+}
+// Activation rows of a tile: the wgmma n dimension.
 uint32_t cuda_wgmma_ws_tile_m(int64_t M) { return M <= 64 ? 64 : (M <= 128 ? 128 : 256); }
+// K slices: fill the SMs (at most 3), but 3-block clusters only where they take at most 3/4 of
+// the SMs: a cluster's blocks must share a GPC, and on the H100 32 clusters of 4 (4096 x 4096,
+// M = 64: 20.5 us of kernel time against 13.5 with 3 slices) and 43 clusters of 3 (28672 x 8192
+// with 192-column tiles: 171 us against 103 for 64 x 2) did not fit in one wave
+// (docs/cuda_results/session8/exp_kp.txt, exp_consumers.txt).
+int64_t cuda_wgmma_ws_slices(int64_t tiles, int64_t K, int64_t slots) {
+  const int64_t kp = cuda_tile_slices(tiles, K, slots, kCudaWgmmaWsSlices);
+  return kp >= 3 && tiles * kp * 4 > slots * 3 ? 2 : kp;
+}
+// Consumer warpgroups (64 weight columns each): 3 where the 192-column grid runs in fewer
+// stage-waves, counting a 3-consumer stage as 1.37 2-consumer ones (4096 x 21504 at M = 64: 168
+// tiles in 2 waves of 64 stages, 58.5 us, against 112 tiles in 1 wave, 39.9 us;
+// docs/cuda_results/session8/exp_consumers.txt). 256-row tiles have registers for 2 only.
+uint32_t cuda_wgmma_ws_consumers(int64_t M, int64_t K, int64_t N, int64_t slots) {
+  const uint32_t tile_m = cuda_wgmma_ws_tile_m(M);
+  if (tile_m == 256) return 2;
+  const auto cost = [&](int64_t consumers) {
+    const int64_t tiles = ((M + tile_m - 1) / tile_m) * ((N + 64 * consumers - 1) / (64 * consumers));
+    const int64_t kp = cuda_wgmma_ws_slices(tiles, K, slots);
+    const int64_t waves = (tiles * kp + slots - 1) / slots;
+    return waves * ((K / kp + TM_CUDA_WGMMA_K_STEP - 1) / TM_CUDA_WGMMA_K_STEP) * (consumers == 3 ? 137 : 100);
+  };
+  return cost(3) < cost(2) ? 3 : 2;
+}
 
 bool cuda_wgmma_pays(int64_t M, int64_t K, int64_t N, int64_t group_size, const DeviceCaps& caps) {
   if (!caps.wgmma || !cuda_wgmma_shape_ok(K, group_size)) return false;
@@ -331,15 +363,18 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     }
     if (!cuda_wgmma_ws_shape_ok(K, p.params.group_size)) {
       throw std::invalid_argument("plan_quant_gemm: the CUDA warp_specialized (wgmma_ws) kernel needs K % 64 == 0 "
-                                  "and group_size % 32 == 0");
+                                  "and group_size % 64 == 0");
     }
-    const uint32_t tile_m = cuda_wgmma_ws_tile_m(M);
-    uint32_t consumers = 2;
+    const int64_t slots = std::max(1, caps.compute_units);
+    uint32_t consumers = cuda_wgmma_ws_consumers(M, K, N, slots);
     if (const char* e = std::getenv("TM_EXP_NC")) consumers = uint32_t(std::atoi(e));  // EXPERIMENT ONLY
-    if (tile_m == 256) consumers = 2;
-    if (tile_m == 128) consumers = std::min<uint32_t>(consumers, 3);
-    set_tiles(p, M, N, tile_m, 64 * consumers);
-    set_cuda_tile_grid(p, K, caps.compute_units, kCudaWgmmaWsSlices);
+    set_tiles(p, M, N, cuda_wgmma_ws_tile_m(M), 64 * consumers);
+    set_k_parallel(p, K, uint32_t(cuda_wgmma_ws_slices(int64_t(p.params.m_tiles) * p.params.n_tiles, K, slots)),
+                   TM_CUDA_WGMMA_K_STEP);
+    if (const char* e = std::getenv("TM_EXP_KP")) set_k_parallel(p, K, uint32_t(std::atoi(e)), TM_CUDA_WGMMA_K_STEP);
+    p.grid[0] = p.params.m_tiles;
+    p.grid[1] = p.params.n_tiles;
+    p.grid[2] = p.params.k_parallel;
     p.threads[0] = 128 * (consumers + 1);
     stem = "wgmma_ws";
     cluster_slices = true;
@@ -421,6 +456,8 @@ GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, in
   }
   if (force != GemmVariant::Auto) {
     p.variant = force;
+  } else if (caps.backend == Backend::CUDA && dtype != DType::F32 && cuda_wgmma_ws_pays(M, K, group_size, caps)) {
+    p.variant = GemmVariant::WarpSpecialized;
   } else if (caps.backend == Backend::CUDA && dtype != DType::F32 && cuda_wgmma_pays(M, K, N, group_size, caps)) {
     p.variant = GemmVariant::Tiled;
   } else if (M <= decode_policy_max_m(caps.backend, dtype)) {

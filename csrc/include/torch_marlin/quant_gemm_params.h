@@ -43,10 +43,10 @@ TM_NAMESPACE_BEGIN
 // Most K slices of the wgmma kernels: they always reduce through a thread-block cluster (sm_90a).
 #define TM_CUDA_WGMMA_MAX_SLICES 4u
 // ---- CUDA warp-specialized wgmma kernel (wgmma_ws, sm_90a) -------------------------------------
-// A producer warpgroup (TMA) and NC = 2..4 consumer warpgroups of 64 weight columns each (tile_n =
+// A producer warpgroup (TMA) and NC = 2 or 3 consumer warpgroups of 64 weight columns each (tile_n =
 // 64 NC, at most TM_CUDA_WGMMA_WS_MAX_TILE_N; 128 (NC + 1) threads) over 64, 128 or 256 activation
-// rows; 64-k stages (group_size a multiple of 32). 128-row tiles take up to 3 consumers, 256-row 2.
-#define TM_CUDA_WGMMA_WS_MAX_TILE_N 256u
+// rows (256-row tiles: 2 consumers); 64-k stages under one scale row (group_size % 64 == 0).
+#define TM_CUDA_WGMMA_WS_MAX_TILE_N 192u
 
 // ---- Launch parameters -------------------------------------------------------------------------
 struct QuantGemmParams {
