@@ -287,11 +287,12 @@ def test_wgmma_ws_deterministic(M, K, N):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
 def test_dequant_blas_two_panels(fmt, dtype):
     # 65536 x 8208 x 2 B is over the 1 GiB panel cap: two panels (4224 + 3976 columns), and
-    # N = 8200 is not a multiple of 16 (padded weights).
-    M, K, N = 600, 65536, 8200  # above the wgmma band (M <= 512)
-    plan = plan_for(M, K, N, dtype)
+    # N = 8200 is not a multiple of 16 (padded weights). Above the wgmma band (M <= 512), with a
+    # group size wgmma_ws does not take (% 64 != 0).
+    M, K, N, group_size = 600, 65536, 8200, 32
+    plan = torch_marlin.plan_gemm(fmt, M, K, N, group_size, dtype=dtype, device="cuda")
     assert plan["variant"] == "dequant_blas" and plan["n_tiles"] == 2 and N % plan["tile_n"] != 0
-    gpu_case(fmt, M, K, N, dtype, with_bias=True, seed=0)
+    gpu_case(fmt, M, K, N, dtype, with_bias=True, seed=0, group_size=group_size)
 
 
 @pytest.mark.parametrize("M", [4, 64, 128, 300])
