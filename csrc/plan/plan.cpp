@@ -1,7 +1,6 @@
 #include "plan/plan.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <stdexcept>
 
 namespace torch_marlin {
@@ -299,10 +298,6 @@ void plan_metal(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTy
 // slices), row tiles fastest so they share each column tile's weights in L2.
 void set_cuda_tile_grid(GemmPlan& p, int64_t K, int64_t slots, const CudaSliceRule& rule) {
   const int64_t tiles = int64_t(p.params.m_tiles) * p.params.n_tiles;
-  const char* exp_kp = std::getenv("TM_EXP_KP");  // EXPERIMENT ONLY: removed before landing
-  if (exp_kp != nullptr) {
-    set_k_parallel(p, K, uint32_t(std::atoi(exp_kp)), rule.k_step);
-  } else
   set_k_parallel(p, K, uint32_t(cuda_tile_slices(tiles, K, slots, rule)), rule.k_step);
   p.grid[0] = p.params.m_tiles;
   p.grid[1] = p.params.n_tiles;
@@ -366,12 +361,10 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
                                   "and group_size % 64 == 0");
     }
     const int64_t slots = std::max(1, caps.compute_units);
-    uint32_t consumers = cuda_wgmma_ws_consumers(M, K, N, slots);
-    if (const char* e = std::getenv("TM_EXP_NC")) consumers = uint32_t(std::atoi(e));  // EXPERIMENT ONLY
+    const uint32_t consumers = cuda_wgmma_ws_consumers(M, K, N, slots);
     set_tiles(p, M, N, cuda_wgmma_ws_tile_m(M), 64 * consumers);
     set_k_parallel(p, K, uint32_t(cuda_wgmma_ws_slices(int64_t(p.params.m_tiles) * p.params.n_tiles, K, slots)),
                    TM_CUDA_WGMMA_K_STEP);
-    if (const char* e = std::getenv("TM_EXP_KP")) set_k_parallel(p, K, uint32_t(std::atoi(e)), TM_CUDA_WGMMA_K_STEP);
     p.grid[0] = p.params.m_tiles;
     p.grid[1] = p.params.n_tiles;
     p.grid[2] = p.params.k_parallel;
@@ -448,12 +441,6 @@ GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, in
   p.params.has_bias = has_bias ? 1u : 0u;
   p.params.k_parallel = 1;
 
-  const char* exp_force = std::getenv("TM_EXP_FORCE");  // EXPERIMENT ONLY: removed before landing
-  if (force == GemmVariant::Auto && exp_force != nullptr && caps.backend == Backend::CUDA && dtype != DType::F32) {
-    const std::string e = exp_force;
-    force = e == "ws" ? GemmVariant::WarpSpecialized : e == "ss" ? GemmVariant::Tiled : e == "decode" ? GemmVariant::Decode
-          : e == "blas" ? GemmVariant::DequantBlas : GemmVariant::Auto;
-  }
   if (force != GemmVariant::Auto) {
     p.variant = force;
   } else if (caps.backend == Backend::CUDA && dtype != DType::F32 && cuda_wgmma_ws_pays(M, K, group_size, caps)) {
