@@ -283,15 +283,21 @@ void plan_metal(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTy
 // ---- CUDA -----------------------------------------------------------------------------------
 // Kernels in csrc/cuda/quant_gemm.cu; `kernel` is a tag the launcher switches on (docs/cuda.md).
 //  - fp32 activations: "simt_<fmt>_float", a plain CUDA-core kernel (8 rows x 128 columns per block).
-//  - Decode (M <= 128): "decode_<fmt>_<dtype>", mma.sync m16n8k16 with the weights as the A
-//    operand and M padded to 8/16/32/64 as the n dimension (64-row tiles above 64); a block is
-//    8 warps over 32 columns; each warp streams a contiguous run of 32-row K chunks and the 8 meet
-//    in shared memory; grid = (row tiles, column tiles, K slices), the K slices' fp32 partials
-//    summed in slice order by the last block of each tile inside the same kernel.
-//  - Tiled, sm_90a only (cuda_wgmma_pays): "wgmma_<fmt>_<dtype>", 2 warpgroups over 128 x 256,
-//    128 x 128 or 256 x 128 (rows x columns) tiles; each stage's weight tile is dequantized once into shared memory and both
-//    operands feed wgmma from there (activations by TMA); grid = (row tiles, column tiles, K
-//    slices), up to 4 slices summed through a thread-block cluster.
+//  - Decode (M <= 128, or M <= 32 where wgmma_ws applies): "decode_<fmt>_<dtype>", mma.sync
+//    m16n8k16 with the weights as the A operand and M padded to 8/16/32/64 as the n dimension
+//    (64-row tiles above 64); a block is 8 warps over 32 columns; each warp streams a contiguous
+//    run of 32-row K chunks and the 8 meet in shared memory; grid = (row tiles, column tiles,
+//    K slices), the K slices' fp32 partials summed in slice order by the last block of each tile
+//    inside the same kernel.
+//  - Warp-specialized, sm_90a only (cuda_wgmma_ws_pays: M > 32, group_size % 64 == 0):
+//    "wgmma_ws_<fmt>_<dtype>", a TMA producer warpgroup and 2 or 3 consumer warpgroups over
+//    64 x 128/192 .. 256 x 128 (activation rows x weight columns) tiles, the weights dequantized
+//    into wgmma's register A operand; up to 3 K slices summed through a cluster.
+//  - Tiled, sm_90a only (cuda_wgmma_pays; group sizes wgmma_ws does not take):
+//    "wgmma_<fmt>_<dtype>", 2 warpgroups over 128 x 256, 128 x 128 or 256 x 128 (rows x columns)
+//    tiles; each stage's weight tile is dequantized once into shared memory and both operands
+//    feed wgmma from there (activations by TMA); grid = (row tiles, column tiles, K slices), up
+//    to 4 slices summed through a thread-block cluster.
 //  - Larger M: "dequant_blas_<fmt>_<dtype>": the dequant kernel writes column panels of B into
 //    the workspace and cuBLAS (at::mm_out) multiplies each into C's columns.
 // The CUDA tile kernels' K slices (cuda_tile_slices) and grid = (row tiles, column tiles, K
