@@ -870,6 +870,21 @@ __device__ __forceinline__ uint4 dequant_word_natural(u32 w, const ColQ<T>& q) {
   }
 }
 
+// Stores an output pair C[row][col, col + 1] (just col unless pair): one 4-byte store when the row
+// stride keeps it aligned (N even; col is even in both wgmma epilogues).
+template <typename T>
+__device__ __forceinline__ void store_c_pair(T* dst, float v0, float v1, bool pair, u32 N) {
+  if (pair && N % 2u == 0u) {
+    typename Tr<T>::T2 v;
+    v.x = Tr<T>::from_f(v0);
+    v.y = Tr<T>::from_f(v1);
+    *reinterpret_cast<typename Tr<T>::T2*>(dst) = v;
+  } else {
+    dst[0] = Tr<T>::from_f(v0);
+    if (pair) dst[1] = Tr<T>::from_f(v1);
+  }
+}
+
 // K-slice epilogue of the wgmma kernels (plan.reduce_kernel "cluster_reduce"): the slices of an
 // output tile run as one cluster (dims (1, 1, k_parallel): cluster rank = slice) and every block
 // has left its fp32 partial tile part[rows][TN] in its own shared memory. After a cluster barrier
@@ -1132,16 +1147,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
             v0 += Tr<T>::to_f(bias[col]);
             if (pair) v1 += Tr<T>::to_f(bias[col + 1u]);
           }
-          T* dst = C + size_t(row) * p.N + col;
-          if (pair && p.N % 2u == 0u) {
-            typename Tr<T>::T2 v;
-            v.x = Tr<T>::from_f(v0);
-            v.y = Tr<T>::from_f(v1);
-            *reinterpret_cast<typename Tr<T>::T2*>(dst) = v;
-          } else {
-            dst[0] = Tr<T>::from_f(v0);
-            if (pair) dst[1] = Tr<T>::from_f(v1);
-          }
+          store_c_pair<T>(C + size_t(row) * p.N + col, v0, v1, pair, p.N);
         }
       }
   }
@@ -1417,16 +1423,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
           const u32 row = m0 + u32(8 * j + 2 * t + f);
           if (row >= p.M) continue;
           const float v0 = acc[4 * j + f] + b0, v1 = acc[4 * j + 2 + f] + b1;
-          T* dst = C + size_t(row) * p.N + c;
-          if (pair && p.N % 2u == 0u) {
-            T2 v;
-            v.x = Tr<T>::from_f(v0);
-            v.y = Tr<T>::from_f(v1);
-            *reinterpret_cast<T2*>(dst) = v;
-          } else {
-            dst[0] = Tr<T>::from_f(v0);
-            if (pair) dst[1] = Tr<T>::from_f(v1);
-          }
+          store_c_pair<T>(C + size_t(row) * p.N + c, v0, v1, pair, p.N);
         }
     }
   }

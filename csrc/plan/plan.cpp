@@ -310,6 +310,18 @@ void set_cuda_tile_grid(GemmPlan& p, int64_t K, int64_t slots, const CudaSliceRu
   p.grid[2] = p.params.k_parallel;
 }
 
+// A forced wgmma variant needs the sm_90a kernels and a shape they take.
+void require_wgmma(const DeviceCaps& caps, bool shape_ok, const char* kernel, const char* group_multiple) {
+  if (!caps.wgmma) {
+    throw std::invalid_argument(std::string("plan_quant_gemm: the CUDA ") + kernel +
+                                " kernel needs an sm_90a build on a compute capability 9.0 device");
+  }
+  if (!shape_ok) {
+    throw std::invalid_argument(std::string("plan_quant_gemm: the CUDA ") + kernel +
+                                " kernel needs K % 64 == 0 and group_size % " + group_multiple + " == 0");
+  }
+}
+
 void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DType d,
                const DeviceCaps& caps) {
   std::string stem;
@@ -342,30 +354,16 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
   } else if (p.variant == GemmVariant::Tiled) {
     // wgmma (sm_90a): 2 warpgroups over 128 or 256 columns x 128 or 256 rows, 1 block per SM. K slices
     // (of at least 8 stages) only when the tiles leave SMs idle, as for decode.
-    if (!caps.wgmma) {
-      throw std::invalid_argument("plan_quant_gemm: the CUDA tiled (wgmma) kernel needs an sm_90a build on a "
-                                  "compute capability 9.0 device");
-    }
-    if (!cuda_wgmma_shape_ok(K, p.params.group_size)) {
-      throw std::invalid_argument("plan_quant_gemm: the CUDA tiled (wgmma) kernel needs K % 64 == 0 and "
-                                  "group_size % 32 == 0");
-    }
+    require_wgmma(caps, cuda_wgmma_shape_ok(K, p.params.group_size), "tiled (wgmma)", "32");
     set_tiles(p, M, N, cuda_wgmma_tile_m(M), cuda_wgmma_tile_n(M, K, N, caps.compute_units));
     set_cuda_tile_grid(p, K, caps.compute_units, kCudaWgmmaSlices);
     p.threads[0] = TM_CUDA_WGMMA_THREADS;
     stem = "wgmma";
     cluster_slices = true;
   } else if (p.variant == GemmVariant::WarpSpecialized) {
-    // wgmma_ws (sm_90a): 128 weight columns x 64/128/256 activation rows a block, 1 block per SM;
-    // K slices as for the wgmma kernel.
-    if (!caps.wgmma) {
-      throw std::invalid_argument("plan_quant_gemm: the CUDA warp_specialized (wgmma_ws) kernel needs an sm_90a "
-                                  "build on a compute capability 9.0 device");
-    }
-    if (!cuda_wgmma_ws_shape_ok(K, p.params.group_size)) {
-      throw std::invalid_argument("plan_quant_gemm: the CUDA warp_specialized (wgmma_ws) kernel needs K % 64 == 0 "
-                                  "and group_size % 64 == 0");
-    }
+    // wgmma_ws (sm_90a): 64 x consumers weight columns x 64/128/256 activation rows a block, 1 block
+    // per SM; K slices by cuda_wgmma_ws_slices.
+    require_wgmma(caps, cuda_wgmma_ws_shape_ok(K, p.params.group_size), "warp_specialized (wgmma_ws)", "64");
     const int64_t slots = std::max(1, caps.compute_units);
     const uint32_t consumers = cuda_wgmma_ws_consumers(M, K, N, slots);
     set_tiles(p, M, N, cuda_wgmma_ws_tile_m(M), 64 * consumers);

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Session 7: ncu stall samples + speed-of-light of one gemm_fp4 launch (the build on the machine).
 #   FMT=fp4 M=128 K=4096 N=12288 bash docs/cuda_results/session7/scripts/exp_prof.sh
+# (KERNEL: the ncu kernel-name regex; TAG: a prefix for the output names, added in session 8.)
 set -uo pipefail
 cd "$(dirname "$0")/../../../.."
 OUT="${OUT:-/tmp/out}"; export PYTHONPATH=$PWD
-tag="${M:-128}_${K:-4096}x${N:-12288}"
+tag="${TAG:-}${M:-128}_${K:-4096}x${N:-12288}"
 timeout 240 ncu --kernel-name "regex:${KERNEL:-wgmma_kernel}" --launch-skip 2 --launch-count 1 --section SpeedOfLight \
   --section SourceCounters --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
   --metrics regex:smsp__pcsamp_warps_issue_stalled_.* -o "$OUT/prof_$tag" \

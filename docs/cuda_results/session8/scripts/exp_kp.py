@@ -11,8 +11,7 @@ import torch
 from torch_marlin.formats import pack_int4
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from exp_overhead import kernel_us  # noqa: E402
-from timing import memset_flush, timed  # noqa: E402
+from exp_overhead import kernel_us, memset_flush, timed  # noqa: E402
 
 SHAPES = [(4096, 4096), (10752, 4096), (4096, 21504)]
 

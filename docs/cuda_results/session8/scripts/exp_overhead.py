@@ -12,7 +12,8 @@ import torch
 
 from torch_marlin.formats import pack_int4
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "session7", "scripts"))  # session 7's timing helper
 from timing import memset_flush, timed  # noqa: E402
 
 SHAPES = [(4096, 4096), (10752, 4096), (4096, 12288), (28672, 8192)]

@@ -17,7 +17,7 @@ import torch_marlin
 from torch_marlin.formats import pack_int4
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "..", "session7", "scripts"))  # session 7's timing helper
 sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "..", "tests"))
 from timing import memset_flush, timed  # noqa: E402
 
