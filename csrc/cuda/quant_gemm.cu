@@ -712,6 +712,7 @@ struct WgSmem {
   static_assert(kStage % 1024 == 0 && kBytes <= 227 * 1024, "stage alignment / shared-memory limit");
 };
 
+// Eight accumulator operands d[i .. i + 7] of a wgmma asm statement (the SS and RS forms below).
 #define TM_D8(i) \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 #define TM_WGMMA_SS(TY)                                                                           \
@@ -746,7 +747,6 @@ __device__ __forceinline__ void wgmma_ss(float* d, uint64_t desc_a, uint64_t des
 }
 #undef TM_WGMMA_SS
 #undef TM_WGMMA_SS256
-#undef TM_D8
 
 __device__ __forceinline__ void wg_fence() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1212,8 +1212,6 @@ struct WsSmem {
   static_assert(kStages >= 4 && kBytes <= 227 * 1024, "shared-memory budget");
 };
 
-#define TM_D8(i) \
-  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 #define TM_WGMMA_RS64(TY)                                                                        \
   asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                       \
                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "  \
