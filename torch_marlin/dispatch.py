@@ -5,8 +5,9 @@ variant and launch geometry a shape gets on a backend. Modules do not decide any
 they call the op, and the op plans. Small M (16 rows on Metal, 8 on CPU, 128 on CUDA: measured
 crossovers) selects the decode (GEMV-style) kernels; larger M the tiled (prefill) kernels, stripes
 with K-parallel slices where the output is too small to fill the GPU, or on CUDA the sm_90a
-``wgmma`` kernel (64 < M <= 512 with enough output tiles) and dequantized weights + cuBLAS
-(``dequant_blas``).
+warp-specialized ``wgmma_ws`` kernel (every M > 32 when group_size % 64 == 0; variant
+``warp_specialized``), the session-7 ``wgmma`` kernel (other group sizes, 64 < M <= 512 with
+enough output tiles) and dequantized weights + cuBLAS (``dequant_blas``).
 """
 
 import torch
@@ -33,7 +34,7 @@ def plan_gemm(format: str, M: int, K: int, N: int, group_size: int = 128, dtype=
     op would execute for this problem. ``device`` may be a torch device or ``"metal"``;
     ``compute_units`` overrides the device's core/SM/thread count (0 = the backend's default);
     ``thread_block_clusters`` (CUDA) overrides whether the device and this build run thread-block
-    clusters, ``wgmma`` whether it runs the sm_90a wgmma kernel (None = ask the device when there
+    clusters, ``wgmma`` whether it runs the sm_90a wgmma kernels (None = ask the device when there
     is one, else False)."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")
