@@ -1165,8 +1165,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 // consumer warpgroups over a 64 NC-column x BN-row output tile, one block per SM.
 //  - One producer thread keeps a kStages-deep ring of 64-k stages full by TMA: the activation box
 //    (BN rows x 64 k, 128-byte swizzle: wgmma's canonical K-major layout), the packed-weight box
-//    (8 packed rows x 64 NC columns) and the stage's scale (and U4 zero-point) row, all completing on the slot's "full" mbarrier; it refills a slot once every consumer warp has
-//    arrived on its "empty" mbarrier.
+//    (8 packed rows x 64 NC columns) and the stage's scale (and U4 zero-point) row, all completing
+//    on the slot's "full" mbarrier; it refills a slot once every consumer warp has arrived on its
+//    "empty" mbarrier.
 //  - A consumer lane (g, t) of warp w holds the A rows 16 w + g and 16 w + g + 8 of its warpgroup.
 //    The order of the m64 rows is free (it only decides where each output lands), so those two rows
 //    are the adjacent weight columns 2 g and 2 g + 1 of the warp's 16: one 8-byte shared load per
