@@ -3,27 +3,28 @@
 // Every launch executes a GemmPlan from plan_cuda (csrc/plan/plan.cpp); the kernel tag says which
 // kernel, the params struct carries the geometry. Kernels:
 //   decode_*   M <= 32 (M <= 128 where wgmma_ws does not apply). mma.sync m16n8k16 with the
-//              dequantized weights as the A operand and the activations (M padded to 8, 16, 32 or 64; 64-row tiles along grid.x above) as the
-//              n dimension. Packed weights stream from global memory into a register ring with
-//              16-byte loads, each word read once per row tile. 8 warps per block split the
-//              block's K slice and reduce in shared memory in a fixed order; grid.z K slices are
-//              summed in slice order (deterministic, no second launch): on sm_90 with 2 slices by
-//              a thread-block cluster through distributed shared memory, otherwise the slices
-//              write fp32 partials and the last block of each tile to arrive sums them.
-//   wgmma_ws_* sm_90a, M > 32, group_size % 64 == 0 (plan.cpp cuda_wgmma_ws_pays). Warp-specialized:
-//              a TMA producer warpgroup feeds 2 or 3 consumer warpgroups that dequantize straight
-//              into wgmma's register A operand (weights = the m64 rows, activations = n); up to 3
-//              K slices summed through a thread-block cluster.
+//              dequantized weights as the A operand and the activations (M padded to 8, 16, 32 or
+//              64; 64-row tiles along grid.x above) as the n dimension. Packed weights stream
+//              from global memory into a register ring with 16-byte loads, each word read once
+//              per row tile. 8 warps per block split the block's K slice and reduce in shared
+//              memory in a fixed order; grid.z K slices are summed in slice order (deterministic,
+//              no second launch): on sm_90 with 2 slices by a thread-block cluster through
+//              distributed shared memory, otherwise the slices write fp32 partials and the last
+//              block of each tile to arrive sums them.
+//   wgmma_ws_* sm_90a, M > 32, group_size % 64 == 0 (plan.cpp cuda_wgmma_ws_pays).
+//              Warp-specialized: a TMA producer warpgroup feeds 2 or 3 consumer warpgroups that
+//              dequantize straight into wgmma's register A operand (weights = the m64 rows,
+//              activations = n); up to 3 K slices summed through a thread-block cluster.
 //   wgmma_*    sm_90a, group_size % 64 != 0, 64 < M <= 512 with >= 64 output tiles or long K
-//              (plan.cpp cuda_wgmma_pays).
-//              Two warpgroups over a 128 x 256, 128 x 128 or 256 x 128 (rows x columns) tile: each
-//              stage's weight tile is dequantized once into shared memory (natural k order) and
-//              both operands feed wgmma.m64n{128,256}k16 from there; activations by TMA,
-//              weights/scales by cp.async; up to 4 K slices summed through a thread-block cluster.
-//   dequant_blas  M > 128 where neither wgmma kernel applies. Each column panel of B (all of N up
-//              to 1 GiB) is dequantized into a workspace (the dequant kernel below) and multiplied by cuBLAS (at::mm_out) into C's
-//              columns: from 129 rows on that beats our decode kernel and the fused tensor-core
-//              kernel we had (docs/cuda.md has the measurements).
+//              (plan.cpp cuda_wgmma_pays). Two warpgroups over a 128 x 256, 128 x 128 or
+//              256 x 128 (rows x columns) tile: each stage's weight tile is dequantized once into
+//              shared memory (natural k order) and both operands feed wgmma.m64n{128,256}k16 from
+//              there; activations by TMA, weights/scales by cp.async; up to 4 K slices summed
+//              through a thread-block cluster.
+//   dequant_blas  M > 128 where neither wgmma kernel applies. Each column panel of B (all of N
+//              up to 1 GiB) is dequantized into a workspace (the dequant kernel below) and
+//              multiplied by cuBLAS (at::mm_out) into C's columns: from 129 rows on that beats
+//              our decode kernel and the fused tensor-core kernel we had (docs/cuda.md).
 //   simt       fp32 activations: a plain CUDA-core kernel (correct, not fast).
 //   dequant    [K, N] (or a column panel of it) in the scales' dtype.
 //
