@@ -243,7 +243,7 @@ def test_wgmma_deterministic(M, K):
 
 # ---- The warp-specialized wgmma kernel (sm_90a): M > 32, group_size % 64 == 0 ---------------------
 def on_132_sms():
-    return torch.cuda.get_device_properties(0).multi_processor_count == 132
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count == 132
 
 
 # (M, K, N, group_size, K slices, tile rows, tile columns), plans of a 132-SM H100/H200: 64-row tiles

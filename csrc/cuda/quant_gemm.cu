@@ -1505,16 +1505,23 @@ void launch_tile_kernel(const GemmPlan& plan, void (*kernel)(KArgs...), u32 thre
   check_launch(plan.kernel.c_str());
 }
 
+// Calls f(std::true_type) when the plan sums K slices through a thread-block cluster, else
+// f(std::false_type): the kernels' kCluster template argument.
+template <typename F>
+void with_cluster(const GemmPlan& plan, F&& f) {
+  if (plan.reduce_kernel == "cluster_reduce") f(std::true_type{});
+  else f(std::false_type{});
+}
+
 template <typename T, u32 FMT, int NT, bool kFold>
 void launch_decode(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const u32* B, const T* S, const uint8_t* Z,
                    const T* bias, T* C, float* ws, int* counters, cudaStream_t stream) {
-  if (plan.reduce_kernel == "cluster_reduce") {
-    launch_tile_kernel<true>(plan, decode_kernel<T, FMT, NT, kFold, true>, kDecThreads, dec_smem_bytes<NT, true>(),
-                             stream, plan.params, Np, gs_shift, A, B, S, Z, bias, C, ws, counters);
-  } else {
-    launch_tile_kernel<false>(plan, decode_kernel<T, FMT, NT, kFold, false>, kDecThreads, dec_smem_bytes<NT, false>(),
-                              stream, plan.params, Np, gs_shift, A, B, S, Z, bias, C, ws, counters);
-  }
+  with_cluster(plan, [&](auto cluster) {
+    constexpr bool kCluster = decltype(cluster)::value;
+    launch_tile_kernel<kCluster>(plan, decode_kernel<T, FMT, NT, kFold, kCluster>, kDecThreads,
+                                 dec_smem_bytes<NT, kCluster>(), stream, plan.params, Np, gs_shift, A, B, S, Z, bias, C,
+                                 ws, counters);
+  });
 }
 
 // A 2-D TMA descriptor: rows x cols elements (cols contiguous, row stride in bytes), box_rows x
@@ -1575,11 +1582,9 @@ template <typename T, u32 FMT, int BM, int TN>
 void launch_wgmma(const GemmPlan& plan, u32 Np, const T* A, const u32* B, const T* S, const uint8_t* Z, const T* bias,
                   T* C, cudaStream_t stream) {
   const CUtensorMap tmap = activation_tensor_map<T>(A, plan.params.M, plan.params.K, BM);
-  if (plan.reduce_kernel == "cluster_reduce") {
-    launch_wgmma_as<T, FMT, BM, TN, true>(plan, tmap, Np, B, S, Z, bias, C, stream);
-  } else {
-    launch_wgmma_as<T, FMT, BM, TN, false>(plan, tmap, Np, B, S, Z, bias, C, stream);
-  }
+  with_cluster(plan, [&](auto cluster) {
+    launch_wgmma_as<T, FMT, BM, TN, decltype(cluster)::value>(plan, tmap, Np, B, S, Z, bias, C, stream);
+  });
 }
 
 // wgmma_ws: TMA descriptors of the activations, packed weights (8 packed rows x 64 NC columns),
@@ -1607,20 +1612,20 @@ void launch_wgmma_ws(const GemmPlan& plan, int64_t Np, const T* A, const u32* B,
   const QuantGemmParams& q = plan.params;
   const int64_t groups = q.K / q.group_size;
   constexpr int kTN = 64 * NC;
+  const CUtensorMap scales =
+      tensor_map_2d(S, CU_TENSOR_MAP_DATA_TYPE_UINT16, groups, Np, Np * 2, 1, kTN, CU_TENSOR_MAP_SWIZZLE_NONE);
   const CUtensorMap maps[4] = {
       activation_tensor_map<T>(A, q.M, q.K, BN),
       tensor_map_2d(B, CU_TENSOR_MAP_DATA_TYPE_UINT32, q.K / 8, Np, Np * 4, kWgKStep / 8, kTN,
                     CU_TENSOR_MAP_SWIZZLE_NONE),
-      tensor_map_2d(S, CU_TENSOR_MAP_DATA_TYPE_UINT16, groups, Np, Np * 2, 1, kTN, CU_TENSOR_MAP_SWIZZLE_NONE),
+      scales,
+      // FP4 has no zero points: the kernel never reads this slot, which repeats the scales' map.
       FMT == TM_FORMAT_U4
           ? tensor_map_2d(Z, CU_TENSOR_MAP_DATA_TYPE_UINT8, groups, Np, Np, 1, kTN, CU_TENSOR_MAP_SWIZZLE_NONE)
-          : tensor_map_2d(S, CU_TENSOR_MAP_DATA_TYPE_UINT16, groups, Np, Np * 2, 1, kTN,
-                          CU_TENSOR_MAP_SWIZZLE_NONE)};  // unused by FP4
-  if (plan.reduce_kernel == "cluster_reduce") {
-    launch_wgmma_ws_as<T, FMT, BN, NC, true>(plan, maps, bias, C, stream);
-  } else {
-    launch_wgmma_ws_as<T, FMT, BN, NC, false>(plan, maps, bias, C, stream);
-  }
+          : scales};
+  with_cluster(plan, [&](auto cluster) {
+    launch_wgmma_ws_as<T, FMT, BN, NC, decltype(cluster)::value>(plan, maps, bias, C, stream);
+  });
 }
 
 // Columns [n0, n0 + cols) of B into W[K][ldw].

@@ -137,8 +137,9 @@ uint32_t cuda_wgmma_tile_n(int64_t M, int64_t K, int64_t N, int64_t slots) {
 // Measured on an H100 over the five issue shapes (FP4, fp16, every kernel forced in one process:
 // docs/cuda_results/session8/): it beats every other kernel from 33 rows on, on every shape, up to
 // the largest M measured (4096; 4096 x 21504 there within 2 % of dequant + cuBLAS): e.g. at
-// M = 64 1.16x..1.90x of cuBLAS against decode's 0.92x..1.35x, at M = 1024 0.89x..1.01x against
-// dequant + cuBLAS's 0.70x..0.72x. At M <= 32 the decode kernel is faster on 4 of the 5 shapes.
+// M = 64 1.19x..2.03x of cuBLAS against decode's 0.92x..1.35x, at M = 1024 0.89x..1.08x against
+// dequant + cuBLAS's 0.69x..0.75x (exp_policy_sweep.txt). At M <= 32 decode is faster on 4 of the
+// 5 shapes.
 constexpr int64_t kCudaWgmmaWsMinM = 32;  // exclusive: decode at and below
 // Whole 64-k stages under one scale row.
 bool cuda_wgmma_ws_shape_ok(int64_t K, int64_t group_size) {
@@ -300,15 +301,15 @@ void plan_metal(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTy
 //    to 4 slices summed through a thread-block cluster.
 //  - Larger M: "dequant_blas_<fmt>_<dtype>": the dequant kernel writes column panels of B into
 //    the workspace and cuBLAS (at::mm_out) multiplies each into C's columns.
-// The CUDA tile kernels' K slices (cuda_tile_slices) and grid = (row tiles, column tiles, K
-// slices), row tiles fastest so they share each column tile's weights in L2.
-void set_cuda_tile_grid(GemmPlan& p, int64_t K, int64_t slots, const CudaSliceRule& rule) {
-  const int64_t tiles = int64_t(p.params.m_tiles) * p.params.n_tiles;
-  set_k_parallel(p, K, uint32_t(cuda_tile_slices(tiles, K, slots, rule)), rule.k_step);
+// The CUDA tile kernels' grid = (row tiles, column tiles, K slices), row tiles fastest so they
+// share each column tile's weights in L2.
+void set_cuda_tile_grid(GemmPlan& p, int64_t K, int64_t k_parallel, uint32_t k_step) {
+  set_k_parallel(p, K, uint32_t(k_parallel), k_step);
   p.grid[0] = p.params.m_tiles;
   p.grid[1] = p.params.n_tiles;
   p.grid[2] = p.params.k_parallel;
 }
+int64_t cuda_tiles(const GemmPlan& p) { return int64_t(p.params.m_tiles) * p.params.n_tiles; }
 
 // A forced wgmma variant needs the sm_90a kernels and a shape they take.
 void require_wgmma(const DeviceCaps& caps, bool shape_ok, const char* kernel, const char* group_multiple) {
@@ -347,7 +348,9 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     const uint32_t tile_m = M <= 8 ? 8 : (M <= 16 ? 16 : (M <= 32 ? 32 : 64));
     const int64_t blocks_per_sm = TM_CUDA_DECODE_BLOCKS_PER_SM(tile_m);
     set_tiles(p, M, N, tile_m, TM_CUDA_DECODE_TILE_N);
-    set_cuda_tile_grid(p, K, int64_t(caps.compute_units) * blocks_per_sm, kCudaDecodeSlices);
+    set_cuda_tile_grid(p, K,
+                       cuda_tile_slices(cuda_tiles(p), K, int64_t(caps.compute_units) * blocks_per_sm, kCudaDecodeSlices),
+                       kCudaDecodeSlices.k_step);
     p.threads[0] = 32 * TM_CUDA_DECODE_WARPS;
     stem = "decode";
     cluster_slices = caps.thread_block_clusters && p.params.k_parallel <= TM_CUDA_DECODE_MAX_CLUSTER_SLICES;
@@ -356,7 +359,8 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     // (of at least 8 stages) only when the tiles leave SMs idle, as for decode.
     require_wgmma(caps, cuda_wgmma_shape_ok(K, p.params.group_size), "tiled (wgmma)", "32");
     set_tiles(p, M, N, cuda_wgmma_tile_m(M), cuda_wgmma_tile_n(M, K, N, caps.compute_units));
-    set_cuda_tile_grid(p, K, caps.compute_units, kCudaWgmmaSlices);
+    set_cuda_tile_grid(p, K, cuda_tile_slices(cuda_tiles(p), K, caps.compute_units, kCudaWgmmaSlices),
+                       kCudaWgmmaSlices.k_step);
     p.threads[0] = TM_CUDA_WGMMA_THREADS;
     stem = "wgmma";
     cluster_slices = true;
@@ -367,11 +371,7 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     const int64_t slots = std::max(1, caps.compute_units);
     const uint32_t consumers = cuda_wgmma_ws_consumers(M, K, N, slots);
     set_tiles(p, M, N, cuda_wgmma_ws_tile_m(M), 64 * consumers);
-    set_k_parallel(p, K, uint32_t(cuda_wgmma_ws_slices(int64_t(p.params.m_tiles) * p.params.n_tiles, K, slots)),
-                   TM_CUDA_WGMMA_K_STEP);
-    p.grid[0] = p.params.m_tiles;
-    p.grid[1] = p.params.n_tiles;
-    p.grid[2] = p.params.k_parallel;
+    set_cuda_tile_grid(p, K, cuda_wgmma_ws_slices(cuda_tiles(p), K, slots), kCudaWgmmaWsSlices.k_step);
     p.threads[0] = 128 * (consumers + 1);
     stem = "wgmma_ws";
     cluster_slices = true;

@@ -28,7 +28,8 @@ struct DeviceCaps {
   // compiled for them (sm_90+ PTX); the decode plan then reduces 2 K slices through a cluster.
   int thread_block_clusters = 0;
   // CUDA: 1 when the device is compute capability 9.0 and the loaded kernels were built for
-  // sm_90a; the planner may then pick the wgmma kernel (plan.cpp cuda_wgmma_pays).
+  // sm_90a; the planner may then pick the wgmma kernels (plan.cpp cuda_wgmma_ws_pays,
+  // cuda_wgmma_pays).
   int wgmma = 0;
 };
 
@@ -42,7 +43,7 @@ enum class GemmVariant : int {
   Striped,      // 1-D grid, column-major stripes over the tile space, K-parallel slices
   DequantBlas,  // CUDA, large M: dequantize column panels of B into a workspace and multiply each
                 // with cuBLAS (the CPU's Tiled variant is the same idea with MKL)
-  WarpSpecialized,  // CUDA sm_90a: a TMA producer warpgroup and two consumer warpgroups that
+  WarpSpecialized,  // CUDA sm_90a: a TMA producer warpgroup and 2 or 3 consumer warpgroups that
                     // dequantize into wgmma's register A operand (wgmma_ws)
 };
 
