@@ -10,10 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import torch_marlin
-from torch_marlin.formats import pack_int4
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import memset_flush, timed  # noqa: E402
+from timing import memset_flush, timed, weights  # noqa: E402
 
 SHAPES = [(4096, 12288), (4096, 4096), (4096, 21504), (10752, 4096), (28672, 8192)]
 
@@ -25,9 +24,7 @@ def main():
     ms = [int(v) for v in (sys.argv[2] if len(sys.argv) > 2 else "64,96,128,256,512,1024").split(",")]
     flush = memset_flush()
     for K, N in SHAPES:
-        B = pack_int4(torch.randint(0, 16, (K, N), device="cuda"))
-        s = (torch.rand(K // 128, N, device="cuda") * 0.02 + 0.001).half()
-        W16 = torch.randn(N, K, device="cuda", dtype=torch.float16)
+        B, s, W16 = weights(K, N)
         for M in ms:
             A = torch.randn(M, K, device="cuda", dtype=torch.float16)
             tc = timed(lambda: F.linear(A, W16), flush)

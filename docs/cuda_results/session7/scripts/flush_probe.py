@@ -12,19 +12,11 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from torch_marlin.formats import pack_int4
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import memset_flush, read_flush, timed  # noqa: E402
+from timing import memset_flush, read_flush, timed, weights  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 12288), (28672, 8192)]
-
-
-def weights(K, N):
-    B = pack_int4(torch.randint(0, 16, (K, N), device="cuda"))
-    s = (torch.rand(K // 128, N, device="cuda") * 0.02 + 0.001).half()
-    W16 = torch.randn(N, K, device="cuda", dtype=torch.float16)
-    return B, s, W16
 
 
 

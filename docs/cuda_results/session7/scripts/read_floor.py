@@ -16,10 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.cpp_extension import load_inline
 
-from torch_marlin.formats import pack_int4
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import memset_flush, timed  # noqa: E402
+from timing import memset_flush, timed, weights  # noqa: E402
 
 SRC = r"""
 #include <torch/extension.h>
@@ -70,9 +69,7 @@ def main():
         b16 = K * N * 2
         r4, bps, thr = read_time(b4)
         r16 = read_time(b16)[0]
-        B = pack_int4(torch.randint(0, 16, (K, N), device="cuda"))
-        s = (torch.rand(K // 128, N, device="cuda") * 0.02 + 0.001).half()
-        W16 = torch.randn(N, K, device="cuda", dtype=torch.float16)
+        B, s, W16 = weights(K, N)
         A = torch.randn(1, K, device="cuda", dtype=torch.float16)
         tc = timed(lambda: F.linear(A, W16), flush, reps=21)
         tf = timed(lambda: torch.ops.marlin.gemm_fp4(A, B, s, 128), flush, reps=21)

@@ -1,8 +1,18 @@
-"""Shared by the session-7 experiment scripts: one CUDA-event-timed call after an L2 flush, median
+"""Shared by the session-7 and session-8 experiment scripts: the random FP4 layer they time, and one CUDA-event-timed call after an L2 flush, median
 of `reps` after 3 warm-ups (the same timing as scripts/bench_cuda.py)."""
 import statistics
 
 import torch
+
+from torch_marlin.formats import pack_int4
+
+
+def weights(K, N):
+    """An FP4 layer of random codes (group size 128) and the dense fp16 weight cuBLAS multiplies
+    ([N, K], as F.linear takes it)."""
+    B = pack_int4(torch.randint(0, 16, (K, N), device="cuda"))
+    s = (torch.rand(K // 128, N, device="cuda") * 0.02 + 0.001).half()
+    return B, s, torch.randn(N, K, device="cuda", dtype=torch.float16)
 
 
 def memset_flush():

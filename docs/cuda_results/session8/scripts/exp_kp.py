@@ -8,10 +8,9 @@ import sys
 
 import torch
 
-from torch_marlin.formats import pack_int4
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from exp_overhead import kernel_us, memset_flush, timed  # noqa: E402
+from exp_overhead import kernel_us, memset_flush, timed, weights  # noqa: E402
 
 SHAPES = [(4096, 4096), (10752, 4096), (4096, 21504)]
 
@@ -22,8 +21,7 @@ def main():
     flush = memset_flush()
     os.environ["TM_EXP_FORCE"] = "ws"
     for K, N in SHAPES:
-        B = pack_int4(torch.randint(0, 16, (K, N), device="cuda"))
-        s = (torch.rand(K // 128, N, device="cuda") * 0.02 + 0.001).half()
+        B, s, _ = weights(K, N)
         for M in ms:
             A = torch.randn(M, K, device="cuda", dtype=torch.float16)
             for kp in kps:

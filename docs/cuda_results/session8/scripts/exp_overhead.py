@@ -10,11 +10,10 @@ import sys
 
 import torch
 
-from torch_marlin.formats import pack_int4
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "session7", "scripts"))  # session 7's timing helper
-from timing import memset_flush, timed  # noqa: E402
+from timing import memset_flush, timed, weights  # noqa: E402
 
 SHAPES = [(4096, 4096), (10752, 4096), (4096, 12288), (28672, 8192)]
 
@@ -38,8 +37,7 @@ def main():
     forces = (sys.argv[2] if len(sys.argv) > 2 else "decode,ws").split(",")
     flush = memset_flush()
     for K, N in SHAPES:
-        B = pack_int4(torch.randint(0, 16, (K, N), device="cuda"))
-        s = (torch.rand(K // 128, N, device="cuda") * 0.02 + 0.001).half()
+        B, s, _ = weights(K, N)
         for M in ms:
             A = torch.randn(M, K, device="cuda", dtype=torch.float16)
             for force in forces:

@@ -14,12 +14,11 @@ import torch
 import torch.nn.functional as F
 
 import torch_marlin
-from torch_marlin.formats import pack_int4
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "session7", "scripts"))  # session 7's timing helper
 sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "..", "tests"))
-from timing import memset_flush, timed  # noqa: E402
+from timing import memset_flush, timed, weights  # noqa: E402
 
 SHAPES = [(4096, 12288), (4096, 4096), (4096, 21504), (10752, 4096), (28672, 8192)]
 CHECKS = [(1, 512, 256, 64), (17, 1024, 1000, 32), (70, 1536, 2000, 96), (64, 4096, 4096, 128), (100, 2048, 8192, 128),
@@ -65,9 +64,7 @@ def check(force="ws"):
 def time_shapes(tag, ms, forces):
     flush = memset_flush()
     for K, N in SHAPES:
-        B = pack_int4(torch.randint(0, 16, (K, N), device="cuda"))
-        s = (torch.rand(K // 128, N, device="cuda") * 0.02 + 0.001).half()
-        W16 = torch.randn(N, K, device="cuda", dtype=torch.float16)
+        B, s, W16 = weights(K, N)
         for M in ms:
             A = torch.randn(M, K, device="cuda", dtype=torch.float16)
             tc = timed(lambda: F.linear(A, W16), flush)
