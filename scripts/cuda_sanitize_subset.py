@@ -7,7 +7,7 @@ Covers: decode with 1/2/4/8 n8 tiles and two 64-row tiles, folded and per-weight
 (K-parallel and not, fp16/bf16, fp4/u4), dequant_blas (padded N, N % 8 != 0; racecheck skips
 these: our dequant kernel uses no shared memory and cuBLAS's kernels are not ours), the in-kernel K-slice reduction, the wgmma kernel on sm_90a (128 x 256, 128 x 128 and 256 x 128 tiles,
 padded N, rows past M, 2 and 4 K slices through a cluster), the wgmma_ws kernel (64-, 128- and
-256-row tiles, 2 and 3 consumer warpgroups, 2 and 3 K slices through a cluster), the fp32 simt kernel and the dequant kernel
+256-row tiles, 2 and 3 consumer warpgroups, 2 and 3 K slices through a cluster, a tail launch), the fp32 simt kernel and the dequant kernel
 (16-byte row stores and the scalar tail). Also
 checks each result against the fp32 reference so a silent wrong answer fails the run.
 """
@@ -41,6 +41,7 @@ CASES = [  # fmt, M, K, N, group_size, dtype
     ("fp4", 100, 1024, 12288, 128, torch.float16),  # wgmma_ws: 3 consumer warpgroups, 2 K slices
     ("u4", 300, 512, 1000, 128, torch.float16),     # wgmma_ws: two 256-row tiles, rows past M, padded N
     ("fp4", 129, 8192, 1000, 256, torch.bfloat16),  # wgmma_ws: 256-row tile, 3 K slices in a cluster
+    ("u4", 300, 2048, 8520, 128, torch.bfloat16),   # wgmma_ws: a tail launch (1 column tile x 3 K slices), padded N
 ]
 worst = 0.0
 skip_blas = "--no-blas" in sys.argv[1:]

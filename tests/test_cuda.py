@@ -271,9 +271,28 @@ def test_wgmma_ws(fmt, dtype, M, K, N, group_size, k_parallel, tile_m, tile_n):
     gpu_case(fmt, M, K, N, dtype, with_bias=True, seed=M, group_size=group_size)
 
 
-@pytest.mark.parametrize("M,K,N", [(64, 4096, 4096), (100, 1024, 12288), (129, 8192, 1000)])
+# A partial last wave of tiles split off into a second launch with K slices (GemmPlan::tail_n_tiles):
+# M, K, N, group_size, tail column tiles, tail K slices. 256-row tiles; the first has rows past M
+# in two row tiles and a partial last column tile (72 of 128 columns) inside the tail.
+WS_TAIL_CASES = [(300, 2048, 8520, 128, 1, 3), (200, 1024, 17920, 64, 8, 2), (1024, 4096, 21504, 128, 3, 3)]
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("M,K,N,group_size,tail_n_tiles,tail_k_parallel", WS_TAIL_CASES)
+def test_wgmma_ws_tail(fmt, dtype, M, K, N, group_size, tail_n_tiles, tail_k_parallel):
+    plan = torch_marlin.plan_gemm(fmt, M, K, N, group_size, dtype=dtype, device="cuda")
+    if on_sm90a_build() and on_132_sms():
+        assert plan["kernel"].startswith("wgmma_ws_") and plan["k_parallel"] == 1, plan
+        assert (plan["tail_n_tiles"], plan["tail_k_parallel"]) == (tail_n_tiles, tail_k_parallel), plan
+        assert plan["grid"][1] + plan["tail_n_tiles"] == plan["n_tiles"]
+    gpu_case(fmt, M, K, N, dtype, with_bias=True, seed=M, group_size=group_size)
+
+
+@pytest.mark.parametrize("M,K,N", [(64, 4096, 4096), (100, 1024, 12288), (129, 8192, 1000), (300, 2048, 8520)])
 def test_wgmma_ws_deterministic(M, K, N):
-    # 3 / 2 / 3 K slices summed through a cluster in slice order: repeated runs bitwise equal.
+    # 3 / 2 / 3 K slices summed through a cluster in slice order, and a tail launch of 3 slices:
+    # repeated runs bitwise equal.
     B, s, z = make_weights("u4", K, N, 128, torch.float16, on_gpu=True)
     A = torch.randn(M, K, device="cuda", dtype=torch.float16)
     bias = torch.randn(N, device="cuda", dtype=torch.float16)

@@ -308,6 +308,17 @@ def test_policy_cuda_wgmma_ws():
     assert (big["tile_n"], big["grid"]) == (128, (1, 64, 2))
     assert (plan(64, N=21504)["tile_n"], plan(64, N=21504)["grid"]) == (192, (1, 112, 1))  # 1 wave, not 2
     assert plan(1024, group_size=64)["kernel"] == "wgmma_ws_fp4_half"
+    # A partial last wave becomes a second launch with K slices: 4096 x 21504 at M = 1024 is 672
+    # tiles, 5 waves + 12 tiles; the 12 (3 column tiles x 4 row tiles) run as 3-slice clusters.
+    tail = plan(1024, N=21504)
+    assert (tail["grid"], tail["k_parallel"], tail["n_tiles"]) == ((4, 165, 1), 1, 168)
+    assert (tail["tail_n_tiles"], tail["tail_k_parallel"], tail["tail_k_slice_len"]) == (3, 3, 1408)
+    # 168 tiles at M = 256: 36 in the tail, 2 slices (3 would take more than 3/4 of the SMs).
+    assert (plan(256, N=21504)["grid"], plan(256, N=21504)["tail_n_tiles"], plan(256, N=21504)["tail_k_parallel"]) \
+        == ((1, 132, 1), 36, 2)
+    # No tail: one wave, or a last wave too full for K slices (4096 x 12288 at M = 4096: 96 tiles).
+    for M, N in [(4096, 12288), (64, 4096), (1024, 4096)]:
+        assert plan(M, N=N)["tail_n_tiles"] == 0 and plan(M, N=N)["tail_k_parallel"] == 1
     # Shapes it does not take: group_size % 64 != 0, K % 64 != 0, no sm_90a build, fp32 activations.
     assert plan(100, group_size=32)["kernel"] == "wgmma_fp4_half"
     assert plan(100, K=4104, group_size=8)["kernel"] == "decode_fp4_half"

@@ -1284,14 +1284,14 @@ template <typename T, u32 FMT, int BN, int NC, bool kCluster>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
     wgmma_ws_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                     const __grid_constant__ CUtensorMap tmap_s, const __grid_constant__ CUtensorMap tmap_z,
-                    QuantGemmParams p, const T* __restrict__ bias, T* __restrict__ C) {
+                    QuantGemmParams p, u32 n_tile0, const T* __restrict__ bias, T* __restrict__ C) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = WsSmem<BN, NC>;
   using T2 = typename Tr<T>::T2;
   constexpr int kS = L::kStages, kTN = L::kTN, kConsumers = 128 * NC;
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const u32 m0 = blockIdx.x * u32(BN), n0 = blockIdx.y * u32(kTN);
+  const u32 m0 = blockIdx.x * u32(BN), n0 = (blockIdx.y + n_tile0) * u32(kTN);  // n_tile0: GemmPlan::tail_n_tiles
   const u32 k_begin = blockIdx.z * p.k_slice_len;
   const u32 k_end = min(p.K, k_begin + p.k_slice_len);
   const int n_stages = int((k_end - k_begin) / u32(kWgKStep));  // multiples of 64 (planner)
@@ -1591,7 +1591,8 @@ void launch_wgmma(const GemmPlan& plan, u32 Np, const T* A, const u32* B, const 
 // scales and zero points (one row of 64 NC columns); the padded weights are 16-byte aligned with Np
 // a multiple of 16 (padded_weights), as TMA needs.
 template <typename T, u32 FMT, int BN, int NC, bool kCluster>
-void launch_wgmma_ws_as(const GemmPlan& plan, const CUtensorMap (&maps)[4], const T* bias, T* C, cudaStream_t stream) {
+void launch_wgmma_ws_as(const GemmPlan& plan, const CUtensorMap (&maps)[4], u32 n_tile0, const T* bias, T* C,
+                        cudaStream_t stream) {
   constexpr int kSmem = WsSmem<BN, NC>::kBytes;
   auto* kernel = wgmma_ws_kernel<T, FMT, BN, NC, kCluster>;
   static std::atomic<uint64_t> opted_in{0};
@@ -1603,7 +1604,20 @@ void launch_wgmma_ws_as(const GemmPlan& plan, const CUtensorMap (&maps)[4], cons
   }
   opt_in_smem(kernel, kSmem, opted_in);
   launch_tile_kernel<kCluster>(plan, kernel, u32(128 * (NC + 1)), kSmem, stream, maps[0], maps[1], maps[2], maps[3],
-                               plan.params, bias, C);
+                               plan.params, n_tile0, bias, C);
+}
+
+// The second launch of a wgmma_ws plan with a tail (GemmPlan::tail_n_tiles), as a plan of its own:
+// the last column tiles, in K slices summed through a cluster.
+GemmPlan wgmma_ws_tail_plan(const GemmPlan& plan) {
+  GemmPlan t = plan;
+  t.params.k_parallel = plan.tail_k_parallel;
+  t.params.k_slice_len = plan.tail_k_slice_len;
+  t.grid[1] = plan.tail_n_tiles;
+  t.grid[2] = plan.tail_k_parallel;
+  t.reduce_kernel = "cluster_reduce";
+  t.tail_n_tiles = 0;
+  return t;
 }
 
 template <typename T, u32 FMT, int BN, int NC>
@@ -1623,9 +1637,13 @@ void launch_wgmma_ws(const GemmPlan& plan, int64_t Np, const T* A, const u32* B,
       FMT == TM_FORMAT_U4
           ? tensor_map_2d(Z, CU_TENSOR_MAP_DATA_TYPE_UINT8, groups, Np, Np, 1, kTN, CU_TENSOR_MAP_SWIZZLE_NONE)
           : scales};
-  with_cluster(plan, [&](auto cluster) {
-    launch_wgmma_ws_as<T, FMT, BN, NC, decltype(cluster)::value>(plan, maps, bias, C, stream);
-  });
+  const auto launch = [&](const GemmPlan& pl, u32 n_tile0) {
+    with_cluster(pl, [&](auto cluster) {
+      launch_wgmma_ws_as<T, FMT, BN, NC, decltype(cluster)::value>(pl, maps, n_tile0, bias, C, stream);
+    });
+  };
+  launch(plan, 0);
+  if (plan.tail_n_tiles > 0) launch(wgmma_ws_tail_plan(plan), plan.grid[1]);
 }
 
 // Columns [n0, n0 + cols) of B into W[K][ldw].
@@ -1705,9 +1723,15 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
                     nc <= u32(kWsMaxConsumers) && (q.tile_m < 256u || nc == 2u) &&
                     q.K % TM_CUDA_WGMMA_K_STEP == 0 && q.k_slice_len % TM_CUDA_WGMMA_K_STEP == 0 &&
                     q.group_size % TM_CUDA_WGMMA_K_STEP == 0 && plan.grid[0] == q.m_tiles &&
-                    plan.grid[1] == q.n_tiles && plan.grid[2] == q.k_parallel && plan.threads[0] == 128u * (nc + 1u) &&
+                    plan.grid[1] + plan.tail_n_tiles == q.n_tiles && plan.grid[2] == q.k_parallel &&
+                    plan.threads[0] == 128u * (nc + 1u) &&
                     (q.k_parallel == 1 ||
-                     (plan.reduce_kernel == "cluster_reduce" && q.k_parallel <= TM_CUDA_WGMMA_MAX_SLICES)),
+                     (plan.reduce_kernel == "cluster_reduce" && q.k_parallel <= TM_CUDA_WGMMA_MAX_SLICES)) &&
+                    (plan.tail_n_tiles == 0 ||
+                     (q.k_parallel == 1 && plan.grid[1] > 0 && plan.tail_k_parallel >= 2u &&
+                      plan.tail_k_parallel <= TM_CUDA_WGMMA_MAX_SLICES && plan.tail_k_slice_len > 0 &&
+                      plan.tail_k_slice_len % TM_CUDA_WGMMA_K_STEP == 0 &&
+                      uint64_t(plan.tail_k_slice_len) * plan.tail_k_parallel >= q.K)),
                 "torch_marlin: bad wgmma_ws plan");
     if (q.tile_m == 256u) launch_wgmma_ws<T, FMT, 256, 2>(plan, Np, pA, pB, pS, pZ, pbias, pC, stream);
     else if (q.tile_m == 128u && nc == 2u) launch_wgmma_ws<T, FMT, 128, 2>(plan, Np, pA, pB, pS, pZ, pbias, pC, stream);

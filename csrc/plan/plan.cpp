@@ -1,6 +1,7 @@
 #include "plan/plan.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <stdexcept>
 
 namespace torch_marlin {
@@ -159,20 +160,47 @@ int64_t cuda_wgmma_ws_slices(int64_t tiles, int64_t K, int64_t slots) {
   const int64_t kp = cuda_tile_slices(tiles, K, slots, kCudaWgmmaWsSlices);
   return kp >= 3 && tiles * kp * 4 > slots * 3 ? 2 : kp;
 }
-// Consumer warpgroups (64 weight columns each): 3 where the 192-column grid runs in fewer
-// stage-waves, counting a 3-consumer stage as 1.37 2-consumer ones (4096 x 21504 at M = 64: 168
-// tiles in 2 waves of 64 stages, 58.5 us, against 112 tiles in 1 wave, 39.9 us;
-// docs/cuda_results/session8/exp_consumers.txt). 256-row tiles have registers for 2 only.
-uint32_t cuda_wgmma_ws_consumers(int64_t M, int64_t K, int64_t N, int64_t slots) {
-  const uint32_t tile_m = cuda_wgmma_ws_tile_m(M);
-  if (tile_m == 256) return 2;
-  const auto cost = [&](int64_t consumers) {
-    const int64_t tiles = ((M + tile_m - 1) / tile_m) * ((N + 64 * consumers - 1) / (64 * consumers));
-    const int64_t kp = cuda_wgmma_ws_slices(tiles, K, slots);
-    const int64_t waves = (tiles * kp + slots - 1) / slots;
-    return waves * ((K / kp + TM_CUDA_WGMMA_K_STEP - 1) / TM_CUDA_WGMMA_K_STEP) * (consumers == 3 ? 137 : 100);
-  };
-  return cost(3) < cost(2) ? 3 : 2;
+// The wgmma_ws launch geometry: consumer warpgroups (64 weight columns each), K slices, and the
+// column tiles split off into a second launch (GemmPlan::tail_n_tiles).
+struct WsGeometry {
+  uint32_t consumers;
+  int64_t k_parallel, tail_cols, tail_k_parallel;
+  int64_t cost;  // stage-waves, a 2-consumer stage = 100
+};
+// The tail: where the tiles take more than one wave and the last is partial (4096 x 21504 at
+// M = 1024: 672 tiles = 5 full waves + 12 tiles), the whole waves run as one launch and the last
+// wave's tiles as a second one with K slices (12 tiles x 3 slices: a third of a tile's stages
+// instead of all of them). A second launch costs about kCudaWgmmaWsTailLaunchStages stages.
+constexpr int64_t kCudaWgmmaWsTailLaunchStages = 4;
+WsGeometry cuda_wgmma_ws_geometry_for(int64_t M, int64_t K, int64_t N, int64_t slots, uint32_t consumers) {
+  const int64_t m = (M + cuda_wgmma_ws_tile_m(M) - 1) / cuda_wgmma_ws_tile_m(M);
+  const int64_t n = (N + 64 * consumers - 1) / (64 * consumers);
+  const int64_t tiles = m * n;
+  const auto waves = [&](int64_t blocks) { return (blocks + slots - 1) / slots; };
+  const auto stages = [&](int64_t kp) { return (K / kp + TM_CUDA_WGMMA_K_STEP - 1) / TM_CUDA_WGMMA_K_STEP; };
+  const int64_t kp = cuda_wgmma_ws_slices(tiles, K, slots);
+  WsGeometry g{consumers, kp, 0, 1, waves(tiles * kp) * stages(kp)};
+  const char* no_tail = std::getenv("TM_EXP_WS_NO_TAIL");  // EXPERIMENT: removed before landing
+  const int64_t main_cols = (tiles / slots) * slots / m;  // column tiles of the whole waves
+  if (!no_tail && kp == 1 && tiles % slots != 0 && main_cols > 0) {
+    const int64_t tail_tiles = m * (n - main_cols);
+    const int64_t tail_kp = cuda_wgmma_ws_slices(tail_tiles, K, slots);
+    const int64_t cost = waves(m * main_cols) * stages(1) + waves(tail_tiles * tail_kp) * stages(tail_kp) +
+                         kCudaWgmmaWsTailLaunchStages;
+    if (tail_kp > 1 && cost < g.cost) g = {consumers, 1, n - main_cols, tail_kp, cost};
+  }
+  g.cost *= consumers == 3 ? 137 : 100;
+  return g;
+}
+// Consumers: 3 where the 192-column grid runs in fewer stage-waves, counting a 3-consumer stage
+// as 1.37 2-consumer ones (4096 x 21504 at M = 64: 168 tiles in 2 waves of 64 stages, 58.5 us,
+// against 112 tiles in 1 wave, 39.9 us; docs/cuda_results/session8/exp_consumers.txt). 256-row
+// tiles have registers for 2 only.
+WsGeometry cuda_wgmma_ws_geometry(int64_t M, int64_t K, int64_t N, int64_t slots) {
+  const WsGeometry two = cuda_wgmma_ws_geometry_for(M, K, N, slots, 2);
+  if (cuda_wgmma_ws_tile_m(M) == 256) return two;
+  const WsGeometry three = cuda_wgmma_ws_geometry_for(M, K, N, slots, 3);
+  return three.cost < two.cost ? three : two;
 }
 
 bool cuda_wgmma_pays(int64_t M, int64_t K, int64_t N, int64_t group_size, const DeviceCaps& caps) {
@@ -194,13 +222,16 @@ void set_tiles(GemmPlan& p, int64_t M, int64_t N, uint32_t tile_m, uint32_t tile
 }
 
 // K slices: k_slice_len is a multiple of `k_step` so a slice never splits a kernel iteration.
-void set_k_parallel(GemmPlan& p, int64_t K, uint32_t k_parallel, uint32_t k_step) {
+void set_k_slices(QuantGemmParams& q, int64_t K, uint32_t k_parallel, uint32_t k_step) {
   const uint32_t k_steps = ceil_div(K, k_step);
   k_parallel = std::max<uint32_t>(1, std::min(k_parallel, k_steps));
   const uint32_t steps_per_slice = ceil_div(k_steps, k_parallel);
-  p.params.k_slice_len = steps_per_slice * k_step;
+  q.k_slice_len = steps_per_slice * k_step;
   // Recompute so no slice is empty (e.g. 10 steps / 4 slices -> 3,3,3,1 not 3,3,3,3).
-  p.params.k_parallel = ceil_div(K, p.params.k_slice_len);
+  q.k_parallel = ceil_div(K, q.k_slice_len);
+}
+void set_k_parallel(GemmPlan& p, int64_t K, uint32_t k_parallel, uint32_t k_step) {
+  set_k_slices(p.params, K, k_parallel, k_step);
 }
 
 void set_reduction(GemmPlan& p, const char* reduce_kernel, uint32_t threads) {
@@ -366,13 +397,20 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     cluster_slices = true;
   } else if (p.variant == GemmVariant::WarpSpecialized) {
     // wgmma_ws (sm_90a): 64 x consumers weight columns x 64/128/256 activation rows a block, 1 block
-    // per SM; K slices by cuda_wgmma_ws_slices.
+    // per SM; K slices and the tail launch by cuda_wgmma_ws_geometry.
     require_wgmma(caps, cuda_wgmma_ws_shape_ok(K, p.params.group_size), "warp_specialized (wgmma_ws)", "64");
-    const int64_t slots = std::max(1, caps.compute_units);
-    const uint32_t consumers = cuda_wgmma_ws_consumers(M, K, N, slots);
-    set_tiles(p, M, N, cuda_wgmma_ws_tile_m(M), 64 * consumers);
-    set_cuda_tile_grid(p, K, cuda_wgmma_ws_slices(cuda_tiles(p), K, slots), kCudaWgmmaWsSlices.k_step);
-    p.threads[0] = 128 * (consumers + 1);
+    const WsGeometry g = cuda_wgmma_ws_geometry(M, K, N, std::max(1, caps.compute_units));
+    set_tiles(p, M, N, cuda_wgmma_ws_tile_m(M), 64 * g.consumers);
+    set_cuda_tile_grid(p, K, g.k_parallel, kCudaWgmmaWsSlices.k_step);
+    if (g.tail_cols > 0) {
+      QuantGemmParams tail = p.params;
+      set_k_slices(tail, K, uint32_t(g.tail_k_parallel), kCudaWgmmaWsSlices.k_step);
+      p.grid[1] -= uint32_t(g.tail_cols);
+      p.tail_n_tiles = uint32_t(g.tail_cols);
+      p.tail_k_parallel = tail.k_parallel;
+      p.tail_k_slice_len = tail.k_slice_len;
+    }
+    p.threads[0] = 128 * (g.consumers + 1);
     stem = "wgmma_ws";
     cluster_slices = true;
   } else if (p.variant == GemmVariant::DequantBlas) {

@@ -65,6 +65,14 @@ struct GemmPlan {
   uint32_t reduce_threads[3] = {1, 1, 1};
   size_t workspace_bytes = 0;       // fp32 partials [k_parallel][M][N] when k_parallel > 1
   QuantGemmParams params{};
+  // CUDA wgmma_ws only: the last tail_n_tiles column tiles (all row tiles of them) are left out of
+  // grid (grid[1] = n_tiles - tail_n_tiles, k_parallel 1) and run as a second launch split into
+  // tail_k_parallel K slices of tail_k_slice_len rows, summed through a cluster, so that the main
+  // grid's last, mostly empty wave becomes a short full one (plan.cpp cuda_wgmma_ws_geometry).
+  // 0: one launch.
+  uint32_t tail_n_tiles = 0;
+  uint32_t tail_k_parallel = 1;
+  uint32_t tail_k_slice_len = 0;
 };
 
 // Plans C[M,N] = A[M,K] @ dequant(B)[K,N] (+ bias). Shapes must already be validated by the op.

@@ -65,6 +65,9 @@ inline py::dict plan_to_dict(const GemmPlan& p) {
   d["k_parallel"] = q.k_parallel;
   d["k_slice_len"] = q.k_slice_len;
   d["num_groups"] = q.num_groups;
+  d["tail_n_tiles"] = p.tail_n_tiles;
+  d["tail_k_parallel"] = p.tail_k_parallel;
+  d["tail_k_slice_len"] = p.tail_k_slice_len;
   return d;
 }
 
