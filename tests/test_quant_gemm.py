@@ -316,8 +316,9 @@ def test_policy_cuda_wgmma_ws():
     # 168 tiles at M = 256: 36 in the tail, 2 slices (3 would take more than 3/4 of the SMs).
     assert (plan(256, N=21504)["grid"], plan(256, N=21504)["tail_n_tiles"], plan(256, N=21504)["tail_k_parallel"]) \
         == ((1, 132, 1), 36, 2)
-    # No tail: one wave, or a last wave too full for K slices (4096 x 12288 at M = 4096: 96 tiles).
-    for M, N in [(4096, 12288), (64, 4096), (1024, 4096)]:
+    # No tail: one wave, a last wave too full for K slices (4096 x 12288 at M = 4096: 96 tiles), or
+    # more than 10 whole waves (4096 x 21504 at M = 4096: 20 waves + 48 tiles).
+    for M, N in [(4096, 12288), (64, 4096), (1024, 4096), (4096, 21504)]:
         assert plan(M, N=N)["tail_n_tiles"] == 0 and plan(M, N=N)["tail_k_parallel"] == 1
     # Shapes it does not take: group_size % 64 != 0, K % 64 != 0, no sm_90a build, fp32 activations.
     assert plan(100, group_size=32)["kernel"] == "wgmma_fp4_half"

@@ -1,7 +1,6 @@
 #include "plan/plan.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <stdexcept>
 
 namespace torch_marlin {
@@ -170,8 +169,14 @@ struct WsGeometry {
 // The tail: where the tiles take more than one wave and the last is partial (4096 x 21504 at
 // M = 1024: 672 tiles = 5 full waves + 12 tiles), the whole waves run as one launch and the last
 // wave's tiles as a second one with K slices (12 tiles x 3 slices: a third of a tile's stages
-// instead of all of them). A second launch costs about kCudaWgmmaWsTailLaunchStages stages.
+// instead of all of them). A second launch costs about kCudaWgmmaWsTailLaunchStages stages. Only
+// up to kCudaWgmmaWsTailMaxWaves whole waves: over more the blocks drift apart and the last wave
+// is no longer a step. Measured on the H100 (FP4, fp16; docs/cuda_results/session9/tail/):
+// 4096 x 21504 at M = 256 / 1024 / 2048 (1 / 5 / 10 waves): 86.1 / 265.5 / 506.0 us against
+// 94.4 / 275.6 / 511.2; 4096 x 12288 at M = 512: 83.8 against 91.6; but at M = 4096 (20 waves)
+// 1036 against 1015.
 constexpr int64_t kCudaWgmmaWsTailLaunchStages = 4;
+constexpr int64_t kCudaWgmmaWsTailMaxWaves = 10;
 WsGeometry cuda_wgmma_ws_geometry_for(int64_t M, int64_t K, int64_t N, int64_t slots, uint32_t consumers) {
   const int64_t m = (M + cuda_wgmma_ws_tile_m(M) - 1) / cuda_wgmma_ws_tile_m(M);
   const int64_t n = (N + 64 * consumers - 1) / (64 * consumers);
@@ -180,9 +185,8 @@ WsGeometry cuda_wgmma_ws_geometry_for(int64_t M, int64_t K, int64_t N, int64_t s
   const auto stages = [&](int64_t kp) { return (K / kp + TM_CUDA_WGMMA_K_STEP - 1) / TM_CUDA_WGMMA_K_STEP; };
   const int64_t kp = cuda_wgmma_ws_slices(tiles, K, slots);
   WsGeometry g{consumers, kp, 0, 1, waves(tiles * kp) * stages(kp)};
-  const char* no_tail = std::getenv("TM_EXP_WS_NO_TAIL");  // EXPERIMENT: removed before landing
   const int64_t main_cols = (tiles / slots) * slots / m;  // column tiles of the whole waves
-  if (!no_tail && kp == 1 && tiles % slots != 0 && main_cols > 0) {
+  if (kp == 1 && tiles % slots != 0 && main_cols > 0 && tiles / slots <= kCudaWgmmaWsTailMaxWaves) {
     const int64_t tail_tiles = m * (n - main_cols);
     const int64_t tail_kp = cuda_wgmma_ws_slices(tail_tiles, K, slots);
     const int64_t cost = waves(m * main_cols) * stages(1) + waves(tail_tiles * tail_kp) * stages(tail_kp) +
