@@ -241,7 +241,7 @@ def test_wgmma_deterministic(M, K):
         assert torch.equal(run_op("u4", A, B, s, z, 32, bias), first)
 
 
-# ---- The warp-specialized wgmma kernel (sm_90a): M > 32, group_size % 64 == 0 ---------------------
+# ---- The warp-specialized wgmma kernel (sm_90a): M > 32 (> 16 on some shapes), group_size % 64 == 0 -
 def on_132_sms():
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count == 132
 
@@ -250,12 +250,13 @@ def on_132_sms():
 # (wgmma n = 64) with N not a multiple of 16 (padded weights) or of the tile, 3 K slices through a
 # cluster, 3 consumer warpgroups (192 columns, N = 21504 and 12288 with 2 slices); 128-row tiles
 # with 3 consumers; 256-row tiles, partial and several (M = 300, 1024), with 3 slices; group sizes
-# 64..256; M = 40 / 129 just past the tile-size boundaries; N = 200: 2 column tiles.
+# 64..256; M = 40 / 129 just past the tile-size boundaries; N = 200: 2 column tiles; M = 24, where
+# wgmma_ws takes 17..32 rows (K <= 8192, <= 2 K slices; 40 rows of the tile past M).
 WS_CASES = [(33, 256, 8200, 64, 1, 64, 128), (64, 4096, 4096, 128, 3, 64, 128), (64, 2048, 21504, 64, 1, 64, 192),
             (40, 8192, 200, 128, 3, 64, 128), (100, 1024, 12288, 128, 2, 128, 192),
             (128, 1024, 8192, 128, 2, 128, 128), (129, 8192, 1000, 128, 3, 256, 128),
             (200, 8192, 2000, 256, 3, 256, 128), (300, 512, 1000, 128, 1, 256, 128),
-            (1024, 1024, 4096, 128, 1, 256, 128)]
+            (1024, 1024, 4096, 128, 1, 256, 128), (24, 2048, 12290, 128, 2, 64, 192)]
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "u4"])

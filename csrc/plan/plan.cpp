@@ -138,15 +138,12 @@ uint32_t cuda_wgmma_tile_n(int64_t M, int64_t K, int64_t N, int64_t slots) {
 // docs/cuda_results/session8/): it beats every other kernel from 33 rows on, on every shape, up to
 // the largest M measured (4096; 4096 x 21504 there within 2 % of dequant + cuBLAS): e.g. at
 // M = 64 1.19x..2.03x of cuBLAS against decode's 0.92x..1.35x, at M = 1024 0.89x..1.08x against
-// dequant + cuBLAS's 0.69x..0.75x (exp_policy_sweep.txt). At M <= 32 decode is faster on 4 of the
-// 5 shapes.
-constexpr int64_t kCudaWgmmaWsMinM = 32;  // exclusive: decode at and below
+// dequant + cuBLAS's 0.69x..0.75x (exp_policy_sweep.txt). At 17..32 rows it depends on the shape
+// (cuda_wgmma_ws_pays).
+constexpr int64_t kCudaWgmmaWsMinM = 32;  // exclusive: always wgmma_ws above
 // Whole 64-k stages under one scale row.
 bool cuda_wgmma_ws_shape_ok(int64_t K, int64_t group_size) {
   return K % TM_CUDA_WGMMA_K_STEP == 0 && group_size % TM_CUDA_WGMMA_K_STEP == 0;
-}
-bool cuda_wgmma_ws_pays(int64_t M, int64_t K, int64_t group_size, const DeviceCaps& caps) {
-  return caps.wgmma && cuda_wgmma_ws_shape_ok(K, group_size) && M > kCudaWgmmaWsMinM;
 }
 // Activation rows of a tile: the wgmma n dimension.
 uint32_t cuda_wgmma_ws_tile_m(int64_t M) { return M <= 64 ? 64 : (M <= 128 ? 128 : 256); }
@@ -205,6 +202,20 @@ WsGeometry cuda_wgmma_ws_geometry(int64_t M, int64_t K, int64_t N, int64_t slots
   if (cuda_wgmma_ws_tile_m(M) == 256) return two;
   const WsGeometry three = cuda_wgmma_ws_geometry_for(M, K, N, slots, 3);
   return three.cost < two.cost ? three : two;
+}
+
+// From 17 rows (decode's 32-row kernel, 176 instructions a 32 x 32 chunk) wgmma_ws with 64-row
+// tiles wins where its tiles fill at least half the SMs (<= 2 K slices) and K is short (decode's
+// warps then stream short runs): 4096 x 12288 / 4096 x 21504 at M = 17..32 25.7..25.9 / 36.3..36.6
+// us against decode's 33.7..34.3 / 46.9..48.8; decode stays faster on 4096 x 4096 (3 slices:
+// 15.4..15.7 against 16.7), 10752 x 4096 (24.6..25.4 against 29.6) and 28672 x 8192 (85.8..88.8
+// against 92.4..94.0; docs/cuda_results/session9/exp_ws_small_m.txt). At M <= 16 decode wins
+// or ties on every shape.
+constexpr int64_t kCudaWgmmaWsSmallMMaxK = 8192;
+bool cuda_wgmma_ws_pays(int64_t M, int64_t K, int64_t N, int64_t group_size, const DeviceCaps& caps) {
+  if (!caps.wgmma || !cuda_wgmma_ws_shape_ok(K, group_size) || M <= kDecodeMaxM) return false;
+  if (M > kCudaWgmmaWsMinM) return true;
+  return K <= kCudaWgmmaWsSmallMMaxK && cuda_wgmma_ws_geometry(M, K, N, std::max(1, caps.compute_units)).k_parallel <= 2;
 }
 
 bool cuda_wgmma_pays(int64_t M, int64_t K, int64_t N, int64_t group_size, const DeviceCaps& caps) {
@@ -489,7 +500,7 @@ GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, in
 
   if (force != GemmVariant::Auto) {
     p.variant = force;
-  } else if (caps.backend == Backend::CUDA && dtype != DType::F32 && cuda_wgmma_ws_pays(M, K, group_size, caps)) {
+  } else if (caps.backend == Backend::CUDA && dtype != DType::F32 && cuda_wgmma_ws_pays(M, K, N, group_size, caps)) {
     p.variant = GemmVariant::WarpSpecialized;
   } else if (caps.backend == Backend::CUDA && dtype != DType::F32 && cuda_wgmma_pays(M, K, N, group_size, caps)) {
     p.variant = GemmVariant::Tiled;
