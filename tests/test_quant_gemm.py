@@ -289,7 +289,7 @@ def test_policy_cuda_wgmma():
 def test_policy_cuda_wgmma_ws():
     # Planned without a GPU, as for an sm_90a build on a 132-SM H100: the warp-specialized kernel
     # from 33 rows on (any N, any M) when K % 64 == 0 and group_size % 64 == 0 (from 17 rows where
-    # K <= 8192 and its grid has at most 2 K slices); 64 / 128 / 256
+    # K <= 8192 and its blocks fill half the SMs with at most 2 K slices); 64 / 128 / 256
     # activation rows a tile, 2 consumer warpgroups (128 columns) or 3 (192) where that grid runs in
     # fewer stage-waves, K slices (<= 3, summed through a cluster) when the tiles leave SMs idle.
     def plan(M, K=4096, N=12288, group_size=128, wgmma=True, **kw):
@@ -302,6 +302,7 @@ def test_policy_cuda_wgmma_ws():
         assert plan(M, N=4096)["kernel"] == "decode_fp4_half"  # 3 slices
         assert plan(M, K=10752, N=4096)["kernel"] == "decode_fp4_half"
         assert plan(M, K=28672, N=8192)["kernel"] == "decode_fp4_half"  # K > 8192
+        assert plan(M, K=512, N=96)["kernel"] == "decode_fp4_half"  # 1 tile: 1 slice, 1 SM
     w = plan(33, dtype=torch.bfloat16)
     assert w["kernel"] == "wgmma_ws_fp4_bfloat" and w["variant"] == "warp_specialized"
     assert (w["tile_m"], w["tile_n"], w["threads"], w["grid"]) == (64, 192, (512, 1, 1), (1, 64, 2))

@@ -160,7 +160,7 @@ int64_t cuda_wgmma_ws_slices(int64_t tiles, int64_t K, int64_t slots) {
 // column tiles split off into a second launch (GemmPlan::tail_n_tiles).
 struct WsGeometry {
   uint32_t consumers;
-  int64_t k_parallel, tail_cols, tail_k_parallel;
+  int64_t tiles, k_parallel, tail_cols, tail_k_parallel;
   int64_t cost;  // stage-waves, a 2-consumer stage = 100
 };
 // The tail: where the tiles take more than one wave and the last is partial (4096 x 21504 at
@@ -181,14 +181,14 @@ WsGeometry cuda_wgmma_ws_geometry_for(int64_t M, int64_t K, int64_t N, int64_t s
   const auto waves = [&](int64_t blocks) { return (blocks + slots - 1) / slots; };
   const auto stages = [&](int64_t kp) { return (K / kp + TM_CUDA_WGMMA_K_STEP - 1) / TM_CUDA_WGMMA_K_STEP; };
   const int64_t kp = cuda_wgmma_ws_slices(tiles, K, slots);
-  WsGeometry g{consumers, kp, 0, 1, waves(tiles * kp) * stages(kp)};
+  WsGeometry g{consumers, tiles, kp, 0, 1, waves(tiles * kp) * stages(kp)};
   const int64_t main_cols = (tiles / slots) * slots / m;  // column tiles of the whole waves
   if (kp == 1 && tiles % slots != 0 && main_cols > 0 && tiles / slots <= kCudaWgmmaWsTailMaxWaves) {
     const int64_t tail_tiles = m * (n - main_cols);
     const int64_t tail_kp = cuda_wgmma_ws_slices(tail_tiles, K, slots);
     const int64_t cost = waves(m * main_cols) * stages(1) + waves(tail_tiles * tail_kp) * stages(tail_kp) +
                          kCudaWgmmaWsTailLaunchStages;
-    if (tail_kp > 1 && cost < g.cost) g = {consumers, 1, n - main_cols, tail_kp, cost};
+    if (tail_kp > 1 && cost < g.cost) g = {consumers, tiles, 1, n - main_cols, tail_kp, cost};
   }
   g.cost *= consumers == 3 ? 137 : 100;
   return g;
@@ -205,8 +205,8 @@ WsGeometry cuda_wgmma_ws_geometry(int64_t M, int64_t K, int64_t N, int64_t slots
 }
 
 // From 17 rows (decode's 32-row kernel, 176 instructions a 32 x 32 chunk) wgmma_ws with 64-row
-// tiles wins where its tiles fill at least half the SMs (<= 2 K slices) and K is short (decode's
-// warps then stream short runs): 4096 x 12288 / 4096 x 21504 at M = 17..32 25.7..25.9 / 36.3..36.6
+// tiles wins where its blocks fill at least half the SMs with at most 2 K slices and K is short
+// (decode's warps then stream short runs): 4096 x 12288 / 4096 x 21504 at M = 17..32 25.7..25.9 / 36.3..36.6
 // us against decode's 33.7..34.3 / 46.9..48.8; decode stays faster on 4096 x 4096 (3 slices:
 // 15.4..15.7 against 16.7), 10752 x 4096 (24.6..25.4 against 29.6) and 28672 x 8192 (85.8..88.8
 // against 92.4..94.0; docs/cuda_results/session9/exp_ws_small_m.txt). At M <= 16 decode wins
@@ -215,7 +215,9 @@ constexpr int64_t kCudaWgmmaWsSmallMMaxK = 8192;
 bool cuda_wgmma_ws_pays(int64_t M, int64_t K, int64_t N, int64_t group_size, const DeviceCaps& caps) {
   if (!caps.wgmma || !cuda_wgmma_ws_shape_ok(K, group_size) || M <= kDecodeMaxM) return false;
   if (M > kCudaWgmmaWsMinM) return true;
-  return K <= kCudaWgmmaWsSmallMMaxK && cuda_wgmma_ws_geometry(M, K, N, std::max(1, caps.compute_units)).k_parallel <= 2;
+  const int64_t slots = std::max(1, caps.compute_units);
+  const WsGeometry g = cuda_wgmma_ws_geometry(M, K, N, slots);
+  return K <= kCudaWgmmaWsSmallMMaxK && g.k_parallel <= 2 && g.tiles * g.k_parallel * 2 >= slots;
 }
 
 bool cuda_wgmma_pays(int64_t M, int64_t K, int64_t N, int64_t group_size, const DeviceCaps& caps) {
