@@ -5,8 +5,8 @@ variant and launch geometry a shape gets on a backend. Modules do not decide any
 they call the op, and the op plans. Small M (16 rows on Metal, 8 on CPU, 128 on CUDA: measured
 crossovers) selects the decode (GEMV-style) kernels; larger M the tiled (prefill) kernels, stripes
 with K-parallel slices where the output is too small to fill the GPU, or on CUDA the sm_90a
-warp-specialized ``wgmma_ws`` kernel (every M > 32 when group_size % 64 == 0; variant
-``warp_specialized``), the session-7 ``wgmma`` kernel (other group sizes, 64 < M <= 512 with
+warp-specialized ``wgmma_ws`` kernel (every M > 32, and 17..32 where it beats decode, when
+group_size % 64 == 0; variant ``warp_specialized``), the session-7 ``wgmma`` kernel (other group sizes, 64 < M <= 512 with
 enough output tiles) and dequantized weights + cuBLAS (``dequant_blas``).
 """
 
