@@ -168,7 +168,8 @@ struct WsGeometry {
 // wave's tiles as a second one with K slices (12 tiles x 3 slices: a third of a tile's stages
 // instead of all of them). A second launch costs about kCudaWgmmaWsTailLaunchStages stages. Only
 // up to kCudaWgmmaWsTailMaxWaves whole waves: over more the blocks drift apart and the last wave
-// is no longer a step. Measured on the H100 (FP4, fp16; docs/cuda_results/session9/tail/):
+// is no longer a step. Measured on the H100 (FP4, fp16; docs/cuda_results/session9/exp_tail/,
+// exp_no_tail/):
 // 4096 x 21504 at M = 256 / 1024 / 2048 (1 / 5 / 10 waves): 86.1 / 265.5 / 506.0 us against
 // 94.4 / 275.6 / 511.2; 4096 x 12288 at M = 512: 83.8 against 91.6; but at M = 4096 (20 waves)
 // 1036 against 1015.
@@ -332,16 +333,17 @@ void plan_metal(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTy
 // ---- CUDA -----------------------------------------------------------------------------------
 // Kernels in csrc/cuda/quant_gemm.cu; `kernel` is a tag the launcher switches on (docs/cuda.md).
 //  - fp32 activations: "simt_<fmt>_float", a plain CUDA-core kernel (8 rows x 128 columns per block).
-//  - Decode (M <= 128, or M <= 32 where wgmma_ws applies): "decode_<fmt>_<dtype>", mma.sync
+//  - Decode (M <= 128, or up to 16..32 rows where wgmma_ws applies): "decode_<fmt>_<dtype>", mma.sync
 //    m16n8k16 with the weights as the A operand and M padded to 8/16/32/64 as the n dimension
 //    (64-row tiles above 64); a block is 8 warps over 32 columns; each warp streams a contiguous
 //    run of 32-row K chunks and the 8 meet in shared memory; grid = (row tiles, column tiles,
 //    K slices), the K slices' fp32 partials summed in slice order by the last block of each tile
 //    inside the same kernel.
-//  - Warp-specialized, sm_90a only (cuda_wgmma_ws_pays: M > 32, group_size % 64 == 0):
+//  - Warp-specialized, sm_90a only (cuda_wgmma_ws_pays: M > 32, some shapes M > 16; group_size % 64 == 0):
 //    "wgmma_ws_<fmt>_<dtype>", a TMA producer warpgroup and 2 or 3 consumer warpgroups over
 //    64 x 128/192 .. 256 x 128 (activation rows x weight columns) tiles, the weights dequantized
-//    into wgmma's register A operand; up to 3 K slices summed through a cluster.
+//    into wgmma's register A operand; up to 3 K slices summed through a cluster; a partial last
+//    wave of tiles as a second launch in K slices (GemmPlan::tail_n_tiles).
 //  - Tiled, sm_90a only (cuda_wgmma_pays; group sizes wgmma_ws does not take):
 //    "wgmma_<fmt>_<dtype>", 2 warpgroups over 128 x 256, 128 x 128 or 256 x 128 (rows x columns)
 //    tiles; each stage's weight tile is dequantized once into shared memory and both operands
