@@ -1,4 +1,4 @@
-"""Shared by the session-7 and session-8 experiment scripts: the random FP4 layer they time, and one CUDA-event-timed call after an L2 flush, median
+"""Shared by the session-7 and session-8 experiment scripts: the random FP4 layer they time (and the shape x M rows over it), and one CUDA-event-timed call after an L2 flush, median
 of `reps` after 3 warm-ups (the same timing as scripts/bench_cuda.py)."""
 import statistics
 
@@ -13,6 +13,17 @@ def weights(K, N):
     B = pack_int4(torch.randint(0, 16, (K, N), device="cuda"))
     s = (torch.rand(K // 128, N, device="cuda") * 0.02 + 0.001).half()
     return B, s, torch.randn(N, K, device="cuda", dtype=torch.float16)
+
+
+def shape_rows(shapes, ms):
+    """(K, N, M, A, B, s, W16) over shapes x ms: weights(K, N) once per shape (freed after its rows)
+    and fp16 activations A [M, K] per row."""
+    for K, N in shapes:
+        B, s, W16 = weights(K, N)
+        for M in ms:
+            yield K, N, M, torch.randn(M, K, device="cuda", dtype=torch.float16), B, s, W16
+        del B, s, W16
+        torch.cuda.empty_cache()
 
 
 def memset_flush():

@@ -13,7 +13,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "session7", "scripts"))  # session 7's timing helper
-from timing import memset_flush, timed, weights  # noqa: E402
+from timing import memset_flush, shape_rows, timed  # noqa: E402
 
 SHAPES = [(4096, 4096), (10752, 4096), (4096, 12288), (28672, 8192)]
 
@@ -36,28 +36,23 @@ def main():
     ms = [int(v) for v in (sys.argv[1] if len(sys.argv) > 1 else "16,64").split(",")]
     forces = (sys.argv[2] if len(sys.argv) > 2 else "decode,ws").split(",")
     flush = memset_flush()
-    for K, N in SHAPES:
-        B, s, _ = weights(K, N)
-        for M in ms:
-            A = torch.randn(M, K, device="cuda", dtype=torch.float16)
-            for force in forces:
-                os.environ["TM_EXP_FORCE"] = force
-                fn = lambda: torch.ops.marlin.gemm_fp4(A, B, s, 128)  # noqa: E731
-                try:
-                    eager = timed(fn, flush)
+    for K, N, M, A, B, s, W16 in shape_rows(SHAPES, ms):
+        for force in forces:
+            os.environ["TM_EXP_FORCE"] = force
+            fn = lambda: torch.ops.marlin.gemm_fp4(A, B, s, 128)  # noqa: E731
+            try:
+                eager = timed(fn, flush)
+                fn()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
                     fn()
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g):
-                        fn()
-                    graph = timed(g.replay, flush)
-                    ks = kernel_us(fn)
-                    print(f"K={K} N={N} M={M} {force}: eager {eager:.1f} graph {graph:.1f} kernels "
-                          + ", ".join(f"{k} {v:.1f}" for k, v in ks.items()), flush=True)
-                except Exception as e:  # noqa: BLE001
-                    print(f"K={K} N={N} M={M} {force}: ERR {str(e)[:100]}", flush=True)
-        os.environ.pop("TM_EXP_FORCE", None)
-        del B, s
-        torch.cuda.empty_cache()
+                graph = timed(g.replay, flush)
+                ks = kernel_us(fn)
+                print(f"K={K} N={N} M={M} {force}: eager {eager:.1f} graph {graph:.1f} kernels "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in ks.items()), flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"K={K} N={N} M={M} {force}: ERR {str(e)[:100]}", flush=True)
+    os.environ.pop("TM_EXP_FORCE", None)
 
 
 if __name__ == "__main__":

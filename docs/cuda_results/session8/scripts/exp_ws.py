@@ -18,7 +18,7 @@ import torch_marlin
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "session7", "scripts"))  # session 7's timing helper
 sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "..", "tests"))
-from timing import memset_flush, timed, weights  # noqa: E402
+from timing import memset_flush, shape_rows, timed  # noqa: E402
 
 SHAPES = [(4096, 12288), (4096, 4096), (4096, 21504), (10752, 4096), (28672, 8192)]
 CHECKS = [(1, 512, 256, 64), (17, 1024, 1000, 32), (70, 1536, 2000, 96), (64, 4096, 4096, 128), (100, 2048, 8192, 128),
@@ -63,25 +63,20 @@ def check(force="ws"):
 
 def time_shapes(tag, ms, forces):
     flush = memset_flush()
-    for K, N in SHAPES:
-        B, s, W16 = weights(K, N)
-        for M in ms:
-            A = torch.randn(M, K, device="cuda", dtype=torch.float16)
-            tc = timed(lambda: F.linear(A, W16), flush)
-            parts = [f"{tag} K={K} N={N} M={M}: cublas {tc:.1f}"]
-            for force in forces:
-                set_force(force)
-                try:
-                    plan = torch_marlin.plan_gemm("fp4", M, K, N, 128, dtype=torch.float16, device="cuda")
-                    tf = timed(lambda: torch.ops.marlin.gemm_fp4(A, B, s, 128), flush)
-                    parts.append(f"{force}[{plan['kernel'].split('_fp4')[0]} tm={plan['tile_m']} "
-                                 f"kp={plan['k_parallel']}] {tf:.1f} ({tc / tf:.2f}x)")
-                except Exception as e:  # noqa: BLE001
-                    parts.append(f"{force} ERR {str(e)[:80]}")
-            set_force("auto")
-            print(" | ".join(parts), flush=True)
-        del B, s, W16
-        torch.cuda.empty_cache()
+    for K, N, M, A, B, s, W16 in shape_rows(SHAPES, ms):
+        tc = timed(lambda: F.linear(A, W16), flush)
+        parts = [f"{tag} K={K} N={N} M={M}: cublas {tc:.1f}"]
+        for force in forces:
+            set_force(force)
+            try:
+                plan = torch_marlin.plan_gemm("fp4", M, K, N, 128, dtype=torch.float16, device="cuda")
+                tf = timed(lambda: torch.ops.marlin.gemm_fp4(A, B, s, 128), flush)
+                parts.append(f"{force}[{plan['kernel'].split('_fp4')[0]} tm={plan['tile_m']} "
+                             f"kp={plan['k_parallel']}] {tf:.1f} ({tc / tf:.2f}x)")
+            except Exception as e:  # noqa: BLE001
+                parts.append(f"{force} ERR {str(e)[:80]}")
+        set_force("auto")
+        print(" | ".join(parts), flush=True)
 
 
 if __name__ == "__main__":
