@@ -7,7 +7,8 @@ Covers: decode with 1/2/4/8 n8 tiles and two 64-row tiles, folded and per-weight
 (K-parallel and not, fp16/bf16, fp4/u4), dequant_blas (padded N, N % 8 != 0; racecheck skips
 these: our dequant kernel uses no shared memory and cuBLAS's kernels are not ours), the in-kernel K-slice reduction, the wgmma kernel on sm_90a (128 x 256, 128 x 128 and 256 x 128 tiles,
 padded N, rows past M, 2 and 4 K slices through a cluster), the wgmma_ws kernel (64-, 128- and
-256-row tiles, 2 and 3 consumer warpgroups, 2 and 3 K slices through a cluster, a tail launch), the fp32 simt kernel and the dequant kernel
+256-row tiles, 2 and 3 consumer warpgroups, 2 and 3 K slices through a cluster, 3 and 4 through
+global memory, a tail launch), the fp32 simt kernel and the dequant kernel
 (16-byte row stores and the scalar tail). Also
 checks each result against the fp32 reference so a silent wrong answer fails the run.
 """
@@ -37,7 +38,9 @@ CASES = [  # fmt, M, K, N, group_size, dtype
     ("u4", 160, 8192, 1000, 32, torch.float16),     # wgmma: 256-row tile, 4 K slices in a cluster, padded N
     ("fp4", 96, 8192, 2000, 32, torch.bfloat16),    # wgmma: 128 x 256 tiles, 4 K slices in a cluster
     ("fp4", 33, 256, 8200, 64, torch.float16),      # wgmma_ws (sm_90a): 64-row tile, padded N
-    ("u4", 64, 4096, 4096, 128, torch.bfloat16),    # wgmma_ws: 3 K slices in a cluster
+    ("u4", 64, 4096, 4096, 128, torch.bfloat16),    # wgmma_ws: 4 K slices through global memory
+    ("fp4", 40, 8192, 201, 128, torch.float16),     # wgmma_ws: 4 global K slices, 2 tiles, odd N, rows past M
+    ("u4", 50, 6144, 7000, 128, torch.bfloat16),    # wgmma_ws: 3 consumers x 3 global K slices, padded N
     ("fp4", 100, 1024, 12288, 128, torch.float16),  # wgmma_ws: 3 consumer warpgroups, 2 K slices
     ("u4", 300, 512, 1000, 128, torch.float16),     # wgmma_ws: two 256-row tiles, rows past M, padded N
     ("fp4", 129, 8192, 1000, 256, torch.bfloat16),  # wgmma_ws: 256-row tile, 3 K slices in a cluster

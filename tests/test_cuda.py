@@ -247,13 +247,17 @@ def on_132_sms():
 
 
 # (M, K, N, group_size, K slices, tile rows, tile columns), plans of a 132-SM H100/H200: 64-row tiles
-# (wgmma n = 64) with N not a multiple of 16 (padded weights) or of the tile, 3 K slices through a
-# cluster, 3 consumer warpgroups (192 columns, N = 21504 and 12288 with 2 slices); 128-row tiles
-# with 3 consumers; 256-row tiles, partial and several (M = 300, 1024), with 3 slices; group sizes
-# 64..256; M = 40 / 129 just past the tile-size boundaries; N = 200: 2 column tiles; M = 24, where
-# wgmma_ws takes 17..32 rows (K <= 8192, <= 2 K slices; 40 rows of the tile past M).
-WS_CASES = [(33, 256, 8200, 64, 1, 64, 128), (64, 4096, 4096, 128, 3, 64, 128), (64, 2048, 21504, 64, 1, 64, 192),
-            (40, 8192, 200, 128, 3, 64, 128), (100, 1024, 12288, 128, 2, 128, 192),
+# (wgmma n = 64) with N not a multiple of 16 (padded weights) or of the tile, 4 K slices summed
+# through global memory (4096 x 4096; N = 200 / 201: 2 column tiles, the last partial, odd N),
+# 3 consumer warpgroups (192 columns, N = 21504 and 12288 with 2 slices through a cluster; N = 7000
+# with 3 through global memory); 128-row tiles with 3 consumers, and with 4 global slices (N = 1000);
+# 256-row tiles, partial and several (M = 300, 1024), with 3 slices through a cluster; group sizes
+# 64..256; M = 40 / 129 just past the tile-size boundaries; M = 24, where wgmma_ws takes 17..32
+# rows (K <= 8192, <= 2 K slices; 40 rows of the tile past M). 3 or 4 slices of 64- and 128-row
+# tiles are summed through global memory, 2 (and 3 of 256-row tiles) through a cluster.
+WS_CASES = [(33, 256, 8200, 64, 1, 64, 128), (64, 4096, 4096, 128, 4, 64, 128), (64, 2048, 21504, 64, 1, 64, 192),
+            (40, 8192, 200, 128, 4, 64, 128), (40, 8192, 201, 128, 4, 64, 128), (50, 6144, 7000, 128, 3, 64, 192),
+            (100, 8192, 1000, 128, 4, 128, 128), (100, 1024, 12288, 128, 2, 128, 192),
             (128, 1024, 8192, 128, 2, 128, 128), (129, 8192, 1000, 128, 3, 256, 128),
             (200, 8192, 2000, 256, 3, 256, 128), (300, 512, 1000, 128, 1, 256, 128),
             (1024, 1024, 4096, 128, 1, 256, 128), (24, 2048, 12290, 128, 2, 64, 192)]
@@ -265,10 +269,17 @@ WS_CASES = [(33, 256, 8200, 64, 1, 64, 128), (64, 4096, 4096, 128, 3, 64, 128), 
 def test_wgmma_ws(fmt, dtype, M, K, N, group_size, k_parallel, tile_m, tile_n):
     plan = torch_marlin.plan_gemm(fmt, M, K, N, group_size, dtype=dtype, device="cuda")
     if on_sm90a_build():  # elsewhere the same shapes run other kernels (still checked)
-        assert plan["kernel"].startswith("wgmma_ws_") and plan["workspace_bytes"] == 0, plan
+        assert plan["kernel"].startswith("wgmma_ws_"), plan
         assert plan["threads"][0] == 128 * (plan["tile_n"] // 64 + 1)
+        # Global K slices keep whole fp32 tiles in a workspace; a cluster needs none.
+        tiles = plan["m_tiles"] * plan["n_tiles"]
+        assert plan["workspace_bytes"] == (tiles * plan["k_parallel"] * plan["tile_m"] * plan["tile_n"] * 4
+                                           if plan["reduce_kernel"] == "last_block_reduce" else 0), plan
         if on_132_sms():
             assert (plan["k_parallel"], plan["tile_m"], plan["tile_n"]) == (k_parallel, tile_m, tile_n), plan
+            expect = "last_block_reduce" if k_parallel > 2 and tile_m <= 128 else \
+                "cluster_reduce" if k_parallel > 1 else ""
+            assert plan["reduce_kernel"] == expect, plan
     gpu_case(fmt, M, K, N, dtype, with_bias=True, seed=M, group_size=group_size)
 
 
@@ -290,10 +301,11 @@ def test_wgmma_ws_tail(fmt, dtype, M, K, N, group_size, tail_n_tiles, tail_k_par
     gpu_case(fmt, M, K, N, dtype, with_bias=True, seed=M, group_size=group_size)
 
 
-@pytest.mark.parametrize("M,K,N", [(64, 4096, 4096), (100, 1024, 12288), (129, 8192, 1000), (300, 2048, 8520)])
+@pytest.mark.parametrize("M,K,N", [(64, 4096, 4096), (50, 6144, 7000), (100, 1024, 12288), (129, 8192, 1000),
+                                   (300, 2048, 8520)])
 def test_wgmma_ws_deterministic(M, K, N):
-    # 3 / 2 / 3 K slices summed through a cluster in slice order, and a tail launch of 3 slices:
-    # repeated runs bitwise equal.
+    # 4 / 3 K slices summed through global memory by whichever block of a tile comes last, 2 / 3
+    # through a cluster, in slice order, and a tail launch of 3 slices: repeated runs bitwise equal.
     B, s, z = make_weights("u4", K, N, 128, torch.float16, on_gpu=True)
     A = torch.randn(M, K, device="cuda", dtype=torch.float16)
     bias = torch.randn(N, device="cuda", dtype=torch.float16)
@@ -317,7 +329,8 @@ def test_dequant_blas_two_panels(fmt, dtype):
 
 @pytest.mark.parametrize("M", [4, 64, 128, 300])
 # M = 4: decode with 4-8 K slices (global memory) or 2 (cluster on sm_90); above 32 rows on sm_90a
-# wgmma_ws with 3 slices through a cluster (elsewhere decode / dequant_blas).
+# wgmma_ws with 4 slices through global memory (M = 64, 128) or 3 through a cluster (M = 300)
+# (elsewhere decode / dequant_blas).
 @pytest.mark.parametrize("K", [8192, 2048])
 def test_deterministic(M, K):
     N = 1024

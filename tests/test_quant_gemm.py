@@ -291,7 +291,8 @@ def test_policy_cuda_wgmma_ws():
     # from 33 rows on (any N, any M) when K % 64 == 0 and group_size % 64 == 0 (from 17 rows where
     # K <= 8192 and its blocks fill half the SMs with at most 2 K slices); 64 / 128 / 256
     # activation rows a tile, 2 consumer warpgroups (128 columns) or 3 (192) where that grid runs in
-    # fewer stage-waves, K slices (<= 3, summed through a cluster) when the tiles leave SMs idle.
+    # fewer stage-waves, K slices when the tiles leave SMs idle: 2 summed through a cluster, 3..4
+    # through global memory (256-row tiles: <= 3, all through clusters).
     def plan(M, K=4096, N=12288, group_size=128, wgmma=True, **kw):
         return torch_marlin.plan_gemm("fp4", M, K, N, group_size, device="cuda", compute_units=132, wgmma=wgmma,
                                       thread_block_clusters=True, **kw)
@@ -309,11 +310,21 @@ def test_policy_cuda_wgmma_ws():
     assert w["reduce_kernel"] == "cluster_reduce" and w["workspace_bytes"] == 0 and w["k_slice_len"] == 2048
     assert plan(128)["tile_m"] == 128 and (plan(129)["tile_m"], plan(129)["tile_n"]) == (256, 128)
     assert plan(4096)["kernel"] == "wgmma_ws_fp4_half" and plan(4096)["grid"] == (16, 96, 1)
-    assert plan(64, N=4096)["grid"] == (1, 32, 3)  # 32 tiles: 3 slices in 96 SMs
-    # 43 tiles of 192 columns would need 3-block clusters on 129 SMs (more than 3/4 of them): 2 slices,
-    # which makes 128-column tiles (64 x 2 blocks) the cheaper grid.
+    # 32 tiles: 4 slices in 128 SMs, summed by each tile's last block through an fp32 workspace of
+    # whole tiles (32 x 4 x 64 x 128 floats); 10752 x 4096 alike; 128-row tiles too.
+    for M, K in [(64, 4096), (64, 10752), (128, 4096)]:
+        gw = plan(M, K=K, N=4096)
+        assert (gw["grid"], gw["reduce_kernel"]) == ((1, 32, 4), "last_block_reduce"), gw
+        assert gw["workspace_bytes"] == 32 * 4 * gw["tile_m"] * 128 * 4 and gw["k_slice_len"] == K // 4
+    # 256-row tiles keep at most 3 slices through clusters (4096 x 4096 at M = 256: 32 tiles x 3).
+    w256 = plan(256, N=4096)
+    assert (w256["grid"], w256["reduce_kernel"], w256["workspace_bytes"]) == ((1, 32, 3), "cluster_reduce", 0)
+    # 28672 x 8192: 43 tiles of 192 columns x 3 slices through global memory (129 blocks; 43
+    # clusters of 3 would not fit in one wave) beat 64 tiles of 128 x 2 through clusters.
     big = plan(64, K=28672, N=8192)
-    assert (big["tile_n"], big["grid"]) == (128, (1, 64, 2))
+    assert (big["tile_n"], big["grid"], big["reduce_kernel"]) == (192, (1, 43, 3), "last_block_reduce")
+    assert (plan(256, K=28672, N=8192)["grid"], plan(256, K=28672, N=8192)["reduce_kernel"]) == \
+        ((1, 64, 2), "cluster_reduce")
     assert (plan(64, N=21504)["tile_n"], plan(64, N=21504)["grid"]) == (192, (1, 112, 1))  # 1 wave, not 2
     assert plan(1024, group_size=64)["kernel"] == "wgmma_ws_fp4_half"
     # A partial last wave becomes a second launch with K slices: 4096 x 21504 at M = 1024 is 672

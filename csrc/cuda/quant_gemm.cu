@@ -218,21 +218,38 @@ __device__ __forceinline__ void dequant_words(u32 (&b)[4][4], const uint4& words
   }
 }
 
-// K-parallel epilogue, after a block has written its fp32 partial tile to ws[slice]: the last of the
-// k_parallel blocks of an output tile to arrive (a per-tile counter) sums the partials of every
-// slice in slice order (+ bias) and writes C, then re-arms the counter. The sum order is fixed, so
-// the result is bitwise reproducible whichever block comes last; no second launch is needed.
-// Counters are per (device, stream) and start at zero (quant_gemm_cuda).
+// bar.sync over threads 0 .. nthreads - 1 of the block (a multiple of 32): wgmma_ws's consumer
+// warpgroups synchronize without its producer.
+__device__ __forceinline__ void named_barrier(u32 id, u32 nthreads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
+}
+
+// K-parallel arrival, after a block has written its fp32 partial tile to global memory: true for
+// the last of the k_parallel blocks of output tile `tile` to arrive (a per-tile counter, which it
+// re-arms), which then sums every slice's partials in slice order, so the result is bitwise
+// reproducible whichever block comes last and no second launch is needed. Counters are per
+// (device, stream) and start at zero (quant_gemm_cuda). Threads 0 .. nthreads - 1 take part,
+// synchronized by named barrier bar_id.
+__device__ bool last_arrival(u32 k_parallel, int* counters, u32 tile, u32 tid, u32 nthreads, u32 bar_id) {
+  __shared__ int is_last;
+  __threadfence();  // this block's partials are visible device-wide before it is counted
+  named_barrier(bar_id, nthreads);
+  if (tid == 0) {
+    is_last = atomicAdd(counters + tile, 1) == int(k_parallel) - 1;
+    if (is_last) counters[tile] = 0;  // every block of the tile has counted
+  }
+  named_barrier(bar_id, nthreads);
+  if (!is_last) return false;
+  __threadfence();
+  return true;
+}
+
+// K-parallel epilogue of the decode kernel: ws[slice] holds every block's partial tile as rows of C
+// ([k_parallel][M][N]); the last block sums them (+ bias) into C.
 template <typename T>
 __device__ void last_block_reduce(const QuantGemmParams& p, u32 tile, u32 m0, u32 rows, u32 n0, u32 cols,
                                   const float* ws, const T* bias, T* C, int* counters) {
-  __shared__ int is_last;
-  __threadfence();  // this block's partials are visible device-wide before it is counted
-  __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(counters + tile, 1) == int(p.k_parallel) - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
+  if (!last_arrival(p.k_parallel, counters, tile, threadIdx.x, blockDim.x, 0u)) return;
   const size_t plane = size_t(p.M) * p.N;
   for (u32 v = threadIdx.x; v < rows * cols; v += blockDim.x) {
     const u32 row = m0 + v / cols, n = n0 + v % cols;
@@ -243,7 +260,6 @@ __device__ void last_block_reduce(const QuantGemmParams& p, u32 tile, u32 m0, u3
     if (p.has_bias) sum += Tr<T>::to_f(bias[n]);
     C[size_t(row) * p.N + n] = Tr<T>::from_f(sum);
   }
-  if (threadIdx.x == 0) counters[tile] = 0;
 }
 
 // Output element of a decode tile that thread t (0..255) of the block's fixed-order warp
@@ -1284,7 +1300,8 @@ template <typename T, u32 FMT, int BN, int NC, bool kCluster>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
     wgmma_ws_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                     const __grid_constant__ CUtensorMap tmap_s, const __grid_constant__ CUtensorMap tmap_z,
-                    QuantGemmParams p, u32 n_tile0, const T* __restrict__ bias, T* __restrict__ C) {
+                    QuantGemmParams p, u32 n_tile0, const T* __restrict__ bias, T* __restrict__ C,
+                    float* __restrict__ ws, int* __restrict__ counters) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = WsSmem<BN, NC>;
   using T2 = typename Tr<T>::T2;
@@ -1411,6 +1428,29 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
               make_float2(acc[4 * j + f], acc[4 * j + 2 + f]);
       wgmma_cluster_reduce<T, kTN>(p, part, u32(BN), m0, n0, bias, C, u32(tid), u32(kConsumers));
     } else {
+      if (p.k_parallel > 1) {
+        // K slices without a cluster (plan.reduce_kernel "last_block_reduce"): every block leaves
+        // its accumulators in ws, fragment by fragment ([tile][slice][BN / 4][threads] float2:
+        // coalesced, and the last block reads back exactly its own fragments' elements); the last
+        // block sums the slices in slice order (the cluster path's sums), into acc.
+        const u32 tile = (blockIdx.y + n_tile0) * gridDim.x + blockIdx.x;
+        float2* tws = reinterpret_cast<float2*>(ws) + size_t(tile) * p.k_parallel * (BN / 4) * kConsumers + tid;
+        float2* mine = tws + size_t(blockIdx.z) * (BN / 4) * kConsumers;
+#pragma unroll
+        for (int i = 0; i < BN / 4; ++i) __stcg(mine + i * kConsumers, make_float2(acc[2 * i], acc[2 * i + 1]));
+        if (!last_arrival(p.k_parallel, counters, tile, u32(tid), u32(kConsumers), 1u)) return;
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+        for (u32 sl = 0; sl < p.k_parallel; ++sl) {
+          const float2* src = tws + size_t(sl) * (BN / 4) * kConsumers;
+#pragma unroll
+          for (int i = 0; i < BN / 4; ++i) {
+            const float2 v = __ldcg(src + i * kConsumers);
+            acc[2 * i] += v.x;
+            acc[2 * i + 1] += v.y;
+          }
+        }
+      }
       const u32 c = n0 + u32(col);
       if (c >= p.N) return;
       const bool pair = c + 1u < p.N;
@@ -1592,7 +1632,7 @@ void launch_wgmma(const GemmPlan& plan, u32 Np, const T* A, const u32* B, const 
 // a multiple of 16 (padded_weights), as TMA needs.
 template <typename T, u32 FMT, int BN, int NC, bool kCluster>
 void launch_wgmma_ws_as(const GemmPlan& plan, const CUtensorMap (&maps)[4], u32 n_tile0, const T* bias, T* C,
-                        cudaStream_t stream) {
+                        float* ws, int* counters, cudaStream_t stream) {
   constexpr int kSmem = WsSmem<BN, NC>::kBytes;
   auto* kernel = wgmma_ws_kernel<T, FMT, BN, NC, kCluster>;
   static std::atomic<uint64_t> opted_in{0};
@@ -1604,7 +1644,7 @@ void launch_wgmma_ws_as(const GemmPlan& plan, const CUtensorMap (&maps)[4], u32 
   }
   opt_in_smem(kernel, kSmem, opted_in);
   launch_tile_kernel<kCluster>(plan, kernel, u32(128 * (NC + 1)), kSmem, stream, maps[0], maps[1], maps[2], maps[3],
-                               plan.params, n_tile0, bias, C);
+                               plan.params, n_tile0, bias, C, ws, counters);
 }
 
 // The second launch of a wgmma_ws plan with a tail (GemmPlan::tail_n_tiles), as a plan of its own:
@@ -1622,7 +1662,7 @@ GemmPlan wgmma_ws_tail_plan(const GemmPlan& plan) {
 
 template <typename T, u32 FMT, int BN, int NC>
 void launch_wgmma_ws(const GemmPlan& plan, int64_t Np, const T* A, const u32* B, const T* S, const uint8_t* Z,
-                     const T* bias, T* C, cudaStream_t stream) {
+                     const T* bias, T* C, float* ws, int* counters, cudaStream_t stream) {
   const QuantGemmParams& q = plan.params;
   const int64_t groups = q.K / q.group_size;
   constexpr int kTN = 64 * NC;
@@ -1639,7 +1679,7 @@ void launch_wgmma_ws(const GemmPlan& plan, int64_t Np, const T* A, const u32* B,
           : scales};
   const auto launch = [&](const GemmPlan& pl, u32 n_tile0) {
     with_cluster(pl, [&](auto cluster) {
-      launch_wgmma_ws_as<T, FMT, BN, NC, decltype(cluster)::value>(pl, maps, n_tile0, bias, C, stream);
+      launch_wgmma_ws_as<T, FMT, BN, NC, decltype(cluster)::value>(pl, maps, n_tile0, bias, C, ws, counters, stream);
     });
   };
   launch(plan, 0);
@@ -1726,18 +1766,21 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
                     plan.grid[1] + plan.tail_n_tiles == q.n_tiles && plan.grid[2] == q.k_parallel &&
                     plan.threads[0] == 128u * (nc + 1u) &&
                     (q.k_parallel == 1 ||
-                     (plan.reduce_kernel == "cluster_reduce" && q.k_parallel <= TM_CUDA_WGMMA_MAX_SLICES)) &&
+                     (plan.reduce_kernel == "cluster_reduce" && q.k_parallel <= TM_CUDA_WGMMA_MAX_SLICES) ||
+                     (global_reduce && plan.tail_n_tiles == 0 &&
+                      size_t(ws.numel()) * sizeof(float) >= size_t(q.m_tiles) * q.n_tiles * q.k_parallel *
+                                                                 q.tile_m * q.tile_n * sizeof(float))) &&
                     (plan.tail_n_tiles == 0 ||
                      (q.k_parallel == 1 && plan.grid[1] > 0 && plan.tail_k_parallel >= 2u &&
                       plan.tail_k_parallel <= TM_CUDA_WGMMA_MAX_SLICES && plan.tail_k_slice_len > 0 &&
                       plan.tail_k_slice_len % TM_CUDA_WGMMA_K_STEP == 0 &&
                       uint64_t(plan.tail_k_slice_len) * plan.tail_k_parallel >= q.K)),
                 "torch_marlin: bad wgmma_ws plan");
-    if (q.tile_m == 256u) launch_wgmma_ws<T, FMT, 256, 2>(plan, Np, pA, pB, pS, pZ, pbias, pC, stream);
-    else if (q.tile_m == 128u && nc == 2u) launch_wgmma_ws<T, FMT, 128, 2>(plan, Np, pA, pB, pS, pZ, pbias, pC, stream);
-    else if (q.tile_m == 128u) launch_wgmma_ws<T, FMT, 128, 3>(plan, Np, pA, pB, pS, pZ, pbias, pC, stream);
-    else if (nc == 2u) launch_wgmma_ws<T, FMT, 64, 2>(plan, Np, pA, pB, pS, pZ, pbias, pC, stream);
-    else launch_wgmma_ws<T, FMT, 64, 3>(plan, Np, pA, pB, pS, pZ, pbias, pC, stream);
+    if (q.tile_m == 256u) launch_wgmma_ws<T, FMT, 256, 2>(plan, Np, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    else if (q.tile_m == 128u && nc == 2u) launch_wgmma_ws<T, FMT, 128, 2>(plan, Np, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    else if (q.tile_m == 128u) launch_wgmma_ws<T, FMT, 128, 3>(plan, Np, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    else if (nc == 2u) launch_wgmma_ws<T, FMT, 64, 2>(plan, Np, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
+    else launch_wgmma_ws<T, FMT, 64, 3>(plan, Np, pA, pB, pS, pZ, pbias, pC, pws, counters, stream);
   } else if (k.rfind("wgmma_", 0) == 0) {
     const QuantGemmParams& q = plan.params;
     const bool wide = q.tile_m == 128u && q.tile_n == TM_CUDA_WGMMA_WIDE_TILE_N;

@@ -87,8 +87,10 @@ struct CudaSliceRule {
 // Decode: a slice is whole rounds of the 8 warps' 32-row chunks.
 constexpr CudaSliceRule kCudaDecodeSlices{1024, 16, 32 * TM_CUDA_DECODE_WARPS};
 constexpr CudaSliceRule kCudaWgmmaSlices{8 * TM_CUDA_WGMMA_K_STEP, TM_CUDA_WGMMA_MAX_SLICES, TM_CUDA_WGMMA_K_STEP};
-// wgmma_ws: at most 3 slices (cuda_wgmma_ws_slices).
-constexpr CudaSliceRule kCudaWgmmaWsSlices{8 * TM_CUDA_WGMMA_K_STEP, 3, TM_CUDA_WGMMA_K_STEP};
+// wgmma_ws: at most 4 slices, 3 or 4 through global memory (cuda_wgmma_ws_geometry_for), at most 3
+// through a cluster (cuda_wgmma_ws_slices).
+constexpr CudaSliceRule kCudaWgmmaWsSlices{8 * TM_CUDA_WGMMA_K_STEP, 4, TM_CUDA_WGMMA_K_STEP};
+constexpr CudaSliceRule kCudaWgmmaWsClusterSlices{8 * TM_CUDA_WGMMA_K_STEP, 3, TM_CUDA_WGMMA_K_STEP};
 // K slices for `tiles` output tiles: as many as keep the resident block slots (`slots`) full in
 // one wave, never a second wave, within the rule's bounds.
 int64_t cuda_tile_slices(int64_t tiles, int64_t K, int64_t slots, const CudaSliceRule& rule) {
@@ -147,21 +149,37 @@ bool cuda_wgmma_ws_shape_ok(int64_t K, int64_t group_size) {
 }
 // Activation rows of a tile: the wgmma n dimension.
 uint32_t cuda_wgmma_ws_tile_m(int64_t M) { return M <= 64 ? 64 : (M <= 128 ? 128 : 256); }
-// K slices: fill the SMs (at most 3), but 3-block clusters only where they take at most 3/4 of
-// the SMs: a cluster's blocks must share a GPC, and on the H100 32 clusters of 4 (4096 x 4096,
-// M = 64: 20.5 us of kernel time against 13.5 with 3 slices) and 43 clusters of 3 (28672 x 8192
-// with 192-column tiles: 171 us against 103 for 64 x 2) did not fit in one wave
-// (docs/cuda_results/session8/exp_kp.txt, exp_consumers.txt).
+// K slices summed through a cluster (the tail launch): fill the SMs (at most 3), but 3-block
+// clusters only where they take at most 3/4 of the SMs: a cluster's blocks must share a GPC, and
+// on the H100 32 clusters of 4 (4096 x 4096, M = 64: 20.5 us of kernel time against 13.5 with 3
+// slices) and 43 clusters of 3 (28672 x 8192 with 192-column tiles: 171 us against 103 for 64 x 2)
+// did not fit in one wave (docs/cuda_results/session8/exp_kp.txt, exp_consumers.txt).
 int64_t cuda_wgmma_ws_slices(int64_t tiles, int64_t K, int64_t slots) {
-  const int64_t kp = cuda_tile_slices(tiles, K, slots, kCudaWgmmaWsSlices);
+  const int64_t kp = cuda_tile_slices(tiles, K, slots, kCudaWgmmaWsClusterSlices);
   return kp >= 3 && tiles * kp * 4 > slots * 3 ? 2 : kp;
 }
+// The main grid's K slices. 64- and 128-row tiles: fill the SMs with up to 4; 1 or 2 are summed
+// through a cluster, 3 or 4 by the last block of each tile through global memory (no GPC
+// constraint). 256-row tiles keep the cluster rule: their 128 KB partial tiles make the global sum
+// cost more than a fourth slice saves. Measured on the H100 (FP4, fp16, flushed;
+// docs/cuda_results/session10/exp_ws_kp.txt, exp_ws_policy_*.txt):
+//  - 32 column tiles of 4096 x 4096 / 10752 x 4096 at M = 64: 4 slices 16.1 / 25.4 us against 3
+//    through clusters 17.3 / 29.7 (3 through global memory 17.7 / 29.3); 10752 x 4096 at M = 128
+//    32.0 against 36.7;
+//  - 28672 x 8192 at M = 48..128: 43 tiles of 192 columns x 3 slices (129 blocks) 81.6..106.7 us
+//    against 64 x 2 through clusters 93.3..120.4 (43 clusters of 3 would not fit in one wave);
+//  - 2 slices through global memory against a cluster: 4096 x 12288 at M = 64..128 26.3..34.2
+//    against 26.0..31.7;
+//  - 256-row tiles, 4096 x 4096 at M = 192 / 256: 4 slices 29.0 / 29.4 against 3 through clusters
+//    27.0 / 27.4 (10752 x 4096: 44.1 / 46.0 against 48.3 / 47.8).
+constexpr int64_t kCudaWgmmaWsMaxClusterSlices = 2;
 // The wgmma_ws launch geometry: consumer warpgroups (64 weight columns each), K slices, and the
 // column tiles split off into a second launch (GemmPlan::tail_n_tiles).
 struct WsGeometry {
   uint32_t consumers;
   int64_t tiles, k_parallel, tail_cols, tail_k_parallel;
   int64_t cost;  // stage-waves, a 2-consumer stage = 100
+  bool global_reduce = false;  // K slices summed by last_block_reduce instead of a cluster
 };
 // The tail: where the tiles take more than one wave and the last is partial (4096 x 21504 at
 // M = 1024: 672 tiles = 5 full waves + 12 tiles), the whole waves run as one launch and the last
@@ -181,15 +199,17 @@ WsGeometry cuda_wgmma_ws_geometry_for(int64_t M, int64_t K, int64_t N, int64_t s
   const int64_t tiles = m * n;
   const auto waves = [&](int64_t blocks) { return (blocks + slots - 1) / slots; };
   const auto stages = [&](int64_t kp) { return (K / kp + TM_CUDA_WGMMA_K_STEP - 1) / TM_CUDA_WGMMA_K_STEP; };
-  const int64_t kp = cuda_wgmma_ws_slices(tiles, K, slots);
-  WsGeometry g{consumers, tiles, kp, 0, 1, waves(tiles * kp) * stages(kp)};
+  const bool global = cuda_wgmma_ws_tile_m(M) <= 128;  // may sum 3..4 slices through global memory
+  const int64_t kp =
+      global ? cuda_tile_slices(tiles, K, slots, kCudaWgmmaWsSlices) : cuda_wgmma_ws_slices(tiles, K, slots);
+  WsGeometry g{consumers, tiles, kp, 0, 1, waves(tiles * kp) * stages(kp), global && kp > kCudaWgmmaWsMaxClusterSlices};
   const int64_t main_cols = (tiles / slots) * slots / m;  // column tiles of the whole waves
   if (kp == 1 && tiles % slots != 0 && main_cols > 0 && tiles / slots <= kCudaWgmmaWsTailMaxWaves) {
     const int64_t tail_tiles = m * (n - main_cols);
     const int64_t tail_kp = cuda_wgmma_ws_slices(tail_tiles, K, slots);
     const int64_t cost = waves(m * main_cols) * stages(1) + waves(tail_tiles * tail_kp) * stages(tail_kp) +
                          kCudaWgmmaWsTailLaunchStages;
-    if (tail_kp > 1 && cost < g.cost) g = {consumers, tiles, 1, n - main_cols, tail_kp, cost};
+    if (tail_kp > 1 && cost < g.cost) g = {consumers, tiles, 1, n - main_cols, tail_kp, cost, false};
   }
   g.cost *= consumers == 3 ? 137 : 100;
   return g;
@@ -431,7 +451,7 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     }
     p.threads[0] = 128 * (g.consumers + 1);
     stem = "wgmma_ws";
-    cluster_slices = true;
+    cluster_slices = !g.global_reduce;
   } else if (p.variant == GemmVariant::DequantBlas) {
     // Column panels of B are dequantized into a [K, tile_n] workspace in the activation dtype and
     // cuBLAS multiplies A by each into C's columns. One panel holds all of N unless that exceeds
@@ -462,6 +482,11 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     p.reduce_kernel = "cluster_reduce";
   } else {
     set_reduction(p, "last_block_reduce", 256);
+    // wgmma_ws keeps its partials in fragment order, whole tiles (quant_gemm.cu).
+    const QuantGemmParams& q = p.params;
+    if (stem == "wgmma_ws" && q.k_parallel > 1) {
+      p.workspace_bytes = size_t(q.m_tiles) * q.n_tiles * q.k_parallel * q.tile_m * q.tile_n * sizeof(float);
+    }
   }
 }
 
