@@ -19,7 +19,7 @@ ROOT = os.path.join(HERE, "..", "..", "..", "..")
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "session7", "scripts"))
 from bench_cuda import SHAPES, copies, rotate_timer  # noqa: E402
-from read_floor import CPP, SRC  # noqa: E402
+from read_floor import CPP, SRC, weight_bytes  # noqa: E402
 from timing import weights  # noqa: E402
 
 import torch_marlin  # noqa: E402,F401
@@ -45,8 +45,7 @@ def main():
     print(f"{'K x N':>12} {'FP4 MB':>7} {'read us (grid)':>16} {'TB/s':>5} {'fp16 MB':>8} {'read us':>8} {'TB/s':>5} "
           f"{'cuBLAS':>7} {'fp4':>7} {'cuBLAS/read4':>12} {'fp4/read4':>9} {'fp4 vs cuBLAS':>13}")
     for K, N in SHAPES:
-        b4 = K * N // 2 + (K // 128) * N * 2
-        b16 = K * N * 2
+        b4, b16 = weight_bytes(K, N)
         r4, bps, thr = read_time(b4)
         r16 = read_time(b16)[0]
         A = torch.randn(1, K, device="cuda", dtype=torch.float16)

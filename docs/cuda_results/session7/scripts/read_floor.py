@@ -46,6 +46,9 @@ CPP = "void read_bytes(torch::Tensor src, torch::Tensor out, int64_t blocks, int
 SHAPES = [(4096, 12288), (4096, 4096), (4096, 21504), (10752, 4096), (28672, 8192)]
 
 
+def weight_bytes(K, N):
+    """Bytes of a K x N weight as FP4 (packed codes + group-128 fp16 scales) and as fp16."""
+    return K * N // 2 + (K // 128) * N * 2, K * N * 2
 
 
 def main():
@@ -65,8 +68,7 @@ def main():
     print(f"{'K x N':>12} {'FP4 MB':>7} {'read us (grid)':>16} {'fp16 MB':>8} {'read us':>8} {'cuBLAS':>7} "
           f"{'fp4':>7} {'cuBLAS/read4':>12} {'fp4/read4':>9}")
     for K, N in SHAPES:
-        b4 = K * N // 2 + (K // 128) * N * 2
-        b16 = K * N * 2
+        b4, b16 = weight_bytes(K, N)
         r4, bps, thr = read_time(b4)
         r16 = read_time(b16)[0]
         B, s, W16 = weights(K, N)
