@@ -79,7 +79,7 @@ inline void load_word(device const uint* B, device const T* scales, device const
   const uint g = k / p.group_size;
   word = B[(k / 8u) * p.N + col];
   s = float(scales[g * p.N + col]);
-  z = FMT == TM_FORMAT_U4 ? float(zeros[g * p.N + col]) : 0.0f;
+  z = FMT == TM_FORMAT_U4 ? float(zeros[g * p.N + col] & 15u) : 0.0f;  // zero points are 0..15 (docs/formats.md)
 }
 
 // ---- epilogue: write one simdgroup's 8x8 fp32 fragment, masked --------------------------------

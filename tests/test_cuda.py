@@ -314,6 +314,26 @@ def test_wgmma_ws_deterministic(M, K, N):
         assert torch.equal(run_op("u4", A, B, s, z, 128, bias), first)
 
 
+# Zero points are 0..15 (docs/formats.md); the kernels mask the byte with 15, as the CPU kernels
+# do, so the upper bits never reach the exact (magic + zero) byte permute (magic_zeros). Each
+# kernel family's U4 path, fp16 and bf16: decode folded (M = 1) and per-weight (M = 24, 4 n8 tiles),
+# wgmma_ws with 4 global slices (M = 64) and a 256-row tile (M = 300), the session-7 wgmma kernel
+# (group 32, M = 100, K = 8192; decode / dequant_blas elsewhere), and dequant_u4.
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("M,K,group_size", [(1, 2048, 128), (24, 2048, 128), (64, 2048, 128), (300, 2048, 128),
+                                           (100, 8192, 32)])
+def test_u4_zero_points_masked(dtype, M, K, group_size):
+    N = 1024
+    B, s, z = make_weights("u4", K, N, group_size, dtype)
+    A = torch.randn(M, K, device="cuda", dtype=dtype)
+    high = z | 0xF0  # 240..255
+    assert torch.equal(torch.ops.marlin.gemm_u4(A, B, s, high, group_size),
+                       torch.ops.marlin.gemm_u4(A, B, s, z, group_size))
+    if M == 1:
+        assert torch.equal(torch.ops.marlin.dequant_u4(B, s, high, group_size),
+                           torch.ops.marlin.dequant_u4(B, s, z, group_size))
+
+
 # ---- Large M: dequantized panels + cuBLAS ----------------------------------------------------------
 @pytest.mark.parametrize("fmt", ["fp4", "u4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])

@@ -44,6 +44,12 @@ inline __m256 decode8(__m256i w, int r) {
   }
   return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 4 * r), _mm256_set1_epi32(15)));
 }
+// 8 zero points as floats. Zero points are 0..15 (docs/formats.md); every backend uses the byte's
+// low 4 bits, so an out-of-range byte gives the same value everywhere.
+inline __m256 zero_points8(const uint8_t* z) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(z)));
+  return _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+}
 #endif
 
 // Fills vals[r][n] (r in 0..7) with the decoded codes of one packed row for columns [0, nb).
@@ -136,7 +142,7 @@ void decode_strip16(const QuantGemmArgs& a, const float* __restrict A, const flo
       const __m256 s = _mm256_loadu_ps(S + g * N + n0 + 8 * h);
       __m256 z = _mm256_setzero_ps();
       if (F == QuantFormat::U4) {
-        z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(Z + g * N + n0 + 8 * h))));
+        z = zero_points8(Z + g * N + n0 + 8 * h);
       }
       for (int m = 0; m < R; ++m) {
         __m256 t = ga[m][h];
@@ -196,7 +202,7 @@ void dequant_panel(const QuantGemmArgs& a, const float* __restrict S, const uint
       const __m256 s = _mm256_loadu_ps(S + g * N + n0 + c0);
       __m256 z = _mm256_setzero_ps();
       if (F == QuantFormat::U4) {
-        z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(Z + g * N + n0 + c0))));
+        z = zero_points8(Z + g * N + n0 + c0);
       }
       for (int r = 0; r < 8; ++r) {
         const __m256 v = F == QuantFormat::U4 ? _mm256_sub_ps(decode8<F>(w, r), z) : decode8<F>(w, r);

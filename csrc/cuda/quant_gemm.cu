@@ -142,6 +142,8 @@ __device__ __forceinline__ T t_from_bits(unsigned short b) {
 }
 
 // Per-column dequant constants for one group: the scale pair and, for U4, (magic + zero) pair.
+// Zero points are 0..15 (docs/formats.md); the kernels use the byte's low 4 bits, as the CPU and
+// Metal kernels do, so an out-of-range byte gives the same value on every backend.
 template <typename T>
 struct ColQ {
   typename Tr<T>::T2 s2, z2;
@@ -185,7 +187,7 @@ __device__ __forceinline__ void make_colq(ColQ<T> (&q)[4], uint2 s4, u32 z4) {
   for (int j = 0; j < 4; ++j) {
     q[j].s2 = Tr<T>::dup(s[j]);
     if constexpr (FMT == TM_FORMAT_U4) {
-      q[j].z2 = Tr<T>::dup(Tr<T>::from_f(Tr<T>::kMagicF + float((z4 >> (8 * j)) & 0xFFu)));
+      q[j].z2 = Tr<T>::dup(Tr<T>::from_f(Tr<T>::kMagicF + float((z4 >> (8 * j)) & 0xFu)));
     }
   }
 }
@@ -422,7 +424,7 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
     if constexpr (FMT == TM_FORMAT_U4) {
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        zf[j] = Tr<T>::dup(Tr<T>::from_f(Tr<T>::kMagicF + float((z_next >> (8 * j)) & 0xFFu)));
+        zf[j] = Tr<T>::dup(Tr<T>::from_f(Tr<T>::kMagicF + float((z_next >> (8 * j)) & 0xFu)));
     }
   };
   auto flush = [&]() {
@@ -1051,7 +1053,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       q.s2 = Tr<T>::dup(t_from_bits<T>((unsigned short)(sp >> (16u * (col_w[i] & 1u)))));
       if constexpr (FMT == TM_FORMAT_U4) {
         const u32 zq = *reinterpret_cast<const u32*>(slot + L::kA + L::kW + L::kS + ti * 4);
-        q.z2 = Tr<T>::dup(Tr<T>::from_f(Tr<T>::kMagicF + float((zq >> (8u * (col_w[i] & 3u))) & 0xFFu)));
+        q.z2 = Tr<T>::dup(Tr<T>::from_f(Tr<T>::kMagicF + float((zq >> (8u * (col_w[i] & 3u))) & 0xFu)));
       }
       unsigned char* dst =
           sm + kWgStages * L::kStage + b * L::kB + (4 * int(h_w)) * L::kBLbo + (int(c_w) + 128 * i) * 16;
@@ -1375,8 +1377,8 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
       if constexpr (FMT == TM_FORMAT_U4) {
         const u32 zp = *reinterpret_cast<const unsigned short*>(st + L::kA + L::kW + L::kS + col);
         qp.s2 = as_t2<T2>(sp);
-        qp.z2.x = Tr<T>::from_f(Tr<T>::kMagicF + float(zp & 0xFFu));
-        qp.z2.y = Tr<T>::from_f(Tr<T>::kMagicF + float(zp >> 8));
+        qp.z2.x = Tr<T>::from_f(Tr<T>::kMagicF + float(zp & 0xFu));
+        qp.z2.y = Tr<T>::from_f(Tr<T>::kMagicF + float((zp >> 8) & 0xFu));
       }
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
