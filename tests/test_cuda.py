@@ -430,6 +430,51 @@ def test_wgmma_first_call_inside_graph_capture(group_size, kernel):
     assert r.returncode == 0 and "first call captured: ok" in r.stdout, r.stdout + r.stderr
 
 
+COUNTERS_MADE_UNDER_CAPTURE = """
+import torch, torch_marlin
+from torch_marlin.formats import dequant_fp4_reference, quantize_fp4
+M, K, N, gs = 4, 8192, 1024, 128  # decode, 8 K slices summed through global memory (tile counters)
+assert torch_marlin.plan_gemm("fp4", M, K, N, gs, dtype=torch.float16, device="cuda")["reduce_kernel"] == \\
+    "last_block_reduce"
+B, s = quantize_fp4(torch.randn(K, N), gs, scale_dtype=torch.float16)
+B, s = B.cuda(), s.cuda()
+A = torch.randn(M, K, device="cuda", dtype=torch.float16)
+ref = A.float() @ dequant_fp4_reference(B, s, gs)
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+g0 = torch.cuda.CUDAGraph()  # dirties a private pool: a replay fills 1 MB with ones, then it is freed
+with torch.cuda.graph(g0, stream=side):
+    dirt = torch.full((1 << 18,), 0x01010101, dtype=torch.int32, device="cuda")
+g0.replay()
+torch.cuda.synchronize()
+del dirt
+g1 = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g1, stream=side, pool=g0.pool()):  # the first marlin call: counters from that pool
+    C = torch.ops.marlin.gemm_fp4(A, B, s, gs)
+with torch.cuda.stream(side):  # eager, on the capturing stream, before any replay
+    E = torch.ops.marlin.gemm_fp4(A, B, s, gs)
+torch.cuda.synchronize()
+err = lambda X: ((X.float() - ref).abs().max() / ref.abs().max()).item()
+assert err(E) < 1e-2, ("eager call before the first replay", err(E))
+g1.replay()
+torch.cuda.synchronize()
+assert err(C) < 1e-2, ("replay", err(C))
+print("counters made under capture: ok")
+"""
+
+
+def test_k_slice_counters_made_under_capture():
+    # The per-stream arrival counters of the global K-slice sum, created inside a CUDA-graph
+    # capture (from a pool whose memory is not zero), must be zero for an eager call made before
+    # the graph is ever replayed, and for the replay (tile_counters).
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", COUNTERS_MADE_UNDER_CAPTURE], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "counters made under capture: ok" in r.stdout, r.stdout + r.stderr
+
+
 @pytest.mark.parametrize("M,N", [(4, 384), (200, 384), (100, 8192)])
 def test_cuda_graph_replay(M, N):
     # Captured once, replayed on new activations: the op allocates its workspace and launches on

@@ -1503,17 +1503,34 @@ PaddedWeights padded_weights(const QuantGemmArgs& a) {
 // Per-tile arrival counters of the in-kernel K-slice reduction. One zeroed buffer per (device,
 // stream): kernels on one stream run in order and every last block re-arms its counter, so a
 // buffer is always all-zero when the next launch on that stream starts. (Per stream, because
-// kernels on different streams may overlap.) Growing replaces the buffer; the old one returns to
-// the caching allocator, which hands it out again only in stream order.
+// kernels on different streams may overlap.)
+//  - Made during CUDA-graph capture, the buffer's zeroing is a graph node that only replays run.
+//    Until an eager call has zeroed it, every call zeroes it again (captured calls as a node of
+//    their own graph), so neither an eager call before the first replay nor another graph finds
+//    stale counts.
+//  - Growing keeps the old buffer alive: a captured graph may still launch kernels on it.
 int* tile_counters(int64_t n, const at::Device& dev, cudaStream_t stream) {
+  struct Counters {
+    at::Tensor t;
+    bool zero_pending = false;     // made under capture, not yet zeroed by an eager call
+    std::vector<at::Tensor> kept;  // outgrown buffers
+  };
   static std::mutex mu;
-  static std::map<std::pair<int, cudaStream_t>, at::Tensor> cache;
+  static std::map<std::pair<int, cudaStream_t>, Counters> cache;
   std::lock_guard<std::mutex> lock(mu);
-  at::Tensor& t = cache[{int(dev.index()), stream}];
-  if (!t.defined() || t.numel() < n) {
-    t = at::zeros({std::max<int64_t>(n, 4096)}, at::TensorOptions().dtype(at::kInt).device(dev));
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  const bool capturing = capture != cudaStreamCaptureStatusNone;
+  Counters& c = cache[{int(dev.index()), stream}];
+  if (!c.t.defined() || c.t.numel() < n) {
+    if (c.t.defined()) c.kept.push_back(c.t);
+    c.t = at::zeros({std::max<int64_t>(n, 4096)}, at::TensorOptions().dtype(at::kInt).device(dev));
+    c.zero_pending = capturing;
+  } else if (c.zero_pending) {
+    c.t.zero_();
+    c.zero_pending = capturing;
   }
-  return t.data_ptr<int>();
+  return c.t.data_ptr<int>();
 }
 
 int grid_for(size_t total, int threads) {
