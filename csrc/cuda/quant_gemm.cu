@@ -14,7 +14,8 @@
 //   wgmma_ws_* sm_90a, M > 32, group_size % 64 == 0 (plan.cpp cuda_wgmma_ws_pays).
 //              Warp-specialized: a TMA producer warpgroup feeds 2 or 3 consumer warpgroups that
 //              dequantize straight into wgmma's register A operand (weights = the m64 rows,
-//              activations = n); up to 3 K slices summed through a thread-block cluster.
+//              activations = n); up to 4 K slices: 2 (3 for 256-row tiles) summed through a
+//              thread-block cluster, 3..4 by each tile's last block through global memory.
 //   wgmma_*    sm_90a, group_size % 64 != 0, 64 < M <= 512 with >= 64 output tiles or long K
 //              (plan.cpp cuda_wgmma_pays). Two warpgroups over a 128 x 256, 128 x 128 or
 //              256 x 128 (rows x columns) tile: each stage's weight tile is dequantized once into
@@ -141,9 +142,15 @@ __device__ __forceinline__ T t_from_bits(unsigned short b) {
   return *reinterpret_cast<T*>(&b);
 }
 
-// Per-column dequant constants for one group: the scale pair and, for U4, (magic + zero) pair.
+// magic + zero point (the value a U4 dequant subtracts from magic | nibble) from the low byte of z.
 // Zero points are 0..15 (docs/formats.md); the kernels use the byte's low 4 bits, as the CPU and
 // Metal kernels do, so an out-of-range byte gives the same value on every backend.
+template <typename T>
+__device__ __forceinline__ T magic_zero(u32 z) {
+  return Tr<T>::from_f(Tr<T>::kMagicF + float(z & 0xFu));
+}
+
+// Per-column dequant constants for one group: the scale pair and, for U4, (magic + zero) pair.
 template <typename T>
 struct ColQ {
   typename Tr<T>::T2 s2, z2;
@@ -187,7 +194,7 @@ __device__ __forceinline__ void make_colq(ColQ<T> (&q)[4], uint2 s4, u32 z4) {
   for (int j = 0; j < 4; ++j) {
     q[j].s2 = Tr<T>::dup(s[j]);
     if constexpr (FMT == TM_FORMAT_U4) {
-      q[j].z2 = Tr<T>::dup(Tr<T>::from_f(Tr<T>::kMagicF + float((z4 >> (8 * j)) & 0xFu)));
+      q[j].z2 = Tr<T>::dup(magic_zero<T>(z4 >> (8 * j)));
     }
   }
 }
@@ -424,7 +431,7 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
     if constexpr (FMT == TM_FORMAT_U4) {
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        zf[j] = Tr<T>::dup(Tr<T>::from_f(Tr<T>::kMagicF + float((z_next >> (8 * j)) & 0xFu)));
+        zf[j] = Tr<T>::dup(magic_zero<T>(z_next >> (8 * j)));
     }
   };
   auto flush = [&]() {
@@ -1053,7 +1060,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       q.s2 = Tr<T>::dup(t_from_bits<T>((unsigned short)(sp >> (16u * (col_w[i] & 1u)))));
       if constexpr (FMT == TM_FORMAT_U4) {
         const u32 zq = *reinterpret_cast<const u32*>(slot + L::kA + L::kW + L::kS + ti * 4);
-        q.z2 = Tr<T>::dup(Tr<T>::from_f(Tr<T>::kMagicF + float((zq >> (8u * (col_w[i] & 3u))) & 0xFu)));
+        q.z2 = Tr<T>::dup(magic_zero<T>(zq >> (8u * (col_w[i] & 3u))));
       }
       unsigned char* dst =
           sm + kWgStages * L::kStage + b * L::kB + (4 * int(h_w)) * L::kBLbo + (int(c_w) + 128 * i) * 16;
@@ -1196,7 +1203,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 //  - No shared-memory store of dequantized weights, no fence and no block barrier per stage: the
 //    consumers dequantize stage s + 1 into the other of two register fragment sets while stage s's
 //    wgmmas run, and wait only for the full barrier and their own wgmma groups.
-// K slices (cluster dims (1, 1, k_parallel)) sum through wgmma_cluster_reduce. group_size % 64 == 0:
+// K slices sum through wgmma_cluster_reduce (cluster dims (1, 1, k_parallel)) or, without a
+// cluster, by the last block of each tile from fragment-order partials in ws. group_size % 64 == 0:
 // one scale row a stage (a second row for group sizes of 32 or 96 cost 10 % at M = 64..128 in
 // session 8's sweep; the wgmma kernel serves them).
 constexpr int kWsMaxConsumers = int(TM_CUDA_WGMMA_WS_MAX_TILE_N) / 64;
@@ -1377,8 +1385,8 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
       if constexpr (FMT == TM_FORMAT_U4) {
         const u32 zp = *reinterpret_cast<const unsigned short*>(st + L::kA + L::kW + L::kS + col);
         qp.s2 = as_t2<T2>(sp);
-        qp.z2.x = Tr<T>::from_f(Tr<T>::kMagicF + float(zp & 0xFu));
-        qp.z2.y = Tr<T>::from_f(Tr<T>::kMagicF + float((zp >> 8) & 0xFu));
+        qp.z2.x = magic_zero<T>(zp);
+        qp.z2.y = magic_zero<T>(zp >> 8);
       }
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
@@ -1420,7 +1428,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     // acc[4 j + 2 e + f]: tile column col + e, activation row m0 + 8 j + 2 t + f.
     if constexpr (kCluster) {
       // The partial tile goes where the ring was: every consumer warpgroup must be done with it.
-      asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumers) : "memory");
+      named_barrier(1u, u32(kConsumers));
       float* part = reinterpret_cast<float*>(sm);
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j)
@@ -1518,18 +1526,18 @@ int* tile_counters(int64_t n, const at::Device& dev, cudaStream_t stream) {
   static std::mutex mu;
   static std::map<std::pair<int, cudaStream_t>, Counters> cache;
   std::lock_guard<std::mutex> lock(mu);
+  Counters& c = cache[{int(dev.index()), stream}];
+  const bool grow = !c.t.defined() || c.t.numel() < n;
+  if (!grow && !c.zero_pending) return c.t.data_ptr<int>();  // the steady state: no zeroing, no query
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  const bool capturing = capture != cudaStreamCaptureStatusNone;
-  Counters& c = cache[{int(dev.index()), stream}];
-  if (!c.t.defined() || c.t.numel() < n) {
+  if (grow) {
     if (c.t.defined()) c.kept.push_back(c.t);
     c.t = at::zeros({std::max<int64_t>(n, 4096)}, at::TensorOptions().dtype(at::kInt).device(dev));
-    c.zero_pending = capturing;
-  } else if (c.zero_pending) {
+  } else {
     c.t.zero_();
-    c.zero_pending = capturing;
   }
+  c.zero_pending = capture != cudaStreamCaptureStatusNone;
   return c.t.data_ptr<int>();
 }
 

@@ -272,10 +272,11 @@ void set_k_parallel(GemmPlan& p, int64_t K, uint32_t k_parallel, uint32_t k_step
   set_k_slices(p.params, K, k_parallel, k_step);
 }
 
-void set_reduction(GemmPlan& p, const char* reduce_kernel, uint32_t threads) {
+// slice_floats: the fp32 partials one K slice leaves, M x N unless the kernel keeps whole tiles.
+void set_reduction(GemmPlan& p, const char* reduce_kernel, uint32_t threads, size_t slice_floats) {
   const QuantGemmParams& q = p.params;
   if (q.k_parallel <= 1) return;
-  p.workspace_bytes = size_t(q.k_parallel) * q.M * q.N * sizeof(float);
+  p.workspace_bytes = size_t(q.k_parallel) * slice_floats * sizeof(float);
   p.reduce_kernel = reduce_kernel;
   p.reduce_threads[0] = threads;
   p.reduce_grid[0] = ceil_div(int64_t(q.M) * q.N, threads);
@@ -341,7 +342,7 @@ void plan_metal(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTy
     }
     case GemmVariant::Auto: break;
   }
-  set_reduction(p, (std::string("marlin_reduce_partials_") + dtype_name(d)).c_str(), 256);
+  set_reduction(p, (std::string("marlin_reduce_partials_") + dtype_name(d)).c_str(), 256, size_t(M) * N);
   // The kernels index with 32-bit uints (cheaper on Apple GPUs); see docs/limitations.md.
   if (uint64_t(M) * uint64_t(K) > UINT32_MAX || uint64_t(K / TM_PACK_FACTOR) * uint64_t(N) > UINT32_MAX ||
       uint64_t(M) * uint64_t(N) * p.params.k_parallel > UINT32_MAX) {
@@ -362,8 +363,9 @@ void plan_metal(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTy
 //  - Warp-specialized, sm_90a only (cuda_wgmma_ws_pays: M > 32, some shapes M > 16; group_size % 64 == 0):
 //    "wgmma_ws_<fmt>_<dtype>", a TMA producer warpgroup and 2 or 3 consumer warpgroups over
 //    64 x 128/192 .. 256 x 128 (activation rows x weight columns) tiles, the weights dequantized
-//    into wgmma's register A operand; up to 3 K slices summed through a cluster; a partial last
-//    wave of tiles as a second launch in K slices (GemmPlan::tail_n_tiles).
+//    into wgmma's register A operand; up to 4 K slices (2, or 3 of 256-row tiles, through a
+//    cluster; 3..4 through global memory); a partial last wave of tiles as a second launch in K
+//    slices (GemmPlan::tail_n_tiles).
 //  - Tiled, sm_90a only (cuda_wgmma_pays; group sizes wgmma_ws does not take):
 //    "wgmma_<fmt>_<dtype>", 2 warpgroups over 128 x 256, 128 x 128 or 256 x 128 (rows x columns)
 //    tiles; each stage's weight tile is dequantized once into shared memory and both operands
@@ -397,6 +399,7 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
                const DeviceCaps& caps) {
   std::string stem;
   bool cluster_slices = false;  // K slices summed through a thread-block cluster (below)
+  size_t slice_floats = size_t(M) * N;  // otherwise: the fp32 partials a slice leaves in the workspace
   if (d == DType::F32) {
     constexpr uint32_t kRows = 8, kCols = 128;
     p.variant = GemmVariant::Tiled;
@@ -452,6 +455,8 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     p.threads[0] = 128 * (g.consumers + 1);
     stem = "wgmma_ws";
     cluster_slices = !g.global_reduce;
+    // Its partials stay in fragment order, whole tiles (quant_gemm.cu).
+    slice_floats = size_t(p.params.m_tiles) * p.params.n_tiles * p.params.tile_m * p.params.tile_n;
   } else if (p.variant == GemmVariant::DequantBlas) {
     // Column panels of B are dequantized into a [K, tile_n] workspace in the activation dtype and
     // cuBLAS multiplies A by each into C's columns. One panel holds all of N unless that exceeds
@@ -474,19 +479,14 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
   }
   p.kernel = stem + "_" + format_name(f) + "_" + dtype_name(d);
   // K slices are summed inside the GEMM kernel (no second dispatch; reduce_grid/threads unused):
-  // wgmma slices (at most TM_CUDA_WGMMA_MAX_SLICES) and up to TM_CUDA_DECODE_MAX_CLUSTER_SLICES
-  // decode slices by a thread-block cluster through
+  // wgmma slices (at most TM_CUDA_WGMMA_MAX_SLICES), wgmma_ws's cluster slices and up to
+  // TM_CUDA_DECODE_MAX_CLUSTER_SLICES decode slices by a thread-block cluster through
   // distributed shared memory where the device and build have clusters (no workspace), otherwise
-  // by the last block of each tile to finish, from an fp32 workspace [k_parallel][M][N].
+  // by the last block of each tile to finish, from an fp32 workspace [k_parallel][slice_floats].
   if (p.params.k_parallel > 1 && cluster_slices) {
     p.reduce_kernel = "cluster_reduce";
   } else {
-    set_reduction(p, "last_block_reduce", 256);
-    // wgmma_ws keeps its partials in fragment order, whole tiles (quant_gemm.cu).
-    const QuantGemmParams& q = p.params;
-    if (stem == "wgmma_ws" && q.k_parallel > 1) {
-      p.workspace_bytes = size_t(q.m_tiles) * q.n_tiles * q.k_parallel * q.tile_m * q.tile_n * sizeof(float);
-    }
+    set_reduction(p, "last_block_reduce", 256, slice_floats);
   }
 }
 
