@@ -39,10 +39,7 @@ GS = 128
 
 
 def timer(fn, reps, flush, graph=False):
-    """fn: one callable (timed alone after a flush), or a list of callables on distinct weight
-    copies (--rotate: timed back to back, no flush; returns the time per call)."""
-    if isinstance(fn, list):
-        return rotate_timer(fn, reps, graph)
+    """fn timed alone after a flush (flush None: no flush), median in us."""
     for _ in range(3):
         fn()
     if graph:
@@ -68,6 +65,7 @@ def timer(fn, reps, flush, graph=False):
 
 
 def rotate_timer(fns, reps, graph):
+    """Callables on distinct weight copies (--rotate), timed back to back without a flush: us a call."""
     def one_pass():
         for f in fns:
             f()
@@ -147,8 +145,10 @@ def main():
             A = torch.randn(M, K, device="cuda", dtype=torch.float16)
             Ab = A.bfloat16()
 
-            def timed(calls):  # one call per weight copy; a single callable without --rotate
-                return timer(calls if args.rotate else calls[0], args.reps, flush, args.graph)
+            def timed(calls):  # one call per weight copy (a single copy without --rotate)
+                if args.rotate:
+                    return rotate_timer(calls, args.reps, args.graph)
+                return timer(calls[0], args.reps, flush, args.graph)
 
             t_cublas = timed([lambda w=w: F.linear(A, w) for w in W16])
             t_fp4 = timed([lambda q=q: torch.ops.marlin.gemm_fp4(A, q[0], q[1], GS) for q in Q])

@@ -18,8 +18,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..", "..", "..", "..")
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "session7", "scripts"))
-from bench_cuda import SHAPES, copies, rotate_timer  # noqa: E402
-from read_floor import CPP, SRC, weight_bytes  # noqa: E402
+from bench_cuda import copies, rotate_timer  # noqa: E402
+from read_floor import CPP, SRC, best_grid, shape_reads  # noqa: E402
 from timing import weights  # noqa: E402
 
 import torch_marlin  # noqa: E402,F401
@@ -37,17 +37,12 @@ def main():
 
     def read_time(nbytes):
         srcs = copies(lambda: torch.randint(0, 256, (nbytes // 16 * 16,), dtype=torch.uint8, device="cuda"), nbytes, l2)
-        best = min((rotate_timer([lambda s=s: ext.read_bytes(s, out, sms * bps, thr) for s in srcs], reps, True), bps, thr)
-                   for bps in (1, 2, 4, 8) for thr in (256, 512, 1024) if bps * thr <= 2048)
-        del srcs
-        return best
+        return best_grid(lambda bps, thr: rotate_timer([lambda s=s: ext.read_bytes(s, out, sms * bps, thr) for s in srcs],
+                                                       reps, True))
 
     print(f"{'K x N':>12} {'FP4 MB':>7} {'read us (grid)':>16} {'TB/s':>5} {'fp16 MB':>8} {'read us':>8} {'TB/s':>5} "
           f"{'cuBLAS':>7} {'fp4':>7} {'cuBLAS/read4':>12} {'fp4/read4':>9} {'fp4 vs cuBLAS':>13}")
-    for K, N in SHAPES:
-        b4, b16 = weight_bytes(K, N)
-        r4, bps, thr = read_time(b4)
-        r16 = read_time(b16)[0]
+    for K, N, b4, b16, (r4, bps, thr), r16 in shape_reads(read_time):
         A = torch.randn(1, K, device="cuda", dtype=torch.float16)
         W16s = copies(lambda: torch.randn(N, K, device="cuda", dtype=torch.float16), b16, l2)
         tc = rotate_timer([lambda w=w: F.linear(A, w) for w in W16s], reps, True)

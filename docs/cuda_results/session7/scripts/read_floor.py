@@ -51,6 +51,20 @@ def weight_bytes(K, N):
     return K * N // 2 + (K // 128) * N * 2, K * N * 2
 
 
+def shape_reads(read_time):
+    """(K, N, FP4 bytes, fp16 bytes, (FP4 read us, bps, threads), fp16 read us) over SHAPES;
+    read_time(nbytes) -> best_grid's triple."""
+    for K, N in SHAPES:
+        b4, b16 = weight_bytes(K, N)
+        yield K, N, b4, b16, read_time(b4), read_time(b16)[0]
+
+
+def best_grid(time_grid):
+    """(us, blocks per SM, threads a block) of the fastest read grid; time_grid(bps, threads) times one."""
+    return min((time_grid(bps, thr), bps, thr) for bps in (1, 2, 4, 8) for thr in (256, 512, 1024)
+               if bps * thr <= 2048)
+
+
 def main():
     ext = load_inline("read_floor", CPP, cuda_sources=SRC, functions=["read_bytes", "empty"],
                       extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90"])
@@ -61,16 +75,11 @@ def main():
 
     def read_time(nbytes):
         src = torch.randint(0, 256, (nbytes // 16 * 16,), dtype=torch.uint8, device="cuda")
-        best = min((timed(lambda: ext.read_bytes(src, out, sms * bps, thr), flush, reps=21), bps, thr)
-                   for bps in (1, 2, 4, 8) for thr in (256, 512, 1024) if bps * thr <= 2048)
-        return best
+        return best_grid(lambda bps, thr: timed(lambda: ext.read_bytes(src, out, sms * bps, thr), flush, reps=21))
 
     print(f"{'K x N':>12} {'FP4 MB':>7} {'read us (grid)':>16} {'fp16 MB':>8} {'read us':>8} {'cuBLAS':>7} "
           f"{'fp4':>7} {'cuBLAS/read4':>12} {'fp4/read4':>9}")
-    for K, N in SHAPES:
-        b4, b16 = weight_bytes(K, N)
-        r4, bps, thr = read_time(b4)
-        r16 = read_time(b16)[0]
+    for K, N, b4, b16, (r4, bps, thr), r16 in shape_reads(read_time):
         B, s, W16 = weights(K, N)
         A = torch.randn(1, K, device="cuda", dtype=torch.float16)
         tc = timed(lambda: F.linear(A, W16), flush, reps=21)
