@@ -39,7 +39,6 @@
 // The decode kernel makes the weights the mma's A operand: its rows g and g+8 are two of the
 // lane's 4 columns, so one 16-byte load of 4 columns feeds 4 mmas per 8 activation rows.
 #include <ATen/ATen.h>
-#include <torch/library.h>  // EXPERIMENT
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -252,48 +251,6 @@ __device__ bool last_arrival(u32 k_parallel, int* counters, u32 tile, u32 tid, u
   if (!is_last) return false;
   __threadfence();
   return true;
-}
-
-// K-parallel arrival in two counts per tile, for wgmma_ws: a block takes a ticket from `arrived`
-// as soon as its main loop is done. The last of the k_parallel blocks to finish never stores its
-// own partials: it waits until the others have published theirs (`stored`), sums every slice in
-// slice order (its own from registers) and re-arms both counts. Its critical path is then one
-// atomic, the reads and the output store, instead of its own store, a fence, the atomic and the
-// reads (session 11: 4.1..5.1 us -> see docs/cuda.md). The wait cannot deadlock: it waits only for
-// blocks that already took a ticket, so are resident and past their main loops. Threads
-// 0 .. nthreads - 1 take part, synchronized by named barrier bar_id.
-struct SliceCounts {
-  int* arrived;
-  int* stored;
-};
-__device__ bool take_slice_ticket(u32 k_parallel, SliceCounts c, u32 tid, u32 nthreads, u32 bar_id) {
-  __shared__ int is_last;
-  named_barrier(bar_id, nthreads);  // every consumer warp is past its main loop
-  if (tid == 0) is_last = atomicAdd(c.arrived, 1) == int(k_parallel) - 1;
-  named_barrier(bar_id, nthreads);
-  return is_last;
-}
-// A block that is not the last, after storing its partials: count them as published (the barrier
-// orders every thread's stores before thread 0's fence and atomic, as cooperative groups' grid
-// sync does).
-__device__ void publish_slice(SliceCounts c, u32 tid, u32 nthreads, u32 bar_id) {
-  named_barrier(bar_id, nthreads);
-  if (tid == 0) {
-    __threadfence();
-    atomicAdd(c.stored, 1);
-  }
-}
-// The last block: waits until the other k_parallel - 1 blocks have published, then re-arms.
-__device__ void await_slices(u32 k_parallel, SliceCounts c, u32 tid, u32 nthreads, u32 bar_id) {
-  if (tid == 0) {
-    int n;
-    do {
-      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(n) : "l"(c.stored) : "memory");
-    } while (n < int(k_parallel) - 1);
-    *c.arrived = 0;  // every block of the tile has counted both
-    *c.stored = 0;
-  }
-  named_barrier(bar_id, nthreads);
 }
 
 // K-parallel epilogue of the decode kernel: ws[slice] holds every block's partial tile as rows of C
@@ -1251,7 +1208,6 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 // one scale row a stage (a second row for group sizes of 32 or 96 cost 10 % at M = 64..128 in
 // session 8's sweep; the wgmma kernel serves them).
 constexpr int kWsMaxConsumers = int(TM_CUDA_WGMMA_WS_MAX_TILE_N) / 64;
-constexpr int kWsMaxGlobalSlices = int(TM_CUDA_WGMMA_WS_MAX_SLICES);
 // setmaxnreg moves registers between the warpgroups of a block: the block starts with
 // ws_launch_regs a thread (__launch_bounds__ (128 (NC + 1), 1): the 64 K registers of an SM in
 // multiples of 8), the producer gives all but 40 back and the consumers share what it gave. They
@@ -1350,13 +1306,6 @@ __device__ __forceinline__ void rs_fragment(u32 (&a)[4], u32 x, typename Tr<T>::
   }
 }
 
-// EXPERIMENT (remove before landing): per-block timeline of wgmma_ws.
-__device__ unsigned long long g_tm_tl[8192 * 4];
-__device__ __forceinline__ unsigned long long tm_now() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-  return t;
-}
 template <typename T, u32 FMT, int BN, int NC, bool kCluster>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
     wgmma_ws_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
@@ -1370,8 +1319,6 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const u32 m0 = blockIdx.x * u32(BN), n0 = (blockIdx.y + n_tile0) * u32(kTN);  // n_tile0: GemmPlan::tail_n_tiles
-  const u32 tl_b = ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) % 8192u;
-  if (tid == 0) { u32 smid; asm("mov.u32 %0, %%smid;" : "=r"(smid)); g_tm_tl[4 * tl_b] = tm_now(); g_tm_tl[4 * tl_b + 3] = smid; }
   const u32 k_begin = blockIdx.z * p.k_slice_len;
   const u32 k_end = min(p.K, k_begin + p.k_slice_len);
   const int n_stages = int((k_end - k_begin) / u32(kWgKStep));  // multiples of 64 (planner)
@@ -1477,7 +1424,6 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     wg_wait<0>();
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) wg_pin(acc[i]);
-    if (tid == 0) g_tm_tl[4 * tl_b + 1] = tm_now();
 
     // acc[4 j + 2 e + f]: tile column col + e, activation row m0 + 8 j + 2 t + f.
     if constexpr (kCluster) {
@@ -1493,75 +1439,31 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
       wgmma_cluster_reduce<T, kTN>(p, part, u32(BN), m0, n0, bias, C, u32(tid), u32(kConsumers));
     } else {
       if (p.k_parallel > 1) {
-        // K slices without a cluster (plan.reduce_kernel "last_block_reduce", at most
-        // kWsMaxGlobalSlices): every block but the last to finish leaves its accumulators in ws,
-        // fragment by fragment ([tile][slice][BN / 4][threads] float2: coalesced, and the last
-        // block reads back exactly its own fragments' elements); the last block sums the slices
-        // in slice order (the cluster path's sums), its own from acc, into acc.
-        const u32 tile = (blockIdx.y + n_tile0) * gridDim.x + blockIdx.x, kp = p.k_parallel, me = blockIdx.z;
-        const SliceCounts cnt{counters + tile, counters + p.m_tiles * p.n_tiles + tile};
-        float2* tws = reinterpret_cast<float2*>(ws) + size_t(tile) * kp * (BN / 4) * kConsumers + tid;
-        if (p.num_groups == 7777u) {  // EXPERIMENT: session 10's epilogue (TM_EXP_OLD_REDUCE)
-          float2* mine = tws + size_t(me) * (BN / 4) * kConsumers;
+        // K slices without a cluster (plan.reduce_kernel "last_block_reduce"): every block leaves
+        // its accumulators in ws, fragment by fragment ([tile][slice][BN / 4][threads] float2:
+        // coalesced, and the last block reads back exactly its own fragments' elements); the last
+        // block sums the slices in slice order (the cluster path's sums), into acc.
+        const u32 tile = (blockIdx.y + n_tile0) * gridDim.x + blockIdx.x;
+        float2* tws = reinterpret_cast<float2*>(ws) + size_t(tile) * p.k_parallel * (BN / 4) * kConsumers + tid;
+        float2* mine = tws + size_t(blockIdx.z) * (BN / 4) * kConsumers;
 #pragma unroll
-          for (int i = 0; i < BN / 4; ++i) __stcg(mine + i * kConsumers, make_float2(acc[2 * i], acc[2 * i + 1]));
-          if (!last_arrival(p.k_parallel, counters, tile, u32(tid), u32(kConsumers), 1u)) {
-            if (tid == 0) g_tm_tl[4 * tl_b + 2] = tm_now();
-            return;
-          }
+        for (int i = 0; i < BN / 4; ++i) __stcg(mine + i * kConsumers, make_float2(acc[2 * i], acc[2 * i + 1]));
+        if (!last_arrival(p.k_parallel, counters, tile, u32(tid), u32(kConsumers), 1u)) return;
 #pragma unroll
-          for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-          for (u32 sl = 0; sl < p.k_parallel; ++sl) {
-            const float2* src = tws + size_t(sl) * (BN / 4) * kConsumers;
+        for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+        for (u32 sl = 0; sl < p.k_parallel; ++sl) {
+          const float2* src = tws + size_t(sl) * (BN / 4) * kConsumers;
 #pragma unroll
-            for (int i = 0; i < BN / 4; ++i) {
-              const float2 v = __ldcg(src + i * kConsumers);
-              acc[2 * i] += v.x;
-              acc[2 * i + 1] += v.y;
-            }
-          }
-        } else if (!take_slice_ticket(kp, cnt, u32(tid), u32(kConsumers), 1u)) {
-          float2* mine = tws + size_t(me) * (BN / 4) * kConsumers;
-#pragma unroll
-          for (int i = 0; i < BN / 4; ++i) __stcg(mine + i * kConsumers, make_float2(acc[2 * i], acc[2 * i + 1]));
-          publish_slice(cnt, u32(tid), u32(kConsumers), 1u);
-          if (tid == 0) g_tm_tl[4 * tl_b + 2] = tm_now();
-          return;
-        }
-        else {
-        await_slices(kp, cnt, u32(tid), u32(kConsumers), 1u);
-        // kChunk fragments of every slice in flight at once (registers: 3 consumers have 152).
-        constexpr int kChunk = NC == 2 ? 16 : 8;
-        static_assert((BN / 4) % kChunk == 0, "whole chunks");
-#pragma unroll
-        for (int i0 = 0; i0 < BN / 4; i0 += kChunk) {
-          float2 v[kWsMaxGlobalSlices][kChunk];
-#pragma unroll
-          for (int sl = 0; sl < kWsMaxGlobalSlices; ++sl)
-#pragma unroll
-            for (int i = 0; i < kChunk; ++i)
-              v[sl][i] = u32(sl) == me ? make_float2(acc[2 * (i0 + i)], acc[2 * (i0 + i) + 1])
-                         : u32(sl) < kp ? __ldcg(tws + (size_t(sl) * (BN / 4) + i0 + i) * kConsumers)
-                                        : make_float2(0.f, 0.f);
-#pragma unroll
-          for (int i = 0; i < kChunk; ++i) {
-            float x = 0.f, y = 0.f;
-#pragma unroll
-            for (int sl = 0; sl < kWsMaxGlobalSlices; ++sl)
-              if (u32(sl) < kp) {
-                x += v[sl][i].x;
-                y += v[sl][i].y;
-              }
-            acc[2 * (i0 + i)] = x;
-            acc[2 * (i0 + i) + 1] = y;
+          for (int i = 0; i < BN / 4; ++i) {
+            const float2 v = __ldcg(src + i * kConsumers);
+            acc[2 * i] += v.x;
+            acc[2 * i + 1] += v.y;
           }
         }
-        }  // EXPERIMENT
       }
       const u32 c = n0 + u32(col);
       if (c >= p.N) return;
       const bool pair = c + 1u < p.N;
-
       const float b0 = p.has_bias ? Tr<T>::to_f(bias[c]) : 0.f;
       const float b1 = p.has_bias && pair ? Tr<T>::to_f(bias[c + 1u]) : 0.f;
 #pragma unroll
@@ -1573,7 +1475,6 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
           const float v0 = acc[4 * j + f] + b0, v1 = acc[4 * j + 2 + f] + b1;
           store_c_pair<T>(C + size_t(row) * p.N + c, v0, v1, pair, p.N);
         }
-      if (tid == 0) g_tm_tl[4 * tl_b + 2] = tm_now() | (1ull << 62);  // EXPERIMENT
     }
   }
 #else
@@ -1808,11 +1709,6 @@ void launch_wgmma_ws(const GemmPlan& plan, int64_t Np, const T* A, const u32* B,
       launch_wgmma_ws_as<T, FMT, BN, NC, decltype(cluster)::value>(pl, maps, n_tile0, bias, C, ws, counters, stream);
     });
   };
-  if (getenv("TM_EXP_OLD_REDUCE") && getenv("TM_EXP_OLD_REDUCE")[0] == '1') {  // EXPERIMENT
-    GemmPlan old = plan;
-    old.params.num_groups = 7777u;
-    launch(old, 0);
-  } else
   launch(plan, 0);
   if (plan.tail_n_tiles > 0) launch(wgmma_ws_tail_plan(plan), plan.grid[1]);
 }
@@ -1869,8 +1765,8 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
   TORCH_CHECK(!global_reduce || pws != nullptr, "torch_marlin: K-parallel plan without workspace");
   const int gs_shift = (a.group_size & (a.group_size - 1)) == 0 ? __builtin_ctzll(uint64_t(a.group_size)) : -1;
   int* counters = nullptr;
-  if (global_reduce) {  // two counts a tile (wgmma_ws's SliceCounts; decode uses the first)
-    counters = tile_counters(2 * int64_t(plan.params.m_tiles) * plan.params.n_tiles, a.A.device(), stream);
+  if (global_reduce) {
+    counters = tile_counters(int64_t(plan.params.m_tiles) * plan.params.n_tiles, a.A.device(), stream);
   }
 
   if (k.rfind("decode_", 0) == 0) {
@@ -1898,7 +1794,7 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
                     plan.threads[0] == 128u * (nc + 1u) &&
                     (q.k_parallel == 1 ||
                      (plan.reduce_kernel == "cluster_reduce" && q.k_parallel <= TM_CUDA_WGMMA_MAX_SLICES) ||
-                     (global_reduce && plan.tail_n_tiles == 0 && q.k_parallel <= u32(kWsMaxGlobalSlices) &&
+                     (global_reduce && plan.tail_n_tiles == 0 &&
                       size_t(ws.numel()) * sizeof(float) >= size_t(q.m_tiles) * q.n_tiles * q.k_parallel *
                                                                  q.tile_m * q.tile_n * sizeof(float))) &&
                     (plan.tail_n_tiles == 0 ||
@@ -1966,14 +1862,6 @@ void dequant_for_format(const QuantGemmArgs& a, at::Tensor& W, cudaStream_t stre
 }
 
 }  // namespace
-
-// EXPERIMENT (remove before landing): the wgmma_ws timeline of the last launch.
-at::Tensor exp_timeline() {
-  at::Tensor out = at::empty({8192, 4}, at::kLong);
-  C10_CUDA_CHECK(cudaMemcpyFromSymbol(out.data_ptr(), g_tm_tl, sizeof(unsigned long long) * 8192 * 4));
-  return out;
-}
-TORCH_LIBRARY_FRAGMENT(marlin, m) { m.def("exp_timeline() -> Tensor", &exp_timeline); }
 
 DeviceCaps cuda_device_caps(int device_index) {
   const int dev = device_index >= 0 ? device_index : int(c10::cuda::current_device());

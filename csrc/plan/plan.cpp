@@ -89,7 +89,7 @@ constexpr CudaSliceRule kCudaDecodeSlices{1024, 16, 32 * TM_CUDA_DECODE_WARPS};
 constexpr CudaSliceRule kCudaWgmmaSlices{8 * TM_CUDA_WGMMA_K_STEP, TM_CUDA_WGMMA_MAX_SLICES, TM_CUDA_WGMMA_K_STEP};
 // wgmma_ws: at most 4 slices, 3 or 4 through global memory (cuda_wgmma_ws_geometry_for), at most 3
 // through a cluster (cuda_wgmma_ws_slices).
-constexpr CudaSliceRule kCudaWgmmaWsSlices{8 * TM_CUDA_WGMMA_K_STEP, TM_CUDA_WGMMA_WS_MAX_SLICES, TM_CUDA_WGMMA_K_STEP};
+constexpr CudaSliceRule kCudaWgmmaWsSlices{8 * TM_CUDA_WGMMA_K_STEP, 4, TM_CUDA_WGMMA_K_STEP};
 constexpr CudaSliceRule kCudaWgmmaWsClusterSlices{8 * TM_CUDA_WGMMA_K_STEP, 3, TM_CUDA_WGMMA_K_STEP};
 // K slices for `tiles` output tiles: as many as keep the resident block slots (`slots`) full in
 // one wave, never a second wave, within the rule's bounds.

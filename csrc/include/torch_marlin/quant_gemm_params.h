@@ -47,8 +47,6 @@ TM_NAMESPACE_BEGIN
 // 64 NC, at most TM_CUDA_WGMMA_WS_MAX_TILE_N; 128 (NC + 1) threads) over 64, 128 or 256 activation
 // rows (256-row tiles: 2 consumers); 64-k stages under one scale row (group_size % 64 == 0).
 #define TM_CUDA_WGMMA_WS_MAX_TILE_N 192u
-// Most K slices of wgmma_ws (2 summed through a cluster, 3..4 through global memory).
-#define TM_CUDA_WGMMA_WS_MAX_SLICES 4u
 
 // ---- Launch parameters -------------------------------------------------------------------------
 struct QuantGemmParams {
