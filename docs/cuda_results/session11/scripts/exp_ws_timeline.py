@@ -49,10 +49,10 @@ for r in range(reps):
     t0, t1, t2 = (t0 - base) / 1e3, (t1 - base) / 1e3, (t2 - base) / 1e3
     loop = t1 - t0
     red = t2 - t1
-    q = lambda x: f"{x.min():.2f}/{x.median():.2f}/{x.max():.2f}"  # noqa: E731
+    q = lambda x: f"{x.min():.2f}/{x.median():.2f}/{x.max():.2f}" if x.numel() else "-"  # noqa: E731
     print(f"rep {r}: event {e0.elapsed_time(e1) * 1e3:.1f} us, span {t2.max():.2f} us | start {q(t0)} | "
           f"main loop {q(loop)} | loop end {q(t1)} | non-last store+arrive {q(red[last == 0])} | "
-          f"last reduce+store {q(red[last == 1]) if last.any() else '-'} | end {q(t2)}")
+          f"last reduce+store {q(red[last == 1])} | end {q(t2)}")
     if r == reps - 1:
         order = torch.argsort(t0)
         for i in order[:: max(1, blocks // 16)].tolist():
