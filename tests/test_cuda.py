@@ -475,6 +475,49 @@ def test_k_slice_counters_made_under_capture():
     assert r.returncode == 0 and "counters made under capture: ok" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("M", [1, 16])
+def test_decode_chain_dependent_launch(fmt, M):
+    # Back-to-back decode calls, each reading the previous one's output (4096 -> 1024 in 4 K slices
+    # summed by the last block, 1024 -> 4096 in one). On sm_90 the decode kernel is launched with
+    # programmatic dependent launch: it starts while the previous kernel runs and waits for it before
+    # its first load. With ld.global.nc loads the graph replay of such a chain read stale activations
+    # (docs/cuda_results/session11/exp_pdl/pdl_debug_nc_racy.txt). Eagerly and from a CUDA graph the
+    # chain must equal the same calls with the device synchronized between them, bitwise.
+    layers = []
+    for i, (K, N) in enumerate([(4096, 1024), (1024, 4096)] * 3):
+        B, s, z = make_weights(fmt, K, N, 128, torch.float16, seed=i)
+        layers.append((B, (s.float() / K**0.5).half(), z))  # outputs stay O(1) along the chain
+    assert plan_for(M, 4096, 1024, torch.float16)["kernel"].startswith("decode_")
+    x = torch.randn(M, 4096, device="cuda", dtype=torch.float16)
+
+    def chain(sync):
+        y = x
+        for B, s, z in layers:
+            y = run_op(fmt, y, B, s, z, 128, None)
+            if sync:
+                torch.cuda.synchronize()
+        return y
+
+    ref = chain(True).clone()
+    assert ref.isfinite().all() and ref.abs().max() > 0.1
+    eager = chain(False)
+    torch.cuda.synchronize()
+    assert torch.equal(eager, ref)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (per-stream K-slice counters)
+        chain(False)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=side):
+        out = chain(False)
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)
+
+
 @pytest.mark.parametrize("M,N", [(4, 384), (200, 384), (100, 8192)])
 def test_cuda_graph_replay(M, N):
     # Captured once, replayed on new activations: the op allocates its workspace and launches on

@@ -10,7 +10,9 @@
 //              memory in a fixed order; grid.z K slices are summed in slice order (deterministic,
 //              no second launch): on sm_90 with 2 slices by a thread-block cluster through
 //              distributed shared memory, otherwise the slices write fp32 partials and the last
-//              block of each tile to arrive sums them.
+//              block of each tile to arrive sums them. On sm_90 launched with programmatic
+//              dependent launch: it starts behind the previous kernel, prefetches its first
+//              weights into L2 and waits for that kernel before its first load.
 //   wgmma_ws_* sm_90a, M > 32, group_size % 64 == 0 (plan.cpp cuda_wgmma_ws_pays).
 //              Warp-specialized: a TMA producer warpgroup feeds 2 or 3 consumer warpgroups that
 //              dequantize straight into wgmma's register A operand (weights = the m64 rows,
@@ -344,12 +346,63 @@ static_assert(TM_CUDA_DECODE_TILE_N == 32u, "a warp's 8 lane groups x 4 columns"
 // fast or slower; 1 block per SM is faster for 8 tiles (128 registers spilled) and slower for 4.
 constexpr int kDecDepth = 4;
 
+// The decode kernel's global loads. On sm_90 it may run beside the previous kernel on the stream
+// (PDL), which may write A, the weights or the scales until pdl_wait() returns, so it reads them
+// with coherent loads: ld.global.nc requires data read-only for the kernel's whole lifetime, and
+// the compiler may hoist such (invariant) loads above the wait. Below sm_90, no PDL: .nc loads.
 __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
   uint4 r;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("ld.global.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p)
+               : "memory");
+#else
   asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
       : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
       : "l"(p));
+#endif
   return r;
+}
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ uint4 ld_dec(const uint4* p) {
+  uint4 r;
+  asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p) : "memory");
+  return r;
+}
+__device__ __forceinline__ uint2 ld_dec(const uint2* p) {
+  uint2 r;
+  asm volatile("ld.global.v2.u32 {%0,%1}, [%2];\n" : "=r"(r.x), "=r"(r.y) : "l"(p) : "memory");
+  return r;
+}
+__device__ __forceinline__ u32 ld_dec(const u32* p) {
+  u32 r;
+  asm volatile("ld.global.u32 %0, [%1];\n" : "=r"(r) : "l"(p) : "memory");
+  return r;
+}
+#else
+template <typename V>
+__device__ __forceinline__ V ld_dec(const V* p) {
+  return __ldg(p);
+}
+#endif
+
+// Programmatic dependent launch (PDL; launch_decode asks for it on the devices that run clusters):
+// a kernel launched with it may start while the previous kernel on the stream still runs, once every
+// block of that kernel has called pdl_launch_dependents(); pdl_wait() then blocks until that kernel
+// has finished and its writes are visible. Both are no-ops for a kernel launched without it.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }
 
 // NT: n8 tiles of activation rows (M <= 8 NT). kFold (NT <= 2, group_size % 32 == 0, so a chunk
@@ -361,9 +414,8 @@ __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
 // distributed shared memory (cluster_reduce); otherwise through global memory (last_block_reduce).
 template <typename T, u32 FMT, int NT, bool kFold, bool kCluster>
 __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u * NT))
-    decode_kernel(QuantGemmParams p, u32 Np, int gs_shift, const T* __restrict__ A, const u32* __restrict__ B,
-                  const T* __restrict__ S, const uint8_t* __restrict__ Z, const T* __restrict__ bias,
-                  T* __restrict__ C, float* __restrict__ ws, int* __restrict__ counters) {
+    decode_kernel(QuantGemmParams p, u32 Np, int gs_shift, const T* A, const u32* B, const T* S, const uint8_t* Z,
+                  const T* bias, T* __restrict__ C, float* __restrict__ ws, int* __restrict__ counters) {
   using T2 = typename Tr<T>::T2;
   // A one chunk ahead, except for 4 n8 tiles: at 2 blocks per SM they leave no registers for it.
   constexpr bool kAhead = NT != 4;
@@ -397,6 +449,16 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
   for (int nt = 0; nt < NT; ++nt)
     ap[nt] = reinterpret_cast<const uint4*>(A + size_t(min(m0 + u32(8 * nt + g), p.M - 1u)) * p.K + size_t(wc0) * 32u + 8u * t);
 
+  // Launched early behind the previous kernel (PDL), the block brings the ring's first chunks into
+  // L2 while that kernel finishes, then waits for it before it reads anything (the previous kernel
+  // may write A, the weights or C). A prefetch only warms L2, the point of coherence, so a
+  // weight written by that kernel is still read fresh after the wait.
+  pdl_launch_dependents();
+#pragma unroll
+  for (int d = 0; d < kDecDepth; ++d)
+    if (d < n_full) prefetch_l2(bp + size_t(d) * Np);
+  pdl_wait();
+
   // acc[nt][jp][c]: A rows g / g+8 (c >> 1) = columns col + 2jp + (c >> 1), activation row
   // 8nt + 2t + (c & 1).
   float acc[NT][2][4];
@@ -419,8 +481,8 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
   u32 left = kFold ? cpg - wc0 % cpg : 0u;  // chunks left in the current group
   auto fetch_scales = [&](u32 gi) {
     const size_t so = size_t(min(gi, num_groups - 1u)) * Np + col;
-    s_next = __ldg(reinterpret_cast<const uint2*>(S + so));
-    if constexpr (FMT == TM_FORMAT_U4) z_next = __ldg(reinterpret_cast<const u32*>(Z + so));
+    s_next = ld_dec(reinterpret_cast<const uint2*>(S + so));
+    if constexpr (FMT == TM_FORMAT_U4) z_next = ld_dec(reinterpret_cast<const u32*>(Z + so));
   };
   auto take_scales = [&]() {
     const T* sp = reinterpret_cast<const T*>(&s_next);
@@ -461,7 +523,7 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
   // and run 4 mmas per n8 tile.
   auto load_a = [&](int i, uint4 (&av)[NT]) {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) av[nt] = __ldg(ap[nt] + 4 * i);
+    for (int nt = 0; nt < NT; ++nt) av[nt] = ld_dec(ap[nt] + 4 * i);
   };
   auto process = [&](const uint4& words, int i, const uint4 (&av)[NT]) {
     u32 b[4][4];
@@ -479,8 +541,8 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
       const u32 k = (wc0 + u32(i)) * 32u + 8u * t;
       const u32 gi = min(gs_shift >= 0 ? k >> gs_shift : k / gs, num_groups - 1u);
       const size_t so = size_t(gi) * Np + col;
-      const uint2 sc = __ldg(reinterpret_cast<const uint2*>(S + so));
-      const u32 zz = FMT == TM_FORMAT_U4 ? __ldg(reinterpret_cast<const u32*>(Z + so)) : 0u;
+      const uint2 sc = ld_dec(reinterpret_cast<const uint2*>(S + so));
+      const u32 zz = FMT == TM_FORMAT_U4 ? ld_dec(reinterpret_cast<const u32*>(Z + so)) : 0u;
       ColQ<T> q[4];
       make_colq<T, FMT>(q, sc, zz);
       dequant_words<T, FMT>(b, words, q);
@@ -557,7 +619,7 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
     const uint4 words = ok ? ldg_stream(bp + size_t(n_full) * Np) : make_uint4(0, 0, 0, 0);
     uint4 av[NT];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) av[nt] = ok ? __ldg(ap[nt] + 4 * n_full) : make_uint4(0, 0, 0, 0);
+    for (int nt = 0; nt < NT; ++nt) av[nt] = ok ? ld_dec(ap[nt] + 4 * n_full) : make_uint4(0, 0, 0, 0);
     process(words, n_full, av);
   }
   if constexpr (kFold) {
@@ -1552,22 +1614,30 @@ void check_launch(const char* what) {
 }
 
 // Launches a tile kernel (decode, wgmma) over the plan's grid; with kCluster the K slices of an
-// output tile (grid.z == k_parallel) run as one thread-block cluster.
+// output tile (grid.z == k_parallel) run as one thread-block cluster; with pdl the kernel may start
+// before the previous one on the stream has finished (its pdl_wait() orders them).
 template <bool kCluster, typename... KArgs, typename... Args>
-void launch_tile_kernel(const GemmPlan& plan, void (*kernel)(KArgs...), u32 threads, int smem_bytes,
+void launch_tile_kernel(const GemmPlan& plan, void (*kernel)(KArgs...), u32 threads, int smem_bytes, bool pdl,
                         cudaStream_t stream, Args... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(plan.grid[0], plan.grid[1], plan.grid[2]);
   cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = size_t(smem_bytes);
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = plan.params.k_parallel;
+  cudaLaunchAttribute attr[2];
   cfg.attrs = attr;
-  cfg.numAttrs = kCluster ? 1 : 0;  // no cluster attribute at all otherwise (sm_80 has none)
+  if (kCluster) {  // no cluster attribute at all otherwise (sm_80 has none)
+    attr[cfg.numAttrs].id = cudaLaunchAttributeClusterDimension;
+    attr[cfg.numAttrs].val.clusterDim.x = 1;
+    attr[cfg.numAttrs].val.clusterDim.y = 1;
+    attr[cfg.numAttrs].val.clusterDim.z = plan.params.k_parallel;
+    ++cfg.numAttrs;
+  }
+  if (pdl) {
+    attr[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[cfg.numAttrs].val.programmaticStreamSerializationAllowed = 1;
+    ++cfg.numAttrs;
+  }
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
   check_launch(plan.kernel.c_str());
 }
@@ -1583,10 +1653,12 @@ void with_cluster(const GemmPlan& plan, F&& f) {
 template <typename T, u32 FMT, int NT, bool kFold>
 void launch_decode(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const u32* B, const T* S, const uint8_t* Z,
                    const T* bias, T* C, float* ws, int* counters, cudaStream_t stream) {
+  // PDL needs sm_90 and kernels from sm_90 PTX: the devices that run clusters (cuda_device_caps).
+  const bool pdl = cuda_device_caps(-1).thread_block_clusters;
   with_cluster(plan, [&](auto cluster) {
     constexpr bool kCluster = decltype(cluster)::value;
     launch_tile_kernel<kCluster>(plan, decode_kernel<T, FMT, NT, kFold, kCluster>, kDecThreads,
-                                 dec_smem_bytes<NT, kCluster>(), stream, plan.params, Np, gs_shift, A, B, S, Z, bias, C,
+                                 dec_smem_bytes<NT, kCluster>(), pdl, stream, plan.params, Np, gs_shift, A, B, S, Z, bias, C,
                                  ws, counters);
   });
 }
@@ -1642,7 +1714,7 @@ void launch_wgmma_as(const GemmPlan& plan, const CUtensorMap& tmap, u32 Np, cons
   auto* kernel = wgmma_kernel<T, FMT, BM, TN, kCluster>;
   static std::atomic<uint64_t> opted_in{0};
   opt_in_smem(kernel, kSmem, opted_in);
-  launch_tile_kernel<kCluster>(plan, kernel, kWgThreads, kSmem, stream, tmap, plan.params, Np, B, S, Z, bias, C);
+  launch_tile_kernel<kCluster>(plan, kernel, kWgThreads, kSmem, false, stream, tmap, plan.params, Np, B, S, Z, bias, C);
 }
 
 template <typename T, u32 FMT, int BM, int TN>
@@ -1670,7 +1742,7 @@ void launch_wgmma_ws_as(const GemmPlan& plan, const CUtensorMap (&maps)[4], u32 
                 " registers a thread, expected ", ws_launch_regs<NC>());
   }
   opt_in_smem(kernel, kSmem, opted_in);
-  launch_tile_kernel<kCluster>(plan, kernel, u32(128 * (NC + 1)), kSmem, stream, maps[0], maps[1], maps[2], maps[3],
+  launch_tile_kernel<kCluster>(plan, kernel, u32(128 * (NC + 1)), kSmem, false, stream, maps[0], maps[1], maps[2], maps[3],
                                plan.params, n_tile0, bias, C, ws, counters);
 }
 
