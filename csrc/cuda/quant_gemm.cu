@@ -18,6 +18,7 @@
 //              dequantize straight into wgmma's register A operand (weights = the m64 rows,
 //              activations = n); up to 4 K slices: 2 (3 for 256-row tiles) summed through a
 //              thread-block cluster, 3..4 by each tile's last block through global memory.
+//              Launched with programmatic dependent launch, like decode on sm_90.
 //   wgmma_*    sm_90a, group_size % 64 != 0, 64 < M <= 512 with >= 64 output tiles or long K
 //              (plan.cpp cuda_wgmma_pays). Two warpgroups over a 128 x 256, 128 x 128 or
 //              256 x 128 (rows x columns) tile: each stage's weight tile is dequantized once into
@@ -387,7 +388,8 @@ __device__ __forceinline__ V ld_dec(const V* p) {
 }
 #endif
 
-// Programmatic dependent launch (PDL; launch_decode asks for it on the devices that run clusters):
+// Programmatic dependent launch (PDL; decode asks for it on the devices that run clusters, wgmma_ws
+// always, as it runs on sm_90a only):
 // a kernel launched with it may start while the previous kernel on the stream still runs, once every
 // block of that kernel has called pdl_launch_dependents(); pdl_wait() then blocks until that kernel
 // has finished and its writes are visible. Both are no-ops for a kernel launched without it.
@@ -896,6 +898,12 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const CUtensorMap* map, u32
       : "memory");
 }
 
+// The box at (c0, c1) of a tensor map into L2 only (no shared memory, no barrier).
+__device__ __forceinline__ void tma_prefetch_l2_2d(const CUtensorMap* map, u32 c0, u32 c1) {
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n" ::"l"(map), "r"(c0), "r"(c1)
+               : "memory");
+}
+
 // K-major, no-swizzle shared-memory matrix descriptor: lbo = bytes between the two core matrices
 // of a k16 step (adjacent in k), sbo = bytes between core matrices 8 rows apart.
 __device__ __forceinline__ uint64_t wg_desc(u32 smem_addr, u32 lbo, u32 sbo) {
@@ -1372,7 +1380,7 @@ template <typename T, u32 FMT, int BN, int NC, bool kCluster>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
     wgmma_ws_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                     const __grid_constant__ CUtensorMap tmap_s, const __grid_constant__ CUtensorMap tmap_z,
-                    QuantGemmParams p, u32 n_tile0, const T* __restrict__ bias, T* __restrict__ C,
+                    QuantGemmParams p, u32 n_tile0, const T* bias, T* __restrict__ C,
                     float* __restrict__ ws, int* __restrict__ counters) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = WsSmem<BN, NC>;
@@ -1398,6 +1406,20 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
+  // Launched early behind the previous kernel (PDL), the producer brings the first ring's weights,
+  // scales and zero points into L2 while that kernel finishes (they are usually the layer's own;
+  // a prefetch only warms L2, so a weight that kernel writes is still read fresh), and every
+  // thread waits for it before any other global access (it may write A, the weights, bias or C).
+  pdl_launch_dependents();
+  if (tid == kConsumers) {
+    for (int s = 0; s < min(n_stages, kS); ++s) {
+      const u32 k0 = k_begin + u32(s) * u32(kWgKStep), grp = k0 / p.group_size;
+      tma_prefetch_l2_2d(&tmap_b, n0, k0 / 8u);
+      tma_prefetch_l2_2d(&tmap_s, n0, grp);
+      if constexpr (FMT == TM_FORMAT_U4) tma_prefetch_l2_2d(&tmap_z, n0, grp);
+    }
+  }
+  pdl_wait();
   __syncthreads();
 
   if (tid >= kConsumers) {
@@ -1742,7 +1764,7 @@ void launch_wgmma_ws_as(const GemmPlan& plan, const CUtensorMap (&maps)[4], u32 
                 " registers a thread, expected ", ws_launch_regs<NC>());
   }
   opt_in_smem(kernel, kSmem, opted_in);
-  launch_tile_kernel<kCluster>(plan, kernel, u32(128 * (NC + 1)), kSmem, false, stream, maps[0], maps[1], maps[2], maps[3],
+  launch_tile_kernel<kCluster>(plan, kernel, u32(128 * (NC + 1)), kSmem, /*pdl=*/true, stream, maps[0], maps[1], maps[2], maps[3],
                                plan.params, n_tile0, bias, C, ws, counters);
 }
 

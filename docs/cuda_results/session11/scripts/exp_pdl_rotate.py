@@ -5,7 +5,9 @@ weight copies, back to back; us a call, median of --reps), off and on alternatel
 Also checks a chain y = gemm(gemm(x, W1), W2) (the second call reads the first one's output)
 eagerly and in a graph against the same chain without PDL.
 
-    python docs/cuda_results/session11/scripts/exp_pdl_rotate.py [M,M,...] [KxN,...|all] [reps]
+    python docs/cuda_results/session11/scripts/exp_pdl_rotate.py [M,M,...] [KxN,...|all] [reps] [VAR]
+
+VAR (default TM_EXP_PDL, the decode kernel's switch; TM_EXP_PDL_WS for wgmma_ws) names the switch.
 """
 import os
 import sys
@@ -58,7 +60,9 @@ def main():
     shapes = SHAPES if len(sys.argv) <= 2 or sys.argv[2] == "all" else \
         [tuple(int(x) for x in v.split("x")) for v in sys.argv[2].split(",")]
     reps = int(sys.argv[3]) if len(sys.argv) > 3 else 11
-    chain_check()
+    var = sys.argv[4] if len(sys.argv) > 4 else "TM_EXP_PDL"
+    if var == "TM_EXP_PDL":
+        chain_check()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     for K, N in shapes:
         bytes_fp4 = (K // 8) * N * 4 + (K // GS) * N * 2
@@ -82,9 +86,9 @@ def main():
                     calls = [lambda q=q: torch.ops.marlin.gemm_u4(A, q[0], q[1], q[2], GS) for q in Q]
                 t = {}
                 for val in ("0", "1", "0", "1"):
-                    os.environ["TM_EXP_PDL"] = val
+                    os.environ[var] = val
                     t[val] = rotate_timer(calls, reps, True)
-                os.environ.pop("TM_EXP_PDL")
+                os.environ.pop(var)
                 parts.append(f"{fmt} off {t['0']:.2f} ({t_c / t['0']:.2f}x) on {t['1']:.2f} ({t_c / t['1']:.2f}x) "
                              f"on/off {t['1'] / t['0']:.3f}")
             print(" | ".join(parts), flush=True)
