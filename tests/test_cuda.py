@@ -476,9 +476,10 @@ def test_k_slice_counters_made_under_capture():
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("M", [1, 16, 64, 200])
 @pytest.mark.parametrize("dims", [[4096, 1024] * 3 + [4096], [2048] * 9], ids=["4096_1024", "2048"])
-def test_chain_dependent_launch(fmt, M, dims):
+def test_chain_dependent_launch(fmt, dtype, M, dims):
     # Back-to-back calls, each reading the previous one's output: decode at M = 1 and 16
     # (4096 -> 1024 in 4 K slices summed by the last block, 1024 -> 4096 in one, 2048 -> 2048 in 2
     # through a cluster), wgmma_ws at 64 and 200 on sm_90a (decode / dequant + cuBLAS elsewhere).
@@ -489,10 +490,10 @@ def test_chain_dependent_launch(fmt, M, dims):
     # chain must equal the same calls with the device synchronized between them, bitwise.
     layers = []
     for i, (K, N) in enumerate(zip(dims[:-1], dims[1:])):
-        B, s, z = make_weights(fmt, K, N, 128, torch.float16, seed=i)
-        layers.append((B, (s.float() / K**0.5).half(), z))  # outputs stay O(1) along the chain
-        assert M > 16 or plan_for(M, K, N, torch.float16)["kernel"].startswith("decode_")
-    x = torch.randn(M, dims[0], device="cuda", dtype=torch.float16)
+        B, s, z = make_weights(fmt, K, N, 128, dtype, seed=i)
+        layers.append((B, (s.float() / K**0.5).to(dtype), z))  # outputs stay O(1) along the chain
+        assert M > 16 or plan_for(M, K, N, dtype)["kernel"].startswith("decode_")
+    x = torch.randn(M, dims[0], device="cuda", dtype=dtype)
 
     def chain(sync):
         y = x
