@@ -390,6 +390,24 @@ def test_policy_cuda_k_slice_reduction(clusters):
     assert big["variant"] == "dequant_blas" and big["reduce_kernel"] == ""
 
 
+@pytest.mark.parametrize("clusters", [False, True])
+def test_policy_cuda_dependent_launch(clusters):
+    # Programmatic dependent launch: decode where the device and build run clusters (sm_90 with
+    # sm_90 PTX), wgmma_ws always (sm_90a only); never the wgmma, dequant_blas or fp32 kernels,
+    # nor any backend but CUDA.
+    def plan(M, group_size=128, dtype=torch.float16, device="cuda", N=4096):
+        return torch_marlin.plan_gemm("fp4", M, 4096, N, group_size, dtype=dtype, device=device,
+                                      compute_units=132, thread_block_clusters=clusters, wgmma=clusters)
+    assert plan(1)["kernel"].startswith("decode_") and plan(1)["dependent_launch"] == clusters
+    if clusters:
+        assert plan(64)["kernel"].startswith("wgmma_ws_") and plan(64)["dependent_launch"]
+        wgmma = plan(128, group_size=32, N=12288)
+        assert wgmma["kernel"].startswith("wgmma_fp4") and not wgmma["dependent_launch"]
+    assert not plan(1024, group_size=32)["dependent_launch"]  # dequant_blas
+    assert not plan(8, dtype=torch.float32)["dependent_launch"]  # simt
+    assert not plan(1, device="cpu")["dependent_launch"]
+
+
 def test_policy_rejects_bad_names():
     with pytest.raises(ValueError, match="format must be one of"):
         torch_marlin.plan_gemm("int3", 1, 256, 64)

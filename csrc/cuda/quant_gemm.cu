@@ -388,9 +388,8 @@ __device__ __forceinline__ V ld_dec(const V* p) {
 }
 #endif
 
-// Programmatic dependent launch (PDL; decode asks for it on the devices that run clusters, wgmma_ws
-// always, as it runs on sm_90a only):
-// a kernel launched with it may start while the previous kernel on the stream still runs, once every
+// Programmatic dependent launch (PDL; GemmPlan::dependent_launch, set by plan_cuda for decode on
+// the devices that run clusters and for wgmma_ws): a kernel launched with it may start while the previous kernel on the stream still runs, once every
 // block of that kernel has called pdl_launch_dependents(); pdl_wait() then blocks until that kernel
 // has finished and its writes are visible. Both are no-ops for a kernel launched without it.
 __device__ __forceinline__ void pdl_launch_dependents() {
@@ -1636,10 +1635,11 @@ void check_launch(const char* what) {
 }
 
 // Launches a tile kernel (decode, wgmma) over the plan's grid; with kCluster the K slices of an
-// output tile (grid.z == k_parallel) run as one thread-block cluster; with pdl the kernel may start
-// before the previous one on the stream has finished (its pdl_wait() orders them).
+// output tile (grid.z == k_parallel) run as one thread-block cluster; with plan.dependent_launch
+// the kernel may start before the previous one on the stream has finished (its pdl_wait() orders
+// them).
 template <bool kCluster, typename... KArgs, typename... Args>
-void launch_tile_kernel(const GemmPlan& plan, void (*kernel)(KArgs...), u32 threads, int smem_bytes, bool pdl,
+void launch_tile_kernel(const GemmPlan& plan, void (*kernel)(KArgs...), u32 threads, int smem_bytes,
                         cudaStream_t stream, Args... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(plan.grid[0], plan.grid[1], plan.grid[2]);
@@ -1655,7 +1655,7 @@ void launch_tile_kernel(const GemmPlan& plan, void (*kernel)(KArgs...), u32 thre
     attr[cfg.numAttrs].val.clusterDim.z = plan.params.k_parallel;
     ++cfg.numAttrs;
   }
-  if (pdl) {
+  if (plan.dependent_launch) {
     attr[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[cfg.numAttrs].val.programmaticStreamSerializationAllowed = 1;
     ++cfg.numAttrs;
@@ -1675,12 +1675,10 @@ void with_cluster(const GemmPlan& plan, F&& f) {
 template <typename T, u32 FMT, int NT, bool kFold>
 void launch_decode(const GemmPlan& plan, u32 Np, int gs_shift, const T* A, const u32* B, const T* S, const uint8_t* Z,
                    const T* bias, T* C, float* ws, int* counters, cudaStream_t stream) {
-  // PDL needs sm_90 and kernels from sm_90 PTX: the devices that run clusters (cuda_device_caps).
-  const bool pdl = cuda_device_caps(-1).thread_block_clusters;
   with_cluster(plan, [&](auto cluster) {
     constexpr bool kCluster = decltype(cluster)::value;
     launch_tile_kernel<kCluster>(plan, decode_kernel<T, FMT, NT, kFold, kCluster>, kDecThreads,
-                                 dec_smem_bytes<NT, kCluster>(), pdl, stream, plan.params, Np, gs_shift, A, B, S, Z, bias, C,
+                                 dec_smem_bytes<NT, kCluster>(), stream, plan.params, Np, gs_shift, A, B, S, Z, bias, C,
                                  ws, counters);
   });
 }
@@ -1736,7 +1734,7 @@ void launch_wgmma_as(const GemmPlan& plan, const CUtensorMap& tmap, u32 Np, cons
   auto* kernel = wgmma_kernel<T, FMT, BM, TN, kCluster>;
   static std::atomic<uint64_t> opted_in{0};
   opt_in_smem(kernel, kSmem, opted_in);
-  launch_tile_kernel<kCluster>(plan, kernel, kWgThreads, kSmem, false, stream, tmap, plan.params, Np, B, S, Z, bias, C);
+  launch_tile_kernel<kCluster>(plan, kernel, kWgThreads, kSmem, stream, tmap, plan.params, Np, B, S, Z, bias, C);
 }
 
 template <typename T, u32 FMT, int BM, int TN>
@@ -1764,7 +1762,7 @@ void launch_wgmma_ws_as(const GemmPlan& plan, const CUtensorMap (&maps)[4], u32 
                 " registers a thread, expected ", ws_launch_regs<NC>());
   }
   opt_in_smem(kernel, kSmem, opted_in);
-  launch_tile_kernel<kCluster>(plan, kernel, u32(128 * (NC + 1)), kSmem, /*pdl=*/true, stream, maps[0], maps[1], maps[2], maps[3],
+  launch_tile_kernel<kCluster>(plan, kernel, u32(128 * (NC + 1)), kSmem, stream, maps[0], maps[1], maps[2], maps[3],
                                plan.params, n_tile0, bias, C, ws, counters);
 }
 

@@ -427,6 +427,8 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     p.threads[0] = 32 * TM_CUDA_DECODE_WARPS;
     stem = "decode";
     cluster_slices = caps.thread_block_clusters && p.params.k_parallel <= TM_CUDA_DECODE_MAX_CLUSTER_SLICES;
+    // PDL needs sm_90 and kernels from sm_90 PTX: the devices that run clusters.
+    p.dependent_launch = caps.thread_block_clusters != 0;
   } else if (p.variant == GemmVariant::Tiled) {
     // wgmma (sm_90a): 2 warpgroups over 128 or 256 columns x 128 or 256 rows, 1 block per SM. K slices
     // (of at least 8 stages) only when the tiles leave SMs idle, as for decode.
@@ -455,6 +457,7 @@ void plan_cuda(GemmPlan& p, QuantFormat f, int64_t M, int64_t K, int64_t N, DTyp
     p.threads[0] = 128 * (g.consumers + 1);
     stem = "wgmma_ws";
     cluster_slices = !g.global_reduce;
+    p.dependent_launch = true;  // sm_90a only (require_wgmma)
     // Its partials stay in fragment order, whole tiles (quant_gemm.cu).
     slice_floats = size_t(p.params.m_tiles) * p.params.n_tiles * p.params.tile_m * p.params.tile_n;
   } else if (p.variant == GemmVariant::DequantBlas) {

@@ -74,6 +74,9 @@ struct GemmPlan {
   uint32_t tail_n_tiles = 0;
   uint32_t tail_k_parallel = 1;
   uint32_t tail_k_slice_len = 0;
+  // CUDA decode and wgmma_ws on sm_90: launched with programmatic dependent launch (the kernel may
+  // start while the previous one on the stream still runs and waits for it before its first load).
+  bool dependent_launch = false;
 };
 
 // Plans C[M,N] = A[M,K] @ dequant(B)[K,N] (+ bias). Shapes must already be validated by the op.

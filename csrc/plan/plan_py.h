@@ -68,6 +68,7 @@ inline py::dict plan_to_dict(const GemmPlan& p) {
   d["tail_n_tiles"] = p.tail_n_tiles;
   d["tail_k_parallel"] = p.tail_k_parallel;
   d["tail_k_slice_len"] = p.tail_k_slice_len;
+  d["dependent_launch"] = p.dependent_launch;
   return d;
 }
 
