@@ -1,7 +1,7 @@
 """Runs each CUDA kernel of the FP4/INT4 family once on small shapes, for compute-sanitizer:
 
-    compute-sanitizer --tool memcheck  python scripts/cuda_sanitize_subset.py
-    compute-sanitizer --tool racecheck python scripts/cuda_sanitize_subset.py --no-blas
+    compute-sanitizer --tool memcheck  python scripts/dev/cuda_sanitize_subset.py
+    compute-sanitizer --tool racecheck python scripts/dev/cuda_sanitize_subset.py --no-blas
 
 Covers: decode with 1/2/4/8 n8 tiles and two 64-row tiles, folded and per-weight scales, a partial last K chunk
 (K-parallel and not, fp16/bf16, fp4/u4), dequant_blas (padded N, N % 8 != 0; racecheck skips

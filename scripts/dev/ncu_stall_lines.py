@@ -1,7 +1,6 @@
 """Top warp-stall lines of an ncu source page: `ncu -i REP --page source --csv --print-source sass > SRC.csv`,
-then `python scripts/ncu_stall_lines.py SRC.csv` prints the total stall samples and every SASS line
-holding >= 1 % of them with its dominant stall reason (used by the session-6/7 experiment scripts
-in docs/cuda_results/)."""
+then `python scripts/dev/ncu_stall_lines.py SRC.csv` prints the total stall samples and every SASS line
+holding >= 1 % of them with its dominant stall reason."""
 import csv
 import sys
 

@@ -1,4 +1,4 @@
-"""Runs one gemm a few times (for ncu): python scripts/cuda_profile_one.py fp4|u4 M K N [float16|bfloat16]"""
+"""Runs one gemm a few times (for ncu): python scripts/dev/cuda_profile_one.py fp4|u4 M K N [float16|bfloat16]"""
 import sys
 
 import torch

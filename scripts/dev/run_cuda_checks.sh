@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Everything the CUDA backend needs on a GPU machine, in one go (docs/cuda.md):
 #   build (sm_90a unless TORCH_CUDA_ARCH_LIST says otherwise) -> tests/test_cuda.py ->
-#   compute-sanitizer memcheck + racecheck on scripts/cuda_sanitize_subset.py -> benchmark.
+#   compute-sanitizer memcheck + racecheck on scripts/dev/cuda_sanitize_subset.py -> benchmark.
 # Logs go to $OUT (default ./cuda_results). STEPS=build,test,sanitize,bench selects steps.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/cuda_results}"; mkdir -p "$OUT"
 STEPS="${STEPS:-build,test,sanitize,bench}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -25,10 +25,10 @@ if has sanitize; then
   for tool in memcheck racecheck; do
     args=(); [ "$tool" = racecheck ] && args=(--no-blas)
     timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool "$tool" --error-exitcode 9 \
-      python scripts/cuda_sanitize_subset.py "${args[@]}" > "$OUT/sanitize_$tool.log" 2>&1
+      python scripts/dev/cuda_sanitize_subset.py "${args[@]}" > "$OUT/sanitize_$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $?"; tail -4 "$OUT/sanitize_$tool.log"
   done
 fi
 if has bench; then
-  python scripts/bench_cuda.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_cuda.log" | grep -v '^|'
+  python scripts/dev/bench_cuda.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_cuda.log" | grep -v '^|'
 fi

@@ -1,14 +1,14 @@
 """CUDA benchmark of the FP4 / INT4 GEMMs against cuBLAS fp16 and torch._weight_int4pack_mm.
 
-    python scripts/bench_cuda.py [--reps 15] [--out DIR] [--shapes 4096x4096,...] [--ms 1,16,...] [--graph]
+    python scripts/dev/bench_cuda.py [--reps 15] [--out DIR] [--shapes 4096x4096,...] [--ms 1,16,...] [--graph]
                                  [--rotate]
 
 Timing: CUDA events around each call, the 50 MB L2 flushed (a 256 MB memset) before every timed
 repetition, median of --reps repetitions after 3 warm-ups. With --graph every call (ours and the
 baselines) is captured once in a CUDA graph and the replays are timed, which takes the host-side
 launch overhead (dispatcher, planner, allocations) out of the numbers, as a serving engine would.
-With --rotate the weights are cold because there are many of them, not because of a flush (the
-issue's "weights larger than L2"; scripts/bench.py does the same on the CPU): every kernel gets
+With --rotate the weights are cold because there are many of them, not because of a flush
+(weights larger than L2; scripts/bench.py does the same on the CPU): every kernel gets
 copies of its weights totalling at least 4x the L2, one repetition calls it once on each copy back
 to back, and the time is that repetition's over the number of calls. This is how a model's layers
 run (each layer's weights cold, the next launch queued behind the last), so the per-call costs a

@@ -1,6 +1,6 @@
 """Instructions per 32-row chunk in the steady-state loop of each CUDA decode kernel, from SASS.
 
-    python scripts/sass_loop_stats.py quant_gemm.sass
+    python scripts/dev/sass_loop_stats.py quant_gemm.sass
 
 Make the SASS with `cuobjdump -sass` on the built extension or on a cubin (`nvcc -cubin
 -gencode=arch=compute_90,code=sm_90 ...`; without a CUDA toolkit's cuobjdump, the PyPI wheel

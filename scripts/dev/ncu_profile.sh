@@ -2,14 +2,14 @@
 # ncu on the decode kernel and the dequant kernel of dequant_blas (run after building in place);
 # reports to $OUT.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/cuda_results}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 SECTIONS="--section SpeedOfLight --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis --section InstructionStats --section MemoryWorkloadAnalysis --section LaunchStats"
 prof() {  # name kernel-regex args...
   local name=$1 kre=$2; shift 2
   timeout 120 ncu --kernel-name "regex:$kre" --launch-skip 2 --launch-count 1 $SECTIONS \
-    python scripts/cuda_profile_one.py "$@" > "$OUT/ncu_$name.txt" 2>&1
+    python scripts/dev/cuda_profile_one.py "$@" > "$OUT/ncu_$name.txt" 2>&1
   echo "== $name"; grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Executed Ipc A|Issue Slots Busy|Achieved Occupancy|Registers Per|Theoretical Occ|Stall|Warp Cycles Per Issued" "$OUT/ncu_$name.txt" | head -20
 }
 prof decode_m1 decode_kernel fp4 1 28672 8192

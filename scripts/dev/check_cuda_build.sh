@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Compile-checks the CUDA sources with nvcc on a machine without a GPU (and with a CPU-only torch):
 # catches CUDA build breaks in CI. Needs nvcc on PATH (or CUDA_HOME); skips with a message if absent.
-# Usage: scripts/check_cuda_build.sh [arch ...]   (default: sm_80 sm_90a, setup.py's default targets)
+# Usage: scripts/dev/check_cuda_build.sh [arch ...]   (default: sm_80 sm_90a, setup.py's default targets)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 NVCC="${NVCC:-$(command -v nvcc || true)}"
 if [ -z "$NVCC" ] && [ -n "${CUDA_HOME:-}" ] && [ -x "$CUDA_HOME/bin/nvcc" ]; then NVCC="$CUDA_HOME/bin/nvcc"; fi
 if [ -z "$NVCC" ]; then echo "check_cuda_build: nvcc not found, skipping"; exit 0; fi
@@ -28,7 +28,7 @@ for src in csrc/cuda/*.cu; do
       -DTM_WITH_CUDA $extra -o "$OUT/$(basename "$src" .cu)_$arch.o" -Xptxas -warn-spills
   done
 done
-for src in scripts/*.cu; do  # standalone GPU microbenchmarks (no torch)
+for src in scripts/dev/*.cu; do  # standalone GPU microbenchmarks (no torch)
   echo "nvcc -arch=sm_90 $src"
   "$NVCC" -std=c++17 -O3 -arch=sm_90 -c "$src" -o "$OUT/$(basename "$src" .cu).o"
 done
