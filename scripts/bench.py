@@ -5,7 +5,7 @@
     python scripts/bench.py --shapes 4096x4096 --m 1,16 --formats fp4
 
 The full CUDA suite of docs/benchmarks.md (L2 flushed between repetitions, cuBLAS fp16 and
-torch._weight_int4pack_mm baselines, % of measured copy bandwidth) is scripts/bench_cuda.py.
+torch._weight_int4pack_mm baselines, % of measured copy bandwidth) is scripts/dev/bench_cuda.py.
 
 For every (K x N, M, format) it prints the median time, the effective weight bandwidth (bytes of
 packed weights + scales (+ zero points) read once, divided by the time) and the speed ratio

@@ -486,7 +486,7 @@ def test_chain_dependent_launch(fmt, dtype, M, dims):
     # On sm_90 decode and wgmma_ws are launched with programmatic dependent launch: a kernel starts
     # while the previous one runs and waits for it before its first load. With ld.global.nc loads
     # the graph replay of such a decode chain read stale activations
-    # (docs/cuda_results/session11/exp_pdl/pdl_debug_nc_racy.txt). Eagerly and from a CUDA graph the
+    # (docs/cuda-tuning.md CUDA-PDL). Eagerly and from a CUDA graph the
     # chain must equal the same calls with the device synchronized between them, bitwise.
     layers = []
     for i, (K, N) in enumerate(zip(dims[:-1], dims[1:])):

@@ -320,7 +320,7 @@ __device__ void cluster_reduce(const QuantGemmParams& p, u32 m0, u32 n0, float* 
 // Decode kernel: M <= 128 (64-row tiles above 64)
 // ---------------------------------------------------------------------------------------------
 // Streams the packed weights once; the loop spends as few instructions per 16-byte chunk as it can
-// (scripts/sass_loop_stats.py: about 95 for FP4/fp16 with M <= 8 and folded scales, 228 before
+// (scripts/dev/sass_loop_stats.py: about 95 for FP4/fp16 with M <= 8 and folded scales, 228 before
 // this design). On an H200 it is now latency-bound rather than issue-bound (docs/cuda.md).
 //  - Weights are the mma's A operand and activations its B operand (C^T = W^T A^T): a lane's 4
 //    words (4 columns x 8 k) fill 4 m16n8k16 mmas per 8 activation rows, and M <= 8 wastes no

@@ -100,7 +100,7 @@ int64_t cuda_tile_slices(int64_t tiles, int64_t K, int64_t slots, const CudaSlic
 }
 
 // CUDA wgmma kernel (sm_90a) policy, measured on an H100 over the five issue shapes (FP4, fp16;
-// docs/cuda.md "The wgmma kernel", sweeps in docs/cuda_results/session{6,7}/): it beats the decode
+// docs/cuda.md "The wgmma kernel", docs/cuda-tuning.md CUDA-WGMMA-BAND): it beats the decode
 // kernel above 64 rows and dequant + cuBLAS up to 512 rows when
 //  - the output has at least 64 tiles (N >= 8192, or 2 row tiles of a 4096-column layer), or
 //  - K >= 8192: fewer tiles run 4 K slices through a cluster, and a long slice (>= 2048 k) pays
@@ -123,7 +123,7 @@ bool cuda_wgmma_shape_ok(int64_t K, int64_t group_size) {
 uint32_t cuda_wgmma_tile_m(int64_t M) { return M <= 128 ? 128 : 256; }
 // Its column tile: with 128-row tiles, 256 columns (twice the weights a stage between the same
 // waits and barriers) unless half as many tiles would need more K slices than 128-column ones.
-// Measured at M = 64..128 (docs/cuda_results/session7/exp_wgmma_wide_tile.txt): 4096 x 21504
+// Measured at M = 64..128 (docs/cuda-tuning.md CUDA-WGMMA-WIDE): 4096 x 21504
 // (84 tiles, 1 slice either way) 78.6..83.1 us against 91.6..95.6; 4096 x 4096 and 10752 x 4096
 // (4 slices either way) 17..21 % faster; 28672 x 8192, where 32 wide tiles need 4 slices instead
 // of 2 (32 clusters of 4 blocks, more than one wave of them), 256..259 us against 159..162.
@@ -137,7 +137,7 @@ uint32_t cuda_wgmma_tile_n(int64_t M, int64_t K, int64_t N, int64_t slots) {
 }
 // ---- wgmma_ws (warp-specialized, sm_90a) policy and geometry ---------------------------------------
 // Measured on an H100 over the five issue shapes (FP4, fp16, every kernel forced in one process:
-// docs/cuda_results/session8/): it beats every other kernel from 33 rows on, on every shape, up to
+// docs/cuda-tuning.md WS-MIN-M): it beats every other kernel from 33 rows on, on every shape, up to
 // the largest M measured (4096; 4096 x 21504 there within 2 % of dequant + cuBLAS): e.g. at
 // M = 64 1.19x..2.03x of cuBLAS against decode's 0.92x..1.35x, at M = 1024 0.89x..1.08x against
 // dequant + cuBLAS's 0.69x..0.75x (exp_policy_sweep.txt). At 17..32 rows it depends on the shape
@@ -153,7 +153,7 @@ uint32_t cuda_wgmma_ws_tile_m(int64_t M) { return M <= 64 ? 64 : (M <= 128 ? 128
 // clusters only where they take at most 3/4 of the SMs: a cluster's blocks must share a GPC, and
 // on the H100 32 clusters of 4 (4096 x 4096, M = 64: 20.5 us of kernel time against 13.5 with 3
 // slices) and 43 clusters of 3 (28672 x 8192 with 192-column tiles: 171 us against 103 for 64 x 2)
-// did not fit in one wave (docs/cuda_results/session8/exp_kp.txt, exp_consumers.txt).
+// did not fit in one wave (docs/cuda-tuning.md WS-CLUSTER-SLICES).
 int64_t cuda_wgmma_ws_slices(int64_t tiles, int64_t K, int64_t slots) {
   const int64_t kp = cuda_tile_slices(tiles, K, slots, kCudaWgmmaWsClusterSlices);
   return kp >= 3 && tiles * kp * 4 > slots * 3 ? 2 : kp;
@@ -162,7 +162,7 @@ int64_t cuda_wgmma_ws_slices(int64_t tiles, int64_t K, int64_t slots) {
 // through a cluster, 3 or 4 by the last block of each tile through global memory (no GPC
 // constraint). 256-row tiles keep the cluster rule: their 128 KB partial tiles make the global sum
 // cost more than a fourth slice saves. Measured on the H100 (FP4, fp16, flushed;
-// docs/cuda_results/session10/exp_ws_kp.txt, exp_ws_policy_*.txt):
+// docs/cuda-tuning.md WS-GLOBAL-SLICES):
 //  - 32 column tiles of 4096 x 4096 / 10752 x 4096 at M = 64: 4 slices 16.1 / 25.4 us against 3
 //    through clusters 17.3 / 29.7 (3 through global memory 17.7 / 29.3); 10752 x 4096 at M = 128
 //    32.0 against 36.7;
@@ -186,8 +186,7 @@ struct WsGeometry {
 // wave's tiles as a second one with K slices (12 tiles x 3 slices: a third of a tile's stages
 // instead of all of them). A second launch costs about kCudaWgmmaWsTailLaunchStages stages. Only
 // up to kCudaWgmmaWsTailMaxWaves whole waves: over more the blocks drift apart and the last wave
-// is no longer a step. Measured on the H100 (FP4, fp16; docs/cuda_results/session9/exp_tail/,
-// exp_no_tail/):
+// is no longer a step. Measured on the H100 (FP4, fp16; docs/cuda-tuning.md WS-TAIL):
 // 4096 x 21504 at M = 256 / 1024 / 2048 (1 / 5 / 10 waves): 86.1 / 265.5 / 506.0 us against
 // 94.4 / 275.6 / 511.2; 4096 x 12288 at M = 512: 83.8 against 91.6; but at M = 4096 (20 waves)
 // 1036 against 1015.
@@ -216,7 +215,7 @@ WsGeometry cuda_wgmma_ws_geometry_for(int64_t M, int64_t K, int64_t N, int64_t s
 }
 // Consumers: 3 where the 192-column grid runs in fewer stage-waves, counting a 3-consumer stage
 // as 1.37 2-consumer ones (4096 x 21504 at M = 64: 168 tiles in 2 waves of 64 stages, 58.5 us,
-// against 112 tiles in 1 wave, 39.9 us; docs/cuda_results/session8/exp_consumers.txt). 256-row
+// against 112 tiles in 1 wave, 39.9 us; docs/cuda-tuning.md WS-CONSUMERS). 256-row
 // tiles have registers for 2 only.
 WsGeometry cuda_wgmma_ws_geometry(int64_t M, int64_t K, int64_t N, int64_t slots) {
   const WsGeometry two = cuda_wgmma_ws_geometry_for(M, K, N, slots, 2);
@@ -230,7 +229,7 @@ WsGeometry cuda_wgmma_ws_geometry(int64_t M, int64_t K, int64_t N, int64_t slots
 // (decode's warps then stream short runs): 4096 x 12288 / 4096 x 21504 at M = 17..32 25.7..25.9 / 36.3..36.6
 // us against decode's 33.7..34.3 / 46.9..48.8; decode stays faster on 4096 x 4096 (3 slices:
 // 15.4..15.7 against 16.7), 10752 x 4096 (24.6..25.4 against 29.6) and 28672 x 8192 (85.8..88.8
-// against 92.4..94.0; docs/cuda_results/session9/exp_ws_small_m.txt). At M <= 16 decode wins
+// against 92.4..94.0; docs/cuda-tuning.md WS-SMALL-M). At M <= 16 decode wins
 // or ties on every shape.
 constexpr int64_t kCudaWgmmaWsSmallMMaxK = 8192;
 bool cuda_wgmma_ws_pays(int64_t M, int64_t K, int64_t N, int64_t group_size, const DeviceCaps& caps) {
