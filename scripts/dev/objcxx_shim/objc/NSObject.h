@@ -4,7 +4,6 @@
 // much as csrc/mps/*.mm and torch's ATen/mps headers use.
 #pragma once
 
-
 typedef unsigned long NSUInteger;
 typedef bool BOOL;  // arm64 macOS: BOOL is the C/C++ bool
 #define YES true
