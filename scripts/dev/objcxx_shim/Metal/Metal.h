@@ -1,0 +1,86 @@
+// Declarations for a syntax check only (scripts/dev/check_objcxx_syntax.sh), written from Apple's
+// public Metal documentation (developer.apple.com/documentation/metal); not Apple's SDK header.
+// Only the protocols, classes, members, types and constants that csrc/mps/*.mm and torch's
+// ATen/mps headers use, with their documented Objective-C signatures; a call that is not declared
+// here fails the check, so a new Metal call needs its documented declaration added here.
+#pragma once
+
+#include <Foundation/Foundation.h>
+
+NS_ASSUME_NONNULL_BEGIN
+
+// MSL versions: major << 16 | minor. 3.0 ships with macOS 13, 3.1 (bfloat) with macOS 14.
+typedef NS_ENUM(NSUInteger, MTLLanguageVersion){
+    MTLLanguageVersion3_0 = (3 << 16) + 0,
+    MTLLanguageVersion3_1 = (3 << 16) + 1,
+};
+
+typedef struct {
+  NSUInteger width, height, depth;
+} MTLSize;
+
+static inline MTLSize MTLSizeMake(NSUInteger width, NSUInteger height, NSUInteger depth) {
+  MTLSize size = {width, height, depth};
+  return size;
+}
+
+@protocol MTLDevice;
+@protocol MTLCommandBuffer;
+
+@protocol MTLResource <NSObject>
+@end
+
+@protocol MTLBuffer <MTLResource>
+@end
+
+@protocol MTLFunction <NSObject>
+@end
+
+@protocol MTLLibrary <NSObject>
+- (nullable id<MTLFunction>)newFunctionWithName:(NSString*)functionName;
+@end
+
+@protocol MTLComputePipelineState <NSObject>
+@property(readonly) NSUInteger maxTotalThreadsPerThreadgroup;
+@end
+
+@interface MTLCompileOptions : NSObject
+@property(readwrite, nonatomic) MTLLanguageVersion languageVersion;
+@property(readwrite, nonatomic) BOOL fastMathEnabled;  // superseded by mathMode from macOS 15
+@end
+
+@protocol MTLCommandEncoder <NSObject>
+@end
+
+@protocol MTLComputeCommandEncoder <MTLCommandEncoder>
+- (void)setComputePipelineState:(id<MTLComputePipelineState>)state;
+- (void)setBytes:(const void*)bytes length:(NSUInteger)length atIndex:(NSUInteger)index;
+- (void)setBuffer:(nullable id<MTLBuffer>)buffer offset:(NSUInteger)offset atIndex:(NSUInteger)index;
+- (void)dispatchThreadgroups:(MTLSize)threadgroupsPerGrid threadsPerThreadgroup:(MTLSize)threadsPerThreadgroup;
+@end
+
+typedef void (^MTLCommandBufferHandler)(id<MTLCommandBuffer>);
+
+@protocol MTLCommandBuffer <NSObject>
+@end
+
+@protocol MTLCommandQueue <NSObject>
+@end
+
+@protocol MTLEvent <NSObject>
+@end
+
+@protocol MTLSharedEvent <MTLEvent>
+@end
+
+@protocol MTLDevice <NSObject>
+@property(readonly) NSString* name;
+@property(readonly) NSUInteger maxThreadgroupMemoryLength;
+- (nullable id<MTLLibrary>)newLibraryWithSource:(NSString*)source
+                                        options:(nullable MTLCompileOptions*)options
+                                          error:(__autoreleasing NSError**)error;
+- (nullable id<MTLComputePipelineState>)newComputePipelineStateWithFunction:(id<MTLFunction>)computeFunction
+                                                                      error:(__autoreleasing NSError**)error;
+@end
+
+NS_ASSUME_NONNULL_END
