@@ -59,10 +59,16 @@ def declaration_of(host_name):
     return DECLS[max(matches, key=lambda st: len(st[0]))[1]]
 
 
-def slot_matches(buffer, param):
+# Documented stand-ins for optional buffers the call does not have (metal_dispatch.h).
+STAND_INS = {"zeros": "scales", "bias": "C", "workspace": "C"}
+
+
+def slot_matches(buffer, param, buffers):
     # The tiled MoE kernels take one weight set under generic names (packed, scales, ...); the
     # description names the set it binds (g_ gate, u_ up, d_ down).
-    return buffer == param or buffer in ("g_" + param, "u_" + param, "d_" + param)
+    if buffer == param or buffer in ("g_" + param, "u_" + param, "d_" + param):
+        return True
+    return STAND_INS.get(param) == buffer and param not in buffers
 
 
 def assert_matches_declaration(dispatch):
@@ -70,7 +76,8 @@ def assert_matches_declaration(dispatch):
     buffers = dispatch["buffers"]
     assert len(decl) == len(buffers) + 1, (dispatch["kernel"], buffers, decl)
     for slot, (buf, (_, param)) in enumerate(zip(buffers, decl)):
-        assert slot_matches(buf, param), f"{dispatch['kernel']}: [[buffer({slot})]] is '{param}', bound '{buf}'"
+        assert slot_matches(buf, param, buffers), \
+            f"{dispatch['kernel']}: [[buffer({slot})]] is '{param}', bound '{buf}'"
     params_type, _ = decl[-1]
     assert params_type == f"constant {dispatch['params_type']}&", (dispatch["kernel"], params_type)
     assert dispatch["params_bytes"] == {"QuantGemmParams": 48, "QuantReduceParams": 16,
