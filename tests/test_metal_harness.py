@@ -203,6 +203,20 @@ def test_harness_runs_the_policy_plan(emu, M):
     check_close(C, A, W, None, torch.float16)
 
 
+def test_op_functions(emu):
+    # The op-shaped functions other test modules run the harness through (same signatures as
+    # torch.ops.marlin.*): the policy plan, the reference result.
+    for M in (3, 40):
+        A, B, s, z, b, W = make_problem("u4", M, 128, 72, 32, torch.float16, bias=True, seed=M)
+        C, plan = metal_emu.gemm_u4(A, B, s, z, 32, b, return_plan=True)
+        assert plan["variant"] == ("decode" if M <= 16 else "tiled")
+        check_close(C, A, W, b, torch.float16)
+        assert torch.equal(metal_emu.dequant_u4(B, s, z, 32), W.half())
+        A, B, s, z, b, W = make_problem("fp4", M, 128, 72, 32, torch.bfloat16, bias=False, seed=M)
+        check_close(metal_emu.gemm_fp4(A, B, s, 32, schedule="random", seed=M), A, W, None, torch.bfloat16)
+        assert torch.equal(metal_emu.dequant_fp4(B, s, 32), W.to(torch.bfloat16))
+
+
 def test_harness_rejects_bad_shapes(emu):
     A, B, s, z, b, W = make_problem("fp4", 4, 128, 64, 32, torch.float16, bias=False)
     with pytest.raises(ValueError, match="invalid shape"):

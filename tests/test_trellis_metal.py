@@ -98,6 +98,25 @@ def test_results_independent_of_thread_order(emu, variant):
         assert torch.equal(outs[0], o)
 
 
+def test_op_functions(emu):
+    # The op-shaped functions other test modules run the harness through (same signatures as
+    # torch_marlin.ops.*): the same dispatches as the module functions.
+    K, N, bits, gs = 96, 40, 3, 32
+    w = random_trellis(K, N, bits, gs, seed=4)
+    for M in (3, 20):
+        A = torch.randn(M, K).half()
+        C, plan = trellis_metal_emu.gemm_trellis(A, *w, K, N, bits, gs, return_plan=True)
+        assert torch.equal(C, emu.gemm(A, list(w), K, N, bits, gs)[0]) and plan["kernel"].endswith("_half")
+        check_close(C, A, dense(w, K, N, bits, gs), torch.float16)
+    assert torch.equal(trellis_metal_emu.dequant_trellis(*w, K, N, bits, gs),
+                       fmt.dequant_trellis_reference(*w, K, N, bits, gs))
+    gate, up, down, ids, probs = moe_case(6, 64, 48, 3, 2, bits, gs, "random", seed=1)
+    x = torch.randn(6, 64) * 0.5
+    y = trellis_metal_emu.moe_trellis(x, gate, up, down, ids, probs, 48, bits, gs)
+    ref = moe_reference(x, gate, up, down, ids, probs, 64, 48, bits, gs)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()))
+
+
 def test_every_planned_kernel_is_instantiated(emu):
     names = set(emu.kernel_names())
     for dt in DTYPES:

@@ -77,6 +77,6 @@ inline void store_fragment(simdgroup_matrix<float, 8, 8> frag, threadgroup float
 
 // Host names are <stem>_<format>_<dtype>, dtype in {half, float, bfloat} (bfloat needs MSL 3.1):
 // TM_INSTANTIATE_QUANT_DTYPE("marlin_gemv", marlin_gemv, half, half) instantiates both formats.
-#define TM_INSTANTIATE_QUANT_DTYPE(stem, kernel, tname, T)               \
-  TM_INSTANTIATE(stem "_fp4_" #tname, kernel<TM_FORMAT_FP4, T>)          \
-  TM_INSTANTIATE(stem "_u4_" #tname, kernel<TM_FORMAT_U4, T>)
+#define TM_INSTANTIATE_QUANT_DTYPE(stem, fn, tname, T)       \
+  TM_INSTANTIATE(stem "_fp4_" #tname, fn<TM_FORMAT_FP4, T>)  \
+  TM_INSTANTIATE(stem "_u4_" #tname, fn<TM_FORMAT_U4, T>)
