@@ -178,6 +178,15 @@ def test_trellis_descriptions_match_kernels(trellis_emu, dtype):
             assert by_stem["moe_trellis_tiled_down"]["buffers"][3] == "d_packed"
 
 
+def test_declaration_check_catches_a_swap(emu, trellis_emu):
+    for d in (emu.describe_gemm("u4", 64, 8192, 256, 128, "float16", True, True, "striped", 0)[1],
+              trellis_emu.describe_moe(40, 72, 112, 6, 2, 3, 32, "float16")[2]):
+        assert_matches_declaration(d)
+        swapped = dict(d, buffers=[d["buffers"][1], d["buffers"][0]] + d["buffers"][2:])
+        with pytest.raises(AssertionError, match=r"\[\[buffer\(0\)\]\]"):
+            assert_matches_declaration(swapped)
+
+
 def test_permuted_description_fails_a_gemm(emu):
     # A and C have the same size when K == N, so the swap stays in bounds: the kernel reads the
     # NaN-filled output as activations and writes the result over A.
