@@ -18,7 +18,7 @@ import torch
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "csrc", "mps"))  # embed_metal (the MPS build step)
 
 
 def rel(pattern):
@@ -51,7 +51,7 @@ def build_extension():
     extra_link = []
 
     if sys.platform == "darwin":
-        import embed_metal  # scripts/embed_metal.py: metal/*.metal -> a C++ string header
+        import embed_metal  # csrc/mps/embed_metal.py: metal/*.metal -> a C++ string header
 
         gen_dir = os.path.join(ROOT, "build", "generated")
         embed_metal.write_header(os.path.join(ROOT, "metal"), os.path.join(ROOT, "csrc/include"),

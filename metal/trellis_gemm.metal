@@ -19,30 +19,11 @@
 //   dequant_trellis               dense f32 W, one thread per element of a 16x16 tile.
 //                                 Grid (tiles_n, tiles_k), 256 threads.
 //
-// Portability rules (the Metal-on-CPU harness compiles this file as C++; docs/metal.md):
-// threadgroup arrays go through TM_THREADGROUP_ARRAY; every [[kernel]] ends with the four thread
-// ids (tgid, lid, sgid, lane), buffers first in [[buffer(i)]] order. All .metal files form ONE
-// library (scripts/embed_metal.py concatenates them): names here carry a tr_ / kTr prefix.
-#include <metal_stdlib>
-
-// trellis_msl.h: constants, TrMat, the GEMV core, tr_meet (shared with trellis_moe.metal)
+// Portability rules (the Metal-on-CPU harness compiles this file as C++): torch_marlin/msl_kernel.h.
 #include "torch_marlin/trellis_msl.h"
 
 using namespace metal;
 using namespace torch_marlin;
-
-#ifndef TM_THREADGROUP_ARRAY
-#define TM_THREADGROUP_ARRAY(T, name, dims) threadgroup T name dims
-#endif
-
-#ifndef TM_INSTANTIATE
-#if defined(TM_EMU_REGISTER_KERNEL)
-#define TM_INSTANTIATE(name, ...) TM_EMU_REGISTER_KERNEL(name, __VA_ARGS__)
-#else
-#define TM_INSTANTIATE(name, ...) \
-  template [[host_name(name)]] [[kernel]] decltype(__VA_ARGS__) __VA_ARGS__;
-#endif
-#endif
 
 template <typename T>
 [[kernel]] void gemm_trellis_packed_decode(device const T* A [[buffer(0)]], device const uchar* packed [[buffer(1)]],

@@ -5,7 +5,8 @@
 // The host (csrc/ops/trellis.cpp) routes first, with device ATen ops: a stable sort of the
 // (token, slot) pairs by expert gives `sorted_token` (token of each sorted row), `expert_offsets`
 // (expert e owns sorted rows [offsets[e], offsets[e+1])) and `slot_row` (sorted row of (t, j)).
-// Dispatches on one encoder (csrc/plan/trellis_plan.cpp, plan_trellis_moe):
+// Dispatches on one encoder (planned by plan_trellis_moe; buffer order and sequence in
+// csrc/mps/metal_dispatch.h, trellis_moe_dispatches):
 //   moe_trellis_gate_up_*  grid (ceil(I/32), E): for an expert with 1..16 routed rows, a
 //                          threadgroup owns 32 intermediate columns and runs the GEMV core over all
 //                          its rows (gate and up together), writing h = silu(g) * u to rows_h
@@ -22,25 +23,10 @@
 // Params: TrellisParams with M = tokens, K = hidden, N = intermediate (gate/up are [K, N] per
 // expert, down is [N, K]); expert e's tensors start at e times one matrix's size.
 // Bad routing data cannot make a kernel read out of bounds: offsets are clamped to max_rows.
-#include <metal_stdlib>
-
 #include "torch_marlin/trellis_msl.h"
 
 using namespace metal;
 using namespace torch_marlin;
-
-#ifndef TM_THREADGROUP_ARRAY
-#define TM_THREADGROUP_ARRAY(T, name, dims) threadgroup T name dims
-#endif
-
-#ifndef TM_INSTANTIATE
-#if defined(TM_EMU_REGISTER_KERNEL)
-#define TM_INSTANTIATE(name, ...) TM_EMU_REGISTER_KERNEL(name, __VA_ARGS__)
-#else
-#define TM_INSTANTIATE(name, ...) \
-  template [[host_name(name)]] [[kernel]] decltype(__VA_ARGS__) __VA_ARGS__;
-#endif
-#endif
 
 // One expert's matrix inside the [E, ...] tensors.
 struct TrExpert {

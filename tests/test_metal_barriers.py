@@ -1,7 +1,7 @@
 """The Metal-on-CPU harness catches a missing barrier.
 
-tests/metal_emu.py builds, beside the pristine kernels, a copy of metal/quant_gemm.metal in which
-every tagged barrier (``threadgroup_barrier(...);  // [barrier:name]``) is rewritten into
+tests/metal_emu.py builds, beside the pristine kernels, a copy of every FP4 / INT4 kernel file (with
+its MSL headers inlined) in which every tagged barrier (``threadgroup_barrier(...);  // [barrier:name]``) is rewritten into
 ``if (!metal_emu::barrier_dropped("name")) threadgroup_barrier(...);``. With no barrier dropped
 the copy must match torch.matmul under every thread order; with one needed barrier dropped, the
 adversarial executor (thread orders between barriers, NaN-poisoned threadgroup memory at

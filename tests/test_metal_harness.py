@@ -1,9 +1,13 @@
-"""Metal kernels (metal/quant_gemm.metal) vs torch.matmul on weights dequantized by the pure-torch
-references in torch_marlin.formats.
+"""FP4 / INT4 Metal kernels (metal/decode.metal, fused_tiles.metal, staged_tiles.metal,
+striped.metal, reduce.metal, dequant.metal) vs torch.matmul on weights dequantized by the
+pure-torch references in torch_marlin.formats: every plan path forced, adversarial thread orders,
+K-parallel slices, the planner's Metal policy.
 
 On Linux (CI) the kernels run in the Metal-on-CPU harness (tests/metal_emu.py, docs/metal.md),
-through the same planner (csrc/plan/plan.cpp, Backend::Metal) the MPS backend encodes. On a Mac
-with MPS, TestMPS runs the registered ops on the GPU over the same shapes.
+through the same planner (csrc/plan/plan.cpp, Backend::Metal) and the same dispatch description
+(csrc/mps/metal_dispatch.h) the MPS backend encodes. The op matrix over dtype x group size x M
+runs on the harness as one backend of the op tests. On a Mac with MPS, TestMPS runs the
+registered ops on the GPU over the same shapes.
 
 Runtime on the shared 2-core dev machine: ~2 min for the first harness build (cached under
 build/metal_emu/, shared with test_metal_barriers.py), then ~60-70 s of tests.
@@ -105,34 +109,6 @@ def test_dequant_exact(emu, fmt, dtype):
     assert torch.equal(out, W.to(dtype))
 
 
-# ---- the spine's op matrix (tests/test_quant_gemm.py) through the Metal plan -----------------------
-
-@pytest.mark.parametrize("fmt", ["fp4", "u4"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("group_size", [32, 64, 128])
-@pytest.mark.parametrize("M", [1, 3, 16, 17, 64])
-def test_op_matrix_as_metal(fmt, dtype, group_size, M):
-    K, N = 256, 200
-    A, B, s, z, b, W = make_problem(fmt, M, K, N, group_size, dtype, bias=M % 2 == 1, seed=group_size + M)
-    sched = schedule_for("matrix", fmt, dtype, group_size, M)
-    if fmt == "fp4":
-        C, plan = metal_emu.gemm_fp4(A, B, s, group_size, b, schedule=sched, return_plan=True)
-    else:
-        C, plan = metal_emu.gemm_u4(A, B, s, z, group_size, b, schedule=sched, return_plan=True)
-    assert plan["variant"] == ("decode" if M <= 16 else "tiled")
-    check_close(C, A, W, b, dtype)
-
-
-@pytest.mark.parametrize("fmt", ["fp4", "u4"])
-@pytest.mark.parametrize("M", [1, 40, 257])
-@pytest.mark.parametrize("N", [1, 7, 65, 300])
-def test_odd_n_as_metal(fmt, M, N):
-    K, g = 64, 8
-    A, B, s, z, b, W = make_problem(fmt, M, K, N, g, torch.float16, bias=False, seed=N)
-    C = metal_emu.gemm_fp4(A, B, s, g) if fmt == "fp4" else metal_emu.gemm_u4(A, B, s, z, g)
-    check_close(C, A, W, None, torch.float16)
-
-
 # ---- K-parallel: stripes and decode splitting K over slices, reduced in a fixed order ----------
 
 KPAR_CASES = [
@@ -225,6 +201,20 @@ def test_harness_runs_the_policy_plan(emu, M):
     for key in ("variant", "kernel", "grid", "threads", "k_parallel", "workspace_bytes", "reduce_kernel"):
         assert plan[key] == policy[key], key
     check_close(C, A, W, None, torch.float16)
+
+
+def test_op_functions(emu):
+    # The op-shaped functions other test modules run the harness through (same signatures as
+    # torch.ops.marlin.*): the policy plan, the reference result.
+    for M in (3, 40):
+        A, B, s, z, b, W = make_problem("u4", M, 128, 72, 32, torch.float16, bias=True, seed=M)
+        C, plan = metal_emu.gemm_u4(A, B, s, z, 32, b, return_plan=True)
+        assert plan["variant"] == ("decode" if M <= 16 else "tiled")
+        check_close(C, A, W, b, torch.float16)
+        assert torch.equal(metal_emu.dequant_u4(B, s, z, 32), W.half())
+        A, B, s, z, b, W = make_problem("fp4", M, 128, 72, 32, torch.bfloat16, bias=False, seed=M)
+        check_close(metal_emu.gemm_fp4(A, B, s, 32, schedule="random", seed=M), A, W, None, torch.bfloat16)
+        assert torch.equal(metal_emu.dequant_fp4(B, s, 32), W.to(torch.bfloat16))
 
 
 def test_harness_rejects_bad_shapes(emu):

@@ -1,6 +1,9 @@
 """Trellis Metal kernels (metal/trellis_gemm.metal, metal/trellis_moe.metal) vs torch references,
 run in the Metal-on-CPU harness (tests/trellis_metal_emu.py over csrc/metal_emu/) through the same
-planner entries the MPS backend uses (plan_trellis_* with Backend::Metal).
+planner entries (plan_trellis_* with Backend::Metal) and dispatch description
+(csrc/mps/metal_dispatch.h) the MPS backend uses. The GEMM over bits x group size x M x dtype runs
+on the harness as one backend of the op tests; here: forced variants, thread orders, the MoE paths,
+barrier removal.
 
 References: ``torch.matmul`` in fp64 on weights from ``dequant_trellis_reference`` (pure torch).
 Tolerance, elementwise: |C - ref| <= TOL[dtype] * (|A| @ |W|) + 1e-6. The prefill kernel rounds
@@ -53,20 +56,6 @@ def check_close(C, A, W, dtype):
     assert not bad.any(), f"{int(bad.sum())} elements off; max err {err.max():.3e}, max ref {ref.abs().max():.3e}"
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("M", [1, 5, 16, 17, 100])
-@pytest.mark.parametrize("gs", [32, 128])
-@pytest.mark.parametrize("bits", [2, 3, 4])
-def test_gemm_matches_matmul(emu, bits, gs, M, dtype):
-    K, N = (200, 77) if M % 2 else (144, 100)  # not multiples of 16 / 32 / 64; partial last group at gs=128
-    w = random_trellis(K, N, bits, gs, seed=M * 7 + bits)
-    A = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
-    C, plan = emu.gemm(A, list(w), K, N, bits, gs, "auto", schedule_for(bits, gs, M, dtype), 7)
-    stem = "gemm_trellis_packed_decode" if M <= 16 else "gemm_trellis_packed"
-    assert plan["kernel"] == f"{stem}_{DTYPE_NAME[dtype]}"
-    check_close(C, A, dense(w, K, N, bits, gs), dtype)
-
-
 @pytest.mark.parametrize("variant,M", [("decode", 9), ("tiled", 1), ("tiled", 65)])
 def test_gemm_longer_k_and_forced_variants(emu, variant, M):
     K, N, bits, gs = 1040, 130, 3, 128  # 33 K blocks of 32: many double-buffer swaps
@@ -107,6 +96,25 @@ def test_results_independent_of_thread_order(emu, variant):
     outs = [emu.gemm(A, list(w), K, N, bits, gs, variant, s, 99, 2)[0] for s in SCHEDULES]
     for o in outs[1:]:
         assert torch.equal(outs[0], o)
+
+
+def test_op_functions(emu):
+    # The op-shaped functions other test modules run the harness through (same signatures as
+    # torch_marlin.ops.*): the same dispatches as the module functions.
+    K, N, bits, gs = 96, 40, 3, 32
+    w = random_trellis(K, N, bits, gs, seed=4)
+    for M in (3, 20):
+        A = torch.randn(M, K).half()
+        C, plan = trellis_metal_emu.gemm_trellis(A, *w, K, N, bits, gs, return_plan=True)
+        assert torch.equal(C, emu.gemm(A, list(w), K, N, bits, gs)[0]) and plan["kernel"].endswith("_half")
+        check_close(C, A, dense(w, K, N, bits, gs), torch.float16)
+    assert torch.equal(trellis_metal_emu.dequant_trellis(*w, K, N, bits, gs),
+                       fmt.dequant_trellis_reference(*w, K, N, bits, gs))
+    gate, up, down, ids, probs = moe_case(6, 64, 48, 3, 2, bits, gs, "random", seed=1)
+    x = torch.randn(6, 64) * 0.5
+    y = trellis_metal_emu.moe_trellis(x, gate, up, down, ids, probs, 48, bits, gs)
+    ref = moe_reference(x, gate, up, down, ids, probs, 64, 48, bits, gs)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()))
 
 
 def test_every_planned_kernel_is_instantiated(emu):

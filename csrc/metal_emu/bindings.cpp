@@ -1,39 +1,31 @@
-// Metal-on-CPU harness: the torch side. Plans exactly as the MPS backend does
-// (plan_quant_gemm with Backend::Metal) and encodes the same dispatches, in the same buffer order
-// as csrc/mps/quant_gemm_mps.mm, into the CPU executor (runtime.cpp). Test-time only: built JIT
-// by tests/metal_emu.py, never part of torch_marlin._C.
+// Metal-on-CPU harness of the FP4 / INT4 kernels: the torch side. Plans exactly as the MPS
+// backend does (plan_quant_gemm with Backend::Metal), binds the tensors to the same dispatch
+// description (csrc/mps/metal_dispatch.h) the MPS encoder encodes, and runs that list on the CPU
+// executor (runtime.cpp). Test-time only: built JIT by tests/metal_emu.py, never part of
+// torch_marlin._C.
 #include <torch/extension.h>
 
 #include <limits>
 #include <stdexcept>
 
-#include "plan/plan_py.h"
 #include "emu_common.h"
+#include "plan/plan_py.h"
 #include "runtime.h"
 
 namespace {
 
 using namespace torch_marlin;
 
-void run(const std::string& kernel, const uint32_t grid[3], uint32_t threads, std::vector<void*> buffers,
-         const std::string& schedule, uint64_t seed, int workers) {
-  metal_emu::DispatchDesc d;
-  d.kernel = kernel;
-  for (int i = 0; i < 3; ++i) d.grid[i] = grid[i];
-  d.threads = threads;
-  d.buffers = std::move(buffers);
-  d.schedule = parse_schedule(schedule);
-  d.seed = seed;
-  d.workers = workers;
-  try {
-    metal_emu::dispatch(d);
-  } catch (const std::runtime_error& e) {
-    TORCH_CHECK(false, e.what());
-  }
-}
-
 void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), "metal_emu: ", name, " must be a CPU tensor");
+}
+
+GemmPlan plan_gemm(QuantFormat f, int64_t M, int64_t K, int64_t N, int64_t group_size, DType dtype, bool has_bias,
+                   const std::string& variant, int compute_units) {
+  DeviceCaps caps = default_metal_caps();
+  if (compute_units > 0) caps.compute_units = compute_units;
+  const GemmVariant force = parse_variant(variant);
+  return described([&] { return plan_quant_gemm(f, M, K, N, group_size, dtype, has_bias, caps, force); });
 }
 
 // C = A @ dequant(B) (+ bias) through the Metal kernels. Returns (C, plan). Output and workspace
@@ -42,42 +34,34 @@ std::tuple<at::Tensor, py::dict> gemm(const std::string& format, const at::Tenso
                                       const at::Tensor& scales_in, const c10::optional<at::Tensor>& zeros_in,
                                       const c10::optional<at::Tensor>& bias_in, int64_t group_size,
                                       const std::string& variant, int compute_units, const std::string& schedule,
-                                      uint64_t seed, int workers, const std::string& prefix) {
+                                      uint64_t seed, int workers, const std::string& prefix,
+                                      const std::vector<int64_t>& swap_buffers) {
   const QuantFormat f = parse_format(format);
   check_cpu(A_in, "A");
   TORCH_CHECK_VALUE(A_in.dim() == 2 && B_in.dim() == 2, "metal_emu: A and B_packed must be 2-D");
   TORCH_CHECK_VALUE(f == QuantFormat::FP4 || zeros_in.has_value(), "metal_emu: u4 needs zeros");
   const at::Tensor A = A_in.contiguous(), B = B_in.contiguous(), scales = scales_in.contiguous();
   const int64_t M = A.size(0), K = A.size(1), N = B.size(1);
-  DeviceCaps caps = default_metal_caps();
-  if (compute_units > 0) caps.compute_units = compute_units;
-  GemmPlan plan;
-  try {
-    plan = plan_quant_gemm(f, M, K, N, group_size, dtype_of(A), bias_in.has_value(), caps, parse_variant(variant));
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
-  at::Tensor C = at::full({M, N}, std::numeric_limits<float>::quiet_NaN(), A.options());
+  const GemmPlan plan = plan_gemm(f, M, K, N, group_size, dtype_of(A), bias_in.has_value(), variant, compute_units);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  at::Tensor C = at::full({M, N}, nan, A.options());
   at::Tensor zeros = zeros_in.has_value() ? zeros_in->contiguous() : at::Tensor();
   at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
   at::Tensor ws;
   if (plan.workspace_bytes > 0) {
-    ws = at::full({int64_t(plan.workspace_bytes / sizeof(float))}, std::numeric_limits<float>::quiet_NaN(),
-                  A.options().dtype(at::kFloat));
+    ws = at::full({int64_t(plan.workspace_bytes / sizeof(float))}, nan, A.options().dtype(at::kFloat));
   }
-  // Unused slots get a harmless buffer, as on Metal (every declared buffer must be bound).
-  void* zeros_ptr = zeros.defined() ? zeros.data_ptr() : scales.data_ptr();
-  void* bias_ptr = bias.defined() ? bias.data_ptr() : C.data_ptr();
-  void* ws_ptr = ws.defined() ? ws.data_ptr() : C.data_ptr();
-  QuantGemmParams params = plan.params;
-  run(prefix + plan.kernel, plan.grid, plan.threads[0],
-      {A.data_ptr(), B.data_ptr(), scales.data_ptr(), zeros_ptr, bias_ptr, C.data_ptr(), ws_ptr, &params}, schedule,
-      seed, workers);
-  if (!plan.reduce_kernel.empty()) {
-    QuantReduceParams rp{params.M, params.N, params.k_parallel, params.has_bias};
-    run(prefix + plan.reduce_kernel, plan.reduce_grid, plan.reduce_threads[0], {ws_ptr, bias_ptr, C.data_ptr(), &rp}, schedule,
-        seed, workers);
-  }
+  QuantGemmBuffers<void*> b;
+  b.A = A.data_ptr();
+  b.B = B.data_ptr();
+  b.scales = scales.data_ptr();
+  if (zeros.defined()) b.zeros = zeros.data_ptr();
+  if (bias.defined()) b.bias = bias.data_ptr();
+  b.C = C.data_ptr();
+  if (ws.defined()) b.workspace = ws.data_ptr();
+  MetalDispatches<void*> list = described([&] { return quant_gemm_dispatches(plan, b); });
+  swap_first_dispatch_buffers(list, swap_buffers);
+  run_dispatches(list, RunOpts{schedule, seed, workers, prefix});
   return {C, plan_to_dict(plan)};
 }
 
@@ -89,19 +73,45 @@ at::Tensor dequant(const std::string& format, const at::Tensor& B_in, const at::
   TORCH_CHECK_VALUE(f == QuantFormat::FP4 || zeros_in.has_value(), "metal_emu: u4 needs zeros");
   const at::Tensor B = B_in.contiguous(), scales = scales_in.contiguous();
   const int64_t K = B.size(0) * 8, N = B.size(1);
-  GemmPlan plan;
-  try {
-    plan = plan_quant_dequant_metal(f, K, N, group_size, dtype_of(scales));
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
+  const GemmPlan plan = described([&] { return plan_quant_dequant_metal(f, K, N, group_size, dtype_of(scales)); });
   at::Tensor W = at::full({K, N}, std::numeric_limits<float>::quiet_NaN(), scales.options());
   at::Tensor zeros = zeros_in.has_value() ? zeros_in->contiguous() : at::Tensor();
-  QuantGemmParams params = plan.params;
-  run(plan.kernel, plan.grid, plan.threads[0],
-      {B.data_ptr(), scales.data_ptr(), zeros.defined() ? zeros.data_ptr() : scales.data_ptr(), W.data_ptr(), &params},
-      schedule, seed, workers);
+  QuantDequantBuffers<void*> b;
+  b.B = B.data_ptr();
+  b.scales = scales.data_ptr();
+  if (zeros.defined()) b.zeros = zeros.data_ptr();
+  b.W = W.data_ptr();
+  run_dispatches(described([&] { return quant_dequant_dispatches(plan, b); }), RunOpts{schedule, seed, workers, ""});
   return W;
+}
+
+// The description over buffer names: what gemm() would run for this problem.
+py::list describe_gemm(const std::string& format, int64_t M, int64_t K, int64_t N, int64_t group_size,
+                       const std::string& dtype, bool has_bias, bool has_zeros, const std::string& variant,
+                       int compute_units) {
+  const GemmPlan plan = plan_gemm(parse_format(format), M, K, N, group_size, parse_dtype(dtype), has_bias, variant,
+                                  compute_units);
+  QuantGemmBuffers<std::string> b;
+  b.A = "A";
+  b.B = "B";
+  b.scales = "scales";
+  if (has_zeros) b.zeros = "zeros";
+  if (has_bias) b.bias = "bias";
+  b.C = "C";
+  if (plan.workspace_bytes > 0) b.workspace = "workspace";
+  return dispatches_to_py(described([&] { return quant_gemm_dispatches(plan, b); }));
+}
+
+py::list describe_dequant(const std::string& format, int64_t K, int64_t N, int64_t group_size,
+                          const std::string& dtype, bool has_zeros) {
+  const GemmPlan plan = described(
+      [&] { return plan_quant_dequant_metal(parse_format(format), K, N, group_size, parse_dtype(dtype)); });
+  QuantDequantBuffers<std::string> b;
+  b.B = "B";
+  b.scales = "scales";
+  if (has_zeros) b.zeros = "zeros";
+  b.W = "W";
+  return dispatches_to_py(described([&] { return quant_dequant_dispatches(plan, b); }));
 }
 
 // Any registered kernel on raw tensors (buffers in order; the harness self-tests use it).
@@ -115,18 +125,24 @@ void dispatch_raw(const std::string& kernel, std::vector<int64_t> grid, int64_t 
     TORCH_CHECK_VALUE(t.is_contiguous(), "buffers must be contiguous");
     ptrs.push_back(t.data_ptr());
   }
-  run(kernel, g, uint32_t(threads), ptrs, schedule, seed, workers);
+  run_dispatch(kernel, g, uint32_t(threads), ptrs, RunOpts{schedule, seed, workers, ""});
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Metal-on-CPU harness for metal/quant_gemm.metal (test-time only)";
+  m.doc() = "Metal-on-CPU harness for the FP4 / INT4 kernels (test-time only)";
   m.def("gemm", &gemm, py::arg("format"), py::arg("A"), py::arg("B_packed"), py::arg("scales"), py::arg("zeros"),
         py::arg("bias"), py::arg("group_size"), py::arg("variant") = "auto", py::arg("compute_units") = 0,
-        py::arg("schedule") = "forward", py::arg("seed") = 0, py::arg("workers") = 0, py::arg("prefix") = "");
+        py::arg("schedule") = "forward", py::arg("seed") = 0, py::arg("workers") = 0, py::arg("prefix") = "",
+        py::arg("swap_buffers") = std::vector<int64_t>{});
   m.def("dequant", &dequant, py::arg("format"), py::arg("B_packed"), py::arg("scales"), py::arg("zeros"),
         py::arg("group_size"), py::arg("schedule") = "forward", py::arg("seed") = 0, py::arg("workers") = 0);
+  m.def("describe_gemm", &describe_gemm, py::arg("format"), py::arg("M"), py::arg("K"), py::arg("N"),
+        py::arg("group_size"), py::arg("dtype") = "float16", py::arg("has_bias") = true, py::arg("has_zeros") = true,
+        py::arg("variant") = "auto", py::arg("compute_units") = 0);
+  m.def("describe_dequant", &describe_dequant, py::arg("format"), py::arg("K"), py::arg("N"), py::arg("group_size"),
+        py::arg("dtype") = "float16", py::arg("has_zeros") = true);
   m.def("dispatch_raw", &dispatch_raw, py::arg("kernel"), py::arg("grid"), py::arg("threads"), py::arg("buffers"),
         py::arg("schedule") = "forward", py::arg("seed") = 0, py::arg("workers") = 0);
   m.def("kernel_names", &metal_emu::kernel_names);

@@ -1,10 +1,16 @@
-// Helpers shared by the harness bindings of the op families (bindings.cpp, trellis_bindings.cpp).
+// Helpers shared by the harness bindings of the op families (bindings.cpp, trellis_bindings.cpp):
+// running a Metal dispatch description (csrc/mps/metal_dispatch.h, the list the MPS backend
+// encodes) on the CPU executor, and the Python-facing conversions.
 #pragma once
 
 #include <torch/extension.h>
 
+#include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "mps/metal_dispatch.h"
 #include "plan/plan.h"
 #include "runtime.h"
 
@@ -26,6 +32,85 @@ inline metal_emu::Schedule parse_schedule(const std::string& s) {
   if (s == "simd_ahead") return metal_emu::Schedule::SimdAhead;
   if (s == "simd_ahead_reverse") return metal_emu::Schedule::SimdAheadReverse;
   TORCH_CHECK_VALUE(false, "schedule must be forward/reverse/random/simd_ahead/simd_ahead_reverse, got '", s, "'");
+}
+
+// How the executor runs a dispatch list: thread order, its seed, OS threads, and a prefix for the
+// kernel names (the barrier-switch copies are registered as "barrier_switch:<name>").
+struct RunOpts {
+  std::string schedule = "forward";
+  uint64_t seed = 0;
+  int workers = 0;
+  std::string prefix;
+};
+
+inline void run_dispatch(const std::string& kernel, const uint32_t grid[3], uint32_t threads,
+                         std::vector<void*> buffers, const RunOpts& o) {
+  metal_emu::DispatchDesc d;
+  d.kernel = o.prefix + kernel;
+  for (int i = 0; i < 3; ++i) d.grid[i] = grid[i];
+  d.threads = threads;
+  d.buffers = std::move(buffers);
+  d.schedule = parse_schedule(o.schedule);
+  d.seed = o.seed;
+  d.workers = o.workers;
+  try {
+    metal_emu::dispatch(d);
+  } catch (const std::runtime_error& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+// Runs the described dispatches in order, as the MPS encoder encodes them: buffers in slot order,
+// the params bytes in the last slot.
+inline void run_dispatches(const MetalDispatches<void*>& list, const RunOpts& o) {
+  for (const MetalDispatch<void*>& d : list) {
+    TORCH_CHECK(d.threads[1] == 1 && d.threads[2] == 1, "metal_emu: kernel '", d.kernel,
+                "': the executor runs 1-D threadgroups only");
+    std::vector<void*> buffers = d.buffers;
+    buffers.push_back(const_cast<unsigned char*>(d.params.data()));
+    run_dispatch(d.kernel, d.grid, d.threads[0], std::move(buffers), o);
+  }
+}
+
+// Turns a plan-vs-buffers mismatch or a planner rejection into the Python exception the op raises.
+template <class F>
+auto described(F f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  } catch (const std::logic_error& e) {
+    TORCH_CHECK(false, e.what());
+  }
+  throw std::logic_error("unreachable");
+}
+
+// A description over buffer names (tests compare it with the kernels' [[buffer(i)]] declarations).
+inline py::list dispatches_to_py(const MetalDispatches<std::string>& list) {
+  py::list out;
+  for (const MetalDispatch<std::string>& d : list) {
+    py::dict x;
+    x["kernel"] = d.kernel;
+    x["grid"] = py::make_tuple(d.grid[0], d.grid[1], d.grid[2]);
+    x["threads"] = py::make_tuple(d.threads[0], d.threads[1], d.threads[2]);
+    x["buffers"] = d.buffers;
+    x["params_type"] = std::string(d.params_type);
+    x["params_bytes"] = d.params.size();
+    out.append(x);
+  }
+  return out;
+}
+
+// Test hook: swaps two buffer slots of the first dispatch, to show that a wrong buffer order in
+// the description fails the harness tests.
+template <class Buffer>
+void swap_first_dispatch_buffers(MetalDispatches<Buffer>& list, const std::vector<int64_t>& slots) {
+  if (slots.empty()) return;
+  TORCH_CHECK_VALUE(slots.size() == 2 && !list.empty(), "swap_buffers takes two slot indices");
+  auto& b = list.front().buffers;
+  TORCH_CHECK_VALUE(slots[0] >= 0 && slots[1] >= 0 && size_t(slots[0]) < b.size() && size_t(slots[1]) < b.size(),
+                    "swap_buffers: slot out of range");
+  std::swap(b[size_t(slots[0])], b[size_t(slots[1])]);
 }
 
 // Counters of the last dispatch (tests use them to check a kernel really synchronized).

@@ -1,47 +1,27 @@
-// Metal-on-CPU harness for the trellis kernels (metal/trellis_gemm.metal, metal/trellis_moe.metal).
+// Metal-on-CPU harness of the trellis kernels (metal/trellis_gemm.metal, metal/trellis_moe.metal).
 // Plans exactly as the MPS backend does (plan_trellis_* with Backend::Metal), routes the MoE with
-// the op's own trellis_route, and encodes the same dispatches in the same buffer order as
-// csrc/mps/trellis_mps.mm. Test-time only: built JIT by tests/trellis_metal_emu.py.
+// the op's own trellis_route, binds the tensors to the same dispatch description
+// (csrc/mps/metal_dispatch.h) the MPS encoder encodes, and runs that list on the CPU executor.
+// Test-time only: built JIT by tests/trellis_metal_emu.py.
 #include <torch/extension.h>
 
 #include <limits>
 #include <stdexcept>
 
-#include "ops/trellis.h"
 #include "emu_common.h"
+#include "ops/trellis.h"
+#include "plan/plan_py.h"
 #include "runtime.h"
 
 namespace {
 
 using namespace torch_marlin;
 
-GemmVariant parse_variant(const std::string& s) {
+GemmVariant parse_trellis_variant(const std::string& s) {
   if (s == "auto") return GemmVariant::Auto;
   if (s == "decode") return GemmVariant::Decode;
   if (s == "tiled") return GemmVariant::Tiled;
   TORCH_CHECK_VALUE(false, "variant must be auto/decode/tiled, got '", s, "'");
-}
-
-struct RunOpts {
-  std::string schedule, prefix;
-  uint64_t seed;
-  int workers;
-};
-
-void run(const TrellisLaunch& l, std::vector<void*> buffers, const RunOpts& o) {
-  metal_emu::DispatchDesc d;
-  d.kernel = o.prefix + l.kernel;
-  for (int i = 0; i < 3; ++i) d.grid[i] = l.grid[i];
-  d.threads = l.threads[0];
-  d.buffers = std::move(buffers);
-  d.schedule = parse_schedule(o.schedule);
-  d.seed = o.seed;
-  d.workers = o.workers;
-  try {
-    metal_emu::dispatch(d);
-  } catch (const std::runtime_error& e) {
-    TORCH_CHECK(false, e.what());
-  }
 }
 
 py::dict launch_dict(const TrellisLaunch& l) {
@@ -69,19 +49,26 @@ py::dict plan_dict(const TrellisPlan& p) {
   return d;
 }
 
-template <class F>
-auto planned(F f) -> decltype(f()) {
-  try {
-    return f();
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
-}
-
 TrellisWeights weights(const std::vector<at::Tensor>& t) {
   TORCH_CHECK_VALUE(t.size() == 5, "trellis weights are (packed_indices, scales, grid, su, sv)");
   for (const auto& x : t) TORCH_CHECK_VALUE(x.device().is_cpu(), "metal_emu: tensors must be on the CPU");
   return TrellisWeights{t[0].contiguous(), t[1].contiguous(), t[2].contiguous(), t[3].contiguous(), t[4].contiguous()};
+}
+
+TrellisWeightBuffers<void*> weight_buffers(const TrellisWeights& w) {
+  return TrellisWeightBuffers<void*>{w.packed.data_ptr(), w.scales.data_ptr(), w.grid.data_ptr(), w.su.data_ptr(),
+                                     w.sv.data_ptr()};
+}
+
+TrellisWeightBuffers<std::string> weight_names(const std::string& prefix) {
+  return TrellisWeightBuffers<std::string>{prefix + "packed", prefix + "scales", prefix + "grid", prefix + "su",
+                                           prefix + "sv"};
+}
+
+TrellisPlan plan_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int64_t group_size, DType dtype,
+                      const std::string& variant) {
+  const GemmVariant force = parse_trellis_variant(variant);
+  return described([&] { return plan_trellis_gemm(M, K, N, bits, group_size, dtype, default_metal_caps(), force); });
 }
 
 // C = A @ W through gemm_trellis_packed(_decode). Output starts as NaN: an unwritten element fails.
@@ -92,29 +79,20 @@ std::tuple<at::Tensor, py::dict> gemm(const at::Tensor& A_in, const std::vector<
   TORCH_CHECK_VALUE(A_in.device().is_cpu() && A_in.dim() == 2 && A_in.size(1) == K, "metal_emu: A must be CPU [M, K]");
   const at::Tensor A = A_in.contiguous();
   const TrellisWeights w = weights(w_in);
-  const TrellisPlan plan = planned([&] {
-    return plan_trellis_gemm(A.size(0), K, N, bits, group_size, dtype_of(A), default_metal_caps(),
-                             parse_variant(variant));
-  });
+  const TrellisPlan plan = plan_gemm(A.size(0), K, N, bits, group_size, dtype_of(A), variant);
   at::Tensor C = at::full({A.size(0), N}, std::numeric_limits<float>::quiet_NaN(), A.options());
-  TrellisParams p = plan.params;
-  run(plan.main,
-      {A.data_ptr(), w.packed.data_ptr(), w.scales.data_ptr(), w.grid.data_ptr(), w.su.data_ptr(), w.sv.data_ptr(),
-       C.data_ptr(), &p},
-      RunOpts{schedule, prefix, seed, workers});
+  const TrellisGemmBuffers<void*> b{A.data_ptr(), weight_buffers(w), C.data_ptr()};
+  run_dispatches(described([&] { return trellis_gemm_dispatches(plan, b); }), RunOpts{schedule, seed, workers, prefix});
   return {C, plan_dict(plan)};
 }
 
 at::Tensor dequant(const std::vector<at::Tensor>& w_in, int64_t K, int64_t N, int64_t bits, int64_t group_size,
                    const std::string& schedule, uint64_t seed, int workers) {
   const TrellisWeights w = weights(w_in);
-  const TrellisPlan plan = planned([&] { return plan_trellis_dequant(K, N, bits, group_size, default_metal_caps()); });
+  const TrellisPlan plan = described([&] { return plan_trellis_dequant(K, N, bits, group_size, default_metal_caps()); });
   at::Tensor W = at::full({K, N}, std::numeric_limits<float>::quiet_NaN(), w.scales.options());
-  TrellisParams p = plan.params;
-  run(plan.main,
-      {w.packed.data_ptr(), w.scales.data_ptr(), w.grid.data_ptr(), w.su.data_ptr(), w.sv.data_ptr(), W.data_ptr(),
-       &p},
-      RunOpts{schedule, "", seed, workers});
+  const TrellisDequantBuffers<void*> b{weight_buffers(w), W.data_ptr()};
+  run_dispatches(described([&] { return trellis_dequant_dispatches(plan, b); }), RunOpts{schedule, seed, workers, ""});
   return W;
 }
 
@@ -136,7 +114,7 @@ std::tuple<at::Tensor, py::dict> moe(const at::Tensor& x_in, const std::vector<a
   a.top_k = expert_ids.size(1);
   a.probs = expert_probs.to(at::kFloat).contiguous();
   trellis_route(expert_ids, a.E, a);
-  const TrellisPlan plan = planned([&] {
+  const TrellisPlan plan = described([&] {
     return plan_trellis_moe(a.T, a.hidden, intermediate, a.E, a.top_k, bits, group_size, dtype_of(a.x),
                             default_metal_caps());
   });
@@ -145,30 +123,56 @@ std::tuple<at::Tensor, py::dict> moe(const at::Tensor& x_in, const std::vector<a
   at::Tensor rows_h = at::full({R, intermediate}, nan, a.x.options().dtype(at::kFloat));
   at::Tensor rows_y = at::full({R, a.hidden}, nan, a.x.options().dtype(at::kFloat));
   at::Tensor y = at::full({a.T, a.hidden}, nan, a.x.options());
-  TrellisParams p = plan.params;
-  const RunOpts o{schedule, prefix, seed, workers};
-  run(plan.main,
-      {a.x.data_ptr(), a.sorted_token.data_ptr(), a.expert_offsets.data_ptr(), a.gate.packed.data_ptr(),
-       a.gate.scales.data_ptr(), a.gate.grid.data_ptr(), a.gate.su.data_ptr(), a.gate.sv.data_ptr(),
-       a.up.packed.data_ptr(), a.up.scales.data_ptr(), a.up.grid.data_ptr(), a.up.su.data_ptr(), a.up.sv.data_ptr(),
-       rows_h.data_ptr(), &p},
-      o);
-  auto tiled = [&](const TrellisLaunch& l, void* X, const TrellisWeights& w, void* out) {
-    if (l.kernel.empty()) return;
-    run(l,
-        {X, a.sorted_token.data_ptr(), a.expert_offsets.data_ptr(), w.packed.data_ptr(), w.scales.data_ptr(),
-         w.grid.data_ptr(), w.su.data_ptr(), w.sv.data_ptr(), out, &p},
-        o);
-  };
-  tiled(plan.tiled_gate, a.x.data_ptr(), a.gate, rows_h.data_ptr());
-  tiled(plan.tiled_up, a.x.data_ptr(), a.up, rows_h.data_ptr());
-  run(plan.down,
-      {rows_h.data_ptr(), a.expert_offsets.data_ptr(), a.down.packed.data_ptr(), a.down.scales.data_ptr(),
-       a.down.grid.data_ptr(), a.down.su.data_ptr(), a.down.sv.data_ptr(), rows_y.data_ptr(), &p},
-      o);
-  tiled(plan.tiled_down, rows_h.data_ptr(), a.down, rows_y.data_ptr());
-  run(plan.combine, {rows_y.data_ptr(), a.slot_row.data_ptr(), a.probs.data_ptr(), y.data_ptr(), &p}, o);
+  TrellisMoeBuffers<void*> b;
+  b.x = a.x.data_ptr();
+  b.sorted_token = a.sorted_token.data_ptr();
+  b.expert_offsets = a.expert_offsets.data_ptr();
+  b.slot_row = a.slot_row.data_ptr();
+  b.probs = a.probs.data_ptr();
+  b.gate = weight_buffers(a.gate);
+  b.up = weight_buffers(a.up);
+  b.down = weight_buffers(a.down);
+  b.rows_h = rows_h.data_ptr();
+  b.rows_y = rows_y.data_ptr();
+  b.y = y.data_ptr();
+  run_dispatches(described([&] { return trellis_moe_dispatches(plan, b); }), RunOpts{schedule, seed, workers, prefix});
   return {y, plan_dict(plan)};
+}
+
+// The descriptions over buffer names (the MoE's weight sets are named g_, u_ and d_ as in
+// moe_trellis_gate_up / moe_trellis_down).
+py::list describe_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int64_t group_size, const std::string& dtype,
+                       const std::string& variant) {
+  const TrellisPlan plan = plan_gemm(M, K, N, bits, group_size, parse_dtype(dtype), variant);
+  const TrellisGemmBuffers<std::string> b{"A", weight_names(""), "C"};
+  return dispatches_to_py(described([&] { return trellis_gemm_dispatches(plan, b); }));
+}
+
+py::list describe_dequant(int64_t K, int64_t N, int64_t bits, int64_t group_size) {
+  const TrellisPlan plan = described([&] { return plan_trellis_dequant(K, N, bits, group_size, default_metal_caps()); });
+  const TrellisDequantBuffers<std::string> b{weight_names(""), "W"};
+  return dispatches_to_py(described([&] { return trellis_dequant_dispatches(plan, b); }));
+}
+
+py::list describe_moe(int64_t tokens, int64_t hidden, int64_t intermediate, int64_t num_experts, int64_t top_k,
+                      int64_t bits, int64_t group_size, const std::string& dtype) {
+  const TrellisPlan plan = described([&] {
+    return plan_trellis_moe(tokens, hidden, intermediate, num_experts, top_k, bits, group_size, parse_dtype(dtype),
+                            default_metal_caps());
+  });
+  TrellisMoeBuffers<std::string> b;
+  b.x = "x";
+  b.sorted_token = "sorted_token";
+  b.expert_offsets = "expert_offsets";
+  b.slot_row = "slot_row";
+  b.probs = "probs";
+  b.gate = weight_names("g_");
+  b.up = weight_names("u_");
+  b.down = weight_names("d_");
+  b.rows_h = "rows_h";
+  b.rows_y = "rows_y";
+  b.y = "y";
+  return dispatches_to_py(described([&] { return trellis_moe_dispatches(plan, b); }));
 }
 
 }  // namespace
@@ -183,6 +187,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe", &moe, py::arg("x"), py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("expert_ids"),
         py::arg("expert_probs"), py::arg("intermediate_size"), py::arg("bits"), py::arg("group_size"),
         py::arg("schedule") = "forward", py::arg("seed") = 0, py::arg("workers") = 0, py::arg("prefix") = "");
+  m.def("describe_gemm", &describe_gemm, py::arg("M"), py::arg("K"), py::arg("N"), py::arg("bits"),
+        py::arg("group_size"), py::arg("dtype") = "float16", py::arg("variant") = "auto");
+  m.def("describe_dequant", &describe_dequant, py::arg("K"), py::arg("N"), py::arg("bits"), py::arg("group_size"));
+  m.def("describe_moe", &describe_moe, py::arg("tokens"), py::arg("hidden"), py::arg("intermediate_size"),
+        py::arg("num_experts"), py::arg("top_k"), py::arg("bits"), py::arg("group_size"),
+        py::arg("dtype") = "float16");
   m.def("kernel_names", &metal_emu::kernel_names);
   m.def("set_dropped_barrier", &metal_emu::set_dropped_barrier, py::arg("name"));
   m.def("last_stats", &last_stats);

@@ -58,12 +58,6 @@ void trellis_dequant_cpu(const TrellisPlan& plan, const TrellisGemmArgs& args, a
 void trellis_moe_cpu(const TrellisPlan& plan, const TrellisMoeArgs& args, at::Tensor& y);
 
 #ifdef TM_WITH_MPS
-// Encodes one dispatch of `kernel` on the current MPS stream: `tensors` bound in order as
-// [[buffer(0..n-1)]] (each with its storage offset), `params` as [[buffer(n)]]. Defined in
-// csrc/mps/quant_gemm_mps.mm beside the shared library / pipeline cache.
-void mps_encode_tensors(const std::string& kernel, const uint32_t grid[3], uint32_t threads,
-                        const std::vector<at::Tensor>& tensors, const TrellisParams& params);
-
 // ---- MPS (csrc/mps/trellis_mps.mm) ----
 // Caps come from mps_device_caps() (csrc/ops/quant_gemm.h). `rows_h` / `rows_y` are f32
 // scratch of [T*top_k, intermediate] / [T*top_k, hidden] the op allocates.

@@ -1,9 +1,10 @@
-// MSL-only helpers shared by metal/trellis_gemm.metal and metal/trellis_moe.metal (the library is
-// one translation unit: scripts/embed_metal.py inlines this header once). Not for host C++.
+// MSL-only helpers shared by metal/trellis_gemm.metal and metal/trellis_moe.metal: tuning
+// constants, the geometry of one trellis matrix, the GEMV core and the simdgroups' fixed-order
+// meet. Not for host C++. Names carry a tr_ / kTr prefix: every .metal file must also compile as
+// part of one concatenated library (torch_marlin/msl_kernel.h).
 #pragma once
 
-#include <metal_stdlib>
-
+#include "torch_marlin/msl_kernel.h"
 #include "torch_marlin/trellis_params.h"
 
 using namespace metal;  // MSL-only header: min/max and the address-space types

@@ -1,0 +1,82 @@
+// MSL helpers shared by the FP4 / INT4 kernel families (metal/decode.metal, fused_tiles.metal,
+// staged_tiles.metal, striped.metal, dequant.metal): tuning constants, the dequantization of one
+// packed word, and the masked epilogue of an 8x8 fragment. Not for host C++.
+//
+//   C[M, N] = A[M, K] @ dequant(B_packed[K/8, N], scales, zeros)[K, N] (+ bias[N])
+//
+// Formats: docs/formats.md (B_packed: 8 four-bit codes along K per word, LSB first). Launch
+// geometry comes from the planner; every kernel reads it from QuantGemmParams
+// (quant_gemm_params.h, shared with the host). Every accumulation is fp32; C is rounded to the
+// activation dtype once, in the epilogue.
+#pragma once
+
+#include "torch_marlin/msl_kernel.h"
+#include "torch_marlin/quant_gemm_params.h"
+
+using namespace metal;  // MSL-only header: min/max, simdgroup_matrix and the address-space types
+
+namespace torch_marlin {
+
+// Tuning constants shared by several families; the planner uses the same numbers.
+constant constexpr uint kThreads = 128;  // 4 simdgroups of 32
+constant constexpr uint kSimdgroups = 4;
+constant constexpr uint kTileM = 64;  // the tiled families' output tile and K step
+constant constexpr uint kTileN = 64;
+constant constexpr uint kTileK = 32;
+
+// E2M1 magnitudes by code (codes 8..15 are the negatives).
+constant float kFp4Values[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                 -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// The 8 weights of one packed word (rows k..k+7 of one column), all in one scale group because
+// group_size is a multiple of 8. fp32 product, as the reference computes it.
+template <uint FMT>
+inline void dequant_word(uint word, float scale, float zero, thread float* w) {
+  for (uint j = 0; j < 8; ++j) {
+    const uint code = (word >> (4u * j)) & 15u;
+    w[j] = FMT == TM_FORMAT_FP4 ? kFp4Values[code] * scale : (float(code) - zero) * scale;
+  }
+}
+
+template <uint FMT, typename T>
+inline void load_word(device const uint* B, device const T* scales, device const uchar* zeros,
+                      constant QuantGemmParams& p, uint k, uint col, thread uint& word, thread float& s,
+                      thread float& z) {
+  const uint g = k / p.group_size;
+  word = B[(k / 8u) * p.N + col];
+  s = float(scales[g * p.N + col]);
+  z = FMT == TM_FORMAT_U4 ? float(zeros[g * p.N + col] & 15u) : 0.0f;  // zero points are 0..15 (docs/formats.md)
+}
+
+// Writes one simdgroup's 8x8 fp32 fragment, masked, through a per-simdgroup 8x8 float stage so
+// edge tiles need no special MMA path. k_parallel > 1: the raw fp32 partial goes to
+// workspace[k_slice][M][N]; else C = T(acc + bias).
+template <typename T>
+inline void store_fragment(simdgroup_matrix<float, 8, 8> frag, threadgroup float* stage, device const T* bias,
+                           device T* C, device float* workspace, constant QuantGemmParams& p, uint row0,
+                           uint col0, uint k_slice, uint lane) {
+  simdgroup_store(frag, stage, 8);
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint e = lane; e < 64u; e += 32u) {
+    const uint m = row0 + e / 8u;
+    const uint n = col0 + e % 8u;
+    if (m < p.M && n < p.N) {
+      float v = stage[e];
+      if (p.k_parallel > 1u) {
+        workspace[(k_slice * p.M + m) * p.N + n] = v;
+      } else {
+        if (p.has_bias != 0u) v += float(bias[n]);
+        C[m * p.N + n] = T(v);
+      }
+    }
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);  // the stage is rewritten by the next fragment
+}
+
+}  // namespace torch_marlin
+
+// Host names are <stem>_<format>_<dtype>, dtype in {half, float, bfloat} (bfloat needs MSL 3.1):
+// TM_INSTANTIATE_QUANT_DTYPE("marlin_gemv", marlin_gemv, half, half) instantiates both formats.
+#define TM_INSTANTIATE_QUANT_DTYPE(stem, fn, tname, T)       \
+  TM_INSTANTIATE(stem "_fp4_" #tname, fn<TM_FORMAT_FP4, T>)  \
+  TM_INSTANTIATE(stem "_u4_" #tname, fn<TM_FORMAT_U4, T>)

@@ -1,0 +1,200 @@
+// The Metal dispatch description: the ordered dispatches every op of the Metal backend encodes
+// for a plan, each with its kernel, grid, threadgroup size, buffers in the kernel's [[buffer(i)]]
+// order and the bytes of its params struct (the last buffer slot).
+//
+// csrc/mps/*.mm encodes this list on the MPS stream; the Metal-on-CPU harness
+// (csrc/metal_emu/*bindings.cpp) runs the same list on its CPU executor. Both go through the
+// functions below, so the harness tests exercise the binding a Mac runs: a buffer in the wrong
+// slot or a missing dispatch fails them (tests/test_metal_dispatch.py also compares every buffer
+// list with the kernels' declarations).
+//
+// Portable C++17: no torch, no Objective-C. A buffer is a handle of the caller's choosing (the
+// template parameter Buffer): an MTLBuffer with its offset on the Mac, a host pointer in the
+// harness, a name in the tests. Slots a kernel declares but does not read for this call get a
+// stand-in (Metal wants every declared buffer bound); the buffer structs document which.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "plan/plan.h"
+#include "plan/trellis_plan.h"
+#include "torch_marlin/quant_gemm_params.h"
+#include "torch_marlin/trellis_params.h"
+
+namespace torch_marlin {
+
+template <class Buffer>
+struct MetalDispatch {
+  std::string kernel;                   // host name of the kernel in the Metal library
+  uint32_t grid[3] = {1, 1, 1};         // threadgroups per grid (dispatchThreadgroups)
+  uint32_t threads[3] = {1, 1, 1};      // threads per threadgroup
+  std::vector<Buffer> buffers;          // [[buffer(0)]] .. [[buffer(n - 1)]]
+  const char* params_type = "";         // MSL name of the struct bound at [[buffer(n)]]
+  std::vector<unsigned char> params;    // its bytes (setBytes)
+};
+
+template <class Buffer>
+using MetalDispatches = std::vector<MetalDispatch<Buffer>>;
+
+// ---- FP4 / INT4 ---------------------------------------------------------------------------------
+
+template <class Buffer>
+struct QuantGemmBuffers {
+  Buffer A;                         // [M, K] activations
+  Buffer B;                         // int32 [K/8, N] packed weights
+  Buffer scales;                    // [K/group_size, N]
+  std::optional<Buffer> zeros;      // uint8 zero points (INT4); absent (FP4): scales stands in
+  std::optional<Buffer> bias;       // [N]; absent: C stands in (params.has_bias = 0, never read)
+  Buffer C;                         // [M, N] output
+  std::optional<Buffer> workspace;  // fp32 [k_parallel, M, N] partials; needed when the plan splits
+                                    // K, else absent and C stands in
+};
+
+template <class Buffer>
+struct QuantDequantBuffers {
+  Buffer B;                     // int32 [K/8, N]
+  Buffer scales;                // [K/group_size, N]
+  std::optional<Buffer> zeros;  // absent (FP4): scales stands in
+  Buffer W;                     // [K, N] output, dtype of scales
+};
+
+// ---- trellis ------------------------------------------------------------------------------------
+
+template <class Buffer>
+struct TrellisWeightBuffers {
+  Buffer packed, scales, grid, su, sv;  // docs/formats.md; a leading expert dim for the MoE
+};
+
+template <class Buffer>
+struct TrellisGemmBuffers {
+  Buffer A;  // [M, K]
+  TrellisWeightBuffers<Buffer> w;
+  Buffer C;  // [M, N]
+};
+
+template <class Buffer>
+struct TrellisDequantBuffers {
+  TrellisWeightBuffers<Buffer> w;
+  Buffer W;  // f32 [K, N]
+};
+
+// The routed MoE (csrc/ops/trellis.h, TrellisMoeArgs, documents the routing tensors).
+template <class Buffer>
+struct TrellisMoeBuffers {
+  Buffer x;                                       // [T, hidden]
+  Buffer sorted_token, expert_offsets, slot_row;  // int32 routing
+  Buffer probs;                                   // f32 [T, top_k]
+  TrellisWeightBuffers<Buffer> gate, up, down;
+  Buffer rows_h;                                  // f32 [T*top_k, intermediate] scratch
+  Buffer rows_y;                                  // f32 [T*top_k, hidden] scratch
+  Buffer y;                                       // [T, hidden] output
+};
+
+namespace metal_dispatch_detail {
+
+template <class Buffer, class Params>
+MetalDispatch<Buffer> make(const std::string& kernel, const uint32_t grid[3], const uint32_t threads[3],
+                           std::vector<Buffer> buffers, const char* params_type, const Params& params) {
+  if (kernel.empty()) throw std::logic_error("Metal dispatch: the plan names no kernel");
+  MetalDispatch<Buffer> d;
+  d.kernel = kernel;
+  for (int i = 0; i < 3; ++i) {
+    d.grid[i] = grid[i];
+    d.threads[i] = threads[i];
+  }
+  d.buffers = std::move(buffers);
+  d.params_type = params_type;
+  d.params.resize(sizeof(Params));
+  std::memcpy(d.params.data(), &params, sizeof(Params));
+  return d;
+}
+
+template <class Buffer>
+MetalDispatch<Buffer> make(const TrellisLaunch& l, std::vector<Buffer> buffers, const TrellisParams& p) {
+  return make<Buffer>(l.kernel, l.grid, l.threads, std::move(buffers), "TrellisParams", p);
+}
+
+}  // namespace metal_dispatch_detail
+
+// C = A @ dequant(B) (+ bias): the plan's kernel (marlin_gemv_* / marlin_gemm_fused_* /
+// marlin_gemm_* / marlin_gemm_striped_*), then, when the plan splits K, the reduction of the
+// partials (marlin_reduce_partials_*) on the same serial encoder, so it sees every partial.
+template <class Buffer>
+MetalDispatches<Buffer> quant_gemm_dispatches(const GemmPlan& plan, const QuantGemmBuffers<Buffer>& b) {
+  using metal_dispatch_detail::make;
+  const QuantGemmParams& p = plan.params;
+  const bool split_k = p.k_parallel > 1u || !plan.reduce_kernel.empty();
+  if (split_k && !b.workspace) throw std::logic_error("Metal dispatch: K-parallel plan without a workspace");
+  const Buffer zeros = b.zeros ? *b.zeros : b.scales;
+  const Buffer bias = b.bias ? *b.bias : b.C;
+  const Buffer workspace = b.workspace ? *b.workspace : b.C;
+  MetalDispatches<Buffer> out;
+  out.push_back(make<Buffer>(plan.kernel, plan.grid, plan.threads, {b.A, b.B, b.scales, zeros, bias, b.C, workspace},
+                     "QuantGemmParams", p));
+  if (!plan.reduce_kernel.empty()) {
+    const QuantReduceParams rp{p.M, p.N, p.k_parallel, p.has_bias};
+    out.push_back(make<Buffer>(plan.reduce_kernel, plan.reduce_grid, plan.reduce_threads, {workspace, bias, b.C},
+                       "QuantReduceParams", rp));
+  }
+  return out;
+}
+
+// W = dequant(B) (plan_quant_dequant_metal): dequant_<format>_<dtype>.
+template <class Buffer>
+MetalDispatches<Buffer> quant_dequant_dispatches(const GemmPlan& plan, const QuantDequantBuffers<Buffer>& b) {
+  using metal_dispatch_detail::make;
+  const Buffer zeros = b.zeros ? *b.zeros : b.scales;
+  return {make<Buffer>(plan.kernel, plan.grid, plan.threads, {b.B, b.scales, zeros, b.W}, "QuantGemmParams", plan.params)};
+}
+
+// C = A @ W (plan_trellis_gemm): gemm_trellis_packed_decode_* or gemm_trellis_packed_*.
+template <class Buffer>
+MetalDispatches<Buffer> trellis_gemm_dispatches(const TrellisPlan& plan, const TrellisGemmBuffers<Buffer>& b) {
+  using metal_dispatch_detail::make;
+  const TrellisWeightBuffers<Buffer>& w = b.w;
+  return {make<Buffer>(plan.main, {b.A, w.packed, w.scales, w.grid, w.su, w.sv, b.C}, plan.params)};
+}
+
+// W = dequant(packed) (plan_trellis_dequant): dequant_trellis.
+template <class Buffer>
+MetalDispatches<Buffer> trellis_dequant_dispatches(const TrellisPlan& plan, const TrellisDequantBuffers<Buffer>& b) {
+  using metal_dispatch_detail::make;
+  const TrellisWeightBuffers<Buffer>& w = b.w;
+  return {make<Buffer>(plan.main, {w.packed, w.scales, w.grid, w.su, w.sv, b.W}, plan.params)};
+}
+
+// The MoE (plan_trellis_moe), in encoder order: gate/up + SwiGLU for experts with <= 16 rows,
+// the tiled gate and up (with SwiGLU) for larger experts when planned, the down projection
+// (GEMV, then tiled when planned), and the probability-weighted combine. One serial encoder:
+// each dispatch sees the previous ones' writes (tiled_up reads the g that tiled_gate wrote).
+template <class Buffer>
+MetalDispatches<Buffer> trellis_moe_dispatches(const TrellisPlan& plan, const TrellisMoeBuffers<Buffer>& b) {
+  using metal_dispatch_detail::make;
+  const TrellisParams& p = plan.params;
+  const TrellisWeightBuffers<Buffer>& g = b.gate;
+  const TrellisWeightBuffers<Buffer>& u = b.up;
+  const TrellisWeightBuffers<Buffer>& d = b.down;
+  MetalDispatches<Buffer> out;
+  auto tiled = [&](const TrellisLaunch& l, const Buffer& X, const TrellisWeightBuffers<Buffer>& w, const Buffer& o) {
+    if (l.kernel.empty()) return;
+    out.push_back(make<Buffer>(l, {X, b.sorted_token, b.expert_offsets, w.packed, w.scales, w.grid, w.su, w.sv, o}, p));
+  };
+  out.push_back(make<Buffer>(plan.main,
+                     {b.x, b.sorted_token, b.expert_offsets, g.packed, g.scales, g.grid, g.su, g.sv, u.packed,
+                      u.scales, u.grid, u.su, u.sv, b.rows_h},
+                     p));
+  tiled(plan.tiled_gate, b.x, g, b.rows_h);
+  tiled(plan.tiled_up, b.x, u, b.rows_h);
+  out.push_back(make<Buffer>(plan.down, {b.rows_h, b.expert_offsets, d.packed, d.scales, d.grid, d.su, d.sv, b.rows_y}, p));
+  tiled(plan.tiled_down, b.rows_h, d, b.rows_y);
+  out.push_back(make<Buffer>(plan.combine, {b.rows_y, b.slot_row, b.probs, b.y}, p));
+  return out;
+}
+
+}  // namespace torch_marlin

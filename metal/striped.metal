@@ -1,0 +1,51 @@
+// Striped family of the FP4 / INT4 GEMM: marlin_gemm_striped_<fmt>_<dtype>.
+//
+// A 1-D grid of num_groups threadgroups walks the (tile, K slice) work units in column-major
+// stripes: work unit w -> tile_linear = w / k_parallel, k_slice = w % k_parallel; tiles are
+// numbered column-major (tile_row = tile_linear % m_tiles) so consecutive units of one
+// threadgroup share B columns. Threadgroup g walks [g * per, min((g + 1) * per, total)), so the
+// work spreads evenly over the GPU cores whatever the tile count. K slices write fp32 partials to
+// the workspace; marlin_reduce_partials (metal/reduce.metal) sums them.
+#include "torch_marlin/fused_tile_msl.h"
+
+using namespace metal;
+using namespace torch_marlin;
+
+template <uint FMT, typename T>
+inline void striped_impl(device const T* A, device const uint* B, device const T* scales, device const uchar* zeros,
+                         device const T* bias, device T* C, device float* workspace, constant QuantGemmParams& p,
+                         threadgroup T* a_tile, threadgroup T* b_stage, threadgroup float* c_stage, uint3 tgid,
+                         uint lid, uint sgid, uint lane) {
+  const uint kp = p.k_parallel;
+  const uint total = p.m_tiles * p.n_tiles * kp;
+  const uint per = (total + p.num_groups - 1u) / p.num_groups;
+  const uint w_begin = tgid.x * per;
+  const uint w_end = min(w_begin + per, total);
+  for (uint w = w_begin; w < w_end; ++w) {  // uniform across the threadgroup
+    const uint tile_linear = w / kp;
+    const uint k_slice = w % kp;
+    fused_tile_impl<FMT, T>(A, B, scales, zeros, bias, C, workspace, p, a_tile, b_stage, c_stage,
+                            tile_linear % p.m_tiles, tile_linear / p.m_tiles, k_slice, lid, sgid, lane);
+  }
+}
+
+template <uint FMT, typename T>
+[[kernel]] void marlin_gemm_striped(device const T* A [[buffer(0)]], device const uint* B [[buffer(1)]],
+                                    device const T* scales [[buffer(2)]], device const uchar* zeros [[buffer(3)]],
+                                    device const T* bias [[buffer(4)]], device T* C [[buffer(5)]],
+                                    device float* workspace [[buffer(6)]], constant QuantGemmParams& p [[buffer(7)]],
+                                    uint3 tgid [[threadgroup_position_in_grid]],
+                                    uint lid [[thread_index_in_threadgroup]],
+                                    uint sgid [[simdgroup_index_in_threadgroup]],
+                                    uint lane [[thread_index_in_simdgroup]]) {
+  TM_THREADGROUP_ARRAY(T, a_tile, [kTileM * kAStride]);
+  TM_THREADGROUP_ARRAY(T, b_stage, [kSimdgroups * 8 * kStageCols]);
+  TM_THREADGROUP_ARRAY(float, c_stage, [kSimdgroups * 64]);
+  striped_impl<FMT, T>(A, B, scales, zeros, bias, C, workspace, p, a_tile, b_stage, c_stage, tgid, lid, sgid, lane);
+}
+
+TM_INSTANTIATE_QUANT_DTYPE("marlin_gemm_striped", marlin_gemm_striped, half, half)
+TM_INSTANTIATE_QUANT_DTYPE("marlin_gemm_striped", marlin_gemm_striped, float, float)
+#if __METAL_VERSION__ >= 310
+TM_INSTANTIATE_QUANT_DTYPE("marlin_gemm_striped", marlin_gemm_striped, bfloat, bfloat)
+#endif
