@@ -62,3 +62,26 @@ def load(verbose=False):
                                   kernels_tu, switch_tu], build_dir, verbose)
     _modules["mod"] = mod
     return mod
+
+
+# ---- the ops "as Metal": same signatures as torch.ops.marlin.*, CPU tensors in and out -----------
+# Extra keywords as in tests/metal_emu.py: variant, schedule / seed (thread order of the executor),
+# return_plan.
+
+def gemm_trellis(A, packed_indices, scales, grid, su, sv, K, N, bits, group_size, *, variant="auto",
+                 schedule="forward", seed=0, return_plan=False):
+    C, plan = load().gemm(A, [packed_indices, scales, grid, su, sv], K, N, bits, group_size, variant, schedule, seed)
+    return (C, plan) if return_plan else C
+
+
+def dequant_trellis(packed_indices, scales, grid, su, sv, K, N, bits, group_size, *, schedule="forward", seed=0):
+    return load().dequant([packed_indices, scales, grid, su, sv], K, N, bits, group_size, schedule, seed)
+
+
+def moe_trellis(x, *args, schedule="forward", seed=0, return_plan=False):
+    """``args``: gate, up, down as 5 tensors each, then expert_ids, expert_probs, intermediate_size,
+    bits, group_size (torch.ops.marlin.moe_trellis's order)."""
+    gate, up, down = list(args[0:5]), list(args[5:10]), list(args[10:15])
+    ids, probs, intermediate_size, bits, group_size = args[15:]
+    y, plan = load().moe(x, gate, up, down, ids, probs, intermediate_size, bits, group_size, schedule, seed)
+    return (y, plan) if return_plan else y
