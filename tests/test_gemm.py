@@ -3,8 +3,8 @@ against torch.matmul on weights dequantized by plain torch (tests/reference.py, 
 
 The Metal harness runs the kernels as emulated threads (a 257-row prefill case takes about a
 second), so in the main matrix it runs M up to two prefill tiles (100 rows), half the cases with
-bias; the other backends run all of it. Shapes are chosen for the kernels' edges, not read from the planner:
-decode rows (M <= 8 on CPU, 16 on Metal, 128 on CUDA) and prefill rows, partial tiles.
+bias; the other backends run all of it. Shapes are chosen for the kernels' edges, not read from
+the planner: decode rows (M <= 8 on CPU, 16 on Metal, 128 on CUDA), prefill rows, partial tiles.
 """
 
 import itertools
