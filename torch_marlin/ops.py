@@ -1,7 +1,12 @@
-"""Python faces of the ``torch.ops.marlin`` ops and their fake (meta) kernels.
+"""Python faces of the ``torch.ops.marlin`` ops, their fake (meta) kernels and their autograd key.
 
 The fake kernels only compute output shapes and dtypes, so ``torch.compile`` can trace modules
 that call the ops, with symbolic M included. Argument checking lives in the C++ op.
+
+The ops are inference-only: they have no gradient formula. Each gets a fallthrough kernel at the
+Autograd key, so their outputs never require grad and the call costs nothing extra, instead of
+torch's not-implemented fallback, which records a node that warns at backward and returns no
+gradient.
 """
 
 from typing import Optional
@@ -9,6 +14,12 @@ from typing import Optional
 import torch
 
 from . import _C  # noqa: F401  (the ops must be registered before register_fake)
+
+OPS = ("gemm_fp4", "gemm_u4", "dequant_fp4", "dequant_u4", "gemm_trellis", "dequant_trellis", "moe_trellis")
+
+_autograd = torch.library.Library("marlin", "IMPL")
+for _op in OPS:
+    _autograd.impl(_op, torch.library.fallthrough_kernel, "Autograd")
 
 
 def check_same_device(op: str, ref_name: str, ref: torch.Tensor, **others) -> None:
@@ -66,18 +77,26 @@ def dequant_u4(B_packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
 
 # ---- trellis codebook family (csrc/ops/trellis.cpp) ----------------------------------------------
 
+_TRELLIS_PARTS = ("packed_indices", "scales", "grid", "su", "sv")
+
+
 @torch.library.register_fake("marlin::gemm_trellis")
 def _gemm_trellis_fake(A, packed_indices, scales, grid, su, sv, K, N, bits, group_size):
+    check_same_device("gemm_trellis", "A", A, **dict(zip(_TRELLIS_PARTS, (packed_indices, scales, grid, su, sv))))
     return A.new_empty((A.shape[0], N))
 
 
 @torch.library.register_fake("marlin::dequant_trellis")
 def _dequant_trellis_fake(packed_indices, scales, grid, su, sv, K, N, bits, group_size):
+    check_same_device("dequant_trellis", "packed_indices", packed_indices, scales=scales, grid=grid, su=su, sv=sv)
     return scales.new_empty((K, N))
 
 
 @torch.library.register_fake("marlin::moe_trellis")
 def _moe_trellis_fake(x, *args):
+    names = [f"{proj}_{part}" for proj in ("gate", "up", "down") for part in _TRELLIS_PARTS]
+    names += ["expert_ids", "expert_probs"]
+    check_same_device("moe_trellis", "x", x, **dict(zip(names, args)))
     return x.new_empty(x.shape)
 
 

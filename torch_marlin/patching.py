@@ -13,8 +13,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .modules import MarlinLinear
-from .trellis import TrellisLinear
+from .modules import MarlinLinear, TrellisLinear
 
 DEFAULT_SKIP = ("lm_head",)
 

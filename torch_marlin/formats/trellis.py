@@ -1,4 +1,4 @@
-"""Trellis codebook weights (the EXL3-style container of the seed trellis_gemm.md).
+"""Trellis codebook weights (an EXL3-style container: codebook indices, group scales, sign vectors).
 
 Layout (docs/formats.md, "Trellis"), for a weight ``W[K, N]`` (the transpose of ``nn.Linear.weight``):
 

@@ -5,10 +5,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import ops
-from .formats import int4_packing
-from .formats.fp4 import dequant_fp4_reference, quantize_fp4
-from .formats.u4 import dequant_u4_reference, quantize_u4
+from .. import ops
+from ..formats import int4_packing
+from ..formats.fp4 import dequant_fp4_reference, quantize_fp4
+from ..formats.u4 import dequant_u4_reference, quantize_u4
 
 FORMATS = ("fp4", "u4")
 

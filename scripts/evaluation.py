@@ -1,4 +1,7 @@
-"""Hugging Face helpers for the real-model path (scripts/patch_hf_model.py and tests/test_models.py).
+"""Model loading and evaluation for scripts/patch_hf_model.py and tests/test_models.py.
+
+Kept outside the ``torch_marlin`` package: measuring a model (embedding cosine, perplexity,
+generation) is a user-side activity, not part of the library's API, and it needs ``transformers``.
 
 Imports ``transformers`` only inside functions. Works offline: models come from local
 directories or GGUF files, e.g. the two that ship inside PyPI wheels:

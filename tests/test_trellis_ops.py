@@ -1,0 +1,110 @@
+"""Trellis codebook ops (gemm_trellis, dequant_trellis, moe_trellis) on every backend of
+tests/backends.py against plain-torch references (tests/reference.py: fp64 matmuls on weights from
+``dequant_trellis_reference``, error bounds there).
+
+Shapes are never multiples of the 16-row index tiles or the 32 / 64 kernel tiles, and group size
+128 leaves a partial last group.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from backends import BACKENDS, cases
+from reference import assert_moe_close, assert_trellis_gemm_close, dequant_ref, moe_case, moe_reference, random_trellis
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+BITS = [2, 3, 4]
+
+
+# ---- dequant_trellis ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend, bits, gs, K, N", cases(
+    [(b, g, K, N) for b, g, (K, N) in itertools.product(BITS, [32, 128], [(200, 77), (37, 300)])]))
+def test_dequant_trellis(backend, bits, gs, K, N):
+    t = random_trellis(K, N, bits, gs, seed=bits * 7 + gs)
+    W = backend.dequant_trellis(*t, K, N, bits, gs)
+    assert W.dtype == torch.float32 and W.shape == (K, N)
+    # The fp32 products grid * scale * su * sv, possibly in another order: 2 ulp.
+    torch.testing.assert_close(W.double(), dequant_ref(t, K, N, bits, gs), rtol=3e-7, atol=1e-9)
+
+
+# ---- gemm_trellis ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend, bits, gs, M, dtype", cases(list(itertools.product(
+    BITS, [32, 128], [1, 5, 16, 17, 100], DTYPES))))
+def test_gemm_trellis(backend, bits, gs, M, dtype):
+    # Decode rows (M <= 16) and prefill rows; K = 200 / 144 and N = 77 / 100 cut every tile.
+    K, N = (200, 77) if M % 2 else (144, 100)
+    t = random_trellis(K, N, bits, gs, seed=M * 7 + bits)
+    A = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
+    C = backend.gemm_trellis(A, *t, K, N, bits, gs)
+    assert C.dtype == dtype and C.shape == (M, N)
+    assert_trellis_gemm_close(C, A, dequant_ref(t, K, N, bits, gs), backend.exact_products)
+
+
+@pytest.mark.parametrize("backend, bits, M", cases(list(itertools.product(BITS, [3, 33]))))
+def test_gemm_trellis_larger_shape(backend, bits, M):
+    K, N, gs = 1040, 1000, 128  # several K chunks (256) and column panels on the CPU prefill path
+    t = random_trellis(K, N, bits, gs, seed=3)
+    A = torch.randn(M, K)
+    assert_trellis_gemm_close(backend.gemm_trellis(A, *t, K, N, bits, gs), A, dequant_ref(t, K, N, bits, gs),
+                              backend.exact_products)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gemm_trellis_empty_and_non_contiguous(backend):
+    K, N, bits, gs = 64, 48, 3, 32
+    t = random_trellis(K, N, bits, gs)
+    assert backend.gemm_trellis(torch.randn(0, K), *t, K, N, bits, gs).shape == (0, N)
+    A = torch.randn(K, 9).t()  # non-contiguous [9, K]
+    assert_trellis_gemm_close(backend.gemm_trellis(A, *t, K, N, bits, gs), A, dequant_ref(t, K, N, bits, gs),
+                              backend.exact_products)
+
+
+# ---- moe_trellis -------------------------------------------------------------------------------
+
+def run_moe(backend, x, gate, up, down, ids, probs, I, bits, gs):
+    return backend.moe_trellis(x, *gate, *up, *down, ids, probs, I, bits, gs)
+
+
+@pytest.mark.parametrize("backend, top_k, routing, T", cases(list(itertools.product(
+    [1, 2], ["random", "some_empty", "all_to_one"], [1, 5, 40]))))
+def test_moe_trellis(backend, top_k, routing, T):
+    # Experts without tokens, and (T = 40, all_to_one) experts with more than 16 rows, which the
+    # Metal kernels run as 64 x 64 tiles instead of GEMVs.
+    H, I, E, bits, gs = 72, 112, 6, 3, 32
+    gate, up, down, ids, probs = moe_case(T, H, I, E, top_k, bits, gs, routing, seed=T + top_k)
+    x = torch.randn(T, H) * 0.5
+    y = run_moe(backend, x, gate, up, down, ids, probs, I, bits, gs)
+    assert y.shape == (T, H)
+    assert_moe_close(y, moe_reference(x, gate, up, down, ids, probs, H, I, bits, gs), torch.float32,
+                     backend.exact_products)
+
+
+@pytest.mark.parametrize("backend, dtype, bits", cases(list(itertools.product(DTYPES, [2, 4]))))
+def test_moe_trellis_dtypes_bits(backend, dtype, bits):
+    T, H, I, E, top_k, gs = 20, 64, 48, 4, 2, 32
+    gate, up, down, _, probs = moe_case(T, H, I, E, top_k, bits, gs, "random", seed=bits)
+    # Expert 3 gets all 20 tokens (tiles on Metal), experts 0..2 get 6-7 each (GEMVs).
+    ids = torch.stack([torch.full((T,), E - 1), torch.arange(T) % 3], 1)
+    x = (torch.randn(T, H) * 0.5).to(dtype)
+    if bits == 2:  # int32 ids and probs in the activation dtype are accepted too
+        ids, probs = ids.to(torch.int32), probs.to(dtype)
+    y = run_moe(backend, x, gate, up, down, ids, probs, I, bits, gs)
+    # The reference uses the probs as the kernel received them (read as f32).
+    ref = moe_reference(x, gate, up, down, ids, probs.float(), H, I, bits, gs)
+    assert_moe_close(y, ref, dtype, backend.exact_products)
+
+
+@pytest.mark.parametrize("backend, bits, gs", cases(list(itertools.product(BITS, [32, 128]))))
+def test_moe_trellis_bits_group_sizes(backend, bits, gs):
+    # hidden 200 and intermediate 136: neither a multiple of 16 / 32, partial last scale groups.
+    T, H, I, E, top_k = 24, 200, 136, 5, 2
+    gate, up, down, ids, probs = moe_case(T, H, I, E, top_k, bits, gs, "all_to_one" if gs == 128 else "random",
+                                          seed=bits * gs)
+    x = (torch.randn(T, H) * 0.3).half()
+    y = run_moe(backend, x, gate, up, down, ids, probs, I, bits, gs)
+    assert_moe_close(y, moe_reference(x, gate, up, down, ids, probs, H, I, bits, gs), torch.float16,
+                     backend.exact_products)
