@@ -56,9 +56,7 @@ def load(verbose=False):
         "#undef TM_EMU_KERNEL_PREFIX\n"
         '#define TM_EMU_KERNEL_PREFIX "%s"\n'
         "namespace tm_barrier_switch {\n%s}\n") % (BARRIER_SWITCH_PREFIX, switch_includes))
-    plan_dir = os.path.join(ROOT, "csrc", "plan")
     mod = metal_emu.build_module("tm_trellis_metal_emu", ["trellis_bindings.cpp", "runtime.cpp"],
-                                 [os.path.join(plan_dir, "plan.cpp"), os.path.join(plan_dir, "trellis_plan.cpp"),
-                                  kernels_tu, switch_tu], build_dir, verbose)
+                                 metal_emu.PLAN_SOURCES + [kernels_tu, switch_tu], build_dir, verbose)
     _modules["mod"] = mod
     return mod

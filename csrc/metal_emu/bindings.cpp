@@ -53,7 +53,7 @@ std::tuple<at::Tensor, py::dict> gemm(const std::string& format, const at::Tenso
   if (compute_units > 0) caps.compute_units = compute_units;
   GemmPlan plan;
   try {
-    plan = plan_quant_gemm(f, M, K, N, group_size, dtype_of(A), bias_in.has_value(), caps, parse_variant(variant));
+    plan = plan_quant_gemm(f, M, K, N, group_size, dtype_of(A), bias_in.has_value(), caps, parse_family(variant));
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK_VALUE(false, e.what());
   }

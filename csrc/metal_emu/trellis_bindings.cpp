@@ -15,11 +15,11 @@ namespace {
 
 using namespace torch_marlin;
 
-GemmVariant parse_variant(const std::string& s) {
-  if (s == "auto") return GemmVariant::Auto;
-  if (s == "decode") return GemmVariant::Decode;
-  if (s == "tiled") return GemmVariant::Tiled;
-  TORCH_CHECK_VALUE(false, "variant must be auto/decode/tiled, got '", s, "'");
+KernelFamily parse_family(const std::string& s) {
+  if (s == "auto") return KernelFamily::Auto;
+  if (s == "decode") return KernelFamily::Decode;
+  if (s == "staged_tiles") return KernelFamily::StagedTiles;
+  TORCH_CHECK_VALUE(false, "family must be auto/decode/staged_tiles, got '", s, "'");
 }
 
 struct RunOpts {
@@ -54,7 +54,7 @@ py::dict launch_dict(const TrellisLaunch& l) {
 
 py::dict plan_dict(const TrellisPlan& p) {
   py::dict d = launch_dict(p.main);
-  d["variant"] = variant_name(p.variant);
+  d["family"] = family_name(p.family);
   d["tile_m"] = p.params.tile_m;
   d["tile_n"] = p.params.tile_n;
   if (!p.down.kernel.empty()) {
@@ -94,7 +94,7 @@ std::tuple<at::Tensor, py::dict> gemm(const at::Tensor& A_in, const std::vector<
   const TrellisWeights w = weights(w_in);
   const TrellisPlan plan = planned([&] {
     return plan_trellis_gemm(A.size(0), K, N, bits, group_size, dtype_of(A), default_metal_caps(),
-                             parse_variant(variant));
+                             parse_family(variant));
   });
   at::Tensor C = at::full({A.size(0), N}, std::numeric_limits<float>::quiet_NaN(), A.options());
   TrellisParams p = plan.params;

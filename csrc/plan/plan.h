@@ -3,7 +3,11 @@
 // Metal-on-CPU harness all execute the plan they are given; none of them re-decides.
 //
 // Portable C++17: no torch, no Objective-C, so the harness and the Python policy function
-// (torch_marlin.dispatch) reach exactly the same code.
+// (torch_marlin.planner) reach exactly the same code.
+//
+// Files: plan.cpp (entry, validation, the policy's choice of family, names), plan_common.cpp
+// (tiles, K slices, reductions), plan_cpu.cpp, plan_metal.cpp, plan_cuda.cpp (each backend's
+// geometry and tuning constants), trellis_plan.cpp (the trellis op family).
 #pragma once
 
 #include <cstddef>
@@ -28,15 +32,19 @@ struct DeviceCaps {
   // compiled for them (sm_90+ PTX); the decode plan then reduces 2 K slices through a cluster.
   int thread_block_clusters = 0;
   // CUDA: 1 when the device is compute capability 9.0 and the loaded kernels were built for
-  // sm_90a; the planner may then pick the wgmma kernels (plan.cpp cuda_wgmma_ws_pays,
+  // sm_90a; the planner may then pick the wgmma kernels (plan_cuda.cpp cuda_wgmma_ws_pays,
   // cuda_wgmma_pays).
   int wgmma = 0;
 };
 
+// What a backend is assumed to have where the caller names no value: CPU 1 thread; Metal
+// default_metal_caps(); CUDA 1 SM, no thread-block clusters, no wgmma (the portable kernels only).
+DeviceCaps default_caps(Backend b);
+
 // Kernel families. A family is one kernel (template) per backend file; the planner picks the
 // family and its template parameters, and every backend instantiates exactly what the plan names.
 enum class KernelFamily : int {
-  Auto = 0,     // a `force` value only: let the policy choose
+  Auto = 0,     // a `force` value: let the policy choose; in a plan: no GEMM (standalone dequant)
   Decode,       // small M: GEMV-style, each packed weight read once for all rows (every backend)
   DequantBlas,  // CPU, CUDA: dequantize column panels of B into a buffer, then a BLAS GEMM
   FusedTiles,   // Metal: 2-D grid of 64x64 output tiles, weights dequantized in registers
@@ -66,8 +74,8 @@ struct KernelDesc {
   uint32_t tile_m = 0;     // rows of the output tile (CUDA decode: the mma n extent, 8..64)
   uint32_t tile_n = 0;     // columns of the output tile
   uint32_t consumers = 0;  // WgmmaWs: consumer warpgroups (tile_n / 64); 0 otherwise
-  bool fold = false;       // CUDA decode: group_size % 32 == 0, a 32-row chunk never straddles
-                           // two groups (scales folded once per chunk)
+  bool fold = false;       // CUDA decode with tile_m <= 16 and group_size % 32 == 0: a 32-row chunk
+                           // never straddles two groups (scales folded once per chunk)
   ReduceKind reduce = ReduceKind::None;
 };
 
@@ -84,6 +92,7 @@ std::string kernel_name(const KernelDesc& k);
 
 struct GemmPlan {
   KernelDesc desc;
+  DeviceCaps caps;            // what the plan was made for
   std::string kernel;         // kernel_name(desc)
   std::string reduce_kernel;  // Metal: the SecondDispatch kernel's function name, else empty
   uint32_t grid[3] = {1, 1, 1};     // threadgroups (Metal) / blocks (CUDA) / tasks (CPU)
@@ -93,6 +102,9 @@ struct GemmPlan {
   size_t workspace_bytes = 0;       // fp32 partials [k_parallel][M][N] when k_parallel > 1 (CUDA
                                     // wgmma_ws: whole tiles in fragment order); dequant_blas: the panel
   QuantGemmParams params{};
+  // CUDA fp16/bf16 kernels: N rounded up to 16, the column count of the weights, scales and zero
+  // points the kernels read (the launcher pads them when it differs from N). 0 elsewhere.
+  uint32_t padded_n = 0;
   // CUDA wgmma_ws only: the last tail_n_tiles column tiles (all row tiles of them) are left out of
   // grid (grid[1] = n_tiles - tail_n_tiles, k_parallel 1) and run as a second launch split into
   // tail_k_parallel K slices of tail_k_slice_len rows, summed through a cluster, so that the main
@@ -106,7 +118,8 @@ struct GemmPlan {
 };
 
 // Plans C[M,N] = A[M,K] @ dequant(B)[K,N] (+ bias). Shapes must already be validated by the op.
-// `force` lets tests run a specific variant; Auto is the policy.
+// `force` lets tests run a specific family; Auto is the policy. Throws std::invalid_argument for
+// a family the backend (and dtype, and caps) cannot run.
 GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, int64_t group_size,
                          DType dtype, bool has_bias, const DeviceCaps& caps,
                          KernelFamily force = KernelFamily::Auto);
