@@ -268,7 +268,7 @@ def test_policy_rejects_bad_names():
     with pytest.raises(ValueError, match="family must be one of"):
         torch_marlin.plan_gemm("fp4", 1, 256, 64, family="fast")
     with pytest.raises(ValueError, match="family must be one of"):
-        torch_marlin.plan_gemm("fp4", 100, 256, 64, family="tiled")  # the old name
+        torch_marlin.plan_gemm("fp4", 100, 256, 64, family="tiled")  # not a family
     with pytest.raises(ValueError, match="decode family handles M <= 16"):
         torch_marlin.plan_gemm("fp4", 17, 256, 64, family="decode")
     with pytest.raises(ValueError, match="decode family handles M <= 16 only \\(128 on CUDA\\)"):
