@@ -161,7 +161,7 @@ def test_cluster_reduction_chosen_on_sm90(K, k_parallel):
     assert plan["k_parallel"] == k_parallel
     sm90 = torch.cuda.get_device_capability()[0] >= 9
     expect_cluster = sm90 and k_parallel == 2
-    assert plan["reduce_kernel"] == ("cluster_reduce" if expect_cluster else "last_block_reduce")
+    assert plan["reduce"] == ("cluster" if expect_cluster else "last_block")
     assert plan["workspace_bytes"] == (0 if expect_cluster else k_parallel * M * N * 4)
     B, s, _ = make_weights("fp4", K, N, 128, torch.float16)
     A = torch.randn(M, K, device="cuda", dtype=torch.float16)
@@ -174,7 +174,7 @@ def test_cluster_reduction_chosen_on_sm90(K, k_parallel):
 
 # ---- The wgmma kernel (sm_90a): 64 < M <= 512 with >= 64 column tiles --------------------------------
 def on_sm90a_build():
-    return torch.cuda.get_device_capability() == (9, 0) and torch_marlin._C.cuda_wgmma(torch.cuda.current_device())
+    return torch.cuda.get_device_capability() == (9, 0) and torch_marlin._C.device_caps("cuda")["wgmma"]
 
 
 def require_wgmma():
@@ -182,7 +182,7 @@ def require_wgmma():
     kernels (setup.py's default TORCH_CUDA_ARCH_LIST), so the wgmma tests cannot skip silently."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma needs a compute capability 9.0 device")
-    assert torch_marlin._C.cuda_wgmma(torch.cuda.current_device()), "built without sm_90a (TORCH_CUDA_ARCH_LIST)?"
+    assert torch_marlin._C.device_caps("cuda")["wgmma"], "built without sm_90a (TORCH_CUDA_ARCH_LIST)?"
 
 
 # The wgmma kernel serves group sizes that are multiples of 32 but not of 64 (wgmma_ws takes the
@@ -264,12 +264,12 @@ def test_wgmma_ws(fmt, dtype, M, K, N, group_size, k_parallel, tile_m, tile_n):
         # Global K slices keep whole fp32 tiles in a workspace; a cluster needs none.
         tiles = plan["m_tiles"] * plan["n_tiles"]
         assert plan["workspace_bytes"] == (tiles * plan["k_parallel"] * plan["tile_m"] * plan["tile_n"] * 4
-                                           if plan["reduce_kernel"] == "last_block_reduce" else 0), plan
+                                           if plan["reduce"] == "last_block" else 0), plan
         if on_132_sms():
             assert (plan["k_parallel"], plan["tile_m"], plan["tile_n"]) == (k_parallel, tile_m, tile_n), plan
-            expect = "last_block_reduce" if k_parallel > 2 and tile_m <= 128 else \
-                "cluster_reduce" if k_parallel > 1 else ""
-            assert plan["reduce_kernel"] == expect, plan
+            expect = "last_block" if k_parallel > 2 and tile_m <= 128 else \
+                "cluster" if k_parallel > 1 else "none"
+            assert plan["reduce"] == expect, plan
     gpu_case(fmt, M, K, N, dtype, with_bias=True, seed=M, group_size=group_size)
 
 
@@ -333,7 +333,7 @@ def test_dequant_blas_two_panels(fmt, dtype):
     # group size wgmma_ws does not take (% 64 != 0).
     M, K, N, group_size = 600, 65536, 8200, 32
     plan = torch_marlin.plan_gemm(fmt, M, K, N, group_size, dtype=dtype, device="cuda")
-    assert plan["variant"] == "dequant_blas" and plan["n_tiles"] == 2 and N % plan["tile_n"] != 0
+    assert plan["family"] == "dequant_blas" and plan["n_tiles"] == 2 and N % plan["tile_n"] != 0
     gpu_case(fmt, M, K, N, dtype, with_bias=True, seed=0, group_size=group_size)
 
 
@@ -345,7 +345,7 @@ def test_dequant_blas_two_panels(fmt, dtype):
 def test_deterministic(M, K):
     N = 1024
     plan = plan_for(M, K, N, torch.float16)
-    assert plan["k_parallel"] > 1 or plan["variant"] == "dequant_blas"
+    assert plan["k_parallel"] > 1 or plan["family"] == "dequant_blas"
     B, s, z = make_weights("u4", K, N, 128, torch.float16)
     A = torch.randn(M, K, device="cuda", dtype=torch.float16)
     bias = torch.randn(N, device="cuda", dtype=torch.float16)
@@ -424,8 +424,8 @@ COUNTERS_MADE_UNDER_CAPTURE = """
 import torch, torch_marlin
 from torch_marlin.formats import dequant_fp4_reference, quantize_fp4
 M, K, N, gs = 4, 8192, 1024, 128  # decode, 8 K slices summed through global memory (tile counters)
-assert torch_marlin.plan_gemm("fp4", M, K, N, gs, dtype=torch.float16, device="cuda")["reduce_kernel"] == \\
-    "last_block_reduce"
+assert torch_marlin.plan_gemm("fp4", M, K, N, gs, dtype=torch.float16, device="cuda")["reduce"] == \\
+    "last_block"
 B, s = quantize_fp4(torch.randn(K, N), gs, scale_dtype=torch.float16)
 B, s = B.cuda(), s.cuda()
 A = torch.randn(M, K, device="cuda", dtype=torch.float16)

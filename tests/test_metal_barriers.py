@@ -23,17 +23,17 @@ import metal_emu
 
 SCHEDULES = ["forward", "reverse", "random", "simd_ahead", "simd_ahead_reverse"]
 
-# barrier tag -> (variant that runs the kernel holding it, M, schedules that must catch its loss).
+# barrier tag -> (family that runs the kernel holding it, M, schedules that must catch its loss).
 # fused_stage_free is absent on purpose: in the harness the simdgroup_multiply_accumulate between
 # the B-stage reads and the next writes is itself a simdgroup rendezvous, so removing it is not
 # observable here (the kernel keeps it: Metal's memory model asks for it).
 NEEDED = {
     "gemv_meet": ("decode", 5, SCHEDULES),
-    "fused_a_ready": ("tiled", 64, ["simd_ahead", "simd_ahead_reverse"]),
-    "fused_stage_ready": ("tiled", 64, SCHEDULES),
-    "fused_a_free": ("tiled", 64, ["simd_ahead", "simd_ahead_reverse"]),
-    "staged_prologue": ("tiled_staged", 64, SCHEDULES),
-    "staged_swap": ("tiled_staged", 64, ["simd_ahead", "simd_ahead_reverse"]),
+    "fused_a_ready": ("fused_tiles", 64, ["simd_ahead", "simd_ahead_reverse"]),
+    "fused_stage_ready": ("fused_tiles", 64, SCHEDULES),
+    "fused_a_free": ("fused_tiles", 64, ["simd_ahead", "simd_ahead_reverse"]),
+    "staged_prologue": ("staged_tiles", 64, SCHEDULES),
+    "staged_swap": ("staged_tiles", 64, ["simd_ahead", "simd_ahead_reverse"]),
 }
 
 K, N, GS = 128, 64, 32  # four K tiles: the double-buffer swap and the A-tile reuse both happen
@@ -58,10 +58,10 @@ def matches(C, ref):
     return bool(torch.allclose(C.float(), ref, rtol=2e-3, atol=2e-2))
 
 
-def run(emu, variant, M, schedule):
+def run(emu, family, M, schedule):
     A, B, s, ref = problem(M)
-    C, plan = emu.gemm("fp4", A, B, s, None, None, GS, variant, 0, schedule, 3, 1, metal_emu.BARRIER_SWITCH_PREFIX)
-    assert plan["variant"] == variant
+    C, plan = emu.gemm("fp4", A, B, s, None, None, GS, family, 0, schedule, 3, 1, metal_emu.BARRIER_SWITCH_PREFIX)
+    assert plan["family"] == family
     return matches(C, ref)
 
 
@@ -71,13 +71,13 @@ def test_every_tagged_barrier_is_covered():
 
 @pytest.mark.parametrize("tag", sorted(NEEDED))
 def test_removed_barrier_is_detected(emu, tag):
-    variant, M, catching = NEEDED[tag]
+    family, M, catching = NEEDED[tag]
     emu.set_dropped_barrier("")
     for sch in SCHEDULES:
-        assert run(emu, variant, M, sch), f"intact kernel failed under {sch}"
+        assert run(emu, family, M, sch), f"intact kernel failed under {sch}"
     emu.set_dropped_barrier(tag)
     try:
-        caught = [sch for sch in SCHEDULES if not run(emu, variant, M, sch)]
+        caught = [sch for sch in SCHEDULES if not run(emu, family, M, sch)]
     finally:
         emu.set_dropped_barrier("")
     assert set(catching) <= set(caught), f"dropping {tag}: caught only under {caught}"
@@ -136,13 +136,13 @@ def test_threadgroup_memory_limit_is_enforced(emu):
         emu.dispatch_raw("selftest_too_much_tg", [1, 1, 1], 128, [out])
 
 
-@pytest.mark.parametrize("variant,expected", [
+@pytest.mark.parametrize("family,expected", [
     # docs/metal.md: decode 4x16x32 fp32 partials; fused A 64x40 + B stage 4x8x32 (half) + fp32
     # epilogue stage 4x64; staged 2 x (64x32 + 32x64) half.
-    ("decode", 8192), ("tiled", 5120 + 2048 + 1024), ("tiled_staged", 16384)])
-def test_threadgroup_memory_budget(emu, variant, expected):
-    A, B, s, _ = problem(5 if variant == "decode" else 64)
-    emu.gemm("fp4", A, B, s, None, None, GS, variant, 0, "forward", 0, 1)
+    ("decode", 8192), ("fused_tiles", 5120 + 2048 + 1024), ("staged_tiles", 16384)])
+def test_threadgroup_memory_budget(emu, family, expected):
+    A, B, s, _ = problem(5 if family == "decode" else 64)
+    emu.gemm("fp4", A, B, s, None, None, GS, family, 0, "forward", 0, 1)
     assert emu.last_stats()["max_threadgroup_bytes"] == expected
 
 

@@ -111,17 +111,17 @@ def test_parser_sees_every_kernel():
     assert declaration_of("dequant_fp4_float") is DECLS["dequant_kernel"]
 
 
-# (variant, M, K, N, group_size, compute_units): every plan path, with and without K slices.
-QUANT_PLANS = [("decode", 4, 512, 96, 64, 0), ("decode", 1, 8192, 256, 128, 0), ("tiled", 70, 256, 96, 32, 0),
-               ("tiled_staged", 70, 256, 96, 32, 0), ("striped", 64, 8192, 256, 128, 0), ("auto", 17, 256, 96, 64, 0),
+# (family, M, K, N, group_size, compute_units): every plan path, with and without K slices.
+QUANT_PLANS = [("decode", 4, 512, 96, 64, 0), ("decode", 1, 8192, 256, 128, 0), ("fused_tiles", 70, 256, 96, 32, 0),
+               ("staged_tiles", 70, 256, 96, 32, 0), ("striped", 64, 8192, 256, 128, 0), ("auto", 17, 256, 96, 64, 0),
                ("auto", 64, 8192, 256, 128, 0)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("variant,M,K,N,gs,cu", QUANT_PLANS)
-def test_quant_descriptions_match_kernels(emu, dtype, variant, M, K, N, gs, cu):
+@pytest.mark.parametrize("family,M,K,N,gs,cu", QUANT_PLANS)
+def test_quant_descriptions_match_kernels(emu, dtype, family, M, K, N, gs, cu):
     for fmt in ("fp4", "u4"):
-        ds = emu.describe_gemm(fmt, M, K, N, gs, dtype, True, True, variant, cu)
+        ds = emu.describe_gemm(fmt, M, K, N, gs, dtype, True, True, family, cu)
         for d in ds:
             assert_matches_declaration(d)
         split_k = any(d["kernel"].startswith("marlin_reduce_partials_") for d in ds)
@@ -142,7 +142,7 @@ def test_quant_descriptions_cover_k_slices(emu):
 
 def test_quant_stand_ins(emu):
     # FP4 without bias, one K slice: zeros <- scales, bias <- C, workspace <- C (bound, never read).
-    (d,) = emu.describe_gemm("fp4", 70, 256, 96, 32, "float16", False, False, "tiled", 0)
+    (d,) = emu.describe_gemm("fp4", 70, 256, 96, 32, "float16", False, False, "fused_tiles", 0)
     assert d["buffers"] == ["A", "B", "scales", "scales", "C", "C", "C"]
     ds = emu.describe_gemm("fp4", 1, 8192, 256, 128, "float16", False, False, "decode", 0)
     assert ds[0]["buffers"] == ["A", "B", "scales", "scales", "C", "C", "workspace"]
@@ -153,8 +153,8 @@ def test_quant_stand_ins(emu):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_trellis_descriptions_match_kernels(trellis_emu, dtype):
-    for variant, M in (("decode", 5), ("tiled", 70), ("auto", 1), ("auto", 17)):
-        for d in trellis_emu.describe_gemm(M, 200, 77, 3, 32, dtype, variant):
+    for family, M in (("decode", 5), ("fused_tiles", 70), ("auto", 1), ("auto", 17)):
+        for d in trellis_emu.describe_gemm(M, 200, 77, 3, 32, dtype, family):
             assert_matches_declaration(d)
     for d in trellis_emu.describe_dequant(200, 77, 3, 32):
         assert_matches_declaration(d)
@@ -195,11 +195,11 @@ def test_permuted_description_fails_a_gemm(emu):
     B, s = quantize_fp4(torch.randn(K, N, generator=g), gs, scale_dtype=torch.float16)
     A = torch.randn(M, K, generator=g).half()
     ref = A.float() @ dequant_fp4_reference(B, s, gs)
-    for variant in ("decode", "tiled"):
-        m = 4 if variant == "decode" else M
-        C, _ = emu.gemm("fp4", A[:m], B, s, None, None, gs, variant, 0, "forward", 0, 1, "", [])
+    for family in ("decode", "fused_tiles"):
+        m = 4 if family == "decode" else M
+        C, _ = emu.gemm("fp4", A[:m], B, s, None, None, gs, family, 0, "forward", 0, 1, "", [])
         assert torch.allclose(C.float(), ref[:m], rtol=2e-3, atol=2e-2)
-        C, _ = emu.gemm("fp4", A[:m].clone(), B, s, None, None, gs, variant, 0, "forward", 0, 1, "", [0, 5])
+        C, _ = emu.gemm("fp4", A[:m].clone(), B, s, None, None, gs, family, 0, "forward", 0, 1, "", [0, 5])
         assert not torch.allclose(C.float(), ref[:m], rtol=2e-3, atol=2e-2, equal_nan=False)
 
 

@@ -77,25 +77,25 @@ def schedule_for(*key):
 # of 8 / 64, K not a multiple of TILE_K = 32 (K = 200 with group 8), groups smaller than a K tile.
 DECODE_SHAPES = [(1, 256, 72, 32), (3, 128, 100, 64), (16, 384, 40, 128), (7, 200, 33, 8)]
 TILE_SHAPES = [(17, 256, 100, 64), (64, 128, 64, 32), (130, 256, 72, 128), (33, 200, 50, 8)]
-VARIANT_KERNEL = {"decode": "marlin_gemv", "tiled": "marlin_gemm_fused", "tiled_staged": "marlin_gemm",
+FAMILY_KERNEL = {"decode": "marlin_gemv", "fused_tiles": "marlin_gemm_fused", "staged_tiles": "marlin_gemm",
                   "striped": "marlin_gemm_striped"}
 DTYPE_NAME = {torch.float16: "half", torch.bfloat16: "bfloat", torch.float32: "float"}
 
 CASES = [("decode", s) for s in DECODE_SHAPES] + [
-    (v, s) for v in ("tiled", "tiled_staged", "striped") for s in TILE_SHAPES]
+    (v, s) for v in ("fused_tiles", "staged_tiles", "striped") for s in TILE_SHAPES]
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "u4"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("variant,shape", CASES, ids=[f"{v}-{'x'.join(map(str, s))}" for v, s in CASES])
-def test_gemm_matches_matmul(emu, fmt, dtype, variant, shape):
+@pytest.mark.parametrize("family,shape", CASES, ids=[f"{v}-{'x'.join(map(str, s))}" for v, s in CASES])
+def test_gemm_matches_matmul(emu, fmt, dtype, family, shape):
     M, K, N, gs = shape
     bias = (M + N) % 2 == 0  # half the cases with bias, half without
     A, B, s, z, b, W = make_problem(fmt, M, K, N, gs, dtype, bias=bias, seed=M * 131 + N)
-    sched = schedule_for(fmt, dtype, variant, shape)
-    C, plan = emu.gemm(fmt, A, B, s, z, b, gs, variant, 0, sched, 7)
-    assert plan["variant"] == variant
-    assert plan["kernel"] == f"{VARIANT_KERNEL[variant]}_{fmt}_{DTYPE_NAME[dtype]}"
+    sched = schedule_for(fmt, dtype, family, shape)
+    C, plan = emu.gemm(fmt, A, B, s, z, b, gs, family, 0, sched, 7)
+    assert plan["family"] == family
+    assert plan["kernel"] == f"{FAMILY_KERNEL[family]}_{fmt}_{DTYPE_NAME[dtype]}"
     check_close(C, A, W, b, dtype)
 
 
@@ -112,7 +112,7 @@ def test_dequant_exact(emu, fmt, dtype):
 # ---- K-parallel: stripes and decode splitting K over slices, reduced in a fixed order ----------
 
 KPAR_CASES = [
-    # (variant, M, K, N, gs, compute_units): small output, long K -> k_parallel > 1
+    # (family, M, K, N, gs, compute_units): small output, long K -> k_parallel > 1
     ("striped", 40, 1024, 60, 128, 64),
     ("striped", 70, 512, 130, 32, 40),
     ("decode", 1, 1024, 64, 64, 8),
@@ -121,42 +121,42 @@ KPAR_CASES = [
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "u4"])
-@pytest.mark.parametrize("variant,M,K,N,gs,cu", KPAR_CASES)
-def test_k_parallel_correct_and_bitwise_deterministic(emu, fmt, variant, M, K, N, gs, cu):
+@pytest.mark.parametrize("family,M,K,N,gs,cu", KPAR_CASES)
+def test_k_parallel_correct_and_bitwise_deterministic(emu, fmt, family, M, K, N, gs, cu):
     dtype = torch.float16
     A, B, s, z, b, W = make_problem(fmt, M, K, N, gs, dtype, bias=True, seed=K + N)
-    C1, plan = emu.gemm(fmt, A, B, s, z, b, gs, variant, cu, "forward", 0, 1)
-    assert plan["variant"] == variant
+    C1, plan = emu.gemm(fmt, A, B, s, z, b, gs, family, cu, "forward", 0, 1)
+    assert plan["family"] == family
     assert plan["k_parallel"] > 1, plan
     assert plan["reduce_kernel"] == "marlin_reduce_partials_half"
     assert plan["workspace_bytes"] == plan["k_parallel"] * M * N * 4
     check_close(C1, A, W, b, dtype)
     # Another thread order, seed and number of OS threads: the fixed-order reduction makes the
     # result bitwise identical.
-    C2, _ = emu.gemm(fmt, A, B, s, z, b, gs, variant, cu, "random", 12345, 2)
-    C3, _ = emu.gemm(fmt, A, B, s, z, b, gs, variant, cu, "simd_ahead_reverse", 0, 2)
+    C2, _ = emu.gemm(fmt, A, B, s, z, b, gs, family, cu, "random", 12345, 2)
+    C3, _ = emu.gemm(fmt, A, B, s, z, b, gs, family, cu, "simd_ahead_reverse", 0, 2)
     assert torch.equal(C1, C2) and torch.equal(C1, C3)
 
 
-@pytest.mark.parametrize("variant", ["tiled", "tiled_staged", "decode"])
-def test_results_independent_of_thread_order(emu, variant):
-    M = 5 if variant == "decode" else 70
+@pytest.mark.parametrize("family", ["fused_tiles", "staged_tiles", "decode"])
+def test_results_independent_of_thread_order(emu, family):
+    M = 5 if family == "decode" else 70
     A, B, s, z, b, W = make_problem("u4", M, 256, 90, 64, torch.bfloat16, seed=11)
-    outs = [emu.gemm("u4", A, B, s, z, b, 64, variant, 0, sch, 99)[0] for sch in SCHEDULES]
+    outs = [emu.gemm("u4", A, B, s, z, b, 64, family, 0, sch, 99)[0] for sch in SCHEDULES]
     for o in outs[1:]:
         assert torch.equal(outs[0], o)
 
 
-@pytest.mark.parametrize("variant", ["decode", "tiled", "tiled_staged", "striped"])
-def test_u4_zero_points_masked(emu, variant):
+@pytest.mark.parametrize("family", ["decode", "fused_tiles", "staged_tiles", "striped"])
+def test_u4_zero_points_masked(emu, family):
     # Zero points are 0..15 (docs/formats.md): the kernels use the byte's low 4 bits, as the CPU
     # and CUDA kernels do, so bytes 240..255 give the same result as 0..15.
-    M = 5 if variant == "decode" else 70
+    M = 5 if family == "decode" else 70
     A, B, s, z, b, _ = make_problem("u4", M, 256, 90, 64, torch.float16, seed=5)
     high = z | 0xF0
-    C = emu.gemm("u4", A, B, s, z, b, 64, variant, 0, "random", 7)[0]
-    assert torch.equal(emu.gemm("u4", A, B, s, high, b, 64, variant, 0, "random", 7)[0], C)
-    if variant == "decode":
+    C = emu.gemm("u4", A, B, s, z, b, 64, family, 0, "random", 7)[0]
+    assert torch.equal(emu.gemm("u4", A, B, s, high, b, 64, family, 0, "random", 7)[0], C)
+    if family == "decode":
         assert torch.equal(emu.dequant("u4", B, s, high, 64, "random", 1), emu.dequant("u4", B, s, z, 64, "random", 1))
 
 
@@ -166,15 +166,15 @@ def test_dispatch_policy_metal():
     K, N = 4096, 4096
     for M in (1, 2, 8, 16):
         p = torch_marlin.plan_gemm("fp4", M, K, N, 128, torch.float16, device="metal")
-        assert p["variant"] == "decode" and p["kernel"] == "marlin_gemv_fp4_half", (M, p)
+        assert p["family"] == "decode" and p["kernel"] == "marlin_gemv_fp4_half", (M, p)
         assert p["grid"][0] == N // 32 and p["threads"] == (128, 1, 1)
     for M in (17, 64, 512, 4096):
         p = torch_marlin.plan_gemm("fp4", M, K, N, 128, torch.bfloat16, device="metal")
-        assert p["variant"] == "tiled" and p["kernel"] == "marlin_gemm_fused_fp4_bfloat", (M, p)
+        assert p["family"] == "fused_tiles" and p["kernel"] == "marlin_gemm_fused_fp4_bfloat", (M, p)
         assert p["grid"][:2] == (N // 64, (M + 63) // 64) and p["k_parallel"] == 1
     # Output too small to fill 8 GPU cores twice, long K: stripes with K-parallel slices.
     p = torch_marlin.plan_gemm("u4", 64, 8192, 256, 128, torch.float16, device="metal")
-    assert p["variant"] == "striped" and p["kernel"] == "marlin_gemm_striped_u4_half"
+    assert p["family"] == "striped" and p["kernel"] == "marlin_gemm_striped_u4_half"
     assert p["k_parallel"] > 1 and p["reduce_kernel"] == "marlin_reduce_partials_half"
     assert p["grid"][1:] == (1, 1) and p["grid"][0] == p["num_groups"]
     # An MPS tensor's device plans exactly like "metal" (what MarlinLinear on MPS runs).
@@ -183,7 +183,7 @@ def test_dispatch_policy_metal():
             torch_marlin.plan_gemm("fp4", M, K, N, 128, device="metal")
     # Decode splits K over grid.y when N alone has too few columns for the GPU.
     p = torch_marlin.plan_gemm("fp4", 1, 8192, 256, 128, torch.float16, device="metal")
-    assert p["variant"] == "decode" and p["k_parallel"] > 1 and p["grid"][1] == p["k_parallel"]
+    assert p["family"] == "decode" and p["k_parallel"] > 1 and p["grid"][1] == p["k_parallel"]
 
 
 def test_metal_plan_rejects_32bit_overflow():
@@ -193,12 +193,12 @@ def test_metal_plan_rejects_32bit_overflow():
 
 @pytest.mark.parametrize("M", [1, 16, 17, 80])
 def test_harness_runs_the_policy_plan(emu, M):
-    # variant="auto": the harness asks the planner exactly as the MPS op does.
+    # family="auto": the harness asks the planner exactly as the MPS op does.
     K, N, gs = 512, 96, 64
     A, B, s, z, b, W = make_problem("fp4", M, K, N, gs, torch.float16, bias=False, seed=M)
     C, plan = emu.gemm("fp4", A, B, s, None, None, gs, "auto", 0, "random", 5)
     policy = torch_marlin.plan_gemm("fp4", M, K, N, gs, torch.float16, device="metal")
-    for key in ("variant", "kernel", "grid", "threads", "k_parallel", "workspace_bytes", "reduce_kernel"):
+    for key in ("family", "kernel", "grid", "threads", "k_parallel", "workspace_bytes", "reduce_kernel"):
         assert plan[key] == policy[key], key
     check_close(C, A, W, None, torch.float16)
 
@@ -209,7 +209,7 @@ def test_op_functions(emu):
     for M in (3, 40):
         A, B, s, z, b, W = make_problem("u4", M, 128, 72, 32, torch.float16, bias=True, seed=M)
         C, plan = metal_emu.gemm_u4(A, B, s, z, 32, b, return_plan=True)
-        assert plan["variant"] == ("decode" if M <= 16 else "tiled")
+        assert plan["family"] == ("decode" if M <= 16 else "fused_tiles")
         check_close(C, A, W, b, torch.float16)
         assert torch.equal(metal_emu.dequant_u4(B, s, z, 32), W.half())
         A, B, s, z, b, W = make_problem("fp4", M, 128, 72, 32, torch.bfloat16, bias=False, seed=M)
@@ -221,7 +221,7 @@ def test_harness_rejects_bad_shapes(emu):
     A, B, s, z, b, W = make_problem("fp4", 4, 128, 64, 32, torch.float16, bias=False)
     with pytest.raises(ValueError, match="invalid shape"):
         emu.gemm("fp4", A, B, s, None, None, 48, "auto", 0)  # 48 does not divide K = 128
-    with pytest.raises(ValueError, match="decode variant handles M <= 16"):
+    with pytest.raises(ValueError, match="decode family handles M <= 16"):
         emu.gemm("fp4", torch.randn(17, 128).half(), B, s, None, None, 32, "decode", 0)
     with pytest.raises(ValueError, match="schedule"):
         emu.gemm("fp4", A, B, s, None, None, 32, "auto", 0, "sideways")
@@ -229,9 +229,9 @@ def test_harness_rejects_bad_shapes(emu):
 
 def test_every_planned_kernel_is_instantiated(emu):
     names = set(emu.kernel_names())
-    for fmt, dt, variant in itertools.product(["fp4", "u4"], DTYPES, VARIANT_KERNEL):
-        M = 4 if variant == "decode" else 64
-        p = torch_marlin.plan_gemm(fmt, M, 8192, 256, 128, dt, device="metal", variant=variant)
+    for fmt, dt, family in itertools.product(["fp4", "u4"], DTYPES, FAMILY_KERNEL):
+        M = 4 if family == "decode" else 64
+        p = torch_marlin.plan_gemm(fmt, M, 8192, 256, 128, dt, device="metal", family=family)
         assert p["kernel"] in names
         if p["reduce_kernel"]:
             assert p["reduce_kernel"] in names

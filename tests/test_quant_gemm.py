@@ -133,7 +133,7 @@ def test_gemm_wide_n_decode_tiles(fmt, M):
     # not a multiple of 16, so the last tile also ends in the scalar remainder path.
     torch.set_num_threads(2)
     K, N, g = 256, 2100, 64
-    assert torch_marlin.plan_gemm(fmt, M, K, N, g, compute_units=2)["tile_n"] == 256
+    assert torch_marlin.plan_gemm(fmt, M, K, N, g, caps=dict(compute_units=2))["tile_n"] == 256
     w = make_weights(fmt, K, N, g, torch.float32)
     A = torch.randn(M, K)
     assert_gemm_close(run_gemm(fmt, A, w, g), A, w["ref"])

@@ -2,7 +2,7 @@
 run in the Metal-on-CPU harness (tests/trellis_metal_emu.py over csrc/metal_emu/) through the same
 planner entries (plan_trellis_* with Backend::Metal) and dispatch description
 (csrc/mps/metal_dispatch.h) the MPS backend uses. The GEMM over bits x group size x M x dtype runs
-on the harness as one backend of the op tests; here: forced variants, thread orders, the MoE paths,
+on the harness as one backend of the op tests; here: forced families, thread orders, the MoE paths,
 barrier removal.
 
 References: ``torch.matmul`` in fp64 on weights from ``dequant_trellis_reference`` (pure torch).
@@ -56,13 +56,13 @@ def check_close(C, A, W, dtype):
     assert not bad.any(), f"{int(bad.sum())} elements off; max err {err.max():.3e}, max ref {ref.abs().max():.3e}"
 
 
-@pytest.mark.parametrize("variant,M", [("decode", 9), ("tiled", 1), ("tiled", 65)])
-def test_gemm_longer_k_and_forced_variants(emu, variant, M):
+@pytest.mark.parametrize("family,M", [("decode", 9), ("staged_tiles", 1), ("staged_tiles", 65)])
+def test_gemm_longer_k_and_forced_families(emu, family, M):
     K, N, bits, gs = 1040, 130, 3, 128  # 33 K blocks of 32: many double-buffer swaps
     w = random_trellis(K, N, bits, gs, seed=5)
     A = torch.randn(M, K).half()
-    C, plan = emu.gemm(A, list(w), K, N, bits, gs, variant, "random", 3)
-    assert plan["variant"] == variant
+    C, plan = emu.gemm(A, list(w), K, N, bits, gs, family, "random", 3)
+    assert plan["family"] == family
     check_close(C, A, dense(w, K, N, bits, gs), torch.float16)
 
 
@@ -82,18 +82,18 @@ def test_harness_runs_the_policy_plan(emu, M):
     A = torch.randn(M, K).half()
     C, plan = emu.gemm(A, list(w), K, N, bits, gs, "auto", "simd_ahead", 0)
     policy = torch_marlin.plan_trellis(M, K, N, bits, gs, torch.float16, device="metal")
-    for key in ("variant", "kernel", "grid", "threads", "tile_m", "tile_n"):
+    for key in ("family", "kernel", "grid", "threads", "tile_m", "tile_n"):
         assert plan[key] == policy[key], key
     check_close(C, A, dense(w, K, N, bits, gs), torch.float16)
 
 
-@pytest.mark.parametrize("variant", ["decode", "tiled"])
-def test_results_independent_of_thread_order(emu, variant):
-    M = 5 if variant == "decode" else 70
+@pytest.mark.parametrize("family", ["decode", "staged_tiles"])
+def test_results_independent_of_thread_order(emu, family):
+    M = 5 if family == "decode" else 70
     K, N, bits, gs = 160, 90, 3, 32
     w = random_trellis(K, N, bits, gs, seed=9)
     A = torch.randn(M, K).to(torch.bfloat16)
-    outs = [emu.gemm(A, list(w), K, N, bits, gs, variant, s, 99, 2)[0] for s in SCHEDULES]
+    outs = [emu.gemm(A, list(w), K, N, bits, gs, family, s, 99, 2)[0] for s in SCHEDULES]
     for o in outs[1:]:
         assert torch.equal(outs[0], o)
 

@@ -5,7 +5,7 @@ metal/trellis_gemm.metal and metal/trellis_moe.metal as C++ over the shim in csr
 translation unit per file), links the executor (csrc/metal_emu/runtime.cpp), the planner
 (csrc/plan/*.cpp) and csrc/metal_emu/trellis_bindings.cpp, and exposes
 
-  gemm(A, weights, K, N, bits, group_size, variant="auto", schedule="forward", seed=0, workers=0, prefix="")
+  gemm(A, weights, K, N, bits, group_size, family="auto", schedule="forward", seed=0, workers=0, prefix="")
       -> (C, plan dict)
   dequant(weights, K, N, bits, group_size, ...) -> W (f32)
   moe(x, gate, up, down, expert_ids, expert_probs, intermediate_size, bits, group_size, ...) -> (y, plan dict)
@@ -38,21 +38,20 @@ def load(verbose=False):
     build_dir = os.path.join(ROOT, "build", "trellis_metal_emu")
     os.makedirs(build_dir, exist_ok=True)
     units = metal_emu.kernel_units(SOURCES, build_dir, "tests/trellis_metal_emu.py")
-    plan_dir = os.path.join(ROOT, "csrc", "plan")
     mod = metal_emu.build_module("tm_trellis_metal_emu", ["trellis_bindings.cpp", "runtime.cpp"],
-                                 [os.path.join(plan_dir, "plan.cpp"), os.path.join(plan_dir, "trellis_plan.cpp")] + units,
+                                 metal_emu.PLAN_SOURCES + units,
                                  build_dir, verbose)
     _modules["mod"] = mod
     return mod
 
 
 # ---- the ops "as Metal": same signatures as torch_marlin.ops.*, CPU tensors in and out ------------
-# Extra keywords: variant ("auto" = the planner's policy; gemm only), schedule / seed (thread order
+# Extra keywords: family ("auto" = the planner's policy; gemm only), schedule / seed (thread order
 # of the executor). Pass return_plan=True for (result, plan).
 
-def gemm_trellis(A, packed_indices, scales, grid, su, sv, K, N, bits, group_size, *, variant="auto",
+def gemm_trellis(A, packed_indices, scales, grid, su, sv, K, N, bits, group_size, *, family="auto",
                  schedule="forward", seed=0, return_plan=False):
-    C, plan = load().gemm(A, [packed_indices, scales, grid, su, sv], K, N, bits, group_size, variant, schedule, seed)
+    C, plan = load().gemm(A, [packed_indices, scales, grid, su, sv], K, N, bits, group_size, family, schedule, seed)
     return (C, plan) if return_plan else C
 
 

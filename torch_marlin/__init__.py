@@ -11,9 +11,9 @@ if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < _MIN_
 
 from . import _C  # noqa: E402,F401  (registers torch.ops.marlin.*)
 from . import ops  # noqa: E402,F401  (fake kernels for torch.compile)
-from .dispatch import plan_gemm  # noqa: E402
+from .planner import plan_gemm  # noqa: E402
 from .modules import MarlinLinear  # noqa: E402
-from .dispatch import plan_trellis  # noqa: E402
+from .planner import plan_trellis  # noqa: E402
 from .modules import TrellisLinear, TrellisMoE  # noqa: E402
 
 __all__ = ["MarlinLinear", "plan_gemm", "ops", "TrellisLinear", "TrellisMoE", "plan_trellis"]

@@ -21,10 +21,10 @@ void check_cpu(const at::Tensor& t, const char* name) {
 }
 
 GemmPlan plan_gemm(QuantFormat f, int64_t M, int64_t K, int64_t N, int64_t group_size, DType dtype, bool has_bias,
-                   const std::string& variant, int compute_units) {
+                   const std::string& family, int compute_units) {
   DeviceCaps caps = default_metal_caps();
   if (compute_units > 0) caps.compute_units = compute_units;
-  const GemmVariant force = parse_variant(variant);
+  const KernelFamily force = parse_family(family);
   return described([&] { return plan_quant_gemm(f, M, K, N, group_size, dtype, has_bias, caps, force); });
 }
 
@@ -33,7 +33,7 @@ GemmPlan plan_gemm(QuantFormat f, int64_t M, int64_t K, int64_t N, int64_t group
 std::tuple<at::Tensor, py::dict> gemm(const std::string& format, const at::Tensor& A_in, const at::Tensor& B_in,
                                       const at::Tensor& scales_in, const c10::optional<at::Tensor>& zeros_in,
                                       const c10::optional<at::Tensor>& bias_in, int64_t group_size,
-                                      const std::string& variant, int compute_units, const std::string& schedule,
+                                      const std::string& family, int compute_units, const std::string& schedule,
                                       uint64_t seed, int workers, const std::string& prefix,
                                       const std::vector<int64_t>& swap_buffers) {
   const QuantFormat f = parse_format(format);
@@ -42,7 +42,7 @@ std::tuple<at::Tensor, py::dict> gemm(const std::string& format, const at::Tenso
   TORCH_CHECK_VALUE(f == QuantFormat::FP4 || zeros_in.has_value(), "metal_emu: u4 needs zeros");
   const at::Tensor A = A_in.contiguous(), B = B_in.contiguous(), scales = scales_in.contiguous();
   const int64_t M = A.size(0), K = A.size(1), N = B.size(1);
-  const GemmPlan plan = plan_gemm(f, M, K, N, group_size, dtype_of(A), bias_in.has_value(), variant, compute_units);
+  const GemmPlan plan = plan_gemm(f, M, K, N, group_size, dtype_of(A), bias_in.has_value(), family, compute_units);
   const float nan = std::numeric_limits<float>::quiet_NaN();
   at::Tensor C = at::full({M, N}, nan, A.options());
   at::Tensor zeros = zeros_in.has_value() ? zeros_in->contiguous() : at::Tensor();
@@ -87,9 +87,9 @@ at::Tensor dequant(const std::string& format, const at::Tensor& B_in, const at::
 
 // The description over buffer names: what gemm() would run for this problem.
 py::list describe_gemm(const std::string& format, int64_t M, int64_t K, int64_t N, int64_t group_size,
-                       const std::string& dtype, bool has_bias, bool has_zeros, const std::string& variant,
+                       const std::string& dtype, bool has_bias, bool has_zeros, const std::string& family,
                        int compute_units) {
-  const GemmPlan plan = plan_gemm(parse_format(format), M, K, N, group_size, parse_dtype(dtype), has_bias, variant,
+  const GemmPlan plan = plan_gemm(parse_format(format), M, K, N, group_size, parse_dtype(dtype), has_bias, family,
                                   compute_units);
   QuantGemmBuffers<std::string> b;
   b.A = "A";
@@ -133,14 +133,14 @@ void dispatch_raw(const std::string& kernel, std::vector<int64_t> grid, int64_t 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Metal-on-CPU harness for the FP4 / INT4 kernels (test-time only)";
   m.def("gemm", &gemm, py::arg("format"), py::arg("A"), py::arg("B_packed"), py::arg("scales"), py::arg("zeros"),
-        py::arg("bias"), py::arg("group_size"), py::arg("variant") = "auto", py::arg("compute_units") = 0,
+        py::arg("bias"), py::arg("group_size"), py::arg("family") = "auto", py::arg("compute_units") = 0,
         py::arg("schedule") = "forward", py::arg("seed") = 0, py::arg("workers") = 0, py::arg("prefix") = "",
         py::arg("swap_buffers") = std::vector<int64_t>{});
   m.def("dequant", &dequant, py::arg("format"), py::arg("B_packed"), py::arg("scales"), py::arg("zeros"),
         py::arg("group_size"), py::arg("schedule") = "forward", py::arg("seed") = 0, py::arg("workers") = 0);
   m.def("describe_gemm", &describe_gemm, py::arg("format"), py::arg("M"), py::arg("K"), py::arg("N"),
         py::arg("group_size"), py::arg("dtype") = "float16", py::arg("has_bias") = true, py::arg("has_zeros") = true,
-        py::arg("variant") = "auto", py::arg("compute_units") = 0);
+        py::arg("family") = "auto", py::arg("compute_units") = 0);
   m.def("describe_dequant", &describe_dequant, py::arg("format"), py::arg("K"), py::arg("N"), py::arg("group_size"),
         py::arg("dtype") = "float16", py::arg("has_zeros") = true);
   m.def("dispatch_raw", &dispatch_raw, py::arg("kernel"), py::arg("grid"), py::arg("threads"), py::arg("buffers"),

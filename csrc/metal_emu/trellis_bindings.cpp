@@ -17,37 +17,6 @@ namespace {
 
 using namespace torch_marlin;
 
-GemmVariant parse_trellis_variant(const std::string& s) {
-  if (s == "auto") return GemmVariant::Auto;
-  if (s == "decode") return GemmVariant::Decode;
-  if (s == "tiled") return GemmVariant::Tiled;
-  TORCH_CHECK_VALUE(false, "variant must be auto/decode/tiled, got '", s, "'");
-}
-
-py::dict launch_dict(const TrellisLaunch& l) {
-  py::dict d;
-  d["kernel"] = l.kernel;
-  d["grid"] = py::make_tuple(l.grid[0], l.grid[1], l.grid[2]);
-  d["threads"] = py::make_tuple(l.threads[0], l.threads[1], l.threads[2]);
-  return d;
-}
-
-py::dict plan_dict(const TrellisPlan& p) {
-  py::dict d = launch_dict(p.main);
-  d["variant"] = variant_name(p.variant);
-  d["tile_m"] = p.params.tile_m;
-  d["tile_n"] = p.params.tile_n;
-  if (!p.down.kernel.empty()) {
-    d["down"] = launch_dict(p.down);
-    d["combine"] = launch_dict(p.combine);
-    if (!p.tiled_gate.kernel.empty()) {
-      d["tiled_gate"] = launch_dict(p.tiled_gate);
-      d["tiled_up"] = launch_dict(p.tiled_up);
-      d["tiled_down"] = launch_dict(p.tiled_down);
-    }
-  }
-  return d;
-}
 
 TrellisWeights weights(const std::vector<at::Tensor>& t) {
   TORCH_CHECK_VALUE(t.size() == 5, "trellis weights are (packed_indices, scales, grid, su, sv)");
@@ -66,24 +35,24 @@ TrellisWeightBuffers<std::string> weight_names(const std::string& prefix) {
 }
 
 TrellisPlan plan_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int64_t group_size, DType dtype,
-                      const std::string& variant) {
-  const GemmVariant force = parse_trellis_variant(variant);
+                      const std::string& family) {
+  const KernelFamily force = parse_family(family);
   return described([&] { return plan_trellis_gemm(M, K, N, bits, group_size, dtype, default_metal_caps(), force); });
 }
 
 // C = A @ W through gemm_trellis_packed(_decode). Output starts as NaN: an unwritten element fails.
 std::tuple<at::Tensor, py::dict> gemm(const at::Tensor& A_in, const std::vector<at::Tensor>& w_in, int64_t K,
-                                      int64_t N, int64_t bits, int64_t group_size, const std::string& variant,
+                                      int64_t N, int64_t bits, int64_t group_size, const std::string& family,
                                       const std::string& schedule, uint64_t seed, int workers,
                                       const std::string& prefix) {
   TORCH_CHECK_VALUE(A_in.device().is_cpu() && A_in.dim() == 2 && A_in.size(1) == K, "metal_emu: A must be CPU [M, K]");
   const at::Tensor A = A_in.contiguous();
   const TrellisWeights w = weights(w_in);
-  const TrellisPlan plan = plan_gemm(A.size(0), K, N, bits, group_size, dtype_of(A), variant);
+  const TrellisPlan plan = plan_gemm(A.size(0), K, N, bits, group_size, dtype_of(A), family);
   at::Tensor C = at::full({A.size(0), N}, std::numeric_limits<float>::quiet_NaN(), A.options());
   const TrellisGemmBuffers<void*> b{A.data_ptr(), weight_buffers(w), C.data_ptr()};
   run_dispatches(described([&] { return trellis_gemm_dispatches(plan, b); }), RunOpts{schedule, seed, workers, prefix});
-  return {C, plan_dict(plan)};
+  return {C, trellis_plan_to_dict(plan)};
 }
 
 at::Tensor dequant(const std::vector<at::Tensor>& w_in, int64_t K, int64_t N, int64_t bits, int64_t group_size,
@@ -136,14 +105,14 @@ std::tuple<at::Tensor, py::dict> moe(const at::Tensor& x_in, const std::vector<a
   b.rows_y = rows_y.data_ptr();
   b.y = y.data_ptr();
   run_dispatches(described([&] { return trellis_moe_dispatches(plan, b); }), RunOpts{schedule, seed, workers, prefix});
-  return {y, plan_dict(plan)};
+  return {y, trellis_plan_to_dict(plan)};
 }
 
 // The descriptions over buffer names (the MoE's weight sets are named g_, u_ and d_ as in
 // moe_trellis_gate_up / moe_trellis_down).
 py::list describe_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int64_t group_size, const std::string& dtype,
-                       const std::string& variant) {
-  const TrellisPlan plan = plan_gemm(M, K, N, bits, group_size, parse_dtype(dtype), variant);
+                       const std::string& family) {
+  const TrellisPlan plan = plan_gemm(M, K, N, bits, group_size, parse_dtype(dtype), family);
   const TrellisGemmBuffers<std::string> b{"A", weight_names(""), "C"};
   return dispatches_to_py(described([&] { return trellis_gemm_dispatches(plan, b); }));
 }
@@ -180,7 +149,7 @@ py::list describe_moe(int64_t tokens, int64_t hidden, int64_t intermediate, int6
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Metal-on-CPU harness for the trellis kernels (test-time only)";
   m.def("gemm", &gemm, py::arg("A"), py::arg("weights"), py::arg("K"), py::arg("N"), py::arg("bits"),
-        py::arg("group_size"), py::arg("variant") = "auto", py::arg("schedule") = "forward", py::arg("seed") = 0,
+        py::arg("group_size"), py::arg("family") = "auto", py::arg("schedule") = "forward", py::arg("seed") = 0,
         py::arg("workers") = 0, py::arg("prefix") = "");
   m.def("dequant", &dequant, py::arg("weights"), py::arg("K"), py::arg("N"), py::arg("bits"), py::arg("group_size"),
         py::arg("schedule") = "forward", py::arg("seed") = 0, py::arg("workers") = 0);
@@ -188,7 +157,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("expert_probs"), py::arg("intermediate_size"), py::arg("bits"), py::arg("group_size"),
         py::arg("schedule") = "forward", py::arg("seed") = 0, py::arg("workers") = 0, py::arg("prefix") = "");
   m.def("describe_gemm", &describe_gemm, py::arg("M"), py::arg("K"), py::arg("N"), py::arg("bits"),
-        py::arg("group_size"), py::arg("dtype") = "float16", py::arg("variant") = "auto");
+        py::arg("group_size"), py::arg("dtype") = "float16", py::arg("family") = "auto");
   m.def("describe_dequant", &describe_dequant, py::arg("K"), py::arg("N"), py::arg("bits"), py::arg("group_size"));
   m.def("describe_moe", &describe_moe, py::arg("tokens"), py::arg("hidden"), py::arg("intermediate_size"),
         py::arg("num_experts"), py::arg("top_k"), py::arg("bits"), py::arg("group_size"),

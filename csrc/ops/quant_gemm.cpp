@@ -36,7 +36,7 @@ DeviceCaps device_caps(const at::Device& dev) {
 #ifdef TM_WITH_CUDA
     case at::kCUDA: return cuda_device_caps(dev.index());
 #endif
-    default: TORCH_CHECK(false, "torch_marlin: no kernels for device ", dev);
+    default: TORCH_CHECK_VALUE(false, "torch_marlin: this build has no kernels for device ", dev);
   }
 }
 

@@ -24,9 +24,10 @@ struct QuantGemmArgs {
 DType to_dtype(at::ScalarType t);
 
 // Caps of the device the tensors live on (planner input): CPU threads, Metal cores, CUDA SMs.
+// The one source of caps: every op and torch_marlin.planner (through _C.device_caps) read it.
 DeviceCaps device_caps(const at::Device& dev);
 
-// ---- CPU (csrc/cpu/quant_gemm_cpu.cpp) ----
+// ---- CPU (csrc/cpu/quant_gemm.cpp: one family per file, decode.cpp, dequant_blas.cpp) ----
 void quant_gemm_cpu(const GemmPlan& plan, const QuantGemmArgs& args, at::Tensor& C);
 void quant_dequant_cpu(const QuantGemmArgs& args, at::Tensor& W);
 
@@ -38,7 +39,7 @@ void quant_dequant_mps(const QuantGemmArgs& args, at::Tensor& W);
 #endif
 
 #ifdef TM_WITH_CUDA
-// ---- CUDA (csrc/cuda/quant_gemm.cu) ----
+// ---- CUDA (csrc/cuda/) ----
 DeviceCaps cuda_device_caps(int device_index);
 void quant_gemm_cuda(const GemmPlan& plan, const QuantGemmArgs& args, at::Tensor& C, at::Tensor& workspace);
 void quant_dequant_cuda(const QuantGemmArgs& args, at::Tensor& W);

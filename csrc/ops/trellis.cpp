@@ -46,7 +46,7 @@ void log_launch(std::ostringstream& os, const TrellisLaunch& l) {
 
 void log_dispatch(const char* op, const TrellisPlan& plan, std::initializer_list<std::pair<const char*, at::Tensor>> ts) {
   std::ostringstream os;
-  os << "[torch_marlin] " << op << " variant=" << variant_name(plan.variant) << " M=" << plan.params.M
+  os << "[torch_marlin] " << op << " family=" << family_name(plan.family) << " M=" << plan.params.M
      << " K=" << plan.params.K << " N=" << plan.params.N << " bits=" << plan.params.bits
      << " group_size=" << plan.params.group_size << "\n";
   log_launch(os, plan.main);

@@ -52,7 +52,7 @@ inline void trellis_route(const at::Tensor& expert_ids, int64_t E, TrellisMoeArg
                    .to(at::kInt).contiguous();
 }
 
-// ---- CPU (csrc/cpu/trellis_cpu.cpp) ----
+// ---- CPU (csrc/cpu/trellis.cpp) ----
 void trellis_gemm_cpu(const TrellisPlan& plan, const TrellisGemmArgs& args, at::Tensor& C);
 void trellis_dequant_cpu(const TrellisPlan& plan, const TrellisGemmArgs& args, at::Tensor& W);
 void trellis_moe_cpu(const TrellisPlan& plan, const TrellisMoeArgs& args, at::Tensor& y);

@@ -3,7 +3,11 @@
 // Metal-on-CPU harness all execute the plan they are given; none of them re-decides.
 //
 // Portable C++17: no torch, no Objective-C, so the harness and the Python policy function
-// (torch_marlin.dispatch) reach exactly the same code.
+// (torch_marlin.planner) reach exactly the same code.
+//
+// Files: plan.cpp (entry, validation, the policy's choice of family, names), plan_common.cpp
+// (tiles, K slices, reductions), plan_cpu.cpp, plan_metal.cpp, plan_cuda.cpp (each backend's
+// geometry and tuning constants), trellis_plan.cpp (the trellis op family).
 #pragma once
 
 #include <cstddef>
@@ -28,49 +32,83 @@ struct DeviceCaps {
   // compiled for them (sm_90+ PTX); the decode plan then reduces 2 K slices through a cluster.
   int thread_block_clusters = 0;
   // CUDA: 1 when the device is compute capability 9.0 and the loaded kernels were built for
-  // sm_90a; the planner may then pick the wgmma kernels (plan.cpp cuda_wgmma_ws_pays,
+  // sm_90a; the planner may then pick the wgmma kernels (plan_cuda.cpp cuda_wgmma_ws_pays,
   // cuda_wgmma_pays).
   int wgmma = 0;
 };
 
-// Kernel families of the FP4/INT4 GEMM. Every backend implements each family it plans.
-enum class GemmVariant : int {
-  Auto = 0,     // let the planner choose (the only value production code passes)
-  Decode,       // small M (<= kDecodeMaxM): GEMV-style, each packed weight read once for all rows
-  Tiled,        // 2-D grid of output tiles, fused dequant in registers (marlin_gemm_fused_*)
-  TiledStaged,  // 2-D grid, double-buffered A and dequantized-B tiles in threadgroup memory
-                // (marlin_gemm_fp4 / marlin_gemm_u4 of the seed)
-  Striped,      // 1-D grid, column-major stripes over the tile space, K-parallel slices
-  DequantBlas,  // CUDA, large M: dequantize column panels of B into a workspace and multiply each
-                // with cuBLAS (the CPU's Tiled variant is the same idea with MKL)
-  WarpSpecialized,  // CUDA sm_90a: a TMA producer warpgroup and 2 or 3 consumer warpgroups that
-                    // dequantize into wgmma's register A operand (wgmma_ws)
+// What a backend is assumed to have where the caller names no value: CPU 1 thread; Metal
+// default_metal_caps(); CUDA 1 SM, no thread-block clusters, no wgmma (the portable kernels only).
+DeviceCaps default_caps(Backend b);
+
+// Kernel families. A family is one kernel (template) per backend file; the planner picks the
+// family and its template parameters, and every backend instantiates exactly what the plan names.
+enum class KernelFamily : int {
+  Auto = 0,     // a `force` value: let the policy choose; in a plan: no GEMM (standalone dequant)
+  Decode,       // small M: GEMV-style, each packed weight read once for all rows (every backend)
+  DequantBlas,  // CPU, CUDA: dequantize column panels of B into a buffer, then a BLAS GEMM
+  FusedTiles,   // Metal: 2-D grid of 64x64 output tiles, weights dequantized in registers
+  StagedTiles,  // Metal: 2-D grid, double-buffered A and dequantized-B tiles in threadgroup memory
+  Striped,      // Metal: 1-D grid of column-major stripes over the tile space, K-parallel slices
+  Simt,         // CUDA, fp32 activations: CUDA-core tiles
+  Wgmma,        // CUDA sm_90a: both wgmma operands from shared memory (group sizes % 32)
+  WgmmaWs,      // CUDA sm_90a: warp-specialized, a TMA producer warpgroup and 2..3 consumer
+                // warpgroups dequantizing into wgmma's register operand (group sizes % 64)
+};
+
+// How the K slices of a K-parallel plan are summed (deterministically, in slice order).
+enum class ReduceKind : int {
+  None = 0,        // k_parallel == 1
+  SecondDispatch,  // Metal, CPU: a reduction kernel over the fp32 workspace after the GEMM
+  Cluster,         // CUDA sm_90: the slices of a tile run as one thread-block cluster (DSMEM)
+  LastBlock,       // CUDA: the last block of each tile to finish sums the workspace
+};
+
+// The kernel a plan runs: family plus every template parameter a backend instantiates. Metal
+// function names and CUDA instantiations are derived from it (kernel_name), never parsed back.
+struct KernelDesc {
+  Backend backend = Backend::CPU;
+  KernelFamily family = KernelFamily::Decode;
+  QuantFormat format = QuantFormat::FP4;
+  DType dtype = DType::F16;
+  uint32_t tile_m = 0;     // rows of the output tile (CUDA decode: the mma n extent, 8..64)
+  uint32_t tile_n = 0;     // columns of the output tile
+  uint32_t consumers = 0;  // WgmmaWs: consumer warpgroups (tile_n / 64); 0 otherwise
+  bool fold = false;       // CUDA decode with tile_m <= 16 and group_size % 32 == 0: a 32-row chunk
+                           // never straddles two groups (scales folded once per chunk)
+  ReduceKind reduce = ReduceKind::None;
 };
 
 constexpr int64_t kDecodeMaxM = 16;
 
-const char* variant_name(GemmVariant v);
+const char* family_name(KernelFamily f);  // "decode", "dequant_blas", "fused_tiles", ...
+const char* reduce_name(ReduceKind r);    // "none", "second_dispatch", "cluster", "last_block"
 const char* backend_name(Backend b);
 const char* dtype_name(DType d);  // "half", "bfloat", "float": the suffix of Metal kernel names
 const char* format_name(QuantFormat f);  // "fp4", "u4"
+// The backend's name for the kernel: the Metal function (marlin_gemv_fp4_half, ...), the CUDA
+// tag (decode_fp4_half, ...) or the CPU routine (cpu_decode, ...).
+std::string kernel_name(const KernelDesc& k);
 
 struct GemmPlan {
-  GemmVariant variant = GemmVariant::Decode;
-  std::string kernel;         // backend kernel name (Metal function name / CUDA kernel tag)
-  std::string reduce_kernel;  // how K slices are summed when params.k_parallel > 1, else empty:
-                              // a second dispatch (Metal, CPU) or an in-kernel epilogue (CUDA)
+  KernelDesc desc;
+  DeviceCaps caps;            // what the plan was made for
+  std::string kernel;         // kernel_name(desc)
+  std::string reduce_kernel;  // Metal: the SecondDispatch kernel's function name, else empty
   uint32_t grid[3] = {1, 1, 1};     // threadgroups (Metal) / blocks (CUDA) / tasks (CPU)
   uint32_t threads[3] = {1, 1, 1};  // threads per threadgroup / block
   uint32_t reduce_grid[3] = {1, 1, 1};
   uint32_t reduce_threads[3] = {1, 1, 1};
   size_t workspace_bytes = 0;       // fp32 partials [k_parallel][M][N] when k_parallel > 1 (CUDA
-                                    // wgmma_ws: whole tiles in fragment order, quant_gemm.cu)
+                                    // wgmma_ws: whole tiles in fragment order); dequant_blas: the panel
   QuantGemmParams params{};
+  // CUDA fp16/bf16 kernels: N rounded up to 16, the column count of the weights, scales and zero
+  // points the kernels read (the launcher pads them when it differs from N). 0 elsewhere.
+  uint32_t padded_n = 0;
   // CUDA wgmma_ws only: the last tail_n_tiles column tiles (all row tiles of them) are left out of
   // grid (grid[1] = n_tiles - tail_n_tiles, k_parallel 1) and run as a second launch split into
   // tail_k_parallel K slices of tail_k_slice_len rows, summed through a cluster, so that the main
-  // grid's last, mostly empty wave becomes a short full one (plan.cpp cuda_wgmma_ws_geometry).
-  // 0: one launch.
+  // grid's last, mostly empty wave becomes a short full one. 0: one launch.
   uint32_t tail_n_tiles = 0;
   uint32_t tail_k_parallel = 1;
   uint32_t tail_k_slice_len = 0;
@@ -80,10 +118,11 @@ struct GemmPlan {
 };
 
 // Plans C[M,N] = A[M,K] @ dequant(B)[K,N] (+ bias). Shapes must already be validated by the op.
-// `force` lets tests run a specific variant; Auto is the policy.
+// `force` lets tests run a specific family; Auto is the policy. Throws std::invalid_argument for
+// a family the backend (and dtype, and caps) cannot run.
 GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, int64_t group_size,
                          DType dtype, bool has_bias, const DeviceCaps& caps,
-                         GemmVariant force = GemmVariant::Auto);
+                         KernelFamily force = KernelFamily::Auto);
 
 // Caps the Metal plans assume when no real device is queried (the harness, CPU-side policy
 // tests): an M1-class GPU with 8 cores and 32 KiB of threadgroup memory.

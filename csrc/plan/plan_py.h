@@ -1,5 +1,5 @@
 // Python-facing helpers of the planner, shared by torch_marlin._C (csrc/ops/library.cpp) and the
-// Metal-on-CPU harness (csrc/metal_emu/bindings.cpp): names <-> enums and a plan as a dict.
+// Metal-on-CPU harness (csrc/metal_emu/): names <-> enums, caps <-> dicts, plans as dicts.
 #pragma once
 
 #include <torch/extension.h>
@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "plan/plan.h"
+#include "plan/trellis_plan.h"
 
 namespace torch_marlin {
 
@@ -36,27 +37,89 @@ inline DType parse_dtype(const std::string& s) {
                            "dtype");
 }
 
-inline GemmVariant parse_variant(const std::string& s) {
-  return parse_name<GemmVariant>(s,
-                                 {{"auto", GemmVariant::Auto},
-                                  {"decode", GemmVariant::Decode},
-                                  {"tiled", GemmVariant::Tiled},
-                                  {"tiled_staged", GemmVariant::TiledStaged},
-                                  {"striped", GemmVariant::Striped},
-                                  {"dequant_blas", GemmVariant::DequantBlas},
-                                  {"warp_specialized", GemmVariant::WarpSpecialized}},
-                                 "variant");
+// The torch name of an activation dtype (what parse_dtype reads).
+inline const char* dtype_arg_name(DType d) {
+  switch (d) {
+    case DType::F16: return "float16";
+    case DType::BF16: return "bfloat16";
+    case DType::F32: return "float32";
+  }
+  return "?";
 }
 
+inline KernelFamily parse_family(const std::string& s) {
+  return parse_name<KernelFamily>(s,
+                                  {{"auto", KernelFamily::Auto},
+                                   {"decode", KernelFamily::Decode},
+                                   {"dequant_blas", KernelFamily::DequantBlas},
+                                   {"fused_tiles", KernelFamily::FusedTiles},
+                                   {"staged_tiles", KernelFamily::StagedTiles},
+                                   {"striped", KernelFamily::Striped},
+                                   {"simt", KernelFamily::Simt},
+                                   {"wgmma", KernelFamily::Wgmma},
+                                   {"wgmma_ws", KernelFamily::WgmmaWs}},
+                                  "family");
+}
+
+inline py::dict caps_to_dict(const DeviceCaps& c) {
+  py::dict d;
+  d["backend"] = backend_name(c.backend);
+  d["compute_units"] = c.compute_units;
+  d["max_shared_memory"] = c.max_shared_memory;
+  d["wgmma"] = c.wgmma != 0;
+  d["thread_block_clusters"] = c.thread_block_clusters != 0;
+  return d;
+}
+
+// `backend`'s defaults (default_caps) with the keys `caps` names replaced. A "backend" key must
+// agree with `backend`; other keys are refused.
+inline DeviceCaps caps_from_dict(Backend backend, const py::dict& caps) {
+  DeviceCaps c = default_caps(backend);
+  for (const auto& kv : caps) {
+    const std::string key = py::str(kv.first);
+    const py::handle v = kv.second;
+    if (key == "backend") {
+      TORCH_CHECK_VALUE(parse_backend(py::str(v)) == backend, "caps['backend'] is '", std::string(py::str(v)),
+                        "' but the plan is for ", backend_name(backend));
+    } else if (key == "compute_units") {
+      c.compute_units = v.cast<int>();
+      TORCH_CHECK_VALUE(c.compute_units > 0, "caps['compute_units'] must be positive, got ", c.compute_units);
+    } else if (key == "max_shared_memory") {
+      c.max_shared_memory = v.cast<int>();
+      TORCH_CHECK_VALUE(c.max_shared_memory > 0, "caps['max_shared_memory'] must be positive, got ",
+                        c.max_shared_memory);
+    } else if (key == "wgmma") {
+      c.wgmma = v.cast<bool>() ? 1 : 0;
+    } else if (key == "thread_block_clusters") {
+      c.thread_block_clusters = v.cast<bool>() ? 1 : 0;
+    } else {
+      TORCH_CHECK_VALUE(false, "caps: unknown key '", key,
+                        "' (keys: backend, compute_units, max_shared_memory, wgmma, thread_block_clusters)");
+    }
+  }
+  return c;
+}
+
+inline void add_caps(py::dict& d, const DeviceCaps& c) {
+  for (const auto& kv : caps_to_dict(c)) d[kv.first] = kv.second;
+}
+
+inline py::tuple dims(const uint32_t v[3]) { return py::make_tuple(v[0], v[1], v[2]); }
+
+// Every field of a GemmPlan a backend branches on, and the caps it was made for.
 inline py::dict plan_to_dict(const GemmPlan& p) {
   const QuantGemmParams& q = p.params;
   py::dict d;
-  d["variant"] = variant_name(p.variant);
+  d["family"] = family_name(p.desc.family);
   d["kernel"] = p.kernel;
+  d["format"] = format_name(p.desc.format);
+  d["dtype"] = dtype_arg_name(p.desc.dtype);
+  d["reduce"] = reduce_name(p.desc.reduce);
   d["reduce_kernel"] = p.reduce_kernel;
-  d["grid"] = py::make_tuple(p.grid[0], p.grid[1], p.grid[2]);
-  d["threads"] = py::make_tuple(p.threads[0], p.threads[1], p.threads[2]);
-  d["reduce_grid"] = py::make_tuple(p.reduce_grid[0], p.reduce_grid[1], p.reduce_grid[2]);
+  d["grid"] = dims(p.grid);
+  d["threads"] = dims(p.threads);
+  d["reduce_grid"] = dims(p.reduce_grid);
+  d["reduce_threads"] = dims(p.reduce_threads);
   d["workspace_bytes"] = p.workspace_bytes;
   d["tile_m"] = q.tile_m;
   d["tile_n"] = q.tile_n;
@@ -65,10 +128,41 @@ inline py::dict plan_to_dict(const GemmPlan& p) {
   d["k_parallel"] = q.k_parallel;
   d["k_slice_len"] = q.k_slice_len;
   d["num_groups"] = q.num_groups;
+  d["consumers"] = p.desc.consumers;
+  d["fold"] = p.desc.fold;
+  d["padded_n"] = p.padded_n;
   d["tail_n_tiles"] = p.tail_n_tiles;
   d["tail_k_parallel"] = p.tail_k_parallel;
   d["tail_k_slice_len"] = p.tail_k_slice_len;
   d["dependent_launch"] = p.dependent_launch;
+  add_caps(d, p.caps);
+  return d;
+}
+
+inline py::dict launch_to_dict(const TrellisLaunch& l) {
+  py::dict d;
+  d["kernel"] = l.kernel;
+  d["grid"] = dims(l.grid);
+  d["threads"] = dims(l.threads);
+  return d;
+}
+
+// The main launch's keys at the top level; the MoE's other stages as sub-dicts when planned.
+inline py::dict trellis_plan_to_dict(const TrellisPlan& p) {
+  py::dict d = launch_to_dict(p.main);
+  d["family"] = family_name(p.family);
+  d["tile_m"] = p.params.tile_m;
+  d["tile_n"] = p.params.tile_n;
+  d["m_tiles"] = p.params.m_tiles;
+  d["n_tiles"] = p.params.n_tiles;
+  d["k_chunk"] = p.k_chunk;
+  const std::pair<const char*, const TrellisLaunch*> stages[] = {
+      {"down", &p.down}, {"combine", &p.combine}, {"tiled_gate", &p.tiled_gate},
+      {"tiled_up", &p.tiled_up}, {"tiled_down", &p.tiled_down}};
+  for (const auto& s : stages) {
+    if (!s.second->kernel.empty()) d[s.first] = launch_to_dict(*s.second);
+  }
+  add_caps(d, p.caps);
   return d;
 }
 

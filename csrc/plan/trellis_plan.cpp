@@ -13,15 +13,15 @@ uint32_t cdiv(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 1) /
 //    K step 32 with double-buffered A and a cooperatively dequantized 32x64 B tile.
 //  - decode: GEMV layout, 32 output columns x all M <= 16 rows per threadgroup; lane l owns
 //    column l, the 4 simdgroups split the 16-row trellis tiles of K round-robin and meet in
-//    threadgroup memory. A 32x128 tile (the seed) would compute 32 rows for M = 1 and give only
-//    N/128 threadgroups; 32 columns gives 4x more threadgroups and no wasted rows.
+//    threadgroup memory. A 32x128 tile would compute 32 rows for M = 1 and give only N/128
+//    threadgroups; 32 columns gives 4x more threadgroups and no wasted rows.
 constexpr uint32_t kMetalThreads = 128;
 constexpr uint32_t kMetalPrefillTile = 64;
 constexpr uint32_t kMetalDecodeTileN = 32;
 constexpr uint32_t kMetalDequantThreads = TM_TRELLIS_TILE_ELEMS;
 constexpr uint32_t kMetalCombineThreads = 256;
 
-// CPU geometry (csrc/cpu/trellis_cpu.cpp): decode tasks over 64-column blocks; the prefill path
+// CPU geometry (csrc/cpu/trellis.cpp): decode tasks over 64-column blocks; the prefill path
 // dequantizes column chunks of at most k_chunk * 128 fp32 (8 MiB) with all threads and hands each
 // chunk to one BLAS call (few, large calls; BLAS per tile inside the parallel region
 // oversubscribed the cores).
@@ -71,23 +71,31 @@ void set_tiles(TrellisParams& p, int64_t M, int64_t N, uint32_t tile_m, uint32_t
 
 }  // namespace
 
+KernelFamily trellis_prefill_family(Backend b) {
+  return b == Backend::Metal ? KernelFamily::StagedTiles : KernelFamily::DequantBlas;
+}
+
 TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int64_t group_size, DType dtype,
-                              const DeviceCaps& caps, GemmVariant force) {
+                              const DeviceCaps& caps, KernelFamily force) {
   check_common(K, N, bits, group_size, "plan_trellis_gemm");
   if (M < 0 || M > UINT32_MAX / 2) throw std::invalid_argument("plan_trellis_gemm: invalid M");
   TrellisPlan p;
+  p.caps = caps;
   p.params = base_params(M, K, N, bits, group_size);
-  if (force == GemmVariant::Auto) {
-    p.variant = M <= kDecodeMaxM ? GemmVariant::Decode : GemmVariant::Tiled;
-  } else if (force == GemmVariant::Decode || force == GemmVariant::Tiled) {
-    p.variant = force;
+  const KernelFamily prefill = trellis_prefill_family(caps.backend);
+  if (force == KernelFamily::Auto) {
+    p.family = M <= kDecodeMaxM ? KernelFamily::Decode : prefill;
+  } else if (force == KernelFamily::Decode || force == prefill) {
+    p.family = force;
   } else {
-    throw std::invalid_argument("plan_trellis_gemm: variant must be auto, decode or tiled");
+    throw std::invalid_argument(std::string("plan_trellis_gemm: the ") + family_name(force) +
+                                " family does not run trellis on " + backend_name(caps.backend) +
+                                " (families there: decode, " + family_name(prefill) + ")");
   }
-  if (p.variant == GemmVariant::Decode && M > kDecodeMaxM) {
-    throw std::invalid_argument("plan_trellis_gemm: the decode variant handles M <= 16 only");
+  if (p.family == KernelFamily::Decode && M > kDecodeMaxM) {
+    throw std::invalid_argument("plan_trellis_gemm: the decode family handles M <= 16 only");
   }
-  const bool decode = p.variant == GemmVariant::Decode;
+  const bool decode = p.family == KernelFamily::Decode;
   switch (caps.backend) {
     case Backend::Metal: {
       check_metal_indices({uint64_t(M) * uint64_t(K), uint64_t(M) * uint64_t(N),
@@ -123,8 +131,9 @@ TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int
 TrellisPlan plan_trellis_dequant(int64_t K, int64_t N, int64_t bits, int64_t group_size, const DeviceCaps& caps) {
   check_common(K, N, bits, group_size, "plan_trellis_dequant");
   TrellisPlan p;
+  p.caps = caps;
   p.params = base_params(0, K, N, bits, group_size);
-  p.variant = GemmVariant::Tiled;
+  p.family = KernelFamily::Auto;  // no GEMM
   set_tiles(p.params, K, N, TM_TRELLIS_TILE, TM_TRELLIS_TILE);
   switch (caps.backend) {
     case Backend::Metal:
@@ -152,6 +161,7 @@ TrellisPlan plan_trellis_moe(int64_t tokens, int64_t hidden, int64_t intermediat
     throw std::invalid_argument("plan_trellis_moe: invalid tokens / num_experts / top_k");
   }
   TrellisPlan p;
+  p.caps = caps;
   p.params = base_params(tokens, hidden, intermediate, bits, group_size);
   p.params.num_experts = uint32_t(num_experts);
   p.params.top_k = uint32_t(top_k);
@@ -159,7 +169,7 @@ TrellisPlan plan_trellis_moe(int64_t tokens, int64_t hidden, int64_t intermediat
   p.params.down_tiles_n = cdiv(hidden, TM_TRELLIS_TILE);
   p.params.down_n_groups = cdiv(intermediate, group_size);
   p.params.max_rows = uint32_t(tokens * top_k);
-  p.variant = tokens * top_k <= kDecodeMaxM ? GemmVariant::Decode : GemmVariant::Tiled;
+  p.family = tokens * top_k <= kDecodeMaxM ? KernelFamily::Decode : trellis_prefill_family(caps.backend);
   const uint32_t E = uint32_t(num_experts);
   switch (caps.backend) {
     case Backend::Metal: {

@@ -19,9 +19,13 @@ struct TrellisLaunch {
 };
 
 struct TrellisPlan {
-  // Decode (M <= 16, GEMV-style) or Tiled (prefill). The MoE reports Decode when every expert's
-  // row count fits one decode chunk in the worst case (tokens * top_k <= 16), else Tiled.
-  GemmVariant variant = GemmVariant::Decode;
+  // Decode (M <= 16, GEMV-style) or the backend's prefill family: Metal StagedTiles (64x64 tiles,
+  // double-buffered A and dequantized-B tiles in threadgroup memory), CPU DequantBlas (column
+  // chunks dequantized once, one BLAS call each). The MoE reports Decode when every expert's row
+  // count fits one decode chunk in the worst case (tokens * top_k <= 16), else the prefill family
+  // (experts past 16 routed rows take it). Dequant plans: Auto (no GEMM).
+  KernelFamily family = KernelFamily::Decode;
+  DeviceCaps caps;        // what the plan was made for
   TrellisLaunch main;     // the GEMM, or the MoE gate/up + SwiGLU stage
   TrellisLaunch down;     // MoE: down projection of the routed rows (empty kernel otherwise)
   TrellisLaunch combine;  // MoE: probability-weighted sum of the top_k rows per token
@@ -33,10 +37,14 @@ struct TrellisPlan {
   TrellisParams params{};
 };
 
+// The family trellis prefill runs on a backend: Metal StagedTiles, CPU DequantBlas.
+KernelFamily trellis_prefill_family(Backend b);
+
 // C[M,N] = A[M,K] @ W[K,N]. M <= 16 -> gemm_trellis_packed_decode, else gemm_trellis_packed
-// (`force` Decode/Tiled overrides the policy for tests; Decode with M > 16 is rejected).
+// (`force` Decode or trellis_prefill_family overrides the policy for tests; Decode with M > 16 is
+// rejected).
 TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int64_t group_size, DType dtype,
-                              const DeviceCaps& caps, GemmVariant force = GemmVariant::Auto);
+                              const DeviceCaps& caps, KernelFamily force = KernelFamily::Auto);
 
 // W[K,N] (f32) from the packed format: one thread per element of a 16x16 tile.
 TrellisPlan plan_trellis_dequant(int64_t K, int64_t N, int64_t bits, int64_t group_size, const DeviceCaps& caps);

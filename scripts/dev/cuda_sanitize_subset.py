@@ -50,7 +50,7 @@ worst = 0.0
 skip_blas = "--no-blas" in sys.argv[1:]
 for fmt, M, K, N, gs, dt in CASES:
     plan = torch_marlin.plan_gemm(fmt, M, K, N, gs, dtype=dt, device="cuda", has_bias=True)
-    if skip_blas and plan["variant"] == "dequant_blas":
+    if skip_blas and plan["family"] == "dequant_blas":
         continue
     w = torch.randn(K, N)
     if fmt == "fp4":

@@ -2,7 +2,7 @@
 
 Both keep the quantized tensors as persistent buffers (``state_dict`` round-trips) and validate
 them on construction from float weights and on ``load_state_dict``. The kernel choice (decode for
-M <= 16 rows, prefill above) is made by the op's planner (see :func:`torch_marlin.plan_trellis`).
+M <= 16 rows, prefill above) is made by the op's planner (see :func:`torch_marlin.planner.plan_trellis`).
 
 Rotation (``rotate=True``, the default): the stored matrix is the quantization of a randomized
 Hadamard transform of the weight, and the module applies the matching transforms to the

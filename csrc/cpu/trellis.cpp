@@ -3,10 +3,11 @@
 // Every kernel works on column blocks whose start is a multiple of 16, so one block covers whole
 // trellis tiles; one tile row (16 indices) is 2*bits contiguous bytes, read as one little-endian
 // 64-bit load and split with constant shifts (the bit width is a template parameter).
-//   decode_rows (<= 16 rows): each tile row is decoded once into grid values and used for every
-//     row; sums run per scale group without the scale, the scale is applied once per group:
+//   decode_rows (the decode family, <= 16 rows): each tile row is decoded once into grid values
+//     and used for every row; sums run per scale group without the scale, the scale is applied
+//     once per group:
 //       C[m,n] = sv[n] * sum_g s[g,n] * sum_{k in g} (A[m,k] * su[k]) * grid[idx[k,n]]
-//   blas_rows (> 16 rows): column chunks (<= k_chunk * 128 floats) of the full w
+//   blas_rows (the dequant_blas family, > 16 rows): column chunks (<= k_chunk * 128 floats) of the full w
 //     (grid*scale*su*sv) are decoded once by all threads, then one BLAS call multiplies every row
 //     against the chunk; the dense weight never exists beyond one chunk.
 //   MoE: x rows are gathered in expert order once; stage 1 computes silu(gate)*up, stage 2 the
@@ -291,16 +292,19 @@ void gemm_impl(const TrellisPlan& plan, const TrellisGemmArgs& a, at::Tensor& C)
   const TView w = make_view(a.w, a.K, a.N, a.bits, a.group_size, 0);
   const float* X = Af.data_ptr<float>();
   float* Cp = Cf.data_ptr<float>();
-  if (plan.variant == GemmVariant::Decode) {
-    const int64_t tile_n = plan.params.tile_n;
-    at::parallel_for(0, plan.params.n_tiles, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t n0 = t * tile_n;
-        decode_range<BITS>(w, X, a.K, a.M, n0, std::min(n0 + tile_n, a.N), Cp + n0, a.N);
-      }
-    });
-  } else {
-    blas_rows<BITS>(w, X, a.K, a.M, Cp, a.N, plan.k_chunk);
+  switch (plan.family) {
+    case KernelFamily::Decode: {
+      const int64_t tile_n = plan.params.tile_n;
+      at::parallel_for(0, plan.params.n_tiles, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t n0 = t * tile_n;
+          decode_range<BITS>(w, X, a.K, a.M, n0, std::min(n0 + tile_n, a.N), Cp + n0, a.N);
+        }
+      });
+      break;
+    }
+    case KernelFamily::DequantBlas: blas_rows<BITS>(w, X, a.K, a.M, Cp, a.N, plan.k_chunk); break;
+    default: TORCH_CHECK(false, "torch_marlin: no CPU trellis kernels of the '", family_name(plan.family), "' family");
   }
   if (!direct) C.copy_(Cf);
 }

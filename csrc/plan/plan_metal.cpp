@@ -1,0 +1,102 @@
+// Metal geometry (metal/quant_gemm.metal; also what the Metal-on-CPU harness runs). Kernel names
+// are <stem>_<format>_<dtype> (kernel_name in plan.cpp).
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "plan/plan_common.h"
+
+namespace torch_marlin {
+
+DeviceCaps default_metal_caps() {
+  DeviceCaps caps;
+  caps.backend = Backend::Metal;
+  caps.compute_units = 8;
+  caps.max_shared_memory = 32768;
+  return caps;
+}
+
+namespace {
+constexpr uint32_t kTile = 64, kTileK = 32, kThreads = 128;
+constexpr uint32_t kReduceThreads = 256;
+}  // namespace
+
+// Stripes + K-parallel only pay when the output alone cannot fill the GPU.
+bool metal_striped_pays(int64_t M, int64_t K, int64_t N, const DeviceCaps& caps) {
+  const int64_t tiles = int64_t((M + kTile - 1) / kTile) * ((N + kTile - 1) / kTile);
+  return tiles < caps.compute_units * 2 && K / kTileK >= 16;
+}
+
+void plan_metal(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps& caps) {
+  switch (p.desc.family) {
+    case KernelFamily::Decode: {
+      // 4 simdgroups x 32 lanes; a lane owns one output column for all M <= 16 rows, the four
+      // simdgroups split the threadgroup's K range and meet in threadgroup memory.
+      constexpr uint32_t kDecodeTileN = 32, kDecodeKStep = 32;
+      set_tiles(p, M, N, uint32_t(kDecodeMaxM), kDecodeTileN);
+      set_k_parallel(p, K, k_split_for(p.params.n_tiles, K, kDecodeKStep, caps.compute_units, 4, 8),
+                     kDecodeKStep);
+      p.grid[0] = p.params.n_tiles;
+      p.grid[1] = p.params.k_parallel;
+      p.threads[0] = kThreads;
+      break;
+    }
+    case KernelFamily::FusedTiles:
+    case KernelFamily::StagedTiles: {
+      set_tiles(p, M, N, kTile, kTile);
+      set_k_parallel(p, K, 1, kTileK);
+      p.grid[0] = p.params.n_tiles;
+      p.grid[1] = p.params.m_tiles;
+      p.threads[0] = kThreads;
+      break;
+    }
+    case KernelFamily::Striped: {
+      set_tiles(p, M, N, kTile, kTile);
+      const int64_t tiles = int64_t(p.params.m_tiles) * p.params.n_tiles;
+      set_k_parallel(p, K, k_split_for(tiles, K, kTileK, caps.compute_units, 2, 4), kTileK);
+      const int64_t work = tiles * p.params.k_parallel;
+      // A fixed number of threadgroups, each walking a contiguous stripe of the (tile, K slice)
+      // work items: 2 per core, 4 for large outputs.
+      const int64_t target = int64_t(caps.compute_units) * (M * N > (1 << 20) ? 4 : 2);
+      p.params.num_groups = uint32_t(std::max<int64_t>(1, std::min(work, target)));
+      p.grid[0] = p.params.num_groups;
+      p.threads[0] = kThreads;
+      break;
+    }
+    default:
+      throw std::logic_error("plan_metal: family not validated");
+  }
+  set_second_dispatch_reduction(p, (std::string("marlin_reduce_partials_") + dtype_name(p.desc.dtype)).c_str(),
+                                kReduceThreads);
+  // The kernels index with 32-bit uints (cheaper on Apple GPUs); see docs/limitations.md.
+  if (uint64_t(M) * uint64_t(K) > UINT32_MAX || uint64_t(K / TM_PACK_FACTOR) * uint64_t(N) > UINT32_MAX ||
+      uint64_t(M) * uint64_t(N) * p.params.k_parallel > UINT32_MAX) {
+    throw std::invalid_argument(
+        "plan_quant_gemm: the Metal kernels need M*K, K/8*N and k_parallel*M*N below 2^32; split the call");
+  }
+}
+
+GemmPlan plan_quant_dequant_metal(QuantFormat format, int64_t K, int64_t N, int64_t group_size, DType dtype) {
+  if (K <= 0 || N <= 0 || group_size <= 0 || K % TM_PACK_FACTOR != 0 || group_size % TM_PACK_FACTOR != 0 ||
+      K % group_size != 0 || K > UINT32_MAX || N > UINT32_MAX || (K / TM_PACK_FACTOR) * N > UINT32_MAX) {
+    throw std::invalid_argument("plan_quant_dequant_metal: invalid shape");
+  }
+  constexpr uint32_t kDequantThreads = 256;  // kDequantThreads in metal/quant_gemm.metal
+  GemmPlan p;
+  p.caps = default_metal_caps();
+  p.desc.backend = Backend::Metal;
+  p.desc.family = KernelFamily::Auto;  // no GEMM
+  p.desc.format = format;
+  p.desc.dtype = dtype;
+  p.params.K = uint32_t(K);
+  p.params.N = uint32_t(N);
+  p.params.group_size = uint32_t(group_size);
+  p.params.k_parallel = 1;
+  p.params.k_slice_len = uint32_t(K);
+  p.kernel = std::string("dequant_") + format_name(format) + "_" + dtype_name(dtype);
+  p.grid[0] = ceil_div((K / TM_PACK_FACTOR) * N, kDequantThreads);
+  p.threads[0] = kDequantThreads;
+  return p;
+}
+
+}  // namespace torch_marlin

@@ -1,0 +1,458 @@
+"""The planner's policy and plans (torch_marlin.plan_gemm / plan_trellis), for every backend.
+
+Plans for CUDA and Metal pass the capabilities they assume (``caps=``), so these tests hold on any
+machine, with or without the GPU they describe.
+"""
+
+import pytest
+import torch
+
+import torch_marlin
+from torch_marlin import _C
+
+# A 132-SM H100 with an sm_90a build: wgmma kernels and thread-block clusters.
+H100 = dict(compute_units=132, wgmma=True, thread_block_clusters=True)
+# A 132-SM device planned with the portable kernels only (no sm_90a build, no clusters).
+SM132_PORTABLE = dict(compute_units=132, wgmma=False, thread_block_clusters=False)
+# An M1-class GPU (what default_metal_caps describes).
+M1 = dict(compute_units=8, max_shared_memory=32768)
+
+PLAN_KEYS = {
+    "family", "kernel", "format", "dtype", "reduce", "reduce_kernel", "grid", "threads", "reduce_grid",
+    "reduce_threads", "workspace_bytes", "tile_m", "tile_n", "m_tiles", "n_tiles", "k_parallel", "k_slice_len",
+    "num_groups", "consumers", "fold", "padded_n", "tail_n_tiles", "tail_k_parallel", "tail_k_slice_len",
+    "dependent_launch", "backend", "compute_units", "max_shared_memory", "wgmma", "thread_block_clusters",
+}
+
+
+# ---- policy (decode crossovers, families by shape) -------------------------------------------------
+
+# Decode up to the backend's measured crossover: the CPU decode kernel is compute bound and loses
+# to dequant + BLAS from 9 rows; Metal keeps the design's 16.
+@pytest.mark.parametrize("device, caps, decode_max", [("cpu", dict(compute_units=4), 8), ("metal", M1, 16)])
+def test_policy_selects_decode_for_small_m(device, caps, decode_max):
+    for M in range(1, decode_max + 1):
+        assert torch_marlin.plan_gemm("fp4", M, 4096, 4096, device=device, caps=caps)["family"] == "decode"
+    assert torch_marlin.plan_gemm("u4", decode_max + 1, 4096, 4096, device=device, caps=caps)["family"] != "decode"
+    # The decode kernels still run up to 16 rows when asked for (tests force them).
+    forced = torch_marlin.plan_gemm("fp4", 16, 4096, 4096, device=device, caps=caps, family="decode")
+    assert forced["family"] == "decode"
+
+
+def test_policy_cpu_kernels():
+    dec = torch_marlin.plan_gemm("fp4", 3, 4096, 4096, caps=dict(compute_units=4))
+    assert (dec["family"], dec["kernel"], dec["tile_m"], dec["tile_n"]) == ("decode", "cpu_decode", 16, 256)
+    assert torch_marlin.plan_gemm("fp4", 3, 4096, 4096, caps=dict(compute_units=16))["tile_n"] == 64
+    big = torch_marlin.plan_gemm("u4", 40, 4096, 300, caps=dict(compute_units=4))
+    assert (big["family"], big["kernel"], big["tile_m"], big["tile_n"]) == ("dequant_blas", "cpu_dequant_blas", 40, 128)
+    assert big["grid"] == (3, 1, 1) and big["k_parallel"] == 1 and big["reduce"] == "none"
+    forced = torch_marlin.plan_gemm("fp4", 3, 256, 64, family="dequant_blas", caps=dict(compute_units=4))
+    assert forced["kernel"] == "cpu_dequant_blas"
+
+
+def test_policy_metal_kernels_by_shape():
+    big = torch_marlin.plan_gemm("fp4", 512, 4096, 4096, device="metal", caps=M1)
+    assert big["kernel"] == "marlin_gemm_fused_fp4_half" and big["family"] == "fused_tiles"
+    assert big["k_parallel"] == 1 and big["reduce"] == "none" and big["reduce_kernel"] == ""
+    # 1 x 2 output tiles on an 8-core GPU with K = 8192: stripes with K-parallel slices.
+    small = torch_marlin.plan_gemm("u4", 64, 8192, 128, dtype=torch.bfloat16, device="metal", caps=M1)
+    assert small["family"] == "striped" and small["k_parallel"] > 1
+    assert small["kernel"] == "marlin_gemm_striped_u4_bfloat"
+    assert small["workspace_bytes"] == small["k_parallel"] * 64 * 128 * 4
+    assert small["reduce"] == "second_dispatch" and small["reduce_kernel"] == "marlin_reduce_partials_bfloat"
+    assert small["reduce_grid"] == ((64 * 128 + 255) // 256, 1, 1) and small["reduce_threads"] == (256, 1, 1)
+    # The same shape on a 64-core GPU: more slices; on a 1-core GPU the output fills it already.
+    assert torch_marlin.plan_gemm("u4", 64, 8192, 128, device="metal", caps=dict(compute_units=64))["k_parallel"] \
+        > small["k_parallel"]
+    assert torch_marlin.plan_gemm("u4", 64, 8192, 128, device="metal", caps=dict(compute_units=1))["family"] \
+        == "fused_tiles"
+    dec = torch_marlin.plan_gemm("fp4", 1, 4096, 4096, device="metal", caps=M1)
+    assert dec["kernel"] == "marlin_gemv_fp4_half"
+    staged = torch_marlin.plan_gemm("fp4", 100, 4096, 4096, device="metal", caps=M1, family="staged_tiles")
+    assert staged["kernel"] == "marlin_gemm_fp4_half" and staged["grid"] == (64, 2, 1)
+    with pytest.raises(ValueError, match="below 2\\^32"):
+        torch_marlin.plan_gemm("fp4", 1 << 20, 8192, 64, device="metal", caps=M1)
+
+
+def test_policy_cuda_kernels_by_m():
+    # Decode up to 128 rows, dequantized panels + cuBLAS above, the plain fp32 kernel for fp32
+    # activations (no sm_90a build).
+    def plan(M, K=28672, N=8192, dtype=torch.float16, family="auto"):
+        return torch_marlin.plan_gemm("fp4", M, K, N, dtype=dtype, device="cuda", caps=SM132_PORTABLE, family=family)
+    assert plan(64)["kernel"] == "decode_fp4_half" and plan(64)["tile_m"] == 64
+    two = plan(100)  # two 64-row decode tiles along grid.x
+    assert two["kernel"] == "decode_fp4_half" and two["m_tiles"] == 2 and two["grid"][:2] == (2, 256)
+    big = plan(129, dtype=torch.bfloat16)
+    assert big["kernel"] == "dequant_blas_fp4_bfloat" and big["k_parallel"] == 1
+    # One panel of all of N (28672 x 8192 x 2 B = 448 MiB); past the 1 GiB cap N is split evenly
+    # in 128-column multiples: 53248 x 16384 x 2 B = 1.6 GiB -> two panels of 8192 columns.
+    assert big["tile_n"] == 8192 and big["n_tiles"] == 1 and big["workspace_bytes"] == 28672 * 8192 * 2
+    huge = plan(4096, K=53248, N=16384)
+    assert huge["tile_n"] == 8192 and huge["n_tiles"] == 2
+    assert plan(1024, K=256, N=200)["tile_n"] == 208  # all of N, padded to 16 columns
+    simt = plan(200, dtype=torch.float32)
+    assert simt["kernel"] == "simt_fp4_float" and simt["family"] == "simt"
+    assert (simt["tile_m"], simt["tile_n"], simt["grid"], simt["threads"]) == (8, 128, (64, 25, 1), (128, 1, 1))
+    with pytest.raises(ValueError, match="wgmma kernel needs an sm_90a build"):
+        plan(200, family="wgmma")  # no wgmma without an sm_90a build on an H100-class device
+    with pytest.raises(ValueError, match="dequant_blas family does not run on metal"):
+        torch_marlin.plan_gemm("fp4", 200, 256, 64, device="metal", caps=M1, family="dequant_blas")
+    with pytest.raises(ValueError, match="dequant_blas family does not run on cuda with float activations"):
+        plan(200, dtype=torch.float32, family="dequant_blas")
+
+
+def test_policy_cuda_wgmma():
+    # An sm_90a build on a 132-SM H100 (wgmma=True), for group sizes that wgmma_ws does not take
+    # (% 64 != 0): the wgmma kernel above 64 rows and up to 512 when the output has >= 64 tiles of
+    # 128 x 128/256 (or K >= 8192), 256-row tiles above 256 rows only in one wave or with a last
+    # wave >= 80 % full; otherwise decode (<= 128 rows) and dequant + cuBLAS.
+    def plan(M, K=4096, N=12288, group_size=32, wgmma=True, **kw):
+        caps = dict(compute_units=132, wgmma=wgmma, thread_block_clusters=False)
+        return torch_marlin.plan_gemm("fp4", M, K, N, group_size, device="cuda", caps=caps, **kw)
+    assert plan(64)["kernel"] == "decode_fp4_half"
+    w = plan(65, dtype=torch.bfloat16)
+    assert w["kernel"] == "wgmma_fp4_bfloat" and w["family"] == "wgmma"
+    assert w["tile_m"] == 128 and w["tile_n"] == 128 and w["threads"] == (256, 1, 1)
+    assert w["grid"] == (1, 96, 1) and w["k_parallel"] == 1 and w["workspace_bytes"] == 0
+    assert plan(200)["tile_m"] == 256 and plan(512, N=8192)["kernel"] == "wgmma_fp4_half"
+    assert plan(384)["kernel"] == "dequant_blas_fp4_half"  # 2 x 96 tiles: a second wave 73 % full
+    assert plan(384, N=21504)["kernel"] == "wgmma_fp4_half"  # 2 x 168 tiles: 3 waves, 85 % full
+    assert plan(512, N=21504)["grid"] == (2, 168, 1)
+    assert plan(513, N=8192)["kernel"] == "dequant_blas_fp4_half"
+    assert plan(128, N=4096)["kernel"] == "decode_fp4_half"  # 32 tiles: too few
+    assert plan(200, N=4096)["kernel"] == "dequant_blas_fp4_half"
+    long_k = plan(200, K=10752, N=4096)  # 32 tiles, but 4 slices of 2688 k each
+    assert long_k["kernel"] == "wgmma_fp4_half" and long_k["grid"] == (1, 32, 4) and long_k["k_slice_len"] == 2688
+    assert plan(100, K=4096, N=4096)["kernel"] == "decode_fp4_half"  # 32 tiles, short K: decode
+    # 128-row tiles are 256 columns wide unless half as many tiles would need more K slices.
+    wide = plan(128, K=10752, N=4096)  # 16 wide tiles, 4 slices (as 32 narrow ones would need)
+    assert wide["kernel"] == "wgmma_fp4_half" and wide["tile_n"] == 256 and wide["grid"] == (1, 16, 4)
+    assert plan(100, N=21504)["tile_n"] == 256 and plan(100, N=21504)["grid"] == (1, 84, 1)
+    narrow = plan(100, K=28672, N=8192)  # 32 wide tiles would need 4 slices, 64 narrow ones 2
+    assert narrow["tile_n"] == 128 and narrow["grid"] == (1, 64, 2)
+    assert plan(65)["tile_n"] == 128  # 48 wide tiles would need 2 slices, 96 narrow ones 1
+    four = plan(300, N=4096)  # 2 row tiles x 32 column tiles, 2 K slices
+    assert four["kernel"] == "wgmma_fp4_half" and four["grid"] == (2, 32, 2)
+    assert plan(128, wgmma=False)["kernel"] == "decode_fp4_half"
+    assert plan(128, K=6144, group_size=96)["kernel"] == "wgmma_fp4_half"
+    # Shapes the kernel does not take: K % 64, group_size % 32, fp32 activations.
+    assert plan(128, K=4104, group_size=8)["kernel"] == "decode_fp4_half"
+    assert plan(128, group_size=16)["kernel"] == "decode_fp4_half"
+    assert plan(128, dtype=torch.float32)["kernel"] == "simt_fp4_float"
+    with pytest.raises(ValueError, match="needs K % 64 == 0 and group_size % 32 == 0"):
+        plan(128, K=4104, group_size=8, family="wgmma")
+    # K slices (at most 4, each >= 512 rows) when the tiles leave SMs idle; always summed through a
+    # thread-block cluster (no workspace).
+    kp = plan(100, K=2048, N=8192)
+    assert kp["kernel"] == "wgmma_fp4_half" and kp["k_parallel"] == 2 and kp["grid"] == (1, 64, 2)
+    assert kp["reduce"] == "cluster" and kp["reduce_kernel"] == "" and kp["workspace_bytes"] == 0
+    forced = plan(8, K=8192, N=256, family="wgmma")  # 2 tiles: the slice cap, not the SM count
+    assert forced["k_parallel"] == 4 and forced["k_slice_len"] == 2048
+
+
+def test_policy_cuda_wgmma_ws():
+    # An sm_90a build on a 132-SM H100: the warp-specialized kernel from 33 rows on (any N, any M)
+    # when K % 64 == 0 and group_size % 64 == 0 (from 17 rows where K <= 8192 and its blocks fill
+    # half the SMs with at most 2 K slices); 64 / 128 / 256 activation rows a tile, 2 consumer
+    # warpgroups (128 columns) or 3 (192) where that grid runs in fewer stage-waves, K slices when
+    # the tiles leave SMs idle: 2 summed through a cluster, 3..4 through global memory (256-row
+    # tiles: <= 3, all through clusters).
+    def plan(M, K=4096, N=12288, group_size=128, wgmma=True, **kw):
+        caps = dict(compute_units=132, wgmma=wgmma, thread_block_clusters=True)
+        return torch_marlin.plan_gemm("fp4", M, K, N, group_size, device="cuda", caps=caps, **kw)
+    assert plan(16)["kernel"] == "decode_fp4_half"
+    for M in (17, 32):  # 4096 x 12288: 64 tiles x 2 slices; the others keep decode up to 32 rows
+        assert plan(M)["kernel"] == "wgmma_ws_fp4_half" and plan(M)["k_parallel"] == 2
+        assert plan(M, N=21504)["kernel"] == "wgmma_ws_fp4_half"
+        assert plan(M, N=4096)["kernel"] == "decode_fp4_half"  # 3 slices
+        assert plan(M, K=10752, N=4096)["kernel"] == "decode_fp4_half"
+        assert plan(M, K=28672, N=8192)["kernel"] == "decode_fp4_half"  # K > 8192
+        assert plan(M, K=512, N=96)["kernel"] == "decode_fp4_half"  # 1 tile: 1 slice, 1 SM
+    w = plan(33, dtype=torch.bfloat16)
+    assert w["kernel"] == "wgmma_ws_fp4_bfloat" and w["family"] == "wgmma_ws"
+    assert (w["tile_m"], w["tile_n"], w["threads"], w["grid"]) == (64, 192, (512, 1, 1), (1, 64, 2))
+    assert w["consumers"] == 3
+    assert w["reduce"] == "cluster" and w["workspace_bytes"] == 0 and w["k_slice_len"] == 2048
+    assert plan(128)["tile_m"] == 128 and (plan(129)["tile_m"], plan(129)["tile_n"]) == (256, 128)
+    assert plan(129)["consumers"] == 2
+    assert plan(4096)["kernel"] == "wgmma_ws_fp4_half" and plan(4096)["grid"] == (16, 96, 1)
+    # 32 tiles: 4 slices in 128 SMs, summed by each tile's last block through an fp32 workspace of
+    # whole tiles (32 x 4 x 64 x 128 floats); 10752 x 4096 alike; 128-row tiles too.
+    for M, K in [(64, 4096), (64, 10752), (128, 4096)]:
+        gw = plan(M, K=K, N=4096)
+        assert (gw["grid"], gw["reduce"]) == ((1, 32, 4), "last_block"), gw
+        assert gw["workspace_bytes"] == 32 * 4 * gw["tile_m"] * 128 * 4 and gw["k_slice_len"] == K // 4
+    # 256-row tiles keep at most 3 slices through clusters (4096 x 4096 at M = 256: 32 tiles x 3).
+    w256 = plan(256, N=4096)
+    assert (w256["grid"], w256["reduce"], w256["workspace_bytes"]) == ((1, 32, 3), "cluster", 0)
+    # 28672 x 8192: 43 tiles of 192 columns x 3 slices through global memory (129 blocks; 43
+    # clusters of 3 would not fit in one wave) beat 64 tiles of 128 x 2 through clusters.
+    big = plan(64, K=28672, N=8192)
+    assert (big["tile_n"], big["grid"], big["reduce"]) == (192, (1, 43, 3), "last_block")
+    assert (plan(256, K=28672, N=8192)["grid"], plan(256, K=28672, N=8192)["reduce"]) == ((1, 64, 2), "cluster")
+    assert (plan(64, N=21504)["tile_n"], plan(64, N=21504)["grid"]) == (192, (1, 112, 1))  # 1 wave, not 2
+    assert plan(1024, group_size=64)["kernel"] == "wgmma_ws_fp4_half"
+    # A partial last wave becomes a second launch with K slices: 4096 x 21504 at M = 1024 is 672
+    # tiles, 5 waves + 12 tiles; the 12 (3 column tiles x 4 row tiles) run as 3-slice clusters.
+    tail = plan(1024, N=21504)
+    assert (tail["grid"], tail["k_parallel"], tail["n_tiles"]) == ((4, 165, 1), 1, 168)
+    assert (tail["tail_n_tiles"], tail["tail_k_parallel"], tail["tail_k_slice_len"]) == (3, 3, 1408)
+    assert tail["reduce"] == "none"  # the main launch; the tail's slices always meet in a cluster
+    # 168 tiles at M = 256: 36 in the tail, 2 slices (3 would take more than 3/4 of the SMs).
+    assert (plan(256, N=21504)["grid"], plan(256, N=21504)["tail_n_tiles"], plan(256, N=21504)["tail_k_parallel"]) \
+        == ((1, 132, 1), 36, 2)
+    # No tail: one wave, a last wave too full for K slices (4096 x 12288 at M = 4096: 96 tiles), or
+    # more than 10 whole waves (4096 x 21504 at M = 4096: 20 waves + 48 tiles).
+    for M, N in [(4096, 12288), (64, 4096), (1024, 4096), (4096, 21504)]:
+        assert plan(M, N=N)["tail_n_tiles"] == 0 and plan(M, N=N)["tail_k_parallel"] == 1
+    # Shapes it does not take: group_size % 64 != 0, K % 64 != 0, no sm_90a build, fp32 activations.
+    assert plan(100, group_size=32)["kernel"] == "wgmma_fp4_half"
+    assert plan(100, K=4104, group_size=8)["kernel"] == "decode_fp4_half"
+    assert plan(100, wgmma=False)["kernel"] == "decode_fp4_half"
+    assert plan(300, wgmma=False)["kernel"] == "dequant_blas_fp4_half"
+    assert plan(100, dtype=torch.float32)["kernel"] == "simt_fp4_float"
+    with pytest.raises(ValueError, match="needs K % 64 == 0 and group_size % 64 == 0"):
+        plan(100, group_size=32, family="wgmma_ws")
+    with pytest.raises(ValueError, match="wgmma_ws kernel needs an sm_90a build"):
+        plan(100, wgmma=False, family="wgmma_ws")
+    with pytest.raises(ValueError, match="wgmma_ws family does not run on cpu"):
+        torch_marlin.plan_gemm("fp4", 100, 256, 64, family="wgmma_ws", caps=dict(compute_units=4))
+    with pytest.raises(ValueError, match="wgmma_ws family does not run on cuda with float activations"):
+        plan(100, dtype=torch.float32, family="wgmma_ws")
+
+
+@pytest.mark.parametrize("clusters", [False, True])
+def test_policy_cuda_k_slice_reduction(clusters):
+    # 2 decode K slices reduce through a thread-block cluster (no workspace) where the device and
+    # build have clusters; more slices, or no clusters, through the global fp32 workspace
+    # [k_parallel][M][N] summed by the last block of each tile.
+    def plan(M, K, N):
+        caps = dict(compute_units=132, wgmma=False, thread_block_clusters=clusters)
+        return torch_marlin.plan_gemm("fp4", M, K, N, device="cuda", caps=caps)
+    two, four, one = plan(4, 2048, 328), plan(4, 4096, 328), plan(4, 4096, 8192)
+    assert two["k_parallel"] == 2 and four["k_parallel"] == 4 and one["k_parallel"] == 1
+    if clusters:
+        assert two["reduce"] == "cluster" and two["workspace_bytes"] == 0
+    else:
+        assert two["reduce"] == "last_block" and two["workspace_bytes"] == 2 * 4 * 328 * 4
+    assert four["reduce"] == "last_block" and four["workspace_bytes"] == 4 * 4 * 328 * 4
+    assert one["reduce"] == "none" and one["workspace_bytes"] == 0
+    for p in (two, four, one):  # CUDA sums K slices inside the kernel: no second dispatch
+        assert p["reduce_kernel"] == "" and p["reduce_grid"] == (1, 1, 1)
+    # dequant_blas never splits K, clusters or not.
+    big = plan(300, 2048, 328)
+    assert big["family"] == "dequant_blas" and big["reduce"] == "none"
+
+
+@pytest.mark.parametrize("clusters", [False, True])
+def test_policy_cuda_dependent_launch(clusters):
+    # Programmatic dependent launch: decode where the device and build run clusters (sm_90 with
+    # sm_90 PTX), wgmma_ws always (sm_90a only); never the wgmma, dequant_blas or fp32 kernels,
+    # nor any backend but CUDA.
+    def plan(M, group_size=128, dtype=torch.float16, device="cuda", N=4096):
+        caps = dict(compute_units=132, thread_block_clusters=clusters, wgmma=clusters)
+        return torch_marlin.plan_gemm("fp4", M, 4096, N, group_size, dtype=dtype, device=device, caps=caps)
+    assert plan(1)["kernel"].startswith("decode_") and plan(1)["dependent_launch"] == clusters
+    if clusters:
+        assert plan(64)["kernel"].startswith("wgmma_ws_") and plan(64)["dependent_launch"]
+        wgmma = plan(128, group_size=32, N=12288)
+        assert wgmma["kernel"].startswith("wgmma_fp4") and not wgmma["dependent_launch"]
+    assert not plan(1024, group_size=32)["dependent_launch"]  # dequant_blas
+    assert not plan(8, dtype=torch.float32)["dependent_launch"]  # simt
+    assert not plan(1, device="cpu")["dependent_launch"]
+
+
+def test_policy_rejects_bad_names():
+    with pytest.raises(ValueError, match="format must be one of"):
+        torch_marlin.plan_gemm("int3", 1, 256, 64)
+    with pytest.raises(ValueError, match="family must be one of"):
+        torch_marlin.plan_gemm("fp4", 1, 256, 64, family="fast")
+    with pytest.raises(ValueError, match="family must be one of"):
+        torch_marlin.plan_gemm("fp4", 100, 256, 64, family="tiled")  # not a family
+    with pytest.raises(ValueError, match="decode family handles M <= 16"):
+        torch_marlin.plan_gemm("fp4", 17, 256, 64, family="decode")
+    with pytest.raises(ValueError, match="decode family handles M <= 16 only \\(128 on CUDA\\)"):
+        torch_marlin.plan_gemm("fp4", 129, 256, 64, device="cuda", caps=SM132_PORTABLE, family="decode")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        torch_marlin.plan_gemm("fp4", 1, 256, 64, dtype=torch.int8)
+    with pytest.raises(ValueError, match="no torch_marlin backend for device type 'meta'"):
+        torch_marlin.plan_gemm("fp4", 1, 256, 64, device="meta")
+
+
+# ---- forced families -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device, caps, dtype, family, backend", [
+    ("cpu", dict(compute_units=4), torch.float16, "fused_tiles", "cpu"),
+    ("cpu", dict(compute_units=4), torch.float16, "simt", "cpu"),
+    ("metal", M1, torch.float16, "wgmma", "metal"),
+    ("metal", M1, torch.float16, "dequant_blas", "metal"),
+    ("cuda", H100, torch.float16, "striped", "cuda"),
+    ("cuda", H100, torch.float16, "simt", "cuda"),
+    ("cuda", H100, torch.float32, "decode", "cuda"),
+])
+def test_forced_family_the_backend_lacks_is_refused(device, caps, dtype, family, backend):
+    with pytest.raises(ValueError, match=f"the {family} family does not run on {backend}.*families there: "):
+        torch_marlin.plan_gemm("fp4", 8, 256, 64, dtype=dtype, device=device, caps=caps, family=family)
+
+
+@pytest.mark.parametrize("device, caps, family, kernel", [
+    ("cpu", dict(compute_units=4), "decode", "cpu_decode"),
+    ("cpu", dict(compute_units=4), "dequant_blas", "cpu_dequant_blas"),
+    ("metal", M1, "decode", "marlin_gemv_u4_half"),
+    ("metal", M1, "fused_tiles", "marlin_gemm_fused_u4_half"),
+    ("metal", M1, "staged_tiles", "marlin_gemm_u4_half"),
+    ("metal", M1, "striped", "marlin_gemm_striped_u4_half"),
+    ("cuda", H100, "decode", "decode_u4_half"),
+    ("cuda", H100, "dequant_blas", "dequant_blas_u4_half"),
+    ("cuda", H100, "wgmma", "wgmma_u4_half"),
+    ("cuda", H100, "wgmma_ws", "wgmma_ws_u4_half"),
+])
+def test_forced_family_names_its_kernel(device, caps, family, kernel):
+    p = torch_marlin.plan_gemm("u4", 8, 1024, 256, device=device, caps=caps, family=family)
+    assert (p["family"], p["kernel"]) == (family, kernel)
+
+
+# ---- the plan dict: kernel descriptor, padded N, caps --------------------------------------------
+
+@pytest.mark.parametrize("device, caps", [("cpu", dict(compute_units=3)), ("metal", M1), ("cuda", H100)])
+def test_plan_dict_keys_and_caps_echoed(device, caps):
+    p = torch_marlin.plan_gemm("fp4", 5, 1024, 200, 64, dtype=torch.bfloat16, device=device, caps=caps)
+    assert set(p) == PLAN_KEYS
+    assert p["backend"] == ("metal" if device == "metal" else device)
+    assert (p["format"], p["dtype"]) == ("fp4", "bfloat16")
+    for key, value in caps.items():
+        assert p[key] == value, key
+    assert p["tile_m"] * p["m_tiles"] >= 5 and p["tile_n"] * p["n_tiles"] >= 200
+
+
+def test_plan_dict_decode_fold_and_padded_n():
+    def cuda(M, N=200, group_size=128, dtype=torch.float16):
+        return torch_marlin.plan_gemm("u4", M, 4096, N, group_size, dtype=dtype, device="cuda", caps=SM132_PORTABLE)
+    # Folded scales: decode tiles of 8 or 16 rows, a 32-row chunk inside one group.
+    assert [cuda(M)["fold"] for M in (1, 9, 16, 17, 33)] == [True, True, True, False, False]
+    assert [cuda(M)["tile_m"] for M in (1, 9, 16, 17, 33)] == [8, 16, 16, 32, 64]
+    assert not cuda(1, group_size=16)["fold"] and not cuda(1, group_size=8)["fold"]
+    assert cuda(1, group_size=32)["fold"] and cuda(9, group_size=64)["fold"]
+    # The CUDA fp16/bf16 kernels read N rounded up to 16 columns; nothing else pads.
+    assert cuda(1)["padded_n"] == 208 and cuda(1, N=4096)["padded_n"] == 4096
+    assert cuda(300, N=200)["padded_n"] == 208  # dequant_blas
+    assert cuda(1, dtype=torch.float32)["padded_n"] == 0  # simt
+    assert torch_marlin.plan_gemm("u4", 1, 4096, 200)["padded_n"] == 0
+    assert torch_marlin.plan_gemm("u4", 1, 4096, 200, device="metal", caps=M1)["padded_n"] == 0
+    # Consumers only for wgmma_ws (tile_n / 64); fold only for CUDA decode.
+    ws = torch_marlin.plan_gemm("fp4", 64, 4096, 21504, device="cuda", caps=H100)
+    assert (ws["family"], ws["consumers"], ws["tile_n"], ws["fold"]) == ("wgmma_ws", 3, 192, False)
+    assert torch_marlin.plan_gemm("fp4", 1, 4096, 4096, device="metal", caps=M1)["fold"] is False
+    assert cuda(1)["consumers"] == 0
+
+
+def test_metal_plan_without_caps_uses_default_metal_caps():
+    p = torch_marlin.plan_gemm("fp4", 64, 8192, 128, device="metal")
+    assert (p["backend"], p["compute_units"], p["max_shared_memory"]) == ("metal", 8, 32768)
+    assert p == torch_marlin.plan_gemm("fp4", 64, 8192, 128, device="metal", caps=M1)
+    assert _C.default_caps("metal") == dict(backend="metal", compute_units=8, max_shared_memory=32768, wgmma=False,
+                                            thread_block_clusters=False)
+
+
+def test_missing_caps_keys_take_the_backend_defaults():
+    p = torch_marlin.plan_gemm("fp4", 1, 4096, 4096, device="cuda", caps={})
+    assert (p["compute_units"], p["wgmma"], p["thread_block_clusters"]) == (1, False, False)
+    assert torch_marlin.plan_gemm("fp4", 1, 4096, 4096, device="metal", caps={})["compute_units"] == 8
+    p = torch_marlin.plan_gemm("fp4", 1, 4096, 4096, device="cuda", caps=dict(compute_units=132))
+    assert (p["compute_units"], p["wgmma"], p["thread_block_clusters"]) == (132, False, False)
+    # A plan's own caps keys plan the same again.
+    h = torch_marlin.plan_gemm("fp4", 64, 4096, 4096, device="cuda", caps=H100)
+    again = {k: h[k] for k in ("backend", "compute_units", "max_shared_memory", "wgmma", "thread_block_clusters")}
+    assert torch_marlin.plan_gemm("fp4", 64, 4096, 4096, device="cuda", caps=again) == h
+
+
+def test_bad_caps_are_refused():
+    with pytest.raises(ValueError, match="caps: unknown key 'sms'"):
+        torch_marlin.plan_gemm("fp4", 1, 256, 64, device="cuda", caps=dict(sms=132))
+    with pytest.raises(ValueError, match="caps\\['compute_units'\\] must be positive"):
+        torch_marlin.plan_gemm("fp4", 1, 256, 64, device="cuda", caps=dict(compute_units=0))
+    with pytest.raises(ValueError, match="caps\\['backend'\\] is 'metal' but the plan is for cuda"):
+        torch_marlin.plan_gemm("fp4", 1, 256, 64, device="cuda", caps=dict(backend="metal"))
+    with pytest.raises(TypeError, match="caps must be a dict"):
+        torch_marlin.plan_gemm("fp4", 1, 256, 64, device="cuda", caps=132)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_plan_without_a_gpu_needs_caps():
+    with pytest.raises(ValueError, match="no cuda device here.*caps=dict\\("):
+        torch_marlin.plan_gemm("fp4", 1, 4096, 4096, device="cuda")
+    with pytest.raises(ValueError, match="no cuda device here.*caps=dict\\("):
+        torch_marlin.plan_trellis(1, 4096, 4096, device="cuda")
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="needs a machine without MPS")
+def test_mps_plan_without_a_gpu_needs_caps():
+    with pytest.raises(ValueError, match="no mps device here.*caps=dict\\("):
+        torch_marlin.plan_gemm("fp4", 1, 4096, 4096, device="mps")
+    assert torch_marlin.plan_gemm("fp4", 1, 4096, 4096, device="mps", caps=M1)["kernel"] == "marlin_gemv_fp4_half"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_plan_without_caps_reads_the_device():
+    caps = _C.device_caps("cuda")
+    assert caps["backend"] == "cuda"
+    assert caps["compute_units"] == torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    p = torch_marlin.plan_gemm("fp4", 1, 4096, 4096, device="cuda")
+    assert all(p[k] == v for k, v in caps.items())
+
+
+def test_cpu_plan_uses_the_ops_thread_count():
+    # caps=None reads _C.device_caps, the function the op plans with: torch's intra-op threads.
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            assert _C.device_caps("cpu") == dict(backend="cpu", compute_units=n, max_shared_memory=32768,
+                                                 wgmma=False, thread_block_clusters=False)
+            assert torch_marlin.plan_gemm("fp4", 1, 256, 64)["compute_units"] == n
+            assert torch_marlin.plan_trellis(1, 256, 64)["compute_units"] == n
+        # The decode tile width depends on it: 256 columns only when every thread gets two tiles.
+        torch.set_num_threads(2)
+        assert torch_marlin.plan_gemm("fp4", 1, 256, 1024)["tile_n"] == 256
+        torch.set_num_threads(3)
+        assert torch_marlin.plan_gemm("fp4", 1, 256, 1024)["tile_n"] == 64
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---- trellis -----------------------------------------------------------------------------------
+
+def test_plan_trellis_policy_metal_and_cpu():
+    for M in (1, 16):
+        p = torch_marlin.plan_trellis(M, 4096, 4096, 3, 128, torch.float16, device="metal", caps=M1)
+        assert p["family"] == "decode" and p["kernel"] == "gemm_trellis_packed_decode_half"
+        assert p["grid"] == (128, 1, 1) and p["threads"] == (128, 1, 1) and p["tile_n"] == 32
+    p = torch_marlin.plan_trellis(17, 4096, 1000, 4, 128, torch.bfloat16, device="metal", caps=M1)
+    assert p["family"] == "staged_tiles" and p["kernel"] == "gemm_trellis_packed_bfloat"
+    assert p["grid"] == (16, 1, 1) and p["threads"] == (128, 1, 1) and (p["tile_m"], p["tile_n"]) == (64, 64)
+    cpu = torch_marlin.plan_trellis(100, 64, 64, 2, 32, torch.float32, family="dequant_blas")
+    assert cpu["kernel"] == "cpu_trellis_prefill" and cpu["family"] == "dequant_blas" and cpu["k_chunk"] == 16384
+    assert torch_marlin.plan_trellis(3, 64, 64, 2, 32, torch.float32, family="dequant_blas")["kernel"] == \
+        "cpu_trellis_prefill"
+    dec = torch_marlin.plan_trellis(3, 64, 64, 2, 32, torch.float32)
+    assert (dec["family"], dec["kernel"], dec["tile_m"], dec["tile_n"]) == ("decode", "cpu_trellis_decode", 16, 64)
+    assert torch_marlin.plan_trellis(17, 64, 64, 2, 32, torch.float32)["family"] == "dequant_blas"
+    with pytest.raises(ValueError, match="M <= 16"):
+        torch_marlin.plan_trellis(17, 64, 64, 2, 32, torch.float32, family="decode")
+    with pytest.raises(ValueError, match="32-bit indices"):
+        torch_marlin.plan_trellis(1 << 20, 8192, 64, 2, 32, torch.float16, device="metal", caps=M1)  # M*K = 2^33
+
+
+def test_plan_trellis_forced_families_and_keys():
+    with pytest.raises(ValueError, match="staged_tiles family does not run trellis on cpu"):
+        torch_marlin.plan_trellis(20, 64, 64, 2, 32, family="staged_tiles")
+    with pytest.raises(ValueError, match="dequant_blas family does not run trellis on metal"):
+        torch_marlin.plan_trellis(20, 64, 64, 2, 32, device="metal", caps=M1, family="dequant_blas")
+    with pytest.raises(ValueError, match="family must be one of"):
+        torch_marlin.plan_trellis(20, 64, 64, 2, 32, family="tiled")
+    with pytest.raises(ValueError, match="no CUDA trellis kernels"):
+        torch_marlin.plan_trellis(1, 64, 64, 2, 32, device="cuda", caps=H100)
+    p = torch_marlin.plan_trellis(20, 64, 64, 2, 32, device="metal", caps=dict(compute_units=10))
+    assert set(p) == {"family", "kernel", "grid", "threads", "tile_m", "tile_n", "m_tiles", "n_tiles", "k_chunk",
+                      "backend", "compute_units", "max_shared_memory", "wgmma", "thread_block_clusters"}
+    assert (p["backend"], p["compute_units"], p["m_tiles"], p["n_tiles"]) == ("metal", 10, 1, 1)

@@ -1,0 +1,89 @@
+"""The planner's policy, as plain functions tests and users can call.
+
+They ask the C++ planner (csrc/plan/) — the same code every op runs through — which kernel family,
+kernel and launch geometry a shape gets on a backend. Modules decide nothing themselves: they call
+the op, and the op plans with its device's caps (``_C.device_caps``, which ``caps=None`` reads too).
+
+Families (``family``): small M runs ``decode`` (GEMV-style) kernels, up to measured crossovers
+(8 rows on the CPU, 16 on Metal, 128 on CUDA). Above, the CPU runs ``dequant_blas`` (dequantized
+column chunks + BLAS); Metal ``fused_tiles`` (64x64 tiles), or ``striped`` (stripes with K-parallel
+slices) where the output is too small to fill the GPU (``staged_tiles`` runs only when forced);
+CUDA the sm_90a ``wgmma_ws`` kernel (every M > 32, and 17..32 where it beats decode, when
+group_size % 64 == 0), ``wgmma`` (other group sizes, 64 < M <= 512 with enough output tiles),
+else ``dequant_blas`` (dequantized panels + cuBLAS); fp32 activations on CUDA run ``simt``.
+"""
+
+import torch
+
+from . import _C
+
+DECODE_MAX_M = 16
+
+_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_BACKENDS = {"cpu": "cpu", "mps": "metal", "metal": "metal", "cuda": "cuda"}
+
+
+def backend_of(device) -> str:
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    if dev.type not in _BACKENDS:
+        raise ValueError(f"no torch_marlin backend for device type '{dev.type}'")
+    return _BACKENDS[dev.type]
+
+
+def _hardware_present(dev: torch.device) -> bool:
+    if dev.type == "cpu":
+        return True
+    if dev.type == "cuda":
+        return torch.cuda.is_available()
+    return dev.type == "mps" and torch.backends.mps.is_available()
+
+
+def _backend_and_caps(device, caps):
+    """(backend, caps dict) for the planner: an explicit ``caps`` dict over the backend's defaults,
+    else the real device's caps (the op's own source), else, for ``"metal"``, the default Metal
+    caps."""
+    if device == "metal":
+        backend = "metal"
+        if caps is None:
+            return backend, _C.default_caps("metal")
+    else:
+        backend = backend_of(device)
+        if caps is None:
+            dev = torch.device(device) if not isinstance(device, torch.device) else device
+            if not _hardware_present(dev):
+                raise ValueError(f"no {dev.type} device here to read caps from: pass the capabilities to plan for, "
+                                 f"e.g. caps=dict(compute_units=132, wgmma=True, thread_block_clusters=True)")
+            return backend, _C.device_caps(str(dev))
+    if not isinstance(caps, dict):
+        raise TypeError(f"caps must be a dict or None, got {type(caps).__name__}")
+    return backend, caps
+
+
+def plan_gemm(format: str, M: int, K: int, N: int, group_size: int = 128, dtype=torch.float16,
+              device="cpu", family: str = "auto", has_bias: bool = False, caps=None) -> dict:
+    """The plan the FP4 / INT4 op would execute for this problem: ``family``, ``kernel``, ``reduce``,
+    ``grid``, ``threads``, tiles, K slices, ... and the caps it was made for (``backend``,
+    ``compute_units``, ``wgmma``, ``thread_block_clusters``, ``max_shared_memory``).
+
+    ``device``: a torch device or ``"metal"`` (Metal planned without a device, default Metal caps).
+    ``caps``: a dict of the capabilities to plan for (keys ``compute_units``, ``max_shared_memory``,
+    ``wgmma``, ``thread_block_clusters``; missing keys take the backend's defaults). None reads the
+    real device's caps, as the op does; planning for a CUDA or MPS device this machine lacks needs
+    ``caps``. ``family`` forces a kernel family (tests); ``"auto"`` is the policy."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")
+    backend, caps = _backend_and_caps(device, caps)
+    return _C.plan_quant_gemm(format, M, K, N, group_size, _DTYPES[dtype], backend, caps, has_bias, family)
+
+
+def plan_trellis(M: int, K: int, N: int, bits: int = 3, group_size: int = 128, dtype=torch.float16,
+                 device="cpu", family: str = "auto", caps=None) -> dict:
+    """The plan ``gemm_trellis`` would execute: M <= 16 -> ``decode`` (``gemm_trellis_packed_decode``,
+    GEMV layout, on Metal; ``cpu_trellis_decode``), else ``staged_tiles`` on Metal
+    (``gemm_trellis_packed``, 64x64 tiles) and ``dequant_blas`` on the CPU (``cpu_trellis_prefill``).
+    Keys: ``family, kernel, grid, threads, tile_m, tile_n, m_tiles, n_tiles, k_chunk`` and the caps.
+    ``device``, ``caps`` and ``family`` as for :func:`plan_gemm`."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")
+    backend, caps = _backend_and_caps(device, caps)
+    return _C.plan_trellis_gemm(M, K, N, bits, group_size, _DTYPES[dtype], backend, caps, family)
