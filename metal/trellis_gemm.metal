@@ -19,7 +19,7 @@
 //   dequant_trellis               dense f32 W, one thread per element of a 16x16 tile.
 //                                 Grid (tiles_n, tiles_k), 256 threads.
 //
-// Portability rules (the Metal-on-CPU harness compiles this file as C++): torch_marlin/msl_kernel.h.
+// Portability rules (the Metal-on-CPU harness compiles this file as C++): csrc/include/torch_marlin/msl_kernel.h.
 #include "torch_marlin/trellis_msl.h"
 
 using namespace metal;

@@ -57,7 +57,7 @@ const char* format_name(QuantFormat f) { return f == QuantFormat::FP4 ? "fp4" : 
 
 namespace {
 
-// Metal function stems (metal/quant_gemm.metal).
+// Metal function stems (metal/*.metal).
 const char* metal_stem(KernelFamily f) {
   switch (f) {
     case KernelFamily::Decode: return "marlin_gemv";

@@ -128,7 +128,7 @@ GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, in
 // tests): an M1-class GPU with 8 cores and 32 KiB of threadgroup memory.
 DeviceCaps default_metal_caps();
 
-// Standalone dequant on Metal (kernel dequant_<format>_<dtype> in metal/quant_gemm.metal): one
+// Standalone dequant on Metal (kernel dequant_<format>_<dtype> in metal/dequant.metal): one
 // thread per packed word, 256 threads per threadgroup, 1-D grid. Shared by the MPS encoder and
 // the Metal-on-CPU harness. params carries K, N and group_size (M = 0).
 GemmPlan plan_quant_dequant_metal(QuantFormat format, int64_t K, int64_t N, int64_t group_size, DType dtype);

@@ -1,4 +1,4 @@
-// Metal geometry (metal/quant_gemm.metal; also what the Metal-on-CPU harness runs). Kernel names
+// Metal geometry (metal/*.metal; also what the Metal-on-CPU harness runs). Kernel names
 // are <stem>_<format>_<dtype> (kernel_name in plan.cpp).
 #include <algorithm>
 #include <stdexcept>
@@ -81,7 +81,7 @@ GemmPlan plan_quant_dequant_metal(QuantFormat format, int64_t K, int64_t N, int6
       K % group_size != 0 || K > UINT32_MAX || N > UINT32_MAX || (K / TM_PACK_FACTOR) * N > UINT32_MAX) {
     throw std::invalid_argument("plan_quant_dequant_metal: invalid shape");
   }
-  constexpr uint32_t kDequantThreads = 256;  // kDequantThreads in metal/quant_gemm.metal
+  constexpr uint32_t kDequantThreads = 256;  // kDequantThreads in metal/dequant.metal
   GemmPlan p;
   p.caps = default_metal_caps();
   p.desc.backend = Backend::Metal;

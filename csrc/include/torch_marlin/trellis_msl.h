@@ -1,7 +1,7 @@
 // MSL-only helpers shared by metal/trellis_gemm.metal and metal/trellis_moe.metal: tuning
 // constants, the geometry of one trellis matrix, the GEMV core and the simdgroups' fixed-order
 // meet. Not for host C++. Names carry a tr_ / kTr prefix: every .metal file must also compile as
-// part of one concatenated library (torch_marlin/msl_kernel.h).
+// part of one concatenated library (csrc/include/torch_marlin/msl_kernel.h).
 #pragma once
 
 #include "torch_marlin/msl_kernel.h"
