@@ -92,6 +92,7 @@ struct GemmPlan {
   uint32_t reduce_threads[3] = {1, 1, 1};
   size_t workspace_bytes = 0;       // fp32 partials [k_parallel][M][N] when k_parallel > 1 (CUDA
                                     // wgmma_ws: whole tiles in fragment order); dequant_blas: the panel
+  uint32_t padded_n = 0;  // CUDA fp16/bf16: N rounded up to 16, the columns B/scales/zeros are padded to; else 0
   QuantGemmParams params{};
   // CUDA wgmma_ws only: the last tail_n_tiles column tiles (all row tiles of them) are left out of
   // grid (grid[1] = n_tiles - tail_n_tiles, k_parallel 1) and run as a second launch split into
