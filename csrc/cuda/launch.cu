@@ -115,7 +115,7 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
 template <uint32_t FMT>
 void gemm_for_format(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at::Tensor& ws,
                      cudaStream_t stream) {
-  switch (a.dtype) {
+  switch (plan.desc.dtype) {
     case DType::F16: launch_fast<__half, FMT>(plan, a, C, ws, stream); break;
     case DType::BF16: launch_fast<__nv_bfloat16, FMT>(plan, a, C, ws, stream); break;
     case DType::F32:
@@ -192,7 +192,7 @@ void quant_gemm_cuda(const GemmPlan& plan, const QuantGemmArgs& args, at::Tensor
               "torch_marlin: the CUDA plan '", plan.kernel, "' does not match the call");
   const c10::cuda::CUDAGuard guard(args.A.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (args.format == QuantFormat::FP4) cuda_backend::gemm_for_format<TM_FORMAT_FP4>(plan, args, C, workspace, stream);
+  if (d.format == QuantFormat::FP4) cuda_backend::gemm_for_format<TM_FORMAT_FP4>(plan, args, C, workspace, stream);
   else cuda_backend::gemm_for_format<TM_FORMAT_U4>(plan, args, C, workspace, stream);
 }
 
