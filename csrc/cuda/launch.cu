@@ -1,0 +1,206 @@
+// The CUDA entry points of the FP4 E2M1 / INT4 op family (docs/cuda.md explains the design).
+//
+// Every launch executes a GemmPlan from the planner (csrc/plan/): plan.desc names the kernel family
+// and its template parameters, plan.params carries the geometry. This file checks that the plan
+// belongs to this call, pads the weights to plan.padded_n columns, provides the K-slice arrival
+// counters and switches on plan.desc.family; each family's file (kernels.h) instantiates the
+// kernel the descriptor names. Nothing here chooses a kernel or a geometry.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "cuda/kernels.h"
+
+namespace torch_marlin {
+namespace cuda_backend {
+
+void check_launch(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  TORCH_CHECK(e == cudaSuccess, "torch_marlin: CUDA launch of ", what, " failed: ", cudaGetErrorString(e));
+}
+
+namespace {
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// The fast kernels read 16-byte chunks of B (4 columns), scales (8) and zeros (16): they need the
+// column count padded to a multiple of 16 and 16-byte aligned bases. Real models satisfy this;
+// other shapes get a zero-padded copy (correct, one extra pass over the weights).
+at::Tensor pad_cols(const at::Tensor& t, int64_t Np) {
+  if (t.size(1) == Np && aligned16(t)) return t;
+  at::Tensor out = at::zeros({t.size(0), Np}, t.options());
+  out.narrow(1, 0, t.size(1)).copy_(t);
+  return out;
+}
+
+// B, scales and (U4) zeros with Np columns.
+PaddedWeights padded_weights(const QuantGemmArgs& a, int64_t Np) {
+  return {pad_cols(a.B, Np), pad_cols(a.scales, Np), a.zeros.defined() ? pad_cols(a.zeros, Np) : at::Tensor()};
+}
+
+// Per-tile arrival counters of the in-kernel K-slice reduction. One zeroed buffer per (device,
+// stream): kernels on one stream run in order and every last block re-arms its counter, so a
+// buffer is always all-zero when the next launch on that stream starts. (Per stream, because
+// kernels on different streams may overlap.)
+//  - Made during CUDA-graph capture, the buffer's zeroing is a graph node that only replays run.
+//    Until an eager call has zeroed it, every call zeroes it again (captured calls as a node of
+//    their own graph), so neither an eager call before the first replay nor another graph finds
+//    stale counts.
+//  - Growing keeps the old buffer alive: a captured graph may still launch kernels on it.
+int* tile_counters(int64_t n, const at::Device& dev, cudaStream_t stream) {
+  struct Counters {
+    at::Tensor t;
+    bool zero_pending = false;     // made under capture, not yet zeroed by an eager call
+    std::vector<at::Tensor> kept;  // outgrown buffers
+  };
+  static std::mutex mu;
+  static std::map<std::pair<int, cudaStream_t>, Counters> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  Counters& c = cache[{int(dev.index()), stream}];
+  const bool grow = !c.t.defined() || c.t.numel() < n;
+  if (!grow && !c.zero_pending) return c.t.data_ptr<int>();  // the steady state: no zeroing, no query
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (grow) {
+    if (c.t.defined()) c.kept.push_back(c.t);
+    c.t = at::zeros({std::max<int64_t>(n, 4096)}, at::TensorOptions().dtype(at::kInt).device(dev));
+  } else {
+    c.t.zero_();
+  }
+  c.zero_pending = capture != cudaStreamCaptureStatusNone;
+  return c.t.data_ptr<int>();
+}
+
+// The fp16/bf16 families.
+template <typename T, uint32_t FMT>
+void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at::Tensor& ws, cudaStream_t stream) {
+  const KernelFamily family = plan.desc.family;
+  TORCH_CHECK(family == KernelFamily::Decode || family == KernelFamily::DequantBlas || family == KernelFamily::Wgmma ||
+                  family == KernelFamily::WgmmaWs,
+              "torch_marlin: no CUDA fp16/bf16 kernel for the plan '", plan.kernel, "'");
+  TORCH_CHECK(plan.padded_n >= a.N && plan.padded_n % 16u == 0, "torch_marlin: bad padded_n ", plan.padded_n,
+              " in the CUDA plan for N = ", a.N);
+  const PaddedWeights w = padded_weights(a, int64_t(plan.padded_n));
+  if (family == KernelFamily::DequantBlas) return launch_dequant_blas<T, FMT>(plan, a, w, C, ws, stream);
+  const at::Tensor A = aligned16(a.A) ? a.A : a.A.clone();
+  GemmOperands<T> o;
+  o.A = reinterpret_cast<const T*>(A.data_ptr());
+  o.B = reinterpret_cast<const uint32_t*>(w.B.data_ptr());
+  o.S = reinterpret_cast<const T*>(w.S.data_ptr());
+  o.Z = w.Z.defined() ? w.Z.data_ptr<uint8_t>() : nullptr;
+  o.bias = a.bias.defined() ? reinterpret_cast<const T*>(a.bias.data_ptr()) : nullptr;
+  o.C = reinterpret_cast<T*>(C.data_ptr());
+  o.Np = plan.padded_n;
+  o.ws = ws.defined() ? ws.data_ptr<float>() : nullptr;
+  o.counters = nullptr;
+  o.stream = stream;
+  if (plan.desc.reduce == ReduceKind::LastBlock) {
+    TORCH_CHECK(o.ws != nullptr, "torch_marlin: K-parallel plan without workspace");
+    o.counters = tile_counters(int64_t(plan.params.m_tiles) * plan.params.n_tiles, a.A.device(), stream);
+  }
+  switch (family) {
+    case KernelFamily::Decode: return launch_decode<T, FMT>(plan, o);
+    case KernelFamily::Wgmma: return launch_wgmma<T, FMT>(plan, o);
+    case KernelFamily::WgmmaWs: return launch_wgmma_ws<T, FMT>(plan, o);
+    default: return;  // excluded above
+  }
+}
+
+template <uint32_t FMT>
+void gemm_for_format(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at::Tensor& ws,
+                     cudaStream_t stream) {
+  switch (plan.desc.dtype) {
+    case DType::F16: launch_fast<__half, FMT>(plan, a, C, ws, stream); break;
+    case DType::BF16: launch_fast<__nv_bfloat16, FMT>(plan, a, C, ws, stream); break;
+    case DType::F32:
+      TORCH_CHECK(plan.desc.family == KernelFamily::Simt, "torch_marlin: fp32 plan has kernel '", plan.kernel, "'");
+      launch_simt<FMT>(plan, a, C, stream);
+      break;
+  }
+}
+
+// The standalone dequant has no plan: the dequant kernel's only layout need is B, scales and zeros
+// padded to a multiple of 16 columns.
+template <uint32_t FMT>
+void dequant_for_format(const QuantGemmArgs& a, at::Tensor& W, cudaStream_t stream) {
+  const PaddedWeights w = padded_weights(a, (a.N + 15) / 16 * 16);
+  const uint32_t n = uint32_t(a.N);
+  switch (a.dtype) {
+    case DType::F16: launch_dequant<__half, FMT>(a, w, 0, n, n, reinterpret_cast<__half*>(W.data_ptr()), stream); break;
+    case DType::BF16:
+      launch_dequant<__nv_bfloat16, FMT>(a, w, 0, n, n, reinterpret_cast<__nv_bfloat16*>(W.data_ptr()), stream);
+      break;
+    case DType::F32: launch_dequant<float, FMT>(a, w, 0, n, n, W.data_ptr<float>(), stream); break;
+  }
+}
+
+}  // namespace
+}  // namespace cuda_backend
+
+DeviceCaps cuda_device_caps(int device_index) {
+  const int dev = device_index >= 0 ? device_index : int(c10::cuda::current_device());
+  // Cached per device: the planner asks on every call.
+  static std::mutex mu;
+  static std::vector<DeviceCaps> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  if (int(cache.size()) <= dev) cache.resize(dev + 1);
+  if (cache[dev].backend != Backend::CUDA) {
+    int sms = 0, smem = 0, major = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    // Clusters need an sm_90+ device and kernels from sm_90+ PTX: a build with only compute_80 PTX,
+    // JIT-compiled on an H100, has cluster_reduce compiled out. Every kernel file is compiled for
+    // the same targets, so one decode instantiation speaks for them all.
+    cudaFuncAttributes attr;
+    {
+      const c10::cuda::CUDAGuard guard(c10::Device(c10::DeviceType::CUDA, c10::DeviceIndex(dev)));
+      attr = cuda_backend::decode_kernel_attributes();
+    }
+    cache[dev].backend = Backend::CUDA;
+    cache[dev].compute_units = sms;
+    cache[dev].max_shared_memory = smem;
+    cache[dev].thread_block_clusters = major >= 9 && attr.ptxVersion >= 90 ? 1 : 0;
+    // wgmma needs the sm_90a kernels (setup.py builds them for TORCH_CUDA_ARCH_LIST "9.0a"), which
+    // load only on compute capability 9.0; another build or device keeps dequant_blas.
+    int minor = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+#ifdef TM_CUDA_SM90A
+    cache[dev].wgmma = major == 9 && minor == 0 && attr.ptxVersion >= 90 ? 1 : 0;
+#else
+    cache[dev].wgmma = 0;
+#endif
+  }
+  DeviceCaps caps = cache[dev];
+  return caps;
+}
+
+void quant_gemm_cuda(const GemmPlan& plan, const QuantGemmArgs& args, at::Tensor& C, at::Tensor& workspace) {
+  const KernelDesc& d = plan.desc;
+  const QuantGemmParams& q = plan.params;
+  TORCH_CHECK(d.backend == Backend::CUDA && d.format == args.format && d.dtype == args.dtype &&
+                  int64_t(q.M) == args.M && int64_t(q.K) == args.K && int64_t(q.N) == args.N &&
+                  int64_t(q.group_size) == args.group_size && (q.has_bias != 0) == args.bias.defined() &&
+                  (plan.workspace_bytes == 0 ||
+                   (workspace.defined() && size_t(workspace.numel()) * sizeof(float) >= plan.workspace_bytes)),
+              "torch_marlin: the CUDA plan '", plan.kernel, "' does not match the call");
+  const c10::cuda::CUDAGuard guard(args.A.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (d.format == QuantFormat::FP4) cuda_backend::gemm_for_format<TM_FORMAT_FP4>(plan, args, C, workspace, stream);
+  else cuda_backend::gemm_for_format<TM_FORMAT_U4>(plan, args, C, workspace, stream);
+}
+
+void quant_dequant_cuda(const QuantGemmArgs& args, at::Tensor& W) {
+  const c10::cuda::CUDAGuard guard(args.B.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (args.format == QuantFormat::FP4) cuda_backend::dequant_for_format<TM_FORMAT_FP4>(args, W, stream);
+  else cuda_backend::dequant_for_format<TM_FORMAT_U4>(args, W, stream);
+}
+
+}  // namespace torch_marlin
