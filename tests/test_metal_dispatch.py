@@ -153,7 +153,7 @@ def test_quant_stand_ins(emu):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_trellis_descriptions_match_kernels(trellis_emu, dtype):
-    for family, M in (("decode", 5), ("fused_tiles", 70), ("auto", 1), ("auto", 17)):
+    for family, M in (("decode", 5), ("staged_tiles", 70), ("auto", 1), ("auto", 17)):
         for d in trellis_emu.describe_gemm(M, 200, 77, 3, 32, dtype, family):
             assert_matches_declaration(d)
     for d in trellis_emu.describe_dequant(200, 77, 3, 32):

@@ -22,14 +22,14 @@ TM_NAMESPACE_BEGIN
 #define TM_FORMAT_FP4 0u
 #define TM_FORMAT_U4 1u
 
-// ---- CUDA decode kernel geometry (csrc/cuda/quant_gemm.cu), read by plan_cuda too ---------------
+// ---- CUDA decode kernel geometry (csrc/cuda/decode.cu), read by plan_cuda.cpp too --------------
 // A block is TM_CUDA_DECODE_WARPS warps over TM_CUDA_DECODE_TILE_N columns; blocks resident per SM
 // (the kernel's __launch_bounds__) by tile_m: 64-row tiles need up to 255 registers a thread.
 #define TM_CUDA_DECODE_WARPS 8u
 #define TM_CUDA_DECODE_TILE_N 32u
 #define TM_CUDA_DECODE_BLOCKS_PER_SM(tile_m) ((tile_m) == 64u ? 1u : 2u)
-// Most K slices the decode plan sums through a thread-block cluster (sm_90, "cluster_reduce");
-// more go through global memory ("last_block_reduce"). Clusters of 4 and 8 blocks measured up to
+// Most K slices the decode plan sums through a thread-block cluster (sm_90, ReduceKind::Cluster);
+// more go through global memory (ReduceKind::LastBlock). Clusters of 4 and 8 blocks measured up to
 // 30 % slower than the global path on the H100 (docs/cuda-tuning.md CUDA-DECODE-CLUSTER).
 #define TM_CUDA_DECODE_MAX_CLUSTER_SLICES 2u
 // ---- CUDA wgmma kernel geometry (sm_90a) -------------------------------------------------------
