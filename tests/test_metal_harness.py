@@ -177,9 +177,12 @@ def test_dispatch_policy_metal():
     assert p["family"] == "striped" and p["kernel"] == "marlin_gemm_striped_u4_half"
     assert p["k_parallel"] > 1 and p["reduce_kernel"] == "marlin_reduce_partials_half"
     assert p["grid"][1:] == (1, 1) and p["grid"][0] == p["num_groups"]
-    # An MPS tensor's device plans exactly like "metal" (what MarlinLinear on MPS runs).
+    # An MPS device with the default Metal caps plans exactly like "metal" (what MarlinLinear on
+    # MPS runs); a real MPS device plans with its own core count through the op's caps source.
+    metal_caps = {k: torch_marlin.plan_gemm("fp4", 1, K, N, 128, device="metal")[k]
+                  for k in ("compute_units", "max_shared_memory")}
     for M in (1, 17, 64):
-        assert torch_marlin.plan_gemm("fp4", M, K, N, 128, device="mps") == \
+        assert torch_marlin.plan_gemm("fp4", M, K, N, 128, device="mps", caps=metal_caps) == \
             torch_marlin.plan_gemm("fp4", M, K, N, 128, device="metal")
     # Decode splits K over grid.y when N alone has too few columns for the GPU.
     p = torch_marlin.plan_gemm("fp4", 1, 8192, 256, 128, torch.float16, device="metal")
