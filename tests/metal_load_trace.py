@@ -206,23 +206,26 @@ def symbolize(records):
         if not path:
             continue
         offsets = [hex(s["site"] - base - 1) for s in sites]
-        if os.path.basename(tool).startswith("llvm-symbolizer"):
-            cmd = [tool, "--obj=" + path, "--inlining=0", "--functions=short", "--demangle"] + offsets
-        else:
-            cmd = [tool, "-e", path, "-f", "-C"] + offsets
+        # One block of frames per address, innermost frame first.
         try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+            if os.path.basename(tool).startswith("llvm-symbolizer"):
+                out = subprocess.run([tool, "--obj=" + path, "--inlines", "--functions=short", "--demangle"] + offsets,
+                                     capture_output=True, text=True, timeout=120).stdout
+                blocks = [b.splitlines() for b in out.strip().split("\n\n")]
+            else:
+                blocks = [subprocess.run([tool, "-e", path, "-f", "-C", "-i", o], capture_output=True, text=True,
+                                         timeout=60).stdout.splitlines() for o in offsets]
         except (OSError, subprocess.SubprocessError):
             continue
-        lines = [x for x in out.splitlines() if x.strip()]
-        for i, s in enumerate(sites):
-            if 2 * i + 1 >= len(lines):
-                break
-            func, loc = lines[2 * i].strip(), lines[2 * i + 1].strip()
+        for s, lines in zip(sites, blocks):
+            if len(lines) < 2:
+                continue
+            func, loc = lines[0].strip(), lines[1].strip()
             file, _, rest = loc.partition(":")
             line = rest.split(":")[0]
-            file = os.path.relpath(os.path.realpath(file), ROOT) if file.startswith("/") else file
-            s["where"] = f"{file}:{line} {func.split('(')[0]}"
+            if file.startswith("/"):
+                file = os.path.relpath(os.path.realpath(file), ROOT)
+            s["where"] = f"{file}:{line} {func.split('<')[0].split('(')[0]}"
 
 
 # ---- metrics ----------------------------------------------------------------------------------
@@ -271,3 +274,62 @@ def summarize(rec):
                          max_fetches=v["max_fetches"], lane_loads=v["lane_loads"])
                  for k, v in bufs.items() if v["lane_loads"]},
         sites=sites)
+
+
+# ---- problems: random tensors of a given shape, run through the op-shaped harness functions -----
+# Values do not matter for the load pattern (random codes and indices are all legal); shapes,
+# dtypes and the planner's choices do. Each function returns the dispatch records.
+
+def _dtype(name):
+    import torch
+    return {"half": torch.float16, "float": torch.float32, "bfloat": torch.bfloat16}[name]
+
+
+def trace_quant_gemm(fmt, M, K, N, group_size=128, dtype="half", max_threadgroups=0, seed=0):
+    """C = A @ dequant(B) through the planner's kernel (fmt "fp4" or "u4"), traced."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    mod = load_quant()
+    A = torch.randn(M, K, generator=g).to(_dtype(dtype))
+    B = torch.randint(-2**31, 2**31 - 1, (K // 8, N), generator=g, dtype=torch.int64).to(torch.int32)
+    scales = (torch.rand(K // group_size, N, generator=g) * 0.1 + 0.01).to(_dtype(dtype))
+    zeros = torch.randint(0, 16, (K // group_size, N), generator=g, dtype=torch.uint8) if fmt == "u4" else None
+    return trace(mod, lambda: mod.gemm(fmt, A, B, scales, zeros, None, group_size), max_threadgroups)
+
+
+def _trellis_weights(K, N, bits, group_size, g, experts=None):
+    import torch
+    lead = () if experts is None else (experts,)
+    packed = torch.randint(0, 256, lead + ((K + 15) // 16, (N + 15) // 16, 32 * bits), generator=g,
+                           dtype=torch.int64).to(torch.uint8)
+    scales = torch.rand(lead + ((K + group_size - 1) // group_size, N), generator=g) * 0.2 + 0.01
+    grid = torch.randn(lead + (1 << bits,), generator=g)
+    su = torch.randn(lead + (K,), generator=g).sign()
+    sv = torch.randn(lead + (N,), generator=g).sign()
+    return [packed, scales, grid, su, sv]
+
+
+def trace_trellis_gemm(M, K, N, bits=3, group_size=128, dtype="half", max_threadgroups=0, seed=0):
+    """C = A @ W (trellis) through the planner's kernel, traced."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    mod = load_trellis()
+    A = torch.randn(M, K, generator=g).to(_dtype(dtype))
+    w = _trellis_weights(K, N, bits, group_size, g)
+    return trace(mod, lambda: mod.gemm(A, w, K, N, bits, group_size), max_threadgroups)
+
+
+def trace_trellis_moe(T, hidden, intermediate, experts, top_k, bits=3, group_size=128, dtype="half",
+                      max_threadgroups=0, seed=0):
+    """The routed trellis MoE (every dispatch of its plan), tokens routed at random, traced."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    mod = load_trellis()
+    x = torch.randn(T, hidden, generator=g).to(_dtype(dtype))
+    gate = _trellis_weights(hidden, intermediate, bits, group_size, g, experts)
+    up = _trellis_weights(hidden, intermediate, bits, group_size, g, experts)
+    down = _trellis_weights(intermediate, hidden, bits, group_size, g, experts)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(T)])
+    probs = torch.softmax(torch.randn(T, top_k, generator=g), -1)
+    return trace(mod, lambda: mod.moe(x, gate, up, down, ids, probs, intermediate, bits, group_size),
+                 max_threadgroups)

@@ -290,6 +290,54 @@ std::vector<DispatchTrace> stop() {
 }  // namespace load_trace
 }  // namespace metal_emu
 
+// ---- binary16 conversions clang emits calls to for __fp16 on x86-64 (the kernels' `half` in the
+// traced build); compiler-rt has them, libgcc does not. Round to nearest even, as MSL does. ----
+extern "C" {
+float __gnu_h2f_ieee(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+  if (exp == 0x1fu) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    exp = 113;
+    while ((man & 0x400u) == 0) {
+      man <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t __gnu_f2h_ieee(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint16_t sign = uint16_t((x >> 16) & 0x8000u);
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return uint16_t(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));  // inf / NaN
+  if (ax >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds past the largest half: inf
+  if (ax < 0x38800000u) {  // subnormal half (or zero)
+    if (ax < 0x33000000u) return sign;
+    const uint32_t e = ax >> 23, m = (ax & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126u - e;  // 14 + (113 - e) - ... : m >> (shift) gives the half mantissa
+    uint32_t h = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1u), halfway = 1u << (shift - 1u);
+    if (rem > halfway || (rem == halfway && (h & 1u))) ++h;
+    return uint16_t(sign | h);
+  }
+  uint32_t h = ((ax >> 13) - (112u << 10));
+  const uint32_t rem = ax & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
+  return uint16_t(sign | h);
+}
+}
+
 // ---- clang's SanitizerCoverage callbacks (trace-loads; inline-8bit-counters is the coverage kind
 // trace-loads rides on, its counters are not used) ------------------------------------------------
 extern "C" {
