@@ -49,28 +49,107 @@ TG_LIMIT = 28 * KIB
 # ---- today's failures: (kernel, gate) -> reason. Remove an entry when its kernel is fixed. -----
 _GEMV = "one 4-byte packed word per lane per K step"
 _GEMV_LOADS = "2.5 (FP4) / 2.75 (U4) loads per weight byte: A is re-read per column, scales per word"
-_TR_DECODE = "1-byte index loads; lanes of a simdgroup read different 16x16 tiles"
-_DIV = "k / group_size (scale row) computed per K step"
-EXPECTED_FAILURES = {}
-for _dt in ("half", "float", "bfloat"):
-    for _fmt in ("fp4", "u4"):
-        EXPECTED_FAILURES[(f"marlin_gemv_{_fmt}_{_dt}", "wide_weight_load")] = _GEMV
-        EXPECTED_FAILURES[(f"marlin_gemv_{_fmt}_{_dt}", "loads_per_weight_byte")] = _GEMV_LOADS
-        for _stem in ("marlin_gemv", "marlin_gemm_fused", "marlin_gemm_striped"):
-            EXPECTED_FAILURES[(f"{_stem}_{_fmt}_{_dt}", "no_main_loop_division")] = _DIV
-    for _k in (f"gemm_trellis_packed_decode_{_dt}", f"moe_trellis_gate_up_{_dt}", f"moe_trellis_down_{_dt}"):
-        EXPECTED_FAILURES[(_k, "wide_weight_load")] = _TR_DECODE
-        EXPECTED_FAILURES[(_k, "weight_fetched_once")] = "each packed byte holds parts of several indices, read per index"
-        EXPECTED_FAILURES[(_k, "weight_coalescing")] = _TR_DECODE
-        EXPECTED_FAILURES[(_k, "loads_per_weight_byte")] = "per index: packed bytes, grid, scale, su and A loads"
-    for _k in (f"gemm_trellis_packed_decode_{_dt}", f"gemm_trellis_packed_{_dt}", f"moe_trellis_gate_up_{_dt}",
-               f"moe_trellis_down_{_dt}", f"moe_trellis_tiled_gate_{_dt}", f"moe_trellis_tiled_up_{_dt}",
-               f"moe_trellis_tiled_down_{_dt}"):
-        EXPECTED_FAILURES[(_k, "no_main_loop_division")] = "k / group_size and the tile offset per weight"
-    EXPECTED_FAILURES[(f"moe_trellis_tiled_down_{_dt}", "threadgroup_memory")] = "fp32 A and B tiles: 32 KiB"
-EXPECTED_FAILURES[("gemm_trellis_packed_float", "threadgroup_memory")] = "fp32 double-buffered tiles: 32 KiB"
-EXPECTED_FAILURES[("moe_trellis_tiled_gate_float", "threadgroup_memory")] = "fp32 double-buffered tiles: 32 KiB"
-EXPECTED_FAILURES[("moe_trellis_tiled_up_float", "threadgroup_memory")] = "fp32 double-buffered tiles: 32 KiB"
+_TR_DECODE = "1-byte index loads; the lanes of a simdgroup read different 16x16 tiles"
+_TR_REFETCH = "each packed byte holds parts of several indices and is read once per index"
+_TR_LOADS = "per index: packed bytes, grid, scale, su and A loads"
+_DIV = "k / group_size (the scale row) computed per K step"
+_TR_DIV = "k / group_size and the tile offset computed per weight"
+_TG_F32 = "fp32 double-buffered A and B tiles: 32 KiB"
+EXPECTED_FAILURES = {
+    ("gemm_trellis_packed_decode_bfloat", "wide_weight_load"): _TR_DECODE,
+    ("gemm_trellis_packed_decode_float", "wide_weight_load"): _TR_DECODE,
+    ("gemm_trellis_packed_decode_half", "wide_weight_load"): _TR_DECODE,
+    ("marlin_gemv_fp4_bfloat", "wide_weight_load"): _GEMV,
+    ("marlin_gemv_fp4_float", "wide_weight_load"): _GEMV,
+    ("marlin_gemv_fp4_half", "wide_weight_load"): _GEMV,
+    ("marlin_gemv_u4_bfloat", "wide_weight_load"): _GEMV,
+    ("marlin_gemv_u4_float", "wide_weight_load"): _GEMV,
+    ("marlin_gemv_u4_half", "wide_weight_load"): _GEMV,
+    ("moe_trellis_down_bfloat", "wide_weight_load"): _TR_DECODE,
+    ("moe_trellis_down_float", "wide_weight_load"): _TR_DECODE,
+    ("moe_trellis_down_half", "wide_weight_load"): _TR_DECODE,
+    ("moe_trellis_gate_up_bfloat", "wide_weight_load"): _TR_DECODE,
+    ("moe_trellis_gate_up_float", "wide_weight_load"): _TR_DECODE,
+    ("moe_trellis_gate_up_half", "wide_weight_load"): _TR_DECODE,
+    ("gemm_trellis_packed_decode_bfloat", "weight_fetched_once"): _TR_REFETCH,
+    ("gemm_trellis_packed_decode_float", "weight_fetched_once"): _TR_REFETCH,
+    ("gemm_trellis_packed_decode_half", "weight_fetched_once"): _TR_REFETCH,
+    ("moe_trellis_down_bfloat", "weight_fetched_once"): _TR_REFETCH,
+    ("moe_trellis_down_float", "weight_fetched_once"): _TR_REFETCH,
+    ("moe_trellis_down_half", "weight_fetched_once"): _TR_REFETCH,
+    ("moe_trellis_gate_up_bfloat", "weight_fetched_once"): _TR_REFETCH,
+    ("moe_trellis_gate_up_float", "weight_fetched_once"): _TR_REFETCH,
+    ("moe_trellis_gate_up_half", "weight_fetched_once"): _TR_REFETCH,
+    ("gemm_trellis_packed_decode_bfloat", "weight_coalescing"): _TR_DECODE,
+    ("gemm_trellis_packed_decode_float", "weight_coalescing"): _TR_DECODE,
+    ("gemm_trellis_packed_decode_half", "weight_coalescing"): _TR_DECODE,
+    ("moe_trellis_down_bfloat", "weight_coalescing"): _TR_DECODE,
+    ("moe_trellis_down_float", "weight_coalescing"): _TR_DECODE,
+    ("moe_trellis_down_half", "weight_coalescing"): _TR_DECODE,
+    ("moe_trellis_gate_up_bfloat", "weight_coalescing"): _TR_DECODE,
+    ("moe_trellis_gate_up_float", "weight_coalescing"): _TR_DECODE,
+    ("moe_trellis_gate_up_half", "weight_coalescing"): _TR_DECODE,
+    ("gemm_trellis_packed_decode_bfloat", "loads_per_weight_byte"): _TR_LOADS,
+    ("gemm_trellis_packed_decode_float", "loads_per_weight_byte"): _TR_LOADS,
+    ("gemm_trellis_packed_decode_half", "loads_per_weight_byte"): _TR_LOADS,
+    ("marlin_gemv_fp4_bfloat", "loads_per_weight_byte"): _GEMV_LOADS,
+    ("marlin_gemv_fp4_float", "loads_per_weight_byte"): _GEMV_LOADS,
+    ("marlin_gemv_fp4_half", "loads_per_weight_byte"): _GEMV_LOADS,
+    ("marlin_gemv_u4_bfloat", "loads_per_weight_byte"): _GEMV_LOADS,
+    ("marlin_gemv_u4_float", "loads_per_weight_byte"): _GEMV_LOADS,
+    ("marlin_gemv_u4_half", "loads_per_weight_byte"): _GEMV_LOADS,
+    ("moe_trellis_down_bfloat", "loads_per_weight_byte"): _TR_LOADS,
+    ("moe_trellis_down_float", "loads_per_weight_byte"): _TR_LOADS,
+    ("moe_trellis_down_half", "loads_per_weight_byte"): _TR_LOADS,
+    ("moe_trellis_gate_up_bfloat", "loads_per_weight_byte"): _TR_LOADS,
+    ("moe_trellis_gate_up_float", "loads_per_weight_byte"): _TR_LOADS,
+    ("moe_trellis_gate_up_half", "loads_per_weight_byte"): _TR_LOADS,
+    ("gemm_trellis_packed_bfloat", "no_main_loop_division"): _TR_DIV,
+    ("gemm_trellis_packed_decode_bfloat", "no_main_loop_division"): _TR_DIV,
+    ("gemm_trellis_packed_decode_float", "no_main_loop_division"): _TR_DIV,
+    ("gemm_trellis_packed_decode_half", "no_main_loop_division"): _TR_DIV,
+    ("gemm_trellis_packed_float", "no_main_loop_division"): _TR_DIV,
+    ("gemm_trellis_packed_half", "no_main_loop_division"): _TR_DIV,
+    ("marlin_gemm_fused_fp4_bfloat", "no_main_loop_division"): _DIV,
+    ("marlin_gemm_fused_fp4_float", "no_main_loop_division"): _DIV,
+    ("marlin_gemm_fused_fp4_half", "no_main_loop_division"): _DIV,
+    ("marlin_gemm_fused_u4_bfloat", "no_main_loop_division"): _DIV,
+    ("marlin_gemm_fused_u4_float", "no_main_loop_division"): _DIV,
+    ("marlin_gemm_fused_u4_half", "no_main_loop_division"): _DIV,
+    ("marlin_gemm_striped_fp4_bfloat", "no_main_loop_division"): _DIV,
+    ("marlin_gemm_striped_fp4_float", "no_main_loop_division"): _DIV,
+    ("marlin_gemm_striped_fp4_half", "no_main_loop_division"): _DIV,
+    ("marlin_gemm_striped_u4_bfloat", "no_main_loop_division"): _DIV,
+    ("marlin_gemm_striped_u4_float", "no_main_loop_division"): _DIV,
+    ("marlin_gemm_striped_u4_half", "no_main_loop_division"): _DIV,
+    ("marlin_gemv_fp4_bfloat", "no_main_loop_division"): _DIV,
+    ("marlin_gemv_fp4_float", "no_main_loop_division"): _DIV,
+    ("marlin_gemv_fp4_half", "no_main_loop_division"): _DIV,
+    ("marlin_gemv_u4_bfloat", "no_main_loop_division"): _DIV,
+    ("marlin_gemv_u4_float", "no_main_loop_division"): _DIV,
+    ("marlin_gemv_u4_half", "no_main_loop_division"): _DIV,
+    ("moe_trellis_down_bfloat", "no_main_loop_division"): _TR_DIV,
+    ("moe_trellis_down_float", "no_main_loop_division"): _TR_DIV,
+    ("moe_trellis_down_half", "no_main_loop_division"): _TR_DIV,
+    ("moe_trellis_gate_up_bfloat", "no_main_loop_division"): _TR_DIV,
+    ("moe_trellis_gate_up_float", "no_main_loop_division"): _TR_DIV,
+    ("moe_trellis_gate_up_half", "no_main_loop_division"): _TR_DIV,
+    ("moe_trellis_tiled_down_bfloat", "no_main_loop_division"): _TR_DIV,
+    ("moe_trellis_tiled_down_float", "no_main_loop_division"): _TR_DIV,
+    ("moe_trellis_tiled_down_half", "no_main_loop_division"): _TR_DIV,
+    ("moe_trellis_tiled_gate_bfloat", "no_main_loop_division"): _TR_DIV,
+    ("moe_trellis_tiled_gate_float", "no_main_loop_division"): _TR_DIV,
+    ("moe_trellis_tiled_gate_half", "no_main_loop_division"): _TR_DIV,
+    ("moe_trellis_tiled_up_bfloat", "no_main_loop_division"): _TR_DIV,
+    ("moe_trellis_tiled_up_float", "no_main_loop_division"): _TR_DIV,
+    ("moe_trellis_tiled_up_half", "no_main_loop_division"): _TR_DIV,
+    ("gemm_trellis_packed_float", "threadgroup_memory"): _TG_F32,
+    ("moe_trellis_tiled_down_bfloat", "threadgroup_memory"): _TG_F32,
+    ("moe_trellis_tiled_down_float", "threadgroup_memory"): _TG_F32,
+    ("moe_trellis_tiled_down_half", "threadgroup_memory"): _TG_F32,
+    ("moe_trellis_tiled_gate_float", "threadgroup_memory"): _TG_F32,
+    ("moe_trellis_tiled_up_float", "threadgroup_memory"): _TG_F32,
+}
 
 
 # ---- the kernels the planner picks -----------------------------------------------------------------
