@@ -16,6 +16,7 @@ gemm and dequant run exactly the dispatch list the MPS backend encodes for the s
 The same module also holds a "barrier-switch" copy of every kernel (names prefixed with
 ``barrier_switch:``) in which each tagged barrier can be dropped at run time; the
 barrier-removal tests use it to show the harness catches a missing barrier.
+tests/metal_load_trace.py builds a separate, load-traced copy of these modules (clang).
 See docs/metal.md.
 """
 

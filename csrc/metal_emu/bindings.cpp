@@ -59,6 +59,8 @@ std::tuple<at::Tensor, py::dict> gemm(const std::string& format, const at::Tenso
   if (bias.defined()) b.bias = bias.data_ptr();
   b.C = C.data_ptr();
   if (ws.defined()) b.workspace = ws.data_ptr();
+  note_buffers({{"A", &A}, {"B", &B}, {"scales", &scales}, {"zeros", &zeros}, {"bias", &bias}, {"C", &C},
+                {"workspace", &ws}});
   MetalDispatches<void*> list = described([&] { return quant_gemm_dispatches(plan, b); });
   swap_first_dispatch_buffers(list, swap_buffers);
   run_dispatches(list, RunOpts{schedule, seed, workers, prefix});
@@ -81,6 +83,7 @@ at::Tensor dequant(const std::string& format, const at::Tensor& B_in, const at::
   b.scales = scales.data_ptr();
   if (zeros.defined()) b.zeros = zeros.data_ptr();
   b.W = W.data_ptr();
+  note_buffers({{"B", &B}, {"scales", &scales}, {"zeros", &zeros}, {"W", &W}});
   run_dispatches(described([&] { return quant_dequant_dispatches(plan, b); }), RunOpts{schedule, seed, workers, ""});
   return W;
 }
@@ -114,17 +117,40 @@ py::list describe_dequant(const std::string& format, int64_t K, int64_t N, int64
   return dispatches_to_py(described([&] { return quant_dequant_dispatches(plan, b); }));
 }
 
-// Any registered kernel on raw tensors (buffers in order; the harness self-tests use it).
+// Any registered kernel on raw tensors (buffers in order; the harness self-tests use it). The
+// traced build names the buffers `names[i]` (default "buffer<i>") and traces every slot as a
+// device buffer: a raw dispatch has no params struct.
 void dispatch_raw(const std::string& kernel, std::vector<int64_t> grid, int64_t threads,
-                  const std::vector<at::Tensor>& buffers, const std::string& schedule, uint64_t seed, int workers) {
+                  const std::vector<at::Tensor>& buffers, const std::string& schedule, uint64_t seed, int workers,
+                  const std::vector<std::string>& names) {
   TORCH_CHECK_VALUE(grid.size() == 3, "grid must have 3 entries");
+  TORCH_CHECK_VALUE(names.empty() || names.size() == buffers.size(), "names: one per buffer");
   const uint32_t g[3] = {uint32_t(grid[0]), uint32_t(grid[1]), uint32_t(grid[2])};
   std::vector<void*> ptrs;
-  for (const auto& t : buffers) {
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const at::Tensor& t = buffers[i];
     check_cpu(t, "buffer");
     TORCH_CHECK_VALUE(t.is_contiguous(), "buffers must be contiguous");
     ptrs.push_back(t.data_ptr());
+    const std::string name = names.empty() ? "buffer" + std::to_string(i) : names[i];
+    note_buffers({{name.c_str(), &t}});
   }
+#if defined(TM_EMU_TRACE)
+  if (metal_emu::load_trace::active()) {
+    // No params struct: an empty stand-in takes the params slot, every real slot is a buffer.
+    ptrs.push_back(nullptr);
+    metal_emu::load_trace::dispatch_begin(kernel, g, uint32_t(threads), ptrs, 0);
+    ptrs.pop_back();
+    try {
+      run_dispatch(kernel, g, uint32_t(threads), ptrs, RunOpts{schedule, seed, workers, ""});
+    } catch (...) {
+      metal_emu::load_trace::dispatch_end();
+      throw;
+    }
+    metal_emu::load_trace::dispatch_end();
+    return;
+  }
+#endif
   run_dispatch(kernel, g, uint32_t(threads), ptrs, RunOpts{schedule, seed, workers, ""});
 }
 
@@ -144,8 +170,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("describe_dequant", &describe_dequant, py::arg("format"), py::arg("K"), py::arg("N"), py::arg("group_size"),
         py::arg("dtype") = "float16", py::arg("has_zeros") = true);
   m.def("dispatch_raw", &dispatch_raw, py::arg("kernel"), py::arg("grid"), py::arg("threads"), py::arg("buffers"),
-        py::arg("schedule") = "forward", py::arg("seed") = 0, py::arg("workers") = 0);
+        py::arg("schedule") = "forward", py::arg("seed") = 0, py::arg("workers") = 0,
+        py::arg("names") = std::vector<std::string>{});
   m.def("kernel_names", &metal_emu::kernel_names);
   m.def("set_dropped_barrier", &metal_emu::set_dropped_barrier, py::arg("name"));
   m.def("last_stats", &last_stats);
+#if defined(TM_EMU_TRACE)
+  def_trace_functions(m);
+#endif
 }

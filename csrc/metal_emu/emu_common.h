@@ -5,6 +5,7 @@
 
 #include <torch/extension.h>
 
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -13,6 +14,9 @@
 #include "mps/metal_dispatch.h"
 #include "plan/plan.h"
 #include "runtime.h"
+#if defined(TM_EMU_TRACE)
+#include "load_trace.h"
+#endif
 
 namespace torch_marlin {
 
@@ -60,6 +64,18 @@ inline void run_dispatch(const std::string& kernel, const uint32_t grid[3], uint
   }
 }
 
+// The tensors a call binds, by name: the traced build attributes every load to one of them
+// (load_trace.h); elsewhere a no-op.
+inline void note_buffers(std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors) {
+#if defined(TM_EMU_TRACE)
+  for (const auto& t : tensors)
+    if (t.second != nullptr && t.second->defined())
+      metal_emu::load_trace::note_buffer(t.second->data_ptr(), size_t(t.second->nbytes()), t.first);
+#else
+  (void)tensors;
+#endif
+}
+
 // Runs the described dispatches in order, as the MPS encoder encodes them: buffers in slot order,
 // the params bytes in the last slot.
 inline void run_dispatches(const MetalDispatches<void*>& list, const RunOpts& o) {
@@ -68,6 +84,19 @@ inline void run_dispatches(const MetalDispatches<void*>& list, const RunOpts& o)
                 "': the executor runs 1-D threadgroups only");
     std::vector<void*> buffers = d.buffers;
     buffers.push_back(const_cast<unsigned char*>(d.params.data()));
+#if defined(TM_EMU_TRACE)
+    if (metal_emu::load_trace::active()) {
+      metal_emu::load_trace::dispatch_begin(d.kernel, d.grid, d.threads[0], buffers, d.params.size());
+      try {
+        run_dispatch(d.kernel, d.grid, d.threads[0], buffers, o);
+      } catch (...) {
+        metal_emu::load_trace::dispatch_end();
+        throw;
+      }
+      metal_emu::load_trace::dispatch_end();
+      continue;
+    }
+#endif
     run_dispatch(d.kernel, d.grid, d.threads[0], std::move(buffers), o);
   }
 }
@@ -123,5 +152,59 @@ inline py::dict last_stats() {
   d["max_threadgroup_bytes"] = s.max_threadgroup_bytes;
   return d;
 }
+
+#if defined(TM_EMU_TRACE)
+// trace_start(max_threadgroups) / trace_stop() -> [per dispatch: kernel, grid, threads,
+// threadgroups, traced, buffers {name: stats}, sites [stats], module_path, module_base].
+inline void def_trace_functions(py::module_& m) {
+  m.def("trace_start", &metal_emu::load_trace::start, py::arg("max_threadgroups") = 0);
+  m.def("trace_stop", [] {
+    py::list out;
+    for (const auto& t : metal_emu::load_trace::stop()) {
+      py::dict d;
+      d["kernel"] = t.kernel;
+      d["grid"] = py::make_tuple(t.grid[0], t.grid[1], t.grid[2]);
+      d["threads"] = t.threads;
+      d["threadgroups"] = t.threadgroups;
+      d["traced"] = t.traced;
+      py::dict bufs;
+      for (const auto& b : t.buffers) {
+        py::dict x;
+        x["slot"] = b.slot;
+        x["bytes"] = b.bytes;
+        x["lane_loads"] = b.lane_loads;
+        x["bytes_fetched"] = b.bytes_fetched;
+        x["unique_bytes"] = b.unique_bytes;
+        x["max_fetches"] = b.max_fetches;
+        x["refetched_bytes"] = b.refetched_bytes;
+        bufs[py::str(b.name)] = x;
+      }
+      d["buffers"] = bufs;
+      py::list sites;
+      for (const auto& s : t.sites) {
+        py::dict x;
+        x["site"] = s.site;
+        x["buffer"] = s.buffer;
+        py::list widths;
+        for (int w = 0; w < 32; ++w)
+          if (s.width_mask & (1u << w)) widths.append(w);
+        x["widths"] = widths;
+        x["lane_loads"] = s.lane_loads;
+        x["simd_loads"] = s.simd_loads;
+        x["active_lanes"] = s.active_lanes;
+        x["used_bytes"] = s.used_bytes;
+        x["segments"] = s.segments;
+        x["bytes_fetched"] = s.bytes_fetched;
+        sites.append(x);
+      }
+      d["sites"] = sites;
+      d["module_path"] = t.module_path;
+      d["module_base"] = t.module_base;
+      out.append(d);
+    }
+    return out;
+  });
+}
+#endif
 
 }  // namespace torch_marlin

@@ -261,6 +261,14 @@ std::string g_dropped_barrier;
 bool barrier_dropped(const char* name) { return !g_dropped_barrier.empty() && g_dropped_barrier == name; }
 void set_dropped_barrier(const std::string& name) { g_dropped_barrier = name; }
 
+namespace {
+ThreadgroupHooks g_hooks;
+}
+
+void set_threadgroup_hooks(const ThreadgroupHooks& hooks) { g_hooks = hooks; }
+
+int current_thread_index() { return tl_worker == nullptr ? -1 : int(tl_worker->current); }
+
 unsigned current_lane() {
   Worker& w = current_worker();
   return w.current % 32u;
@@ -300,6 +308,7 @@ void dispatch(const DispatchDesc& d) {
   if (d.threads == 0 || d.threads > 1024) throw std::runtime_error("metal_emu: threads per threadgroup must be 1..1024");
   const uint64_t total = uint64_t(d.grid[0]) * d.grid[1] * d.grid[2];
   int workers = d.workers > 0 ? d.workers : int(std::max(1u, std::thread::hardware_concurrency()));
+  if (g_hooks.run != nullptr) workers = 1;  // the load tracer aggregates on one thread
   workers = int(std::min<uint64_t>(uint64_t(workers), std::max<uint64_t>(total, 1)));
   std::atomic<uint64_t> next{0};
   std::vector<std::exception_ptr> errors(workers);
@@ -316,7 +325,12 @@ void dispatch(const DispatchDesc& d) {
         const uint64_t g = next.fetch_add(1);
         if (g >= total) break;
         w.tgid = uint3(uint(g % d.grid[0]), uint((g / d.grid[0]) % d.grid[1]), uint(g / (uint64_t(d.grid[0]) * d.grid[1])));
+        if (g_hooks.run != nullptr) {
+          const uint32_t id[3] = {w.tgid.x, w.tgid.y, w.tgid.z};
+          if (!g_hooks.run(g, id)) continue;
+        }
         run_threadgroup(w, d.schedule, d.seed);
+        if (g_hooks.done != nullptr) g_hooks.done(w.nthreads);
       }
     } catch (...) {
       errors[wi] = std::current_exception();

@@ -46,4 +46,15 @@ struct DispatchStats {
 };
 DispatchStats last_dispatch_stats();
 
+// Load tracing (the traced harness build, load_trace.cpp). While hooks are set, dispatches run on
+// one OS thread: `run` decides per threadgroup (linear id, tgid) whether it runs at all (sampling),
+// `done` is called after each threadgroup that ran.
+struct ThreadgroupHooks {
+  bool (*run)(uint64_t linear, const uint32_t tgid[3]) = nullptr;
+  void (*done)(unsigned threads) = nullptr;
+};
+void set_threadgroup_hooks(const ThreadgroupHooks& hooks);
+// lid of the Metal thread running on this OS thread; -1 outside a dispatch.
+int current_thread_index();
+
 }  // namespace metal_emu

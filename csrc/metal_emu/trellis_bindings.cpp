@@ -29,6 +29,13 @@ TrellisWeightBuffers<void*> weight_buffers(const TrellisWeights& w) {
                                      w.sv.data_ptr()};
 }
 
+// The weight tensors by the names the descriptions use (prefix g_ / u_ / d_ for the MoE's sets).
+void note_weights(const std::string& prefix, const TrellisWeights& w) {
+  const std::string n[5] = {prefix + "packed", prefix + "scales", prefix + "grid", prefix + "su", prefix + "sv"};
+  note_buffers({{n[0].c_str(), &w.packed}, {n[1].c_str(), &w.scales}, {n[2].c_str(), &w.grid}, {n[3].c_str(), &w.su},
+                {n[4].c_str(), &w.sv}});
+}
+
 TrellisWeightBuffers<std::string> weight_names(const std::string& prefix) {
   return TrellisWeightBuffers<std::string>{prefix + "packed", prefix + "scales", prefix + "grid", prefix + "su",
                                            prefix + "sv"};
@@ -50,6 +57,8 @@ std::tuple<at::Tensor, py::dict> gemm(const at::Tensor& A_in, const std::vector<
   const TrellisWeights w = weights(w_in);
   const TrellisPlan plan = plan_gemm(A.size(0), K, N, bits, group_size, dtype_of(A), family);
   at::Tensor C = at::full({A.size(0), N}, std::numeric_limits<float>::quiet_NaN(), A.options());
+  note_weights("", w);
+  note_buffers({{"A", &A}, {"C", &C}});
   const TrellisGemmBuffers<void*> b{A.data_ptr(), weight_buffers(w), C.data_ptr()};
   run_dispatches(described([&] { return trellis_gemm_dispatches(plan, b); }), RunOpts{schedule, seed, workers, prefix});
   return {C, trellis_plan_to_dict(plan)};
@@ -60,6 +69,8 @@ at::Tensor dequant(const std::vector<at::Tensor>& w_in, int64_t K, int64_t N, in
   const TrellisWeights w = weights(w_in);
   const TrellisPlan plan = described([&] { return plan_trellis_dequant(K, N, bits, group_size, default_metal_caps()); });
   at::Tensor W = at::full({K, N}, std::numeric_limits<float>::quiet_NaN(), w.scales.options());
+  note_weights("", w);
+  note_buffers({{"W", &W}});
   const TrellisDequantBuffers<void*> b{weight_buffers(w), W.data_ptr()};
   run_dispatches(described([&] { return trellis_dequant_dispatches(plan, b); }), RunOpts{schedule, seed, workers, ""});
   return W;
@@ -104,6 +115,11 @@ std::tuple<at::Tensor, py::dict> moe(const at::Tensor& x_in, const std::vector<a
   b.rows_h = rows_h.data_ptr();
   b.rows_y = rows_y.data_ptr();
   b.y = y.data_ptr();
+  note_weights("g_", a.gate);
+  note_weights("u_", a.up);
+  note_weights("d_", a.down);
+  note_buffers({{"x", &a.x}, {"sorted_token", &a.sorted_token}, {"expert_offsets", &a.expert_offsets},
+                {"slot_row", &a.slot_row}, {"probs", &a.probs}, {"rows_h", &rows_h}, {"rows_y", &rows_y}, {"y", &y}});
   run_dispatches(described([&] { return trellis_moe_dispatches(plan, b); }), RunOpts{schedule, seed, workers, prefix});
   return {y, trellis_plan_to_dict(plan)};
 }
@@ -165,4 +181,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kernel_names", &metal_emu::kernel_names);
   m.def("set_dropped_barrier", &metal_emu::set_dropped_barrier, py::arg("name"));
   m.def("last_stats", &last_stats);
+#if defined(TM_EMU_TRACE)
+  def_trace_functions(m);
+#endif
 }
