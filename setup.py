@@ -2,9 +2,12 @@
 
     pip install --no-build-isolation -e .
 
-CPU sources always; the MPS sources (csrc/mps/*.mm with the metal/ kernels embedded as a string)
-only on macOS; the CUDA sources only when the installed torch has CUDA and nvcc is found.
-Set TORCH_MARLIN_NO_CUDA=1 to skip CUDA even then.
+CPU sources always; the MPS sources (csrc/mps/*.mm, with the metal/ kernels embedded as source)
+on macOS, unless TORCH_MARLIN_NO_MPS=1; the CUDA sources only when the installed torch has CUDA and
+nvcc is found (TORCH_MARLIN_NO_CUDA=1 skips them even then). On macOS the build also compiles each
+metal/*.metal file into a Metal library installed as torch_marlin/metallib/<stem>-<hash>.metallib,
+when Apple's Metal compiler is there (csrc/mps/build_metal.py, docs/metal.md "Building on macOS").
+The C++ standard is the one torch's cpp_extension picks for the installed torch.
 """
 
 import glob
@@ -18,7 +21,11 @@ import torch
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(ROOT, "csrc", "mps"))  # embed_metal (the MPS build step)
+sys.path.insert(0, os.path.join(ROOT, "csrc", "mps"))
+import build_metal  # noqa: E402  (csrc/mps/build_metal.py: the macOS build steps)
+
+METAL_DIR = os.path.join(ROOT, "metal")
+METAL_INCLUDE_DIR = os.path.join(ROOT, "csrc", "include")
 
 
 def rel(pattern):
@@ -45,22 +52,20 @@ def sm90a_requested(arch_list):
 def build_extension():
     sources = rel("csrc/ops/*.cpp") + rel("csrc/plan/*.cpp") + rel("csrc/cpu/*.cpp")
     include_dirs = [os.path.join(ROOT, "csrc"), os.path.join(ROOT, "csrc/include")]
-    cxx = ["-O3", "-std=c++17"]
-    nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+    # No -std: cpp_extension adds the standard the installed torch is built with (C++20 for torch
+    # 2.13, C++17 before), to both compilers; a lower one here would be below torch's own.
+    cxx = ["-O3"]
+    nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
     define_macros = []
     extra_link = []
 
-    if sys.platform == "darwin":
-        import embed_metal  # csrc/mps/embed_metal.py: metal/*.metal -> a C++ string header
-
-        gen_dir = os.path.join(ROOT, "build", "generated")
-        embed_metal.write_header(os.path.join(ROOT, "metal"), os.path.join(ROOT, "csrc/include"),
-                                 os.path.join(gen_dir, "metal_library_source.h"))
-        include_dirs.append(gen_dir)
-        sources += rel("csrc/mps/*.mm")
-        define_macros.append(("TM_WITH_MPS", "1"))
-        extra_link += ["-framework", "Metal", "-framework", "Foundation"]
-    elif platform.machine() in ("x86_64", "AMD64"):
+    mps = build_metal.mps_build(ROOT)
+    if mps is not None:
+        sources += mps["sources"]
+        include_dirs += mps["include_dirs"]
+        define_macros += mps["define_macros"]
+        extra_link += mps["extra_link_args"]
+    if sys.platform != "darwin" and platform.machine() in ("x86_64", "AMD64"):
         # The CPU kernels are written for the compiler's auto-vectorizer; AVX2+FMA is the floor of
         # every x86-64 machine that runs LLMs. TORCH_MARLIN_CPU_BASELINE=1 builds for plain x86-64.
         if os.environ.get("TORCH_MARLIN_CPU_BASELINE") != "1":
@@ -79,7 +84,7 @@ def build_extension():
             define_macros.append(("TM_CUDA_SM90A", "1"))
         ext_cls = cpp_extension.CUDAExtension
 
-    return ext_cls(
+    return mps is not None, ext_cls(
         name="torch_marlin._C",
         sources=sources,
         include_dirs=include_dirs,
@@ -88,6 +93,38 @@ def build_extension():
         extra_link_args=extra_link,
     )
 
+
+class BuildExtension(cpp_extension.BuildExtension.with_options(use_ninja=True)):
+    """torch's build_ext, then (MPS builds) the prebuilt Metal libraries beside the extension:
+    <build_lib>/torch_marlin/metallib/, mirrored into the source tree for in-place and editable
+    builds (the extension looks for them next to itself)."""
+
+    def run(self):
+        super().run()
+        if not WITH_MPS:
+            return
+        built = build_metal.build_metallibs(METAL_DIR, METAL_INCLUDE_DIR, self._metallib_dir(self.build_lib))
+        if self.inplace:
+            build_metal.install_metallibs(built, self._metallib_dir(ROOT))
+        self._metallibs = built
+
+    @staticmethod
+    def _metallib_dir(base):
+        return os.path.join(base, "torch_marlin", build_metal.METALLIB_DIR)
+
+    def get_outputs(self):
+        built = getattr(self, "_metallibs", [])
+        return super().get_outputs() + ([] if self.inplace else built)
+
+    def get_output_mapping(self):
+        mapping = super().get_output_mapping()
+        if self.inplace:
+            for path in getattr(self, "_metallibs", []):
+                mapping[path] = os.path.join(self._metallib_dir(ROOT), os.path.basename(path))
+        return mapping
+
+
+WITH_MPS, EXTENSION = build_extension()
 
 setup(
     name="torch_marlin",
@@ -98,7 +135,7 @@ setup(
     # torch is installed first (README): with it present, this range installs nothing more. Never
     # run `pip install .` on a machine without torch unless a CUDA torch download is what you want.
     install_requires=["torch>=2.4", "numpy>=1.24", "safetensors>=0.4", "tqdm>=4.60"],
-    ext_modules=[build_extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    ext_modules=[EXTENSION],
+    cmdclass={"build_ext": BuildExtension},
     zip_safe=False,
 )

@@ -1,6 +1,7 @@
-"""csrc/mps/embed_metal.py (setup.py runs it on macOS): the generated header holds exactly the
-kernel source with the shared headers inlined, compiles as C++, and the inlined sources (the
-concatenated library and every file alone) still pass the address-space check. < 10 s."""
+"""csrc/mps/embed_metal.py (setup.py runs it on macOS): the generated header holds exactly every
+.metal file's source with the shared headers inlined, the name of its prebuilt library and the
+kernel -> file table, compiles as C++, and the inlined sources (the concatenation and every file
+alone) still pass the address-space check. < 10 s."""
 
 import os
 import shutil
@@ -41,18 +42,35 @@ def test_each_file_is_self_contained():
 
 
 def test_header_roundtrip(tmp_path):
-    out = tmp_path / "metal_library_source.h"
+    out = tmp_path / "metal_library_sources.h"
     embed_metal.write_header(METAL_DIR, INCLUDE_DIR, str(out))
     mtime = out.stat().st_mtime_ns
     embed_metal.write_header(METAL_DIR, INCLUDE_DIR, str(out))
     assert out.stat().st_mtime_ns == mtime, "unchanged source must not rewrite the header"
     prog = tmp_path / "dump.cpp"
-    prog.write_text('#include <cstdio>\n#include "metal_library_source.h"\n'
-                    "int main() { std::fputs(torch_marlin::metal_library_source(), stdout); }\n")
+    prog.write_text(
+        '#include <cstdio>\n#include "metal_library_sources.h"\n'
+        "using namespace torch_marlin;\n"
+        "int main() {\n"
+        "  for (int i = 0; i < kMetalSourceFileCount; ++i) {\n"
+        "    const MetalSourceFile& f = metal_source_files()[i];\n"
+        '    std::printf("FILE %s %s\\n", f.name, f.metallib);\n'
+        "    std::fputs(f.source, stdout);\n"
+        "  }\n"
+        "  for (int i = 0; i < kMetalKernelCount; ++i) {\n"
+        "    const MetalKernelFile& k = metal_kernel_files()[i];\n"
+        '    std::printf("KERNEL %s %s %d\\n", k.kernel, metal_source_files()[k.file].name, k.msl_version);\n'
+        "  }\n"
+        "}\n")
     exe = tmp_path / "dump"
     subprocess.run(["g++", "-std=c++17", "-I", str(tmp_path), str(prog), "-o", str(exe)], check=True)
     dumped = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
-    assert dumped == embed_metal.inlined_source(METAL_DIR, INCLUDE_DIR)
+    sources = embed_metal.library_sources(METAL_DIR, INCLUDE_DIR)
+    expected = "".join(f"FILE {n} {embed_metal.metallib_name(n, sources[n])}\n{sources[n]}" for n in sorted(sources))
+    expected += "".join(f"KERNEL {k} {f} {v}\n" for k, f, v in embed_metal.kernel_files(METAL_DIR, INCLUDE_DIR))
+    assert dumped == expected
+    assert "KERNEL marlin_gemv_fp4_half decode.metal 300\n" in dumped
+    assert "KERNEL marlin_gemv_fp4_bfloat decode.metal 310\n" in dumped
 
 
 def _ascheck(path):

@@ -1,7 +1,9 @@
 """csrc/mps/*.mm type-check as Objective-C++ against torch's ATen/mps headers and declarations of
 Apple's API written from its documentation, and the check rejects planted mistakes (misspelled
-selector or property, arguments of the wrong type): scripts/dev/check_objcxx_syntax.sh. Needs
-clang (CI installs the Debian package `clang`); about 35 s of CPU (three parses of ATen)."""
+selector or property, arguments of the wrong type, a dropped SDK guard); the files that guard
+declarations by SDK version compile against the macOS 13 SDK's declarations too:
+scripts/dev/check_objcxx_syntax.sh. Needs clang (CI installs the Debian package `clang`); about
+60 s of CPU (six parses of ATen)."""
 
 import glob
 import os
@@ -23,5 +25,10 @@ def test_objcxx_syntax_and_self_test():
     assert sources
     for path in sources:
         assert f"objective-c++ OK: {os.path.relpath(path, ROOT)}" in r.stdout, r.stdout
-    assert r.stdout.count("self-test OK: mistake rejected") == 6, r.stdout
+    guarded = [p for p in sources if "__MAC_OS_X_VERSION_MAX_ALLOWED" in open(p).read()]
+    assert guarded, "the SDK guards (csrc/mps/mps_encoder.mm) are gone"
+    for path in guarded:
+        assert f"objective-c++ OK (macOS 13 SDK): {os.path.relpath(path, ROOT)}" in r.stdout, r.stdout
+    assert r.stdout.count("self-test OK: mistake rejected") == 7, r.stdout
+    assert "self-test OK: SDK guard removal rejected (macOS 13 SDK)" in r.stdout, r.stdout
     assert "FAILED" not in r.stdout + r.stderr

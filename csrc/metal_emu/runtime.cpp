@@ -8,6 +8,16 @@
 // (forward, reversed, random), and threadgroup memory filled with NaN bytes (0xFF) before every
 // threadgroup starts, so a read before the write it depends on gives garbage instead of a stale
 // value that happens to be right.
+//
+// macOS declares the ucontext routines only when _XOPEN_SOURCE is defined before the first system
+// header (<ucontext.h> is an #error otherwise), and only then does ucontext_t hold the machine
+// context itself; _DARWIN_C_SOURCE keeps the rest of the system API visible. The routines are
+// deprecated there, not removed.
+#if defined(__APPLE__)
+#define _XOPEN_SOURCE 700
+#define _DARWIN_C_SOURCE 1
+#pragma clang diagnostic ignored "-Wdeprecated-declarations"
+#endif
 #include <ucontext.h>
 
 #include <algorithm>

@@ -1,17 +1,22 @@
 // The MPS encoder shared by every op family's MPS unit (quant_gemm_mps.mm, trellis_mps.mm): the
-// Metal library, the pipeline cache, tensor -> MTLBuffer binding, the encoding of a dispatch
+// Metal libraries, the pipeline cache, tensor -> MTLBuffer binding, the encoding of a dispatch
 // list on PyTorch's current MPS stream, and the device caps the planner reads.
 //
 // Rules (docs/metal.md, DESIGN.md "MPS integration"):
 //  - buffers: the tensor storage's MTLBuffer with storage_offset() * element_size() as offset;
 //  - encode on the stream's own compute encoder inside dispatch_sync on the stream's queue; never
 //    end the encoder, commit, wait, or open a second encoder (PyTorch owns all of that);
-//  - the Metal library is compiled once from the source embedded at build time
-//    (csrc/mps/embed_metal.py); pipeline states are cached by kernel name; compiler errors are
-//    raised with the compiler's log.
+//  - one Metal library per metal/*.metal file, loaded when one of its kernels is first asked for:
+//    the prebuilt <stem>-<hash>.metallib in metallib/ beside this extension (setup.py, macOS 14+),
+//    else the file's source embedded at build time, compiled here (MSL 3.1 on macOS 14+, 3.0 on
+//    macOS 13, IEEE math either way). The generated table (csrc/mps/embed_metal.py) names the file
+//    of every kernel, so a file that fails to load disables only its own kernels, and asking for
+//    one of them raises an error naming the file with the compiler's log;
+//  - no C++ exception leaves an @autoreleasepool or a dispatch block: errors are recorded inside
+//    and raised after it ends (the pool is drained, the queue's block returns normally).
 //
-// Compiled only on macOS (setup.py), without ARC: the library and pipeline states live for the
-// process; everything else is autoreleased inside the encoding block.
+// Compiled only on macOS (setup.py), without ARC: the libraries and pipeline states live for the
+// process; everything else is autoreleased inside the pools below.
 #ifdef TM_WITH_MPS
 
 #import <Foundation/Foundation.h>
@@ -20,20 +25,121 @@
 #include <ATen/mps/MPSDevice.h>
 #include <ATen/mps/MPSStream.h>
 
+#include <Availability.h>
+#include <dlfcn.h>
+#include <unistd.h>
+
 #include <cstdlib>
+#include <exception>
 #include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
-#include "metal_library_source.h"  // generated: torch_marlin::metal_library_source()
+#include "metal_library_sources.h"  // generated: metal_source_files(), metal_kernel_files()
 #include "mps/mps_encoder.h"
 #include "ops/quant_gemm.h"  // mps_device_caps
+
+// What the SDK the extension is compiled against declares (the run-time checks are @available):
+// MTLLanguageVersion3_1 from the macOS 14 SDK, MTLCompileOptions.mathMode from the macOS 15 SDK.
+#if defined(__MAC_OS_X_VERSION_MAX_ALLOWED) && __MAC_OS_X_VERSION_MAX_ALLOWED >= 140000
+#define TM_SDK_HAS_MSL_3_1 1
+#else
+#define TM_SDK_HAS_MSL_3_1 0
+#endif
+#if defined(__MAC_OS_X_VERSION_MAX_ALLOWED) && __MAC_OS_X_VERSION_MAX_ALLOWED >= 150000
+#define TM_SDK_HAS_MATH_MODE 1
+#else
+#define TM_SDK_HAS_MATH_MODE 0
+#endif
 
 namespace torch_marlin {
 namespace {
 
 id<MTLDevice> mps_device() { return at::mps::MPSDevice::getInstance()->device(); }
+
+std::string describe(NSError* err) {
+  return err != nil && err.localizedDescription != nil ? err.localizedDescription.UTF8String : "no message";
+}
+
+// The MSL version this process compiles embedded sources with: 3.1 (bfloat kernels) needs
+// macOS 14 at run time and the macOS 14 SDK at build time.
+int runtime_msl_version() {
+#if TM_SDK_HAS_MSL_3_1
+  if (@available(macOS 14.0, *)) return 310;
+#endif
+  return 300;
+}
+
+MTLCompileOptions* new_compile_options() {
+  MTLCompileOptions* opts = [MTLCompileOptions new];
+#if TM_SDK_HAS_MSL_3_1
+  opts.languageVersion = runtime_msl_version() >= 310 ? MTLLanguageVersion3_1 : MTLLanguageVersion3_0;
+#else
+  opts.languageVersion = MTLLanguageVersion3_0;
+#endif
+  // IEEE semantics: the kernels are checked bit-for-bit against CPU references (dequant), and
+  // the prebuilt libraries are compiled with -fno-fast-math.
+#if TM_SDK_HAS_MATH_MODE
+  if (@available(macOS 15.0, *)) {
+    opts.mathMode = MTLMathModeSafe;
+    opts.mathFloatingPointFunctions = MTLMathFloatingPointFunctionsPrecise;
+    return opts;
+  }
+#endif
+#pragma clang diagnostic push
+#pragma clang diagnostic ignored "-Wdeprecated-declarations"  // superseded by mathMode on macOS 15
+  opts.fastMathEnabled = NO;
+#pragma clang diagnostic pop
+  return opts;
+}
+
+// The folder of this extension's file (dladdr of one of its functions): setup.py installs the
+// prebuilt libraries in metallib/ there.
+std::string metallib_dir() {
+  Dl_info info;
+  if (dladdr(reinterpret_cast<const void*>(&mps_device_caps), &info) == 0 || info.dli_fname == nullptr) return "";
+  const std::string path = info.dli_fname;
+  const size_t slash = path.rfind('/');
+  return (slash == std::string::npos ? std::string(".") : path.substr(0, slash)) + "/metallib";
+}
+
+// One .metal file's library: the prebuilt one when it exists and loads (macOS 14+: it is built
+// for MSL 3.1), else its embedded source compiled now. Never throws; nil + *error on failure.
+id<MTLLibrary> load_library(const MetalSourceFile& file, std::string* error) {
+  id<MTLLibrary> lib = nil;
+  std::string prebuilt_error;
+  @autoreleasepool {
+    if (@available(macOS 14.0, *)) {
+      const std::string dir = metallib_dir();
+      const std::string path = dir + "/" + file.metallib;
+      if (!dir.empty() && access(path.c_str(), R_OK) == 0) {
+        NSError* err = nil;
+        NSURL* url = [NSURL fileURLWithPath:[NSString stringWithUTF8String:path.c_str()] isDirectory:NO];
+        lib = [mps_device() newLibraryWithURL:url error:&err];
+        if (lib == nil) prebuilt_error = "loading " + path + " failed (" + describe(err) + "); ";
+      }
+    }
+    if (lib == nil) {
+      MTLCompileOptions* opts = [new_compile_options() autorelease];
+      NSError* err = nil;
+      NSString* src = [NSString stringWithUTF8String:file.source];
+      lib = [mps_device() newLibraryWithSource:src options:opts error:&err];
+      if (lib == nil) *error = prebuilt_error + "compiling its source failed:\n" + describe(err);
+    }
+  }
+  return lib;
+}
+
+const MetalKernelFile* find_kernel(const std::string& name) {
+  static const std::unordered_map<std::string, const MetalKernelFile*>* index = [] {
+    auto* m = new std::unordered_map<std::string, const MetalKernelFile*>();
+    for (int i = 0; i < kMetalKernelCount; ++i) m->emplace(metal_kernel_files()[i].kernel, &metal_kernel_files()[i]);
+    return m;
+  }();
+  auto it = index->find(name);
+  return it == index->end() ? nullptr : it->second;
+}
 
 class PipelineCache {
  public:
@@ -46,45 +152,51 @@ class PipelineCache {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = pipelines_.find(name);
     if (it != pipelines_.end()) return it->second;
-    id<MTLLibrary> lib = library_locked();
+    const MetalKernelFile* k = find_kernel(name);
+    TORCH_CHECK(k != nullptr, "torch_marlin: no metal/*.metal file of this build defines the Metal kernel '", name,
+                "'");
+    TORCH_CHECK(k->msl_version <= runtime_msl_version(), "torch_marlin: Metal kernel '", name,
+                "' needs MSL 3.1: macOS 14 or later, and an extension built with the macOS 14 SDK or newer");
+    const MetalSourceFile& file = metal_source_files()[k->file];
+    id<MTLLibrary> lib = library_locked(k->file);
+    TORCH_CHECK(lib != nil, "torch_marlin: Metal kernel '", name, "' is unavailable: metal/", file.name,
+                " did not load: ", libraries_[k->file].error);
     id<MTLComputePipelineState> pso = nil;
+    std::string error;
     @autoreleasepool {
       id<MTLFunction> fn = [lib newFunctionWithName:[NSString stringWithUTF8String:name.c_str()]];
-      TORCH_CHECK(fn != nil, "torch_marlin: Metal kernel '", name, "' is not in the library",
-                  name.find("bfloat") != std::string::npos ? " (bfloat16 kernels need macOS 14 / MSL 3.1)" : "");
-      NSError* err = nil;
-      pso = [mps_device() newComputePipelineStateWithFunction:fn error:&err];
-      [fn release];
-      TORCH_CHECK(pso != nil, "torch_marlin: pipeline for Metal kernel '", name,
-                  "' failed: ", err ? err.localizedDescription.UTF8String : "unknown error");
+      if (fn == nil) {
+        error = std::string("metal/") + file.name + " has no function '" + name + "'";
+      } else {
+        NSError* err = nil;
+        pso = [mps_device() newComputePipelineStateWithFunction:fn error:&err];
+        [fn release];
+        if (pso == nil) error = "pipeline creation failed: " + describe(err);
+      }
     }
+    TORCH_CHECK(pso != nil, "torch_marlin: Metal kernel '", name, "': ", error);
     pipelines_.emplace(name, pso);
     return pso;
   }
 
  private:
-  id<MTLLibrary> library_locked() {
-    if (library_ != nil) return library_;
-    @autoreleasepool {
-      MTLCompileOptions* opts = [[MTLCompileOptions new] autorelease];
-      if (@available(macOS 14.0, *)) {
-        opts.languageVersion = MTLLanguageVersion3_1;  // bfloat
-      } else {
-        opts.languageVersion = MTLLanguageVersion3_0;
-      }
-      // IEEE semantics: the kernels are checked bit-for-bit against CPU references (dequant).
-      opts.fastMathEnabled = NO;
-      NSError* err = nil;
-      NSString* src = [NSString stringWithUTF8String:metal_library_source()];
-      library_ = [mps_device() newLibraryWithSource:src options:opts error:&err];
-      TORCH_CHECK(library_ != nil, "torch_marlin: the Metal kernels failed to compile:\n",
-                  err ? err.localizedDescription.UTF8String : "(no compiler log)");
+  struct Library {
+    bool tried = false;
+    id<MTLLibrary> library = nil;
+    std::string error;  // why library is nil
+  };
+
+  id<MTLLibrary> library_locked(int file) {
+    Library& l = libraries_[file];
+    if (!l.tried) {
+      l.tried = true;
+      l.library = load_library(metal_source_files()[file], &l.error);
     }
-    return library_;
+    return l.library;
   }
 
   std::mutex mu_;
-  id<MTLLibrary> library_ = nil;
+  std::vector<Library> libraries_ = std::vector<Library>(kMetalSourceFileCount);
   std::unordered_map<std::string, id<MTLComputePipelineState>> pipelines_;
 };
 
@@ -95,7 +207,10 @@ int gpu_cores(id<MTLDevice> dev) {
     const int v = std::atoi(env);
     if (v > 0) return v;
   }
-  const std::string name = dev.name.UTF8String;
+  std::string name;
+  @autoreleasepool {
+    name = dev.name.UTF8String;
+  }
   struct Chip {
     const char* gen;
     int base, pro, max, ultra;
@@ -145,20 +260,27 @@ void mps_encode(const MetalDispatches<MpsBuffer>& dispatches) {
   at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();
   const MetalDispatches<MpsBuffer>* list = &dispatches;  // dispatch_sync: the caller's stack outlives the block
   const std::vector<id<MTLComputePipelineState>>* psos = &pipelines;
+  std::exception_ptr error;  // an exception must not unwind through the queue's block
+  std::exception_ptr* error_out = &error;
   dispatch_sync(stream->queue(), ^() {
     @autoreleasepool {
-      id<MTLComputeCommandEncoder> enc = stream->commandEncoder();
-      for (size_t k = 0; k < list->size(); ++k) {
-        const MetalDispatch<MpsBuffer>& d = (*list)[k];
-        [enc setComputePipelineState:(*psos)[k]];
-        NSUInteger i = 0;
-        for (const MpsBuffer& b : d.buffers) [enc setBuffer:b.buffer offset:b.offset atIndex:i++];
-        [enc setBytes:d.params.data() length:d.params.size() atIndex:i];
-        [enc dispatchThreadgroups:MTLSizeMake(d.grid[0], d.grid[1], d.grid[2])
-            threadsPerThreadgroup:MTLSizeMake(d.threads[0], d.threads[1], d.threads[2])];
+      try {
+        id<MTLComputeCommandEncoder> enc = stream->commandEncoder();
+        for (size_t k = 0; k < list->size(); ++k) {
+          const MetalDispatch<MpsBuffer>& d = (*list)[k];
+          [enc setComputePipelineState:(*psos)[k]];
+          NSUInteger i = 0;
+          for (const MpsBuffer& b : d.buffers) [enc setBuffer:b.buffer offset:b.offset atIndex:i++];
+          [enc setBytes:d.params.data() length:d.params.size() atIndex:i];
+          [enc dispatchThreadgroups:MTLSizeMake(d.grid[0], d.grid[1], d.grid[2])
+              threadsPerThreadgroup:MTLSizeMake(d.threads[0], d.threads[1], d.threads[2])];
+        }
+      } catch (...) {
+        *error_out = std::current_exception();
       }
     }
   });
+  if (error) std::rethrow_exception(error);
 }
 
 }  // namespace torch_marlin

@@ -15,7 +15,7 @@ Rules for tokens that are not plain paths:
 - A placeholder in angle brackets ends the path; what precedes it must exist:
   `csrc/cuda/<family>.cu` checks `csrc/cuda/`.
 - Build outputs are not in the tree and are not checked: `build/...` (never a known top-level
-  entry) and the compiled extension `torch_marlin/_C*`.
+  entry), the compiled extension `torch_marlin/_C*` and its Metal libraries `torch_marlin/metallib/`.
 - Paths that follow `git checkout <commit>` or `git show <commit>:` in the same code span (or
   comment line) name that commit's tree: they are checked there with `git cat-file` (the nearest
   such mention before the path counts), and skipped when the commit is not available (a shallow
@@ -37,7 +37,7 @@ SOURCE_DIRS = ("csrc", "metal", "torch_marlin", "scripts", "tests")
 EXTRA_SOURCES = ("setup.py", ".ci/run")
 C_LIKE = {".c", ".cc", ".cpp", ".h", ".hpp", ".cu", ".cuh", ".mm", ".m", ".metal", ""}
 SHELL = {".sh"}
-GENERATED = ("torch_marlin/_C",)  # the compiled extension (built in place, not committed)
+GENERATED = ("torch_marlin/_C", "torch_marlin/metallib")  # the extension and its Metal libraries (built, not committed)
 
 PATH_RE = re.compile(
     r"(?<![\w./\-$])((?:%s)/[\w.*?<>{},\-/]*|(?:%s)(?![\w.]))" % (

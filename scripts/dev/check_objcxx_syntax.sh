@@ -10,7 +10,9 @@
 #     use, written from Apple's public documentation with the documented signatures;
 #   - the generated kernel-source header, written by the same embedding step setup.py runs on macOS;
 #   - setup.py's macOS macro (TM_WITH_MPS=1) and its C++ standard (cpp_extension's default, C++20,
-#     when setup.py names none), with Apple's Objective-C runtime semantics and blocks.
+#     when setup.py names none), with Apple's Objective-C runtime semantics and blocks;
+#   - the newest SDK the shim describes, and again, for the files that guard declarations by SDK
+#     version (__MAC_OS_X_VERSION_MAX_ALLOWED), the macOS 13 SDK: both must compile.
 # Warnings are errors: clang only warns on a message to an undeclared selector or an argument of
 # the wrong Objective-C type, and both are bugs here. A Metal call that the shim does not declare
 # fails too: add its documented declaration to the shim. The check cannot see what only runs on a
@@ -45,21 +47,16 @@ tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 
 # torch's include directories, and the kernel-source header through setup.py's embedding step
-# (write_header is the entry point setup.py calls; the module lives beside the MPS sources or
-# in scripts/).
+# (write_header is the entry point setup.py's macOS build calls, csrc/mps/build_metal.py).
 TORCH_INCLUDES="$("$PYTHON" -c 'from torch.utils import cpp_extension; print("\n".join(cpp_extension.include_paths()))')"
 "$PYTHON" - "$ROOT" "$tmp/generated" <<'EOF'
 import os, sys
 root, out = sys.argv[1], sys.argv[2]
-for d in ("csrc/mps", "scripts"):
-    if os.path.exists(os.path.join(root, d, "embed_metal.py")):
-        sys.path.insert(0, os.path.join(root, d))
-        break
-else:
-    sys.exit("check_objcxx_syntax: embed_metal.py not found (csrc/mps/ or scripts/)")
+sys.path.insert(0, os.path.join(root, "csrc", "mps"))
+import build_metal
 import embed_metal
 embed_metal.write_header(os.path.join(root, "metal"), os.path.join(root, "csrc", "include"),
-                         os.path.join(out, "metal_library_source.h"))
+                         os.path.join(out, build_metal.GENERATED_HEADER))
 EOF
 
 args=(-x objective-c++ -fsyntax-only -fblocks -std="$CXX_STD" -fobjc-runtime=macosx-13.0
@@ -79,26 +76,37 @@ for f in "$ROOT"/csrc/mps/*.mm; do
     status=1
   fi
 done
+for f in $(grep -l "__MAC_OS_X_VERSION_MAX_ALLOWED" "$ROOT"/csrc/mps/*.mm || true); do
+  if check -D__MAC_OS_X_VERSION_MAX_ALLOWED=130000 "$f"; then
+    echo "objective-c++ OK (macOS 13 SDK): ${f#$ROOT/}"
+  else
+    echo "objective-c++ check FAILED (macOS 13 SDK): ${f#$ROOT/}" >&2
+    status=1
+  fi
+done
 
 if [[ "${1:-}" == "--self-test" ]]; then
-  # Each mistake is a one-line edit of csrc/mps/quant_gemm_mps.mm. All are planted in one copy
-  # (one compile: clang reports every error); each planted line must carry an error of its own.
-  src="$ROOT/csrc/mps/quant_gemm_mps.mm"
+  # Each mistake is a one-line edit of csrc/mps/mps_encoder.mm (where the Metal calls are). All
+  # are planted in one copy (one compile: clang reports every error); each planted line must carry
+  # an error of its own.
+  src="$ROOT/csrc/mps/mps_encoder.mm"
   mistakes=(
     # a misspelled selector
-    's/\[enc setComputePipelineState:pso\]/[enc setComputePipeline:pso]/'
+    's/\[enc setComputePipelineState:(\*psos)\[k\]\]/[enc setComputePipeline:(*psos)[k]]/'
     # an argument of the wrong protocol type: the library where the function belongs
     's/newComputePipelineStateWithFunction:fn error:&err/newComputePipelineStateWithFunction:lib error:\&err/'
     # a misspelled property
     's/opts\.fastMathEnabled = NO;/opts.fastMath = NO;/'
-    # the params struct by value where setBytes: takes a pointer
-    's/\[enc setBytes:prm length:/[enc setBytes:*prm length:/'
-    # an NSString where the message needs a C string
-    's/err ? err\.localizedDescription\.UTF8String : "unknown error"/err ? err.localizedDescription : "unknown error"/'
+    # the params vector where setBytes: takes a pointer to its bytes
+    's/\[enc setBytes:d\.params\.data() length:/[enc setBytes:d.params length:/'
+    # an NSString where a std::string needs a C string
+    's/err\.localizedDescription\.UTF8String : "no message"/err.localizedDescription : "no message"/'
     # the Metal command queue where dispatch_sync needs the stream's dispatch queue
     's/dispatch_sync(stream->queue(), /dispatch_sync(stream->commandQueue(), /'
+    # a path string where the library loader takes a file URL
+    's/newLibraryWithURL:url error:/newLibraryWithURL:path error:/'
   )
-  planted="$tmp/quant_gemm_mps.mm"
+  planted="$tmp/mps_encoder.mm"
   cp "$src" "$planted"
   lines=()
   for m in "${mistakes[@]}"; do
@@ -125,6 +133,25 @@ if [[ "${1:-}" == "--self-test" ]]; then
       status=1
     fi
   done
+
+  # An SDK guard dropped: the macOS 15 declarations (mathMode) reach the macOS 13 SDK pass,
+  # which must reject them.
+  unguarded="$tmp/mps_encoder_unguarded.mm"
+  sed 's/^#if TM_SDK_HAS_MATH_MODE$/#if 1/' "$src" >"$unguarded"
+  if cmp -s "$src" "$unguarded"; then
+    echo "self-test FAILED: no '#if TM_SDK_HAS_MATH_MODE' guard in ${src#$ROOT/}" >&2
+    exit 1
+  fi
+  if check -D__MAC_OS_X_VERSION_MAX_ALLOWED=130000 "$unguarded" >"$log" 2>&1; then
+    echo "self-test FAILED: the copy without its SDK guard passed the macOS 13 SDK check" >&2
+    status=1
+  elif grep -q "error:.*\(mathMode\|MTLMathMode\)" "$log"; then
+    echo "self-test OK: SDK guard removal rejected (macOS 13 SDK)"
+  else
+    echo "self-test FAILED: the unguarded copy failed for another reason" >&2
+    cat "$log" >&2
+    status=1
+  fi
 fi
 
 exit $status

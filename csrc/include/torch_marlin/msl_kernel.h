@@ -9,9 +9,9 @@
 //  - Kernels are templates instantiated under their host name with TM_INSTANTIATE("name",
 //    kernel<args>); the planner builds the same name strings. The harness and the check define
 //    TM_EMU_REGISTER_KERNEL to register / type-check the instantiation instead.
-//  - Each .metal file is self-contained (it includes what it uses), so it can be compiled as a
-//    library of its own; the build currently concatenates them into one library
-//    (csrc/mps/embed_metal.py), so names must also be unique across files.
+//  - Each .metal file is self-contained (it includes what it uses) and is a Metal library of its
+//    own (csrc/mps/embed_metal.py); host names are unique across files, since the MPS backend
+//    finds a kernel's library by its name.
 #pragma once
 
 #include <metal_stdlib>

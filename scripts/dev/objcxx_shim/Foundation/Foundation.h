@@ -3,6 +3,7 @@
 // csrc/mps/*.mm and torch's ATen/mps headers use, with their documented signatures.
 #pragma once
 
+#include <Availability.h>
 #include <objc/NSObject.h>
 #include <dispatch/dispatch.h>  // Foundation makes libdispatch visible, as the SDK's does
 
@@ -15,6 +16,10 @@ NS_ASSUME_NONNULL_BEGIN
 
 @interface NSError : NSObject
 @property(readonly, copy) NSString* localizedDescription;
+@end
+
+@interface NSURL : NSObject
++ (NSURL*)fileURLWithPath:(NSString*)path isDirectory:(BOOL)isDir;
 @end
 
 @interface NSDictionary<__covariant KeyType, __covariant ObjectType> : NSObject

@@ -9,11 +9,29 @@
 
 NS_ASSUME_NONNULL_BEGIN
 
-// MSL versions: major << 16 | minor. 3.0 ships with macOS 13, 3.1 (bfloat) with macOS 14.
+// MSL versions: major << 16 | minor. 3.0 ships with macOS 13, 3.1 (bfloat) with macOS 14; an SDK
+// declares the versions up to its own (__MAC_OS_X_VERSION_MAX_ALLOWED, <Availability.h>).
 typedef NS_ENUM(NSUInteger, MTLLanguageVersion){
-    MTLLanguageVersion3_0 = (3 << 16) + 0,
-    MTLLanguageVersion3_1 = (3 << 16) + 1,
+    MTLLanguageVersion3_0 API_AVAILABLE(macos(13.0)) = (3 << 16) + 0,
+#if __MAC_OS_X_VERSION_MAX_ALLOWED >= 140000
+    MTLLanguageVersion3_1 API_AVAILABLE(macos(14.0)) = (3 << 16) + 1,
+#endif
 };
+
+#if __MAC_OS_X_VERSION_MAX_ALLOWED >= 150000
+// Floating-point optimizations the compiler may make (macOS 15 SDK; replaces fastMathEnabled).
+typedef NS_ENUM(NSInteger, MTLMathMode){
+    MTLMathModeSafe = 0,
+    MTLMathModeRelaxed = 1,
+    MTLMathModeFast = 2,
+} API_AVAILABLE(macos(15.0));
+
+// Which FP32 math function variants the library uses (macOS 15 SDK).
+typedef NS_ENUM(NSInteger, MTLMathFloatingPointFunctions){
+    MTLMathFloatingPointFunctionsFast = 0,
+    MTLMathFloatingPointFunctionsPrecise = 1,
+} API_AVAILABLE(macos(15.0));
+#endif
 
 typedef struct {
   NSUInteger width, height, depth;
@@ -47,6 +65,10 @@ static inline MTLSize MTLSizeMake(NSUInteger width, NSUInteger height, NSUIntege
 @interface MTLCompileOptions : NSObject
 @property(readwrite, nonatomic) MTLLanguageVersion languageVersion;
 @property(readwrite, nonatomic) BOOL fastMathEnabled;  // superseded by mathMode from macOS 15
+#if __MAC_OS_X_VERSION_MAX_ALLOWED >= 150000
+@property(readwrite, nonatomic) MTLMathMode mathMode API_AVAILABLE(macos(15.0));
+@property(readwrite, nonatomic) MTLMathFloatingPointFunctions mathFloatingPointFunctions API_AVAILABLE(macos(15.0));
+#endif
 @end
 
 @protocol MTLCommandEncoder <NSObject>
@@ -79,6 +101,7 @@ typedef void (^MTLCommandBufferHandler)(id<MTLCommandBuffer>);
 - (nullable id<MTLLibrary>)newLibraryWithSource:(NSString*)source
                                         options:(nullable MTLCompileOptions*)options
                                           error:(__autoreleasing NSError**)error;
+- (nullable id<MTLLibrary>)newLibraryWithURL:(NSURL*)url error:(__autoreleasing NSError**)error;
 - (nullable id<MTLComputePipelineState>)newComputePipelineStateWithFunction:(id<MTLFunction>)computeFunction
                                                                       error:(__autoreleasing NSError**)error;
 @end

@@ -5,6 +5,7 @@
 #pragma once
 
 typedef unsigned long NSUInteger;
+typedef long NSInteger;
 typedef bool BOOL;  // arm64 macOS: BOOL is the C/C++ bool
 #define YES true
 #define NO false
