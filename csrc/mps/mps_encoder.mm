@@ -2,7 +2,7 @@
 // Metal libraries, the pipeline cache, tensor -> MTLBuffer binding, the encoding of a dispatch
 // list on PyTorch's current MPS stream, and the device caps the planner reads.
 //
-// Rules (docs/metal.md, DESIGN.md "MPS integration"):
+// Rules (docs/metal.md, "Host side"):
 //  - buffers: the tensor storage's MTLBuffer with storage_offset() * element_size() as offset;
 //  - encode on the stream's own compute encoder inside dispatch_sync on the stream's queue; never
 //    end the encoder, commit, wait, or open a second encoder (PyTorch owns all of that);

@@ -24,7 +24,7 @@ for src in csrc/cuda/*.cu; do
     echo "nvcc -arch=$arch $src"
     extra=""; [ "$arch" = sm_90a ] && extra="-DTM_CUDA_SM90A"  # as setup.py defines for 9.0a
     # shellcheck disable=SC2086
-    "$NVCC" -std=c++17 -O3 --expt-relaxed-constexpr -arch="$arch" -c "$src" -I csrc -I csrc/include $TORCH_INC $SHIM \
+    "$NVCC" -std=c++20 -O3 --expt-relaxed-constexpr -arch="$arch" -c "$src" -I csrc -I csrc/include $TORCH_INC $SHIM \
       -DTM_WITH_CUDA $extra -o "$OUT/$(basename "$src" .cu)_$arch.o" -Xptxas -warn-spills
   done
 done
