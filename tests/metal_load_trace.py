@@ -157,15 +157,13 @@ def _build(name, bindings, plan_sources, kernel_sources, build_dir, verbose=Fals
 def load_quant(verbose=False):
     """Traced module of the FP4 / INT4 kernels (metal_emu.QUANT_SOURCES) and the probe kernels of
     tests/metal/perf_probes.metal (dispatch_raw)."""
-    return _build("tm_metal_emu_trace", "bindings.cpp", [os.path.join(ROOT, "csrc", "plan", "plan.cpp")],
+    return _build("tm_metal_emu_trace", "bindings.cpp", metal_emu.PLAN_SOURCES,
                   metal_emu.QUANT_SOURCES + [PROBE_SOURCE], os.path.join(ROOT, "build", "metal_emu_trace"), verbose)
 
 
 def load_trellis(verbose=False):
     """Traced module of the trellis kernels (trellis_metal_emu.SOURCES)."""
-    plan_dir = os.path.join(ROOT, "csrc", "plan")
-    return _build("tm_trellis_metal_emu_trace", "trellis_bindings.cpp",
-                  [os.path.join(plan_dir, "plan.cpp"), os.path.join(plan_dir, "trellis_plan.cpp")],
+    return _build("tm_trellis_metal_emu_trace", "trellis_bindings.cpp", metal_emu.PLAN_SOURCES,
                   trellis_metal_emu.SOURCES, os.path.join(ROOT, "build", "trellis_metal_emu_trace"), verbose)
 
 
