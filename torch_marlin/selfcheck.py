@@ -450,7 +450,9 @@ def _fmt(v):
     if v is None:
         return "unknown"
     if isinstance(v, float):
-        return f"{v:.3g}" if (abs(v) < 0.01 or abs(v) >= 1e4) and v != 0 else f"{v:.3f}".rstrip("0").rstrip(".")
+        if v != 0 and (abs(v) < 0.01 or abs(v) >= 1e7):
+            return f"{v:.3g}"
+        return f"{v:.1f}" if abs(v) >= 100 else f"{v:.3f}".rstrip("0").rstrip(".")
     return str(v)
 
 
