@@ -19,15 +19,18 @@ if ! "$PY" -c 'import os,sys; from torch.utils import cpp_extension as c; sys.ex
   printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' > "$OUT/shim/c10/cuda/impl/cuda_cmake_macros.h"
   SHIM="-I$OUT/shim"
 fi
-for src in csrc/cuda/*.cu; do
-  for arch in "${ARCHS[@]}"; do
-    echo "nvcc -arch=$arch $src"
-    extra=""; [ "$arch" = sm_90a ] && extra="-DTM_CUDA_SM90A"  # as setup.py defines for 9.0a
-    # shellcheck disable=SC2086
-    "$NVCC" -std=c++20 -O3 --expt-relaxed-constexpr -arch="$arch" -c "$src" -I csrc -I csrc/include $TORCH_INC $SHIM \
-      -DTM_WITH_CUDA $extra -o "$OUT/$(basename "$src" .cu)_$arch.o" -Xptxas -warn-spills
-  done
-done
+# One nvcc per (source, arch), as many at once as there are cores: the sm_90a passes dominate.
+compile_one() {
+  local src=$1 arch=$2 extra=""
+  [ "$arch" = sm_90a ] && extra="-DTM_CUDA_SM90A"  # as setup.py defines for 9.0a
+  echo "nvcc -arch=$arch $src"
+  # shellcheck disable=SC2086
+  "$NVCC" -std=c++20 -O3 --expt-relaxed-constexpr -arch="$arch" -c "$src" -I csrc -I csrc/include $TORCH_INC $SHIM \
+    -DTM_WITH_CUDA $extra -o "$OUT/$(basename "$src" .cu)_$arch.o" -Xptxas -warn-spills
+}
+export -f compile_one; export NVCC TORCH_INC SHIM OUT
+for src in csrc/cuda/*.cu; do for arch in "${ARCHS[@]}"; do echo "$src $arch"; done; done |
+  xargs -P "$(nproc)" -n 2 bash -c 'compile_one "$0" "$1"'
 for src in scripts/dev/*.cu; do  # standalone GPU microbenchmarks (no torch)
   echo "nvcc -arch=sm_90 $src"
   "$NVCC" -std=c++17 -O3 -arch=sm_90 -c "$src" -o "$OUT/$(basename "$src" .cu).o"
