@@ -246,19 +246,19 @@ template <uint FMT, typename T, uint ROWS, bool VEC>
 }
 
 // Host names: marlin_gemv_m<ROWS>_<fmt>_<dtype>, marlin_gemv_unaligned_<fmt>_<dtype>.
-#define TM_GEMV_INSTANTIATE(stem, ROWS, VEC, tname, T)                     \
-  TM_INSTANTIATE(stem "_fp4_" #tname, marlin_gemv<TM_FORMAT_FP4, T, ROWS, VEC>) \
-  TM_INSTANTIATE(stem "_u4_" #tname, marlin_gemv<TM_FORMAT_U4, T, ROWS, VEC>)
-#define TM_GEMV_INSTANTIATE_DTYPE(tname, T)                    \
-  TM_GEMV_INSTANTIATE("marlin_gemv_m1", 1, true, tname, T)     \
-  TM_GEMV_INSTANTIATE("marlin_gemv_m2", 2, true, tname, T)     \
-  TM_GEMV_INSTANTIATE("marlin_gemv_m4", 4, true, tname, T)     \
-  TM_GEMV_INSTANTIATE("marlin_gemv_m8", 8, true, tname, T)     \
-  TM_GEMV_INSTANTIATE("marlin_gemv_m16", 16, true, tname, T)   \
-  TM_GEMV_INSTANTIATE("marlin_gemv_unaligned", 16, false, tname, T)
+#define TM_INSTANTIATE_GEMV(stem, fn, ROWS, VEC, tname, T)              \
+  TM_INSTANTIATE(stem "_fp4_" #tname, fn<TM_FORMAT_FP4, T, ROWS, VEC>) \
+  TM_INSTANTIATE(stem "_u4_" #tname, fn<TM_FORMAT_U4, T, ROWS, VEC>)
+#define TM_INSTANTIATE_GEMV_DTYPE(tname, T)                                   \
+  TM_INSTANTIATE_GEMV("marlin_gemv_m1", marlin_gemv, 1, true, tname, T)       \
+  TM_INSTANTIATE_GEMV("marlin_gemv_m2", marlin_gemv, 2, true, tname, T)       \
+  TM_INSTANTIATE_GEMV("marlin_gemv_m4", marlin_gemv, 4, true, tname, T)       \
+  TM_INSTANTIATE_GEMV("marlin_gemv_m8", marlin_gemv, 8, true, tname, T)       \
+  TM_INSTANTIATE_GEMV("marlin_gemv_m16", marlin_gemv, 16, true, tname, T)     \
+  TM_INSTANTIATE_GEMV("marlin_gemv_unaligned", marlin_gemv, 16, false, tname, T)
 
-TM_GEMV_INSTANTIATE_DTYPE(half, half)
-TM_GEMV_INSTANTIATE_DTYPE(float, float)
+TM_INSTANTIATE_GEMV_DTYPE(half, half)
+TM_INSTANTIATE_GEMV_DTYPE(float, float)
 #if __METAL_VERSION__ >= 310
-TM_GEMV_INSTANTIATE_DTYPE(bfloat, bfloat)
+TM_INSTANTIATE_GEMV_DTYPE(bfloat, bfloat)
 #endif
