@@ -143,6 +143,9 @@ inline void gemv_impl(device const T* A, device const uint* B, device const T* s
   const uint s_end = min(k_end, s_begin + share);
   uint g = s_begin / gs;                  // scale row of the next segment
   uint g_left = (g + 1u) * gs - s_begin;  // its rows from there on
+  // The scales in registers belong to group g_loaded: a group longer than a piece keeps them.
+  uint g_loaded = ~0u;
+  float4 s = float4(0.0f, 0.0f, 0.0f, 0.0f), zb = float4(0.0f, 0.0f, 0.0f, 0.0f);
 
   float acc[ROWS * 4];
   for (uint i = 0; i < ROWS * 4u; ++i) acc[i] = 0.0f;
@@ -156,8 +159,10 @@ inline void gemv_impl(device const T* A, device const uint* B, device const T* s
       // Segments of one group each: scales on the outer loop, 4 word rows in flight inside.
       for (uint k = k0; k < k1;) {
         const uint seg_end = min(k1, k + g_left);
-        float4 s, zb;
-        gemv_load_group<FMT, T, VEC>(scales, zeros, g * N + col, cols_left, s, zb);
+        if (g != g_loaded) {
+          gemv_load_group<FMT, T, VEC>(scales, zeros, g * N + col, cols_left, s, zb);
+          g_loaded = g;
+        }
         device const uint* b = B + (k / 8u) * N + col;
         threadgroup const float* a = stage + (k - k0);
         uint words = (seg_end - k) / 8u;
