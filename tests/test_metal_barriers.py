@@ -23,20 +23,29 @@ import metal_emu
 
 SCHEDULES = ["forward", "reverse", "random", "simd_ahead", "simd_ahead_reverse"]
 
-# barrier tag -> (family that runs the kernel holding it, M, schedules that must catch its loss).
+# barrier tag -> (family that runs the kernel holding it, M, K, schedules that must catch its loss).
 # fused_stage_free is absent on purpose: in the harness the simdgroup_multiply_accumulate between
 # the B-stage reads and the next writes is itself a simdgroup rendezvous, so removing it is not
 # observable here (the kernel keeps it: Metal's memory model asks for it).
+# K = 128: four K tiles, so the double-buffer swap and the A-tile reuse both happen. The decode
+# kernel at M = 5 (8 rows) stages 64-row pieces: K = 512 gives each simdgroup two, so a piece is
+# restaged; its meeting goes 2,3 -> 0,1 -> 0, and each step's loss shows under the schedules that
+# run the writer before the reader.
 NEEDED = {
-    "gemv_meet": ("decode", 5, SCHEDULES),
-    "fused_a_ready": ("fused_tiles", 64, ["simd_ahead", "simd_ahead_reverse"]),
-    "fused_stage_ready": ("fused_tiles", 64, SCHEDULES),
-    "fused_a_free": ("fused_tiles", 64, ["simd_ahead", "simd_ahead_reverse"]),
-    "staged_prologue": ("staged_tiles", 64, SCHEDULES),
-    "staged_swap": ("staged_tiles", 64, ["simd_ahead", "simd_ahead_reverse"]),
+    "gemv_stage_free": ("decode", 5, 512, SCHEDULES),
+    "gemv_stage_ready": ("decode", 5, 128, SCHEDULES),
+    "gemv_stages_done": ("decode", 5, 128, SCHEDULES),
+    "gemv_meet": ("decode", 5, 128, ["forward", "simd_ahead"]),
+    "gemv_meet_read": ("decode", 5, 128, ["reverse", "simd_ahead_reverse"]),
+    "gemv_meet_last": ("decode", 5, 128, ["forward", "simd_ahead"]),
+    "fused_a_ready": ("fused_tiles", 64, 128, ["simd_ahead", "simd_ahead_reverse"]),
+    "fused_stage_ready": ("fused_tiles", 64, 128, SCHEDULES),
+    "fused_a_free": ("fused_tiles", 64, 128, ["simd_ahead", "simd_ahead_reverse"]),
+    "staged_prologue": ("staged_tiles", 64, 128, SCHEDULES),
+    "staged_swap": ("staged_tiles", 64, 128, ["simd_ahead", "simd_ahead_reverse"]),
 }
 
-K, N, GS = 128, 64, 32  # four K tiles: the double-buffer swap and the A-tile reuse both happen
+K, N, GS = 128, 64, 32
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +55,7 @@ def emu():
     mod.set_dropped_barrier("")
 
 
-def problem(M):
+def problem(M, K=K):
     g = torch.Generator().manual_seed(M)
     B, s = quantize_fp4(torch.randn(K, N, generator=g), GS, scale_dtype=torch.float16)
     A = torch.randn(M, K, generator=g).half()
@@ -58,8 +67,8 @@ def matches(C, ref):
     return bool(torch.allclose(C.float(), ref, rtol=2e-3, atol=2e-2))
 
 
-def run(emu, family, M, schedule):
-    A, B, s, ref = problem(M)
+def run(emu, family, M, K, schedule):
+    A, B, s, ref = problem(M, K)
     C, plan = emu.gemm("fp4", A, B, s, None, None, GS, family, 0, schedule, 3, 1, metal_emu.BARRIER_SWITCH_PREFIX)
     assert plan["family"] == family
     return matches(C, ref)
@@ -71,13 +80,13 @@ def test_every_tagged_barrier_is_covered():
 
 @pytest.mark.parametrize("tag", sorted(NEEDED))
 def test_removed_barrier_is_detected(emu, tag):
-    family, M, catching = NEEDED[tag]
+    family, M, k, catching = NEEDED[tag]
     emu.set_dropped_barrier("")
     for sch in SCHEDULES:
-        assert run(emu, family, M, sch), f"intact kernel failed under {sch}"
+        assert run(emu, family, M, k, sch), f"intact kernel failed under {sch}"
     emu.set_dropped_barrier(tag)
     try:
-        caught = [sch for sch in SCHEDULES if not run(emu, family, M, sch)]
+        caught = [sch for sch in SCHEDULES if not run(emu, family, M, k, sch)]
     finally:
         emu.set_dropped_barrier("")
     assert set(catching) <= set(caught), f"dropping {tag}: caught only under {caught}"
@@ -136,12 +145,15 @@ def test_threadgroup_memory_limit_is_enforced(emu):
         emu.dispatch_raw("selftest_too_much_tg", [1, 1, 1], 128, [out])
 
 
-@pytest.mark.parametrize("family,expected", [
-    # docs/metal.md: decode 4x16x32 fp32 partials; fused A 64x40 + B stage 4x8x32 (half) + fp32
-    # epilogue stage 4x64; staged 2 x (64x32 + 32x64) half.
-    ("decode", 8192), ("fused_tiles", 5120 + 2048 + 1024), ("staged_tiles", 16384)])
-def test_threadgroup_memory_budget(emu, family, expected):
-    A, B, s, _ = problem(5 if family == "decode" else 64)
+@pytest.mark.parametrize("family,M,expected", [
+    # docs/metal.md: decode fp32 activations staged per simdgroup, 4 x rows x piece (256 / rows up to
+    # 4 rows, else 64), reused by the meeting's 2 x rows x 128 partials: 1 row 4 KiB, 5 (8) rows
+    # 8 KiB, 16 rows 16 KiB; fused A 64x40 + B stage 4x8x32 (half) + fp32 epilogue stage 4x64;
+    # staged 2 x (64x32 + 32x64) half.
+    ("decode", 1, 4096), ("decode", 5, 8192), ("decode", 16, 16384), ("fused_tiles", 64, 5120 + 2048 + 1024),
+    ("staged_tiles", 64, 16384)])
+def test_threadgroup_memory_budget(emu, family, M, expected):
+    A, B, s, _ = problem(M)
     emu.gemm("fp4", A, B, s, None, None, GS, family, 0, "forward", 0, 1)
     assert emu.last_stats()["max_threadgroup_bytes"] == expected
 

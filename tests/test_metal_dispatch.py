@@ -112,7 +112,7 @@ def test_parser_sees_every_kernel():
 
 
 # (family, M, K, N, group_size, compute_units): every plan path, with and without K slices.
-QUANT_PLANS = [("decode", 4, 512, 96, 64, 0), ("decode", 1, 8192, 256, 128, 0), ("fused_tiles", 70, 256, 96, 32, 0),
+QUANT_PLANS = [("decode", 4, 512, 96, 64, 0), ("decode", 1, 8192, 256, 128, 0), ("decode", 3, 512, 90, 64, 0), ("fused_tiles", 70, 256, 96, 32, 0),
                ("staged_tiles", 70, 256, 96, 32, 0), ("striped", 64, 8192, 256, 128, 0), ("auto", 17, 256, 96, 64, 0),
                ("auto", 64, 8192, 256, 128, 0)]
 
@@ -136,7 +136,7 @@ def test_quant_descriptions_cover_k_slices(emu):
     kernels = [d["kernel"] for v, M, K, N, gs, cu in QUANT_PLANS for d in emu.describe_gemm("fp4", M, K, N, gs,
                                                                                             "float16", True, True, v, cu)]
     assert "marlin_reduce_partials_half" in kernels
-    assert {"marlin_gemv_fp4_half", "marlin_gemm_fused_fp4_half", "marlin_gemm_fp4_half",
+    assert {"marlin_gemv_m4_fp4_half", "marlin_gemv_m1_fp4_half", "marlin_gemm_fused_fp4_half", "marlin_gemm_fp4_half",
             "marlin_gemm_striped_fp4_half"} <= set(kernels)
 
 

@@ -28,7 +28,7 @@ def test_inlined_source_has_no_project_includes():
     assert "#include <metal_stdlib>" in src
     for name in embed_metal.library_sources(METAL_DIR, INCLUDE_DIR):
         assert f"// ==== {name} ====" in src
-    assert 'TM_INSTANTIATE_QUANT_DTYPE("marlin_gemv", marlin_gemv, half, half)' in src
+    assert 'TM_INSTANTIATE_GEMV_DTYPE(half, half)' in src
 
 
 def test_each_file_is_self_contained():
@@ -69,8 +69,8 @@ def test_header_roundtrip(tmp_path):
     expected = "".join(f"FILE {n} {embed_metal.metallib_name(n, sources[n])}\n{sources[n]}" for n in sorted(sources))
     expected += "".join(f"KERNEL {k} {f} {v}\n" for k, f, v in embed_metal.kernel_files(METAL_DIR, INCLUDE_DIR))
     assert dumped == expected
-    assert "KERNEL marlin_gemv_fp4_half decode.metal 300\n" in dumped
-    assert "KERNEL marlin_gemv_fp4_bfloat decode.metal 310\n" in dumped
+    assert "KERNEL marlin_gemv_m1_fp4_half decode.metal 300\n" in dumped
+    assert "KERNEL marlin_gemv_unaligned_u4_bfloat decode.metal 310\n" in dumped
 
 
 def _ascheck(path):

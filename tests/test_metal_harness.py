@@ -77,9 +77,23 @@ def schedule_for(*key):
 # of 8 / 64, K not a multiple of TILE_K = 32 (K = 200 with group 8), groups smaller than a K tile.
 DECODE_SHAPES = [(1, 256, 72, 32), (3, 128, 100, 64), (16, 384, 40, 128), (7, 200, 33, 8)]
 TILE_SHAPES = [(17, 256, 100, 64), (64, 128, 64, 32), (130, 256, 72, 128), (33, 200, 50, 8)]
-FAMILY_KERNEL = {"decode": "marlin_gemv", "fused_tiles": "marlin_gemm_fused", "staged_tiles": "marlin_gemm",
-                  "striped": "marlin_gemm_striped"}
+FAMILY_KERNEL = {"fused_tiles": "marlin_gemm_fused", "staged_tiles": "marlin_gemm", "striped": "marlin_gemm_striped"}
 DTYPE_NAME = {torch.float16: "half", torch.bfloat16: "bfloat", torch.float32: "float"}
+
+
+def decode_stem(M, N):
+    """The decode kernel the planner names (docs/metal.md): 16-byte weight loads when N % 4 == 0,
+    one kernel per row count 1, 2, 4, 8, 16 (the next power of two >= M); else the per-column one."""
+    if N % 4:
+        return "marlin_gemv_unaligned"
+    rows = 1
+    while rows < M:
+        rows *= 2
+    return f"marlin_gemv_m{rows}"
+
+
+def kernel_stem(family, M, N):
+    return decode_stem(M, N) if family == "decode" else FAMILY_KERNEL[family]
 
 CASES = [("decode", s) for s in DECODE_SHAPES] + [
     (v, s) for v in ("fused_tiles", "staged_tiles", "striped") for s in TILE_SHAPES]
@@ -95,8 +109,50 @@ def test_gemm_matches_matmul(emu, fmt, dtype, family, shape):
     sched = schedule_for(fmt, dtype, family, shape)
     C, plan = emu.gemm(fmt, A, B, s, z, b, gs, family, 0, sched, 7)
     assert plan["family"] == family
-    assert plan["kernel"] == f"{FAMILY_KERNEL[family]}_{fmt}_{DTYPE_NAME[dtype]}"
+    assert plan["kernel"] == f"{kernel_stem(family, M, N)}_{fmt}_{DTYPE_NAME[dtype]}"
     check_close(C, A, W, b, dtype)
+
+
+# ---- decode edges: every row count, N tails, groups against the kernel's pieces and shares ------
+# (K, N, group_size). N: tails of the 128-column threadgroup with 16-byte loads (132, 200, 68) and
+# without (257, 30: N % 4 != 0). Groups: 32 / 64 / 128 inside a piece; 40 straddling pieces (256 /
+# 128 / 64 rows); 8 (one word per group); 512 and 1024 = K larger than a piece or a simdgroup's
+# share, so one group spans several pieces and simdgroups.
+DECODE_EDGE = [(256, 132, 32), (320, 200, 64), (512, 68, 128), (400, 257, 40), (96, 30, 8), (1024, 136, 512),
+               (1024, 72, 1024)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("M", range(1, 17))
+def test_decode_every_row_count(emu, dtype, M):
+    for i, fmt in enumerate(("fp4", "u4")):
+        K, N, gs = DECODE_EDGE[(2 * M + i) % len(DECODE_EDGE)]
+        bias = (M + i) % 2 == 0
+        A, B, s, z, b, W = make_problem(fmt, M, K, N, gs, dtype, bias=bias, seed=M * 7 + i)
+        C, plan = emu.gemm(fmt, A, B, s, z, b, gs, "decode", 0, schedule_for(fmt, dtype, M), M)
+        assert plan["kernel"] == f"{decode_stem(M, N)}_{fmt}_{DTYPE_NAME[dtype]}"
+        assert plan["tile_m"] == (16 if N % 4 else int(decode_stem(M, N)[len("marlin_gemv_m"):]))
+        assert plan["vector_loads"] == (N % 4 == 0)
+        check_close(C, A, W, b, dtype)
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+def test_decode_row_counts_agree_bitwise(emu, fmt):
+    # Rows are independent: the first rows of a 16-row call equal the same rows computed by the
+    # 1-, 2-, 4- and 8-row kernels (same per-column summation order), and the per-column kernel
+    # (N % 4 != 0) equals the vector one on the columns both compute.
+    K, N, gs = 512, 132, 64
+    A, B, s, z, b, _ = make_problem(fmt, 16, K, N, gs, torch.float16, bias=True, seed=4)
+    full, plan = emu.gemm(fmt, A, B, s, z, b, gs, "decode", 0, "random", 1)
+    assert plan["kernel"].startswith("marlin_gemv_m16_")
+    for M in (1, 2, 3, 5, 8):
+        assert torch.equal(emu.gemm(fmt, A[:M], B, s, z, b, gs, "decode", 0, "forward", 0)[0], full[:M])
+    n = 130  # 130 % 4 != 0: the per-column kernel over the first 130 columns
+    zn = z[:, :n].contiguous() if z is not None else None
+    part, plan = emu.gemm(fmt, A, B[:, :n].contiguous(), s[:, :n].contiguous(), zn, b[:n].contiguous(), gs, "decode",
+                          0, "simd_ahead", 0)
+    assert plan["kernel"].startswith("marlin_gemv_unaligned_")
+    assert torch.equal(part, full[:, :n])
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "u4"])
@@ -117,6 +173,7 @@ KPAR_CASES = [
     ("striped", 70, 512, 130, 32, 40),
     ("decode", 1, 1024, 64, 64, 8),
     ("decode", 9, 2048, 100, 128, 16),
+    ("decode", 16, 2560, 72, 40, 16),  # slices of whole 40-row groups, pieces of 64 rows
 ]
 
 
@@ -166,8 +223,8 @@ def test_dispatch_policy_metal():
     K, N = 4096, 4096
     for M in (1, 2, 8, 16):
         p = torch_marlin.plan_gemm("fp4", M, K, N, 128, torch.float16, device="metal")
-        assert p["family"] == "decode" and p["kernel"] == "marlin_gemv_fp4_half", (M, p)
-        assert p["grid"][0] == N // 32 and p["threads"] == (128, 1, 1)
+        assert p["family"] == "decode" and p["kernel"] == f"{decode_stem(M, N)}_fp4_half", (M, p)
+        assert p["grid"][0] == N // 128 and p["threads"] == (128, 1, 1) and p["vector_loads"]
     for M in (17, 64, 512, 4096):
         p = torch_marlin.plan_gemm("fp4", M, K, N, 128, torch.bfloat16, device="metal")
         assert p["family"] == "fused_tiles" and p["kernel"] == "marlin_gemm_fused_fp4_bfloat", (M, p)
@@ -232,12 +289,12 @@ def test_harness_rejects_bad_shapes(emu):
 
 def test_every_planned_kernel_is_instantiated(emu):
     names = set(emu.kernel_names())
-    for fmt, dt, family in itertools.product(["fp4", "u4"], DTYPES, FAMILY_KERNEL):
-        M = 4 if family == "decode" else 64
-        p = torch_marlin.plan_gemm(fmt, M, 8192, 256, 128, dt, device="metal", family=family)
-        assert p["kernel"] in names
-        if p["reduce_kernel"]:
-            assert p["reduce_kernel"] in names
+    for fmt, dt, family in itertools.product(["fp4", "u4"], DTYPES, ["decode", *FAMILY_KERNEL]):
+        for M, N in ([(m, n) for m in range(1, 17) for n in (256, 250)] if family == "decode" else [(64, 256)]):
+            p = torch_marlin.plan_gemm(fmt, M, 8192, N, 128, dt, device="metal", family=family)
+            assert p["kernel"] in names
+            if p["reduce_kernel"]:
+                assert p["reduce_kernel"] in names
     for fmt, dt in itertools.product(["fp4", "u4"], DTYPE_NAME.values()):
         assert f"dequant_{fmt}_{dt}" in names
 

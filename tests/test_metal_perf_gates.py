@@ -47,8 +47,6 @@ KIB = 1024
 TG_LIMIT = 28 * KIB
 
 # ---- today's failures: (kernel, gate) -> reason. Remove an entry when its kernel is fixed. -----
-_GEMV = "one 4-byte packed word per lane per K step"
-_GEMV_LOADS = "2.5 (FP4) / 2.75 (U4) loads per weight byte: A is re-read per column, scales per word"
 _TR_DECODE = "1-byte index loads; the lanes of a simdgroup read different 16x16 tiles"
 _TR_REFETCH = "each packed byte holds parts of several indices and is read once per index"
 _TR_LOADS = "per index: packed bytes, grid, scale, su and A loads"
@@ -59,12 +57,6 @@ EXPECTED_FAILURES = {
     ("gemm_trellis_packed_decode_bfloat", "wide_weight_load"): _TR_DECODE,
     ("gemm_trellis_packed_decode_float", "wide_weight_load"): _TR_DECODE,
     ("gemm_trellis_packed_decode_half", "wide_weight_load"): _TR_DECODE,
-    ("marlin_gemv_fp4_bfloat", "wide_weight_load"): _GEMV,
-    ("marlin_gemv_fp4_float", "wide_weight_load"): _GEMV,
-    ("marlin_gemv_fp4_half", "wide_weight_load"): _GEMV,
-    ("marlin_gemv_u4_bfloat", "wide_weight_load"): _GEMV,
-    ("marlin_gemv_u4_float", "wide_weight_load"): _GEMV,
-    ("marlin_gemv_u4_half", "wide_weight_load"): _GEMV,
     ("moe_trellis_down_bfloat", "wide_weight_load"): _TR_DECODE,
     ("moe_trellis_down_float", "wide_weight_load"): _TR_DECODE,
     ("moe_trellis_down_half", "wide_weight_load"): _TR_DECODE,
@@ -92,12 +84,6 @@ EXPECTED_FAILURES = {
     ("gemm_trellis_packed_decode_bfloat", "loads_per_weight_byte"): _TR_LOADS,
     ("gemm_trellis_packed_decode_float", "loads_per_weight_byte"): _TR_LOADS,
     ("gemm_trellis_packed_decode_half", "loads_per_weight_byte"): _TR_LOADS,
-    ("marlin_gemv_fp4_bfloat", "loads_per_weight_byte"): _GEMV_LOADS,
-    ("marlin_gemv_fp4_float", "loads_per_weight_byte"): _GEMV_LOADS,
-    ("marlin_gemv_fp4_half", "loads_per_weight_byte"): _GEMV_LOADS,
-    ("marlin_gemv_u4_bfloat", "loads_per_weight_byte"): _GEMV_LOADS,
-    ("marlin_gemv_u4_float", "loads_per_weight_byte"): _GEMV_LOADS,
-    ("marlin_gemv_u4_half", "loads_per_weight_byte"): _GEMV_LOADS,
     ("moe_trellis_down_bfloat", "loads_per_weight_byte"): _TR_LOADS,
     ("moe_trellis_down_float", "loads_per_weight_byte"): _TR_LOADS,
     ("moe_trellis_down_half", "loads_per_weight_byte"): _TR_LOADS,
@@ -122,12 +108,6 @@ EXPECTED_FAILURES = {
     ("marlin_gemm_striped_u4_bfloat", "no_main_loop_division"): _DIV,
     ("marlin_gemm_striped_u4_float", "no_main_loop_division"): _DIV,
     ("marlin_gemm_striped_u4_half", "no_main_loop_division"): _DIV,
-    ("marlin_gemv_fp4_bfloat", "no_main_loop_division"): _DIV,
-    ("marlin_gemv_fp4_float", "no_main_loop_division"): _DIV,
-    ("marlin_gemv_fp4_half", "no_main_loop_division"): _DIV,
-    ("marlin_gemv_u4_bfloat", "no_main_loop_division"): _DIV,
-    ("marlin_gemv_u4_float", "no_main_loop_division"): _DIV,
-    ("marlin_gemv_u4_half", "no_main_loop_division"): _DIV,
     ("moe_trellis_down_bfloat", "no_main_loop_division"): _TR_DIV,
     ("moe_trellis_down_float", "no_main_loop_division"): _TR_DIV,
     ("moe_trellis_down_half", "no_main_loop_division"): _TR_DIV,
@@ -324,8 +304,8 @@ def test_expected_failures_name_planned_kernels():
 
 def test_planner_sets():
     decode, default = planned_kernels()
-    for stem in ("marlin_gemv_fp4_", "marlin_gemv_u4_", "gemm_trellis_packed_decode_", "moe_trellis_gate_up_",
-                 "moe_trellis_down_"):
+    for stem in ("marlin_gemv_m1_fp4_", "marlin_gemv_m1_u4_", "marlin_gemv_m16_fp4_", "marlin_gemv_m16_u4_",
+                 "gemm_trellis_packed_decode_", "moe_trellis_gate_up_", "moe_trellis_down_"):
         assert {stem + d for d in DTYPES.values()} <= set(decode), stem
     for k in ("marlin_gemm_fused_fp4_half", "marlin_reduce_partials_float", "gemm_trellis_packed_float",
               "moe_trellis_tiled_down_half", "moe_trellis_combine_half", "dequant_trellis"):

@@ -20,7 +20,7 @@ M1 = dict(compute_units=8, max_shared_memory=32768)
 PLAN_KEYS = {
     "family", "kernel", "format", "dtype", "reduce", "reduce_kernel", "grid", "threads", "reduce_grid",
     "reduce_threads", "workspace_bytes", "tile_m", "tile_n", "m_tiles", "n_tiles", "k_parallel", "k_slice_len",
-    "num_groups", "consumers", "fold", "padded_n", "tail_n_tiles", "tail_k_parallel", "tail_k_slice_len",
+    "num_groups", "consumers", "vector_loads", "fold", "padded_n", "tail_n_tiles", "tail_k_parallel", "tail_k_slice_len",
     "dependent_launch", "backend", "compute_units", "max_shared_memory", "wgmma", "thread_block_clusters",
 }
 
@@ -67,7 +67,7 @@ def test_policy_metal_kernels_by_shape():
     assert torch_marlin.plan_gemm("u4", 64, 8192, 128, device="metal", caps=dict(compute_units=1))["family"] \
         == "fused_tiles"
     dec = torch_marlin.plan_gemm("fp4", 1, 4096, 4096, device="metal", caps=M1)
-    assert dec["kernel"] == "marlin_gemv_fp4_half"
+    assert dec["kernel"] == "marlin_gemv_m1_fp4_half"
     staged = torch_marlin.plan_gemm("fp4", 100, 4096, 4096, device="metal", caps=M1, family="staged_tiles")
     assert staged["kernel"] == "marlin_gemm_fp4_half" and staged["grid"] == (64, 2, 1)
     with pytest.raises(ValueError, match="below 2\\^32"):
@@ -298,7 +298,7 @@ def test_forced_family_the_backend_lacks_is_refused(device, caps, dtype, family,
 @pytest.mark.parametrize("device, caps, family, kernel", [
     ("cpu", dict(compute_units=4), "decode", "cpu_decode"),
     ("cpu", dict(compute_units=4), "dequant_blas", "cpu_dequant_blas"),
-    ("metal", M1, "decode", "marlin_gemv_u4_half"),
+    ("metal", M1, "decode", "marlin_gemv_m8_u4_half"),
     ("metal", M1, "fused_tiles", "marlin_gemm_fused_u4_half"),
     ("metal", M1, "staged_tiles", "marlin_gemm_u4_half"),
     ("metal", M1, "striped", "marlin_gemm_striped_u4_half"),
@@ -310,6 +310,28 @@ def test_forced_family_the_backend_lacks_is_refused(device, caps, dtype, family,
 def test_forced_family_names_its_kernel(device, caps, family, kernel):
     p = torch_marlin.plan_gemm("u4", 8, 1024, 256, device=device, caps=caps, family=family)
     assert (p["family"], p["kernel"]) == (family, kernel)
+
+
+def test_metal_decode_geometry():
+    # Row counts: the next power of two (a fixed register array per kernel); 16-byte weight loads
+    # when N % 4 == 0, else the per-column 16-row kernel. 128 columns x 128 threads per group.
+    for M, rows in ((1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8), (9, 16), (16, 16)):
+        p = torch_marlin.plan_gemm("u4", M, 4096, 4096, 128, device="metal", caps=M1)
+        assert (p["kernel"], p["tile_m"], p["vector_loads"]) == (f"marlin_gemv_m{rows}_u4_half", rows, True)
+        assert (p["tile_n"], p["n_tiles"], p["threads"], p["grid"]) == (128, 32, (128, 1, 1), (32, 1, 1))
+        q = torch_marlin.plan_gemm("u4", M, 4096, 4094, 128, device="metal", caps=M1)
+        assert (q["kernel"], q["tile_m"], q["vector_loads"]) == ("marlin_gemv_unaligned_u4_half", 16, False)
+    # K slices only when the output has fewer than 4 threadgroups per core, of whole groups
+    # (multiples of max(group_size, 64) rows), 512 rows at least.
+    assert torch_marlin.plan_gemm("fp4", 1, 4096, 4096, 128, device="metal", caps=M1)["k_parallel"] == 1
+    big = torch_marlin.plan_gemm("fp4", 1, 4096, 4096, 128, device="metal", caps=dict(compute_units=32))
+    assert big["k_parallel"] == 4 and big["k_slice_len"] == 1024 and big["grid"] == (32, 4, 1)
+    assert big["reduce_kernel"] == "marlin_reduce_partials_half" and big["workspace_bytes"] == 4 * 4096 * 4
+    for gs in (8, 40, 128, 1024):
+        p = torch_marlin.plan_gemm("fp4", 2, 10240, 256, gs, device="metal", caps=M1)
+        assert p["k_parallel"] > 1 and p["k_slice_len"] % gs == 0 and p["k_slice_len"] >= 512, (gs, p)
+    short = torch_marlin.plan_gemm("fp4", 1, 512, 256, 128, device="metal", caps=M1)
+    assert short["k_parallel"] == 1
 
 
 # ---- the plan dict: kernel descriptor, padded N, caps --------------------------------------------
@@ -389,7 +411,7 @@ def test_cuda_plan_without_a_gpu_needs_caps():
 def test_mps_plan_without_a_gpu_needs_caps():
     with pytest.raises(ValueError, match="no mps device here.*caps=dict\\("):
         torch_marlin.plan_gemm("fp4", 1, 4096, 4096, device="mps")
-    assert torch_marlin.plan_gemm("fp4", 1, 4096, 4096, device="mps", caps=M1)["kernel"] == "marlin_gemv_fp4_half"
+    assert torch_marlin.plan_gemm("fp4", 1, 4096, 4096, device="mps", caps=M1)["kernel"] == "marlin_gemv_m1_fp4_half"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -60,7 +60,6 @@ namespace {
 // Metal function stems (metal/*.metal).
 const char* metal_stem(KernelFamily f) {
   switch (f) {
-    case KernelFamily::Decode: return "marlin_gemv";
     case KernelFamily::FusedTiles: return "marlin_gemm_fused";
     case KernelFamily::StagedTiles: return "marlin_gemm";
     case KernelFamily::Striped: return "marlin_gemm_striped";
@@ -75,6 +74,11 @@ std::string kernel_name(const KernelDesc& k) {
   switch (k.backend) {
     case Backend::CPU: return std::string("cpu_") + family_name(k.family);
     case Backend::Metal: {
+      // Decode: one kernel per row count (tile_m) with 16-byte weight loads, one without.
+      if (k.family == KernelFamily::Decode) {
+        return (k.vector_loads ? "marlin_gemv_m" + std::to_string(k.tile_m) : std::string("marlin_gemv_unaligned")) +
+               suffix;
+      }
       const char* stem = metal_stem(k.family);
       return stem ? stem + suffix : std::string();
     }

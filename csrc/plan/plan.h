@@ -74,6 +74,7 @@ struct KernelDesc {
   uint32_t tile_m = 0;     // rows of the output tile (CUDA decode: the mma n extent, 8..64)
   uint32_t tile_n = 0;     // columns of the output tile
   uint32_t consumers = 0;  // WgmmaWs: consumer warpgroups (tile_n / 64); 0 otherwise
+  bool vector_loads = false;  // Metal decode: 16-byte weight loads (4 adjacent columns), N % 4 == 0
   bool fold = false;       // CUDA decode with tile_m <= 16 and group_size % 32 == 0: a 32-row chunk
                            // never straddles two groups (scales folded once per chunk)
   ReduceKind reduce = ReduceKind::None;
@@ -86,7 +87,7 @@ const char* reduce_name(ReduceKind r);    // "none", "second_dispatch", "cluster
 const char* backend_name(Backend b);
 const char* dtype_name(DType d);  // "half", "bfloat", "float": the suffix of Metal kernel names
 const char* format_name(QuantFormat f);  // "fp4", "u4"
-// The backend's name for the kernel: the Metal function (marlin_gemv_fp4_half, ...), the CUDA
+// The backend's name for the kernel: the Metal function (marlin_gemv_m1_fp4_half, ...), the CUDA
 // tag (decode_fp4_half, ...) or the CPU routine (cpu_decode, ...).
 std::string kernel_name(const KernelDesc& k);
 

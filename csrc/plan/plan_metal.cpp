@@ -19,6 +19,7 @@ DeviceCaps default_metal_caps() {
 namespace {
 constexpr uint32_t kTile = 64, kTileK = 32, kThreads = 128;
 constexpr uint32_t kReduceThreads = 256;
+constexpr uint32_t kDecodeMinKStep = 64, kDecodeMinSliceRows = 512;
 }  // namespace
 
 // Stripes + K-parallel only pay when the output alone cannot fill the GPU.
@@ -30,15 +31,27 @@ bool metal_striped_pays(int64_t M, int64_t K, int64_t N, const DeviceCaps& caps)
 void plan_metal(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps& caps) {
   switch (p.desc.family) {
     case KernelFamily::Decode: {
-      // 4 simdgroups x 32 lanes; a lane owns one output column for all M <= 16 rows, the four
-      // simdgroups split the threadgroup's K range and meet in threadgroup memory.
-      constexpr uint32_t kDecodeTileN = 32, kDecodeKStep = 32;
-      set_tiles(p, M, N, uint32_t(kDecodeMaxM), kDecodeTileN);
-      set_k_parallel(p, K, k_split_for(p.params.n_tiles, K, kDecodeKStep, caps.compute_units, 4, 8),
-                     kDecodeKStep);
+      // A lane owns 4 adjacent columns for all rows of the kernel's row count (1, 2, 4, 8 or 16:
+      // the accumulators are a fixed-size register array), a threadgroup 128 columns; its 4
+      // simdgroups split the K slice. 16-byte weight loads need N % 4 == 0 (rows of B_packed,
+      // scales and zeros start 16 / 8 / 4-byte aligned); other N run the per-column-load kernel.
+      p.desc.vector_loads = N % TM_METAL_DECODE_LANE_COLS == 0;
+      uint32_t rows = 16;
+      if (p.desc.vector_loads) {
+        rows = 1;
+        while (int64_t(rows) < M) rows *= 2;
+      }
+      set_tiles(p, M, N, rows, TM_METAL_DECODE_TILE_N);
+      // Slices of whole groups (a group's scales are read once), at least 64 rows per K step;
+      // split only when the output has too few threadgroups for 4 per core and each slice keeps
+      // 512 rows or more (128 per simdgroup).
+      const uint32_t gs = p.params.group_size;
+      const uint32_t k_step = gs * ceil_div(kDecodeMinKStep, gs);
+      const uint32_t min_steps = ceil_div(kDecodeMinSliceRows, k_step);
+      set_k_parallel(p, K, k_split_for(p.params.n_tiles, K, k_step, caps.compute_units, 4, min_steps), k_step);
       p.grid[0] = p.params.n_tiles;
       p.grid[1] = p.params.k_parallel;
-      p.threads[0] = kThreads;
+      p.threads[0] = TM_METAL_DECODE_THREADS;
       break;
     }
     case KernelFamily::FusedTiles:

@@ -130,6 +130,7 @@ inline py::dict plan_to_dict(const GemmPlan& p) {
   d["num_groups"] = q.num_groups;
   d["consumers"] = p.desc.consumers;
   d["fold"] = p.desc.fold;
+  d["vector_loads"] = p.desc.vector_loads;
   d["padded_n"] = p.padded_n;
   d["tail_n_tiles"] = p.tail_n_tiles;
   d["tail_k_parallel"] = p.tail_k_parallel;

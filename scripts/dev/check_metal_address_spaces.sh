@@ -64,8 +64,8 @@ if [[ "${1:-}" == "--self-test" ]]; then
     'csrc/include/torch_marlin/fused_tile_msl.h|s/threadgroup T\* a_tile, threadgroup T\* b_stage/device T* a_tile, threadgroup T* b_stage/'
     # the epilogue stage (threadgroup) taken as a thread pointer
     'csrc/include/torch_marlin/quant_gemm_msl.h|s/frag, threadgroup float\* stage/frag, thread float* stage/'
-    # a device activation row read through a threadgroup pointer
-    'metal/decode.metal|s/device const T\* a = A + m/threadgroup const T* a = A + m/'
+    # the staged activations (threadgroup) read through a device pointer
+    'metal/decode.metal|s/float4 zb, threadgroup const float\* a, uint a_stride/float4 zb, device const float* a, uint a_stride/'
     # the decode partial sums written to device memory through the threadgroup array's type
     'metal/decode.metal|s/device float\* workspace \[\[buffer(6)\]\], constant QuantGemmParams& p \[\[buffer(7)\]\],$/threadgroup float* workspace [[buffer(6)]], constant QuantGemmParams\& p [[buffer(7)]],/'
     # the trellis simdgroups' threadgroup partials read as device memory

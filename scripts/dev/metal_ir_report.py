@@ -40,7 +40,7 @@ the K-block loop (staged, trellis prefill).
 
   scripts/dev/metal_ir_report.py                   markdown table of every kernel of metal/*.metal
   scripts/dev/metal_ir_report.py --json            the same as JSON
-  scripts/dev/metal_ir_report.py metal/decode.metal --kernel marlin_gemv_fp4_half
+  scripts/dev/metal_ir_report.py metal/decode.metal --kernel marlin_gemv_m1_fp4_half
   scripts/dev/metal_ir_report.py --dump-ir DIR     also keep the .ll files
 
 Needs clang++ (Debian: apt-get install -y clang); exit status 2 when it is missing.

@@ -38,6 +38,29 @@ inline void dequant_word(uint word, float scale, float zero, thread float* w) {
   }
 }
 
+// The 8 weights of one packed word by bit arithmetic, no table: each step takes nibbles j and j+4
+// (bits 4j and 16+4j) into the two halves of a half2 bit pattern.
+//  - FP4 (E2M1, s eem): sign to bit 15, eem to bits 11..9 is the fp16 number v * 2^-14 for every
+//    code (e = 0 lands on fp16 subnormals: m * 2^-15 = 0.5 m * 2^-14). Pass scale * 2^14
+//    (kFp4BitsScale) and zero_bias 0: float(h) * (scale * 2^14) == v * scale exactly, as long as
+//    scale * 2^14 stays finite (|scale| < 2^113).
+//  - INT4: 0x6400 | q is the fp16 number 1024 + q. Pass zero_bias = 1024 + z (folded once per
+//    group): (float(h) - (1024 + z)) * scale == (q - z) * scale exactly, as the reference rounds it.
+constant constexpr float kFp4BitsScale = 16384.0f;  // 2^14
+constant constexpr float kU4BitsBias = 1024.0f;
+
+template <uint FMT>
+inline void dequant_word_bits(uint word, float scale, float zero_bias, thread float* w) {
+  for (uint j = 0; j < 4u; ++j) {
+    const uint t = word >> (4u * j);
+    const uint bits = FMT == TM_FORMAT_FP4 ? ((t & 0x00070007u) << 9) | ((t & 0x00080008u) << 12)
+                                           : (t & 0x000F000Fu) | 0x64006400u;
+    const half2 h = as_type<half2>(bits);
+    w[j] = (float(h.x) - zero_bias) * scale;
+    w[j + 4u] = (float(h.y) - zero_bias) * scale;
+  }
+}
+
 template <uint FMT, typename T>
 inline void load_word(device const uint* B, device const T* scales, device const uchar* zeros,
                       constant QuantGemmParams& p, uint k, uint col, thread uint& word, thread float& s,

@@ -48,6 +48,16 @@ TM_NAMESPACE_BEGIN
 // rows (256-row tiles: 2 consumers); 64-k stages under one scale row (group_size % 64 == 0).
 #define TM_CUDA_WGMMA_WS_MAX_TILE_N 192u
 
+// ---- Metal decode kernel geometry (metal/decode.metal), read by plan_metal.cpp too --------------
+// A lane owns TM_METAL_DECODE_LANE_COLS adjacent columns (one 16-byte uint4 of packed words per
+// 8 K rows); the 32 lanes of a simdgroup cover TM_METAL_DECODE_TILE_N columns, and the
+// TM_METAL_DECODE_SIMDGROUPS simdgroups of a threadgroup split its K slice. Row counts (tile_m)
+// are instantiated for 1, 2, 4, 8 and 16 rows, the vector-load kernels need N % 4 == 0.
+#define TM_METAL_DECODE_LANE_COLS 4u
+#define TM_METAL_DECODE_TILE_N 128u
+#define TM_METAL_DECODE_SIMDGROUPS 4u
+#define TM_METAL_DECODE_THREADS (TM_METAL_DECODE_SIMDGROUPS * 32u)
+
 // ---- Launch parameters -------------------------------------------------------------------------
 struct QuantGemmParams {
   tm_u32 M;            // rows of A and C
