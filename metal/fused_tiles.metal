@@ -3,8 +3,8 @@
 //
 // One 64x64 output tile per threadgroup, B dequantized once per threadgroup into the second of two
 // pipelined stages while the simdgroups multiply the first (prefill_tile_impl in
-// torch_marlin/fused_tile_msl.h, shared with the striped family). K steps of 32 rows (16 in
-// fp32). Grid (n_tiles, m_tiles, k_parallel); with k_parallel > 1 the slices write fp32 partials
+// csrc/include/torch_marlin/fused_tile_msl.h, shared with the striped family). K steps of 32
+// rows (16 in fp32). Grid (n_tiles, m_tiles, k_parallel); with k_parallel > 1 the slices write fp32 partials
 // to the workspace and marlin_reduce_partials (metal/reduce.metal) sums them.
 #include "torch_marlin/fused_tile_msl.h"
 

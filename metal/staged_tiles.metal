@@ -1,12 +1,12 @@
 // Staged-tiles family of the FP4 / INT4 GEMM: marlin_gemm_<fmt>_<dtype> (only when forced).
 //
-// The one-stage variant of the prefill tile (prefill_tile_impl in torch_marlin/fused_tile_msl.h):
-// the device loads of step i+1 are issued into registers before the MMAs of step i, as in the
-// fused kernel, but there is a single threadgroup stage, stored once the MMAs are done (two
-// barriers per step). Half the threadgroup memory per K row of the two-stage kernels, so the
-// step is 32 rows in every dtype (fp32: 18 KiB). Grid (n_tiles, m_tiles, k_parallel); with
-// k_parallel > 1 the slices write fp32 partials to the workspace and marlin_reduce_partials
-// (metal/reduce.metal) sums them.
+// The one-stage variant of the prefill tile (prefill_tile_impl in
+// csrc/include/torch_marlin/fused_tile_msl.h): the device loads of step i+1 are issued into
+// registers before the MMAs of step i, as in the fused kernel, but there is a single threadgroup
+// stage, stored once the MMAs are done (two barriers per step). Half the threadgroup memory per K
+// row of the two-stage kernels, so the step is 32 rows in every dtype (fp32: an 18 KiB stage).
+// Grid (n_tiles, m_tiles, k_parallel); with k_parallel > 1 the slices write fp32 partials to the
+// workspace and marlin_reduce_partials (metal/reduce.metal) sums them.
 #include "torch_marlin/fused_tile_msl.h"
 
 using namespace metal;

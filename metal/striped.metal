@@ -5,8 +5,9 @@
 // numbered column-major (tile_row = tile_linear % m_tiles) so consecutive units of one
 // threadgroup share B columns. Threadgroup g walks [g * per, min((g + 1) * per, total)), so the
 // work spreads evenly over the GPU cores whatever the tile count. Each unit is the fused tile
-// (prefill_tile_impl, torch_marlin/fused_tile_msl.h: two pipelined stages). K slices write fp32
-// partials to the workspace; marlin_reduce_partials (metal/reduce.metal) sums them.
+// (prefill_tile_impl, csrc/include/torch_marlin/fused_tile_msl.h: two pipelined stages). K
+// slices write fp32 partials to the workspace; marlin_reduce_partials (metal/reduce.metal) sums
+// them.
 #include "torch_marlin/fused_tile_msl.h"
 
 using namespace metal;

@@ -181,6 +181,19 @@ def test_results_independent_of_thread_order(emu, family):
         assert torch.equal(outs[0], o)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_prefill_unaligned_activations(emu, dtype):
+    # The prefill kernels read A in 16-byte vectors; an A starting one element into its storage is
+    # copied by the bindings (as on MPS), not read misaligned.
+    M, K, N, gs = 40, 128, 72, 32
+    A, B, s, z, b, W = make_problem("fp4", M, K, N, gs, dtype, bias=False, seed=2)
+    shifted = torch.empty(M * K + 1, dtype=dtype)[1:].view(M, K)
+    shifted.copy_(A)
+    assert shifted.data_ptr() % 16 != 0
+    C, plan = emu.gemm("fp4", shifted, B, s, None, None, gs, "fused_tiles", 0, "random", 1)
+    check_close(C, A, W, None, dtype)
+
+
 @pytest.mark.parametrize("family", ["decode", "fused_tiles", "staged_tiles", "striped"])
 def test_u4_zero_points_masked(emu, family):
     # Zero points are 0..15 (docs/formats.md): the kernels use the byte's low 4 bits, as the CPU

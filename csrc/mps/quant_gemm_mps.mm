@@ -11,8 +11,10 @@
 namespace torch_marlin {
 
 void quant_gemm_mps(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at::Tensor& workspace) {
+  const bool aligned = uint64_t(a.A.storage_offset() * a.A.element_size()) % kMetalActivationAlignment == 0;
+  const at::Tensor A = aligned ? a.A : a.A.clone();
   QuantGemmBuffers<MpsBuffer> b;
-  b.A = mps_buffer(a.A);
+  b.A = mps_buffer(A);
   b.B = mps_buffer(a.B);
   b.scales = mps_buffer(a.scales);
   if (a.zeros.defined()) b.zeros = mps_buffer(a.zeros);
