@@ -1,9 +1,11 @@
-// Fused-tiles family of the FP4 / INT4 GEMM: marlin_gemm_fused_<fmt>_<dtype>.
+// Fused-tiles family of the FP4 / INT4 GEMM: marlin_gemm_fused_<fmt>_<dtype>, the planner's
+// choice for M > 16.
 //
-// One 64x64 output tile per threadgroup, B dequantized in registers and staged per simdgroup
-// (the tile body is fused_tile_impl, shared with the striped family). Grid (n_tiles, m_tiles,
-// k_parallel); with k_parallel > 1 the slices write fp32 partials to the workspace and
-// marlin_reduce_partials (metal/reduce.metal) sums them.
+// One 64x64 output tile per threadgroup, B dequantized once per threadgroup into the second of two
+// pipelined stages while the simdgroups multiply the first (prefill_tile_impl in
+// csrc/include/torch_marlin/fused_tile_msl.h, shared with the striped family). K steps of 32
+// rows (16 in fp32). Grid (n_tiles, m_tiles, k_parallel); with k_parallel > 1 the slices write fp32 partials
+// to the workspace and marlin_reduce_partials (metal/reduce.metal) sums them.
 #include "torch_marlin/fused_tile_msl.h"
 
 using namespace metal;
@@ -18,11 +20,11 @@ template <uint FMT, typename T>
                                   uint lid [[thread_index_in_threadgroup]],
                                   uint sgid [[simdgroup_index_in_threadgroup]],
                                   uint lane [[thread_index_in_simdgroup]]) {
-  TM_THREADGROUP_ARRAY(T, a_tile, [kTileM * kAStride]);
-  TM_THREADGROUP_ARRAY(T, b_stage, [kSimdgroups * 8 * kStageCols]);
+  // 2 stages x (A + B) x 64 x (k_step + 16 bytes): 20 KiB in every dtype, + 1 KiB epilogue stage.
+  TM_THREADGROUP_ARRAY(T, stages, [prefill_stage_elems<T>(prefill_k_step<T>(), 2u)]);
   TM_THREADGROUP_ARRAY(float, c_stage, [kSimdgroups * 64]);
-  fused_tile_impl<FMT, T>(A, B, scales, zeros, bias, C, workspace, p, a_tile, b_stage, c_stage, tgid.y, tgid.x, tgid.z,
-                          lid, sgid, lane);
+  prefill_tile_impl<FMT, T, prefill_k_step<T>(), 2u>(A, B, scales, zeros, bias, C, workspace, p, stages, c_stage,
+                                                     tgid.y, tgid.x, tgid.z, lid, sgid, lane);
 }
 
 TM_INSTANTIATE_QUANT_DTYPE("marlin_gemm_fused", marlin_gemm_fused, half, half)

@@ -4,8 +4,10 @@
 // stripes: work unit w -> tile_linear = w / k_parallel, k_slice = w % k_parallel; tiles are
 // numbered column-major (tile_row = tile_linear % m_tiles) so consecutive units of one
 // threadgroup share B columns. Threadgroup g walks [g * per, min((g + 1) * per, total)), so the
-// work spreads evenly over the GPU cores whatever the tile count. K slices write fp32 partials to
-// the workspace; marlin_reduce_partials (metal/reduce.metal) sums them.
+// work spreads evenly over the GPU cores whatever the tile count. Each unit is the fused tile
+// (prefill_tile_impl, csrc/include/torch_marlin/fused_tile_msl.h: two pipelined stages). K
+// slices write fp32 partials to the workspace; marlin_reduce_partials (metal/reduce.metal) sums
+// them.
 #include "torch_marlin/fused_tile_msl.h"
 
 using namespace metal;
@@ -14,18 +16,29 @@ using namespace torch_marlin;
 template <uint FMT, typename T>
 inline void striped_impl(device const T* A, device const uint* B, device const T* scales, device const uchar* zeros,
                          device const T* bias, device T* C, device float* workspace, constant QuantGemmParams& p,
-                         threadgroup T* a_tile, threadgroup T* b_stage, threadgroup float* c_stage, uint3 tgid,
-                         uint lid, uint sgid, uint lane) {
+                         threadgroup T* stages, threadgroup float* c_stage, uint3 tgid, uint lid, uint sgid,
+                         uint lane) {
   const uint kp = p.k_parallel;
   const uint total = p.m_tiles * p.n_tiles * kp;
   const uint per = (total + p.num_groups - 1u) / p.num_groups;
   const uint w_begin = tgid.x * per;
   const uint w_end = min(w_begin + per, total);
-  for (uint w = w_begin; w < w_end; ++w) {  // uniform across the threadgroup
-    const uint tile_linear = w / kp;
-    const uint k_slice = w % kp;
-    fused_tile_impl<FMT, T>(A, B, scales, zeros, bias, C, workspace, p, a_tile, b_stage, c_stage,
-                            tile_linear % p.m_tiles, tile_linear / p.m_tiles, k_slice, lid, sgid, lane);
+  if (w_begin >= w_end) return;  // uniform across the threadgroup
+  // The unit's coordinates, divided out once and then stepped like an odometer.
+  const uint tile_begin = w_begin / kp;
+  uint k_slice = w_begin - tile_begin * kp;
+  uint tile_row = tile_begin % p.m_tiles;
+  uint tile_col = tile_begin / p.m_tiles;
+  for (uint w = w_begin; w < w_end; ++w) {
+    prefill_tile_impl<FMT, T, prefill_k_step<T>(), 2u>(A, B, scales, zeros, bias, C, workspace, p, stages, c_stage,
+                                                       tile_row, tile_col, k_slice, lid, sgid, lane);
+    if (++k_slice == kp) {
+      k_slice = 0;
+      if (++tile_row == p.m_tiles) {
+        tile_row = 0;
+        ++tile_col;
+      }
+    }
   }
 }
 
@@ -38,10 +51,9 @@ template <uint FMT, typename T>
                                     uint lid [[thread_index_in_threadgroup]],
                                     uint sgid [[simdgroup_index_in_threadgroup]],
                                     uint lane [[thread_index_in_simdgroup]]) {
-  TM_THREADGROUP_ARRAY(T, a_tile, [kTileM * kAStride]);
-  TM_THREADGROUP_ARRAY(T, b_stage, [kSimdgroups * 8 * kStageCols]);
+  TM_THREADGROUP_ARRAY(T, stages, [prefill_stage_elems<T>(prefill_k_step<T>(), 2u)]);
   TM_THREADGROUP_ARRAY(float, c_stage, [kSimdgroups * 64]);
-  striped_impl<FMT, T>(A, B, scales, zeros, bias, C, workspace, p, a_tile, b_stage, c_stage, tgid, lid, sgid, lane);
+  striped_impl<FMT, T>(A, B, scales, zeros, bias, C, workspace, p, stages, c_stage, tgid, lid, sgid, lane);
 }
 
 TM_INSTANTIATE_QUANT_DTYPE("marlin_gemm_striped", marlin_gemm_striped, half, half)

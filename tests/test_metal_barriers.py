@@ -24,13 +24,13 @@ import metal_emu
 SCHEDULES = ["forward", "reverse", "random", "simd_ahead", "simd_ahead_reverse"]
 
 # barrier tag -> (family that runs the kernel holding it, M, K, schedules that must catch its loss).
-# fused_stage_free is absent on purpose: in the harness the simdgroup_multiply_accumulate between
-# the B-stage reads and the next writes is itself a simdgroup rendezvous, so removing it is not
-# observable here (the kernel keeps it: Metal's memory model asks for it).
-# K = 128: four K tiles, so the double-buffer swap and the A-tile reuse both happen. The decode
-# kernel at M = 5 (8 rows) stages 64-row pieces: K = 512 gives each simdgroup two, so a piece is
-# restaged; its meeting goes 2,3 -> 0,1 -> 0, and each step's loss shows under the schedules that
-# run the writer before the reader.
+# The decode kernel at M = 5 (8 rows) stages 64-row pieces: K = 512 gives each simdgroup two, so a
+# piece is restaged; its meeting goes 2,3 -> 0,1 -> 0, and each step's loss shows under the
+# schedules that run the writer before the reader. fused_swap is the one barrier per K step of the
+# two-stage pipeline (fused and striped); without it the simdgroups multiply a stage that is still
+# being written (NaN poison) under every order. staged_free orders the MMAs before the single stage
+# is overwritten: only a simdgroup running ahead of the others overwrites the stage they still read.
+# K = 128: four K tiles, so the prefill stages are reused.
 NEEDED = {
     "gemv_stage_free": ("decode", 5, 512, SCHEDULES),
     "gemv_stage_ready": ("decode", 5, 128, SCHEDULES),
@@ -38,11 +38,9 @@ NEEDED = {
     "gemv_meet": ("decode", 5, 128, ["forward", "simd_ahead"]),
     "gemv_meet_read": ("decode", 5, 128, ["reverse", "simd_ahead_reverse"]),
     "gemv_meet_last": ("decode", 5, 128, ["forward", "simd_ahead"]),
-    "fused_a_ready": ("fused_tiles", 64, 128, ["simd_ahead", "simd_ahead_reverse"]),
-    "fused_stage_ready": ("fused_tiles", 64, 128, SCHEDULES),
-    "fused_a_free": ("fused_tiles", 64, 128, ["simd_ahead", "simd_ahead_reverse"]),
-    "staged_prologue": ("staged_tiles", 64, 128, SCHEDULES),
-    "staged_swap": ("staged_tiles", 64, 128, ["simd_ahead", "simd_ahead_reverse"]),
+    "fused_swap": ("fused_tiles", 64, 128, SCHEDULES),
+    "staged_ready": ("staged_tiles", 64, 128, SCHEDULES),
+    "staged_free": ("staged_tiles", 64, 128, ["simd_ahead", "simd_ahead_reverse"]),
 }
 
 K, N, GS = 128, 64, 32
@@ -75,7 +73,18 @@ def run(emu, family, M, K, schedule):
 
 
 def test_every_tagged_barrier_is_covered():
-    assert set(NEEDED) | {"fused_stage_free"} == set(metal_emu.barrier_tags())
+    assert set(NEEDED) == set(metal_emu.barrier_tags())
+
+
+def test_striped_needs_the_pipeline_barrier(emu):
+    # The striped kernel runs the same pipelined tile once per work unit.
+    emu.set_dropped_barrier("")
+    assert all(run(emu, "striped", 64, K, sch) for sch in SCHEDULES)
+    emu.set_dropped_barrier("fused_swap")
+    try:
+        assert not any(run(emu, "striped", 64, K, sch) for sch in SCHEDULES)
+    finally:
+        emu.set_dropped_barrier("")
 
 
 @pytest.mark.parametrize("tag", sorted(NEEDED))
@@ -145,17 +154,23 @@ def test_threadgroup_memory_limit_is_enforced(emu):
         emu.dispatch_raw("selftest_too_much_tg", [1, 1, 1], 128, [out])
 
 
-@pytest.mark.parametrize("family,M,expected", [
-    # docs/metal.md: decode fp32 activations staged per simdgroup, 4 x rows x piece (256 / rows up to
-    # 4 rows, else 64), reused by the meeting's 2 x rows x 128 partials: 1 row 4 KiB, 5 (8) rows
-    # 8 KiB, 16 rows 16 KiB; fused A 64x40 + B stage 4x8x32 (half) + fp32 epilogue stage 4x64;
-    # staged 2 x (64x32 + 32x64) half.
-    ("decode", 1, 4096), ("decode", 5, 8192), ("decode", 16, 16384), ("fused_tiles", 64, 5120 + 2048 + 1024),
-    ("staged_tiles", 64, 16384)])
-def test_threadgroup_memory_budget(emu, family, M, expected):
+# docs/metal.md: decode fp32 activations staged per simdgroup, 4 x rows x piece (256 / rows up to
+# 4 rows, else 64), reused by the meeting's 2 x rows x 128 partials: 1 row 4 KiB, 5 (8) rows
+# 8 KiB, 16 rows 16 KiB. The prefill tiles hold stages of A [64][k_step + pad] and transposed
+# B [64][k_step + pad] (16 bytes of padding per row) plus the fp32 epilogue stage 4x64: fused two
+# stages with k_step 32 (fp16) or 16 (fp32), 2 x 2 x 64 x 80 bytes either way; staged one stage
+# with k_step 32 (fp16: 80-byte rows, fp32: 144-byte rows). Every one <= 28 KiB.
+@pytest.mark.parametrize("family,M,dtype,expected", [
+    ("decode", 1, torch.float16, 4096), ("decode", 5, torch.float16, 8192), ("decode", 16, torch.float16, 16384),
+    ("fused_tiles", 64, torch.float16, 2 * 2 * 64 * 80 + 1024),
+    ("fused_tiles", 64, torch.float32, 2 * 2 * 64 * 80 + 1024),
+    ("striped", 64, torch.float32, 2 * 2 * 64 * 80 + 1024),
+    ("staged_tiles", 64, torch.float16, 2 * 64 * 80 + 1024), ("staged_tiles", 64, torch.float32, 2 * 64 * 144 + 1024)])
+def test_threadgroup_memory_budget(emu, family, M, dtype, expected):
     A, B, s, _ = problem(M)
-    emu.gemm("fp4", A, B, s, None, None, GS, family, 0, "forward", 0, 1)
+    emu.gemm("fp4", A.to(dtype), B, s.to(dtype), None, None, GS, family, 0, "forward", 0, 1)
     assert emu.last_stats()["max_threadgroup_bytes"] == expected
+    assert expected <= 28 * 1024
 
 
 def test_unknown_kernel_is_an_error(emu):

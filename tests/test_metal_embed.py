@@ -24,7 +24,7 @@ def test_inlined_source_has_no_project_includes():
     assert '#include "torch_marlin/' not in src
     # Every header once in the concatenation, however many files include it.
     assert src.count("struct QuantGemmParams {") == 1 and src.count("struct TrellisParams {") == 1
-    assert src.count("inline void fused_tile_impl(") == 1
+    assert src.count("inline void prefill_tile_impl(") == 1
     assert "#include <metal_stdlib>" in src
     for name in embed_metal.library_sources(METAL_DIR, INCLUDE_DIR):
         assert f"// ==== {name} ====" in src
@@ -38,7 +38,7 @@ def test_each_file_is_self_contained():
     for name, src in sources.items():
         assert '#include "torch_marlin/' not in src, name
         assert src.count("#define TM_INSTANTIATE(") == 2, name  # the Apple and the emulator spelling
-    assert "fused_tile_impl" in sources["striped.metal"] and "fused_tile_impl" not in sources["decode.metal"]
+    assert "prefill_tile_impl" in sources["striped.metal"] and "prefill_tile_impl" not in sources["decode.metal"]
 
 
 def test_header_roundtrip(tmp_path):

@@ -195,6 +195,40 @@ def test_k_parallel_correct_and_bitwise_deterministic(emu, fmt, family, M, K, N,
     assert torch.equal(C1, C2) and torch.equal(C1, C3)
 
 
+# ---- the prefill tiles' edge paths ------------------------------------------------------------
+# Steps of 32 K rows (16 for fp32 in fused / striped) with a counter per scale group: groups that
+# straddle a step (48, 24), groups smaller than a step (8), one group for all of K (256); the
+# last step short (K = 40, 72: masked 16-byte A chunks and words); N = 1 and odd N (every column
+# tile edge); M one past a tile (65) and below one fragment row (20 rows: most fragments masked).
+EDGE_SHAPES = [(65, 96, 33, 48), (33, 72, 65, 24), (20, 40, 1, 8), (64, 256, 130, 256)]
+EDGE_CASES = [(v, s) for v in ("fused_tiles", "staged_tiles", "striped") for s in EDGE_SHAPES]
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("family,shape", EDGE_CASES, ids=[f"{v}-{'x'.join(map(str, s))}" for v, s in EDGE_CASES])
+def test_prefill_edges(emu, fmt, dtype, family, shape):
+    M, K, N, gs = shape
+    bias = (M + K) % 2 == 1
+    A, B, s, z, b, W = make_problem(fmt, M, K, N, gs, dtype, bias=bias, seed=M * 7 + K)
+    C, plan = emu.gemm(fmt, A, B, s, z, b, gs, family, 0, schedule_for("edge", fmt, dtype, family, shape), 3)
+    assert plan["family"] == family
+    check_close(C, A, W, b, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_striped_walks_several_units_per_threadgroup(emu, dtype):
+    # 3 row tiles x 1 column tile on 4 cores: 3 K slices, 9 work units over 8 threadgroups, so
+    # some threadgroups run two units, crossing a K slice and a tile (the stage is reused).
+    M, K, N, gs = 130, 1024, 60, 64
+    A, B, s, z, b, W = make_problem("u4", M, K, N, gs, dtype, bias=True, seed=17)
+    C, plan = emu.gemm("u4", A, B, s, z, b, gs, "striped", 4, "simd_ahead", 0, 2)
+    assert plan["k_parallel"] == 3 and plan["num_groups"] == 8 and plan["m_tiles"] == 3
+    check_close(C, A, W, b, dtype)
+    C2, _ = emu.gemm("u4", A, B, s, z, b, gs, "striped", 4, "random", 5, 1)
+    assert torch.equal(C, C2)
+
+
 @pytest.mark.parametrize("family", ["fused_tiles", "staged_tiles", "decode"])
 def test_results_independent_of_thread_order(emu, family):
     M = 5 if family == "decode" else 70
@@ -202,6 +236,19 @@ def test_results_independent_of_thread_order(emu, family):
     outs = [emu.gemm("u4", A, B, s, z, b, 64, family, 0, sch, 99)[0] for sch in SCHEDULES]
     for o in outs[1:]:
         assert torch.equal(outs[0], o)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_prefill_unaligned_activations(emu, dtype):
+    # The prefill kernels read A in 16-byte vectors; an A starting one element into its storage is
+    # copied by the bindings (as on MPS), not read misaligned.
+    M, K, N, gs = 40, 128, 72, 32
+    A, B, s, z, b, W = make_problem("fp4", M, K, N, gs, dtype, bias=False, seed=2)
+    shifted = torch.empty(M * K + 1, dtype=dtype)[1:].view(M, K)
+    shifted.copy_(A)
+    assert shifted.data_ptr() % 16 != 0
+    C, plan = emu.gemm("fp4", shifted, B, s, None, None, gs, "fused_tiles", 0, "random", 1)
+    check_close(C, A, W, None, dtype)
 
 
 @pytest.mark.parametrize("family", ["decode", "fused_tiles", "staged_tiles", "striped"])

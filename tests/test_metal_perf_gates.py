@@ -50,7 +50,6 @@ TG_LIMIT = 28 * KIB
 _TR_DECODE = "1-byte index loads; the lanes of a simdgroup read different 16x16 tiles"
 _TR_REFETCH = "each packed byte holds parts of several indices and is read once per index"
 _TR_LOADS = "per index: packed bytes, grid, scale, su and A loads"
-_DIV = "k / group_size (the scale row) computed per K step"
 _TR_DIV = "k / group_size and the tile offset computed per weight"
 _TG_F32 = "fp32 double-buffered A and B tiles: 32 KiB"
 EXPECTED_FAILURES = {
@@ -96,18 +95,6 @@ EXPECTED_FAILURES = {
     ("gemm_trellis_packed_decode_half", "no_main_loop_division"): _TR_DIV,
     ("gemm_trellis_packed_float", "no_main_loop_division"): _TR_DIV,
     ("gemm_trellis_packed_half", "no_main_loop_division"): _TR_DIV,
-    ("marlin_gemm_fused_fp4_bfloat", "no_main_loop_division"): _DIV,
-    ("marlin_gemm_fused_fp4_float", "no_main_loop_division"): _DIV,
-    ("marlin_gemm_fused_fp4_half", "no_main_loop_division"): _DIV,
-    ("marlin_gemm_fused_u4_bfloat", "no_main_loop_division"): _DIV,
-    ("marlin_gemm_fused_u4_float", "no_main_loop_division"): _DIV,
-    ("marlin_gemm_fused_u4_half", "no_main_loop_division"): _DIV,
-    ("marlin_gemm_striped_fp4_bfloat", "no_main_loop_division"): _DIV,
-    ("marlin_gemm_striped_fp4_float", "no_main_loop_division"): _DIV,
-    ("marlin_gemm_striped_fp4_half", "no_main_loop_division"): _DIV,
-    ("marlin_gemm_striped_u4_bfloat", "no_main_loop_division"): _DIV,
-    ("marlin_gemm_striped_u4_float", "no_main_loop_division"): _DIV,
-    ("marlin_gemm_striped_u4_half", "no_main_loop_division"): _DIV,
     ("moe_trellis_down_bfloat", "no_main_loop_division"): _TR_DIV,
     ("moe_trellis_down_float", "no_main_loop_division"): _TR_DIV,
     ("moe_trellis_down_half", "no_main_loop_division"): _TR_DIV,

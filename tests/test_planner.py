@@ -19,8 +19,9 @@ M1 = dict(compute_units=8, max_shared_memory=32768)
 
 PLAN_KEYS = {
     "family", "kernel", "format", "dtype", "reduce", "reduce_kernel", "grid", "threads", "reduce_grid",
-    "reduce_threads", "workspace_bytes", "tile_m", "tile_n", "m_tiles", "n_tiles", "k_parallel", "k_slice_len",
-    "num_groups", "consumers", "vector_loads", "fold", "padded_n", "tail_n_tiles", "tail_k_parallel", "tail_k_slice_len",
+    "reduce_threads", "workspace_bytes", "tile_m", "tile_n", "tile_k", "m_tiles", "n_tiles", "k_parallel",
+    "k_slice_len", "num_groups", "consumers", "vector_loads", "fold", "padded_n", "tail_n_tiles", "tail_k_parallel",
+    "tail_k_slice_len",
     "dependent_launch", "backend", "compute_units", "max_shared_memory", "wgmma", "thread_block_clusters",
 }
 
@@ -72,6 +73,23 @@ def test_policy_metal_kernels_by_shape():
     assert staged["kernel"] == "marlin_gemm_fp4_half" and staged["grid"] == (64, 2, 1)
     with pytest.raises(ValueError, match="below 2\\^32"):
         torch_marlin.plan_gemm("fp4", 1 << 20, 8192, 64, device="metal", caps=M1)
+
+
+# K rows per iteration of the Metal prefill kernels (TM_METAL_PIPELINED_TILE_K /
+# TM_METAL_STAGED_TILE_K): two pipelined stages of fp32 A and B must fit in 28 KiB, so the fused
+# and striped kernels step 16 rows in fp32 and 32 in fp16 / bf16; the one-stage staged kernel
+# steps 32 in every dtype. K slices are whole steps.
+@pytest.mark.parametrize("family, dtype, tile_k", [
+    ("fused_tiles", torch.float16, 32), ("fused_tiles", torch.bfloat16, 32), ("fused_tiles", torch.float32, 16),
+    ("striped", torch.float16, 32), ("striped", torch.float32, 16),
+    ("staged_tiles", torch.float16, 32), ("staged_tiles", torch.float32, 32)])
+def test_metal_prefill_k_step(family, dtype, tile_k):
+    p = torch_marlin.plan_gemm("fp4", 64, 8192, 128, dtype=dtype, device="metal", caps=M1, family=family)
+    assert p["tile_k"] == tile_k
+    assert p["k_slice_len"] % tile_k == 0
+    if family == "striped":
+        assert p["k_parallel"] > 1 and p["k_slice_len"] >= 128  # at least 128 K rows per slice
+    assert torch_marlin.plan_gemm("fp4", 64, 8192, 128, dtype=dtype, device="cpu")["tile_k"] == 0
 
 
 def test_policy_cuda_kernels_by_m():

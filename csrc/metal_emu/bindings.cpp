@@ -40,7 +40,11 @@ std::tuple<at::Tensor, py::dict> gemm(const std::string& format, const at::Tenso
   check_cpu(A_in, "A");
   TORCH_CHECK_VALUE(A_in.dim() == 2 && B_in.dim() == 2, "metal_emu: A and B_packed must be 2-D");
   TORCH_CHECK_VALUE(f == QuantFormat::FP4 || zeros_in.has_value(), "metal_emu: u4 needs zeros");
-  const at::Tensor A = A_in.contiguous(), B = B_in.contiguous(), scales = scales_in.contiguous();
+  const at::Tensor B = B_in.contiguous(), scales = scales_in.contiguous();
+  // As csrc/mps/quant_gemm_mps.mm: an A whose data does not start 16-byte aligned is copied.
+  const at::Tensor A_c = A_in.contiguous();
+  const at::Tensor A =
+      reinterpret_cast<uintptr_t>(A_c.data_ptr()) % kMetalActivationAlignment == 0 ? A_c : A_c.clone();
   const int64_t M = A.size(0), K = A.size(1), N = B.size(1);
   const GemmPlan plan = plan_gemm(f, M, K, N, group_size, dtype_of(A), bias_in.has_value(), family, compute_units);
   const float nan = std::numeric_limits<float>::quiet_NaN();

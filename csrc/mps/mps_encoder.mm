@@ -141,6 +141,18 @@ const MetalKernelFile* find_kernel(const std::string& name) {
   return it == index->end() ? nullptr : it->second;
 }
 
+// A kernel whose threadgroup arrays do not fit this GPU would fail at dispatch time, far from
+// its cause. The dispatch description sets no dynamic threadgroup memory (every kernel declares
+// its arrays), so the pipeline's static length is the whole demand. Empty when it fits.
+std::string threadgroup_memory_error(const std::string& name, id<MTLComputePipelineState> pso) {
+  constexpr NSUInteger kDynamicBytes = 0;
+  const NSUInteger need = pso.staticThreadgroupMemoryLength + kDynamicBytes;
+  const NSUInteger have = mps_device().maxThreadgroupMemoryLength;
+  if (need <= have) return "";
+  return "torch_marlin: Metal kernel '" + name + "' needs " + std::to_string((unsigned long)need) +
+         " bytes of threadgroup memory; this GPU allows " + std::to_string((unsigned long)have);
+}
+
 class PipelineCache {
  public:
   static PipelineCache& instance() {
@@ -175,6 +187,9 @@ class PipelineCache {
       }
     }
     TORCH_CHECK(pso != nil, "torch_marlin: Metal kernel '", name, "': ", error);
+    const std::string too_big = threadgroup_memory_error(name, pso);
+    if (!too_big.empty()) [pso release];
+    TORCH_CHECK(too_big.empty(), too_big);
     pipelines_.emplace(name, pso);
     return pso;
   }

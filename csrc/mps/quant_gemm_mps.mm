@@ -21,7 +21,11 @@ at::Tensor aligned_for(const GemmPlan& plan, const at::Tensor& t) {
 }  // namespace
 
 void quant_gemm_mps(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at::Tensor& workspace) {
-  const at::Tensor A = aligned_for(plan, a.A), B = aligned_for(plan, a.B), scales = aligned_for(plan, a.scales);
+  // A starts 16-byte aligned for every kernel that reads it in vectors (metal_dispatch.h); the
+  // decode kernels with vector_loads read B_packed, scales and zeros in vectors too.
+  const bool aligned = uint64_t(a.A.storage_offset() * a.A.element_size()) % kMetalActivationAlignment == 0;
+  const at::Tensor A = aligned ? a.A : a.A.clone();
+  const at::Tensor B = aligned_for(plan, a.B), scales = aligned_for(plan, a.scales);
   QuantGemmBuffers<MpsBuffer> b;
   b.A = mps_buffer(A);
   b.B = mps_buffer(B);

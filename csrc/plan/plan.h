@@ -73,6 +73,8 @@ struct KernelDesc {
   DType dtype = DType::F16;
   uint32_t tile_m = 0;     // rows of the output tile (CUDA decode: the mma n extent, 8..64)
   uint32_t tile_n = 0;     // columns of the output tile
+  uint32_t tile_k = 0;     // Metal prefill tiles: K rows per kernel iteration (k_slice_len is a
+                           // multiple of it); 0 elsewhere
   uint32_t consumers = 0;  // WgmmaWs: consumer warpgroups (tile_n / 64); 0 otherwise
   bool vector_loads = false;  // Metal decode: 16-byte weight loads (4 adjacent columns), N % 4 == 0
   bool fold = false;       // CUDA decode with tile_m <= 16 and group_size % 32 == 0: a 32-row chunk

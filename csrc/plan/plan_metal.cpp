@@ -17,15 +17,24 @@ DeviceCaps default_metal_caps() {
 }
 
 namespace {
-constexpr uint32_t kTile = 64, kTileK = 32, kThreads = 128;
+constexpr uint32_t kTile = TM_METAL_TILE_M, kThreads = 128;
 constexpr uint32_t kReduceThreads = 256;
 constexpr uint32_t kDecodeMinKStep = 64, kDecodeMinSliceRows = 512;
+static_assert(TM_METAL_TILE_M == TM_METAL_TILE_N, "the prefill tiles are square");
+
+uint32_t dtype_bytes(DType d) { return d == DType::F32 ? 4u : 2u; }
+
+// K rows per iteration of the prefill kernels (fused_tile_msl.h): K slices are multiples of it.
+uint32_t prefill_k_step(KernelFamily f, DType d) {
+  return f == KernelFamily::StagedTiles ? TM_METAL_STAGED_TILE_K : TM_METAL_PIPELINED_TILE_K(dtype_bytes(d));
+}
 }  // namespace
 
-// Stripes + K-parallel only pay when the output alone cannot fill the GPU.
+// Stripes + K-parallel only pay when the output alone cannot fill the GPU (and K has at least
+// 16 steps of 32 rows to split).
 bool metal_striped_pays(int64_t M, int64_t K, int64_t N, const DeviceCaps& caps) {
   const int64_t tiles = int64_t((M + kTile - 1) / kTile) * ((N + kTile - 1) / kTile);
-  return tiles < caps.compute_units * 2 && K / kTileK >= 16;
+  return tiles < caps.compute_units * 2 && K / 32 >= 16;
 }
 
 void plan_metal(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps& caps) {
@@ -57,7 +66,8 @@ void plan_metal(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps& 
     case KernelFamily::FusedTiles:
     case KernelFamily::StagedTiles: {
       set_tiles(p, M, N, kTile, kTile);
-      set_k_parallel(p, K, 1, kTileK);
+      p.desc.tile_k = prefill_k_step(p.desc.family, p.desc.dtype);
+      set_k_parallel(p, K, 1, p.desc.tile_k);
       p.grid[0] = p.params.n_tiles;
       p.grid[1] = p.params.m_tiles;
       p.threads[0] = kThreads;
@@ -65,8 +75,11 @@ void plan_metal(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps& 
     }
     case KernelFamily::Striped: {
       set_tiles(p, M, N, kTile, kTile);
+      p.desc.tile_k = prefill_k_step(p.desc.family, p.desc.dtype);
       const int64_t tiles = int64_t(p.params.m_tiles) * p.params.n_tiles;
-      set_k_parallel(p, K, k_split_for(tiles, K, kTileK, caps.compute_units, 2, 4), kTileK);
+      // At least 128 K rows per slice, whatever the step.
+      set_k_parallel(p, K, k_split_for(tiles, K, p.desc.tile_k, caps.compute_units, 2, 128 / p.desc.tile_k),
+                     p.desc.tile_k);
       const int64_t work = tiles * p.params.k_parallel;
       // A fixed number of threadgroups, each walking a contiguous stripe of the (tile, K slice)
       // work items: 2 per core, 4 for large outputs.

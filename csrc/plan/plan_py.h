@@ -123,6 +123,7 @@ inline py::dict plan_to_dict(const GemmPlan& p) {
   d["workspace_bytes"] = p.workspace_bytes;
   d["tile_m"] = q.tile_m;
   d["tile_n"] = q.tile_n;
+  d["tile_k"] = p.desc.tile_k;
   d["m_tiles"] = q.m_tiles;
   d["n_tiles"] = q.n_tiles;
   d["k_parallel"] = q.k_parallel;

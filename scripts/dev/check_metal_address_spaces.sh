@@ -60,8 +60,8 @@ if [[ "${1:-}" == "--self-test" ]]; then
   # Each mix-up is a one-line edit of one kernel source or MSL header ("file|sed expression");
   # the check of a copy of metal/ and csrc/include/ with that edit must fail.
   mixups=(
-    # a threadgroup tile parameter declared as device memory
-    'csrc/include/torch_marlin/fused_tile_msl.h|s/threadgroup T\* a_tile, threadgroup T\* b_stage/device T* a_tile, threadgroup T* b_stage/'
+    # a threadgroup stage parameter declared as device memory
+    'csrc/include/torch_marlin/fused_tile_msl.h|s/threadgroup T\* sa, threadgroup T\* sb/device T* sa, threadgroup T* sb/'
     # the epilogue stage (threadgroup) taken as a thread pointer
     'csrc/include/torch_marlin/quant_gemm_msl.h|s/frag, threadgroup float\* stage/frag, thread float* stage/'
     # the staged activations (threadgroup) read through a device pointer

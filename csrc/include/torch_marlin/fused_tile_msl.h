@@ -1,81 +1,241 @@
-// The fused-dequant 64x64 output tile: the body of marlin_gemm_fused_* (metal/fused_tiles.metal,
-// one tile per threadgroup) and of marlin_gemm_striped_* (metal/striped.metal, a run of
-// (tile, K slice) work units per threadgroup). MSL only.
+// The FP4 / INT4 prefill tile: one 64x64 output tile of C = A @ dequant(B) (+ bias), the body of
+// marlin_gemm_fused_* (metal/fused_tiles.metal, one tile per threadgroup), marlin_gemm_striped_*
+// (metal/striped.metal, a run of (tile, K slice) work units per threadgroup) and marlin_gemm_*
+// (metal/staged_tiles.metal). MSL only.
 //
-// Simdgroup s owns rows (s/2)*32.. +32 and columns (s%2)*32.. +32 of the tile: a 4x4 grid of 8x8
-// fp32 accumulators. Per 8-row K step, each lane dequantizes one column of the simdgroup's 8x32 B
-// slab (one packed word, coalesced across the 32 lanes) into the simdgroup's own staging area,
-// so only simdgroup barriers guard that stage. Staging 8x32 with all lanes (rather than 8x8 with
-// lanes 0-7) reads the same words with 4x fewer barriers and no idle lanes.
+// Per K step of KS rows the 128 threads together
+//  - copy A[64][KS] with 16-byte loads (4 or 8 activations; rows past M and columns past the
+//    slice are zero) into the padded A stage [64][KS + pad];
+//  - dequantize the step's KS/8 x 64 packed words, each word once per threadgroup, into the padded
+//    B stage, held transposed ([n][k]: a word's 8 weights are 8 adjacent elements);
+// then simdgroup s multiplies rows (s/2)*32.. +32 by columns (s%2)*32.. +32 of the tile out of
+// the stages: 4 A fragments, 4 B fragments (transposing simdgroup_load), 16 fp32 accumulators,
+// every fragment index a compile-time constant so the accumulators stay in registers.
+//
+// Each row of a stage is padded by 16 bytes: the 8 rows an 8x8 simdgroup_load touches then start
+// 20 (or 36) words apart, which puts them on 8 different banks.
+//
+// Software pipelining (STAGES = 2, fused and striped): in iteration i the device loads of step i
+// are issued into registers, the simdgroups multiply step i-1 out of one stage, then the
+// registers are stored into the other stage; one threadgroup barrier per step orders both
+// hazards. STAGES = 1 (staged) issues the loads the same way but has a single stage, so it needs a
+// second barrier before the stage is overwritten; it can afford 32-row steps in fp32.
+//
+// Scale groups: each thread follows the rows of its words with a counter inside the group
+// (advanced by KS per step, wrapping as many groups as it crosses), so no K step divides; any
+// group size that is a multiple of 8 works, smaller or larger than a step.
 #pragma once
 
 #include "torch_marlin/quant_gemm_msl.h"
 
 namespace torch_marlin {
 
-constant constexpr uint kAStride = kTileK + 8;  // A tile row pitch: the padding spreads banks
-constant constexpr uint kStageCols = 32;        // a simdgroup's B slab is 8 x 32
+// K rows per step of the two-stage kernels for activation type T (shared with the planner).
+template <typename T>
+constexpr uint prefill_k_step() {
+  return TM_METAL_PIPELINED_TILE_K(uint(sizeof(T)));
+}
 
-// Threadgroup arrays the caller declares (TM_THREADGROUP_ARRAY):
-//   a_tile  T[kTileM * kAStride], b_stage T[kSimdgroups * 8 * kStageCols], c_stage float[kSimdgroups * 64]
-template <uint FMT, typename T>
-inline void fused_tile_impl(device const T* A, device const uint* B, device const T* scales, device const uchar* zeros,
-                            device const T* bias, device T* C, device float* workspace, constant QuantGemmParams& p,
-                            threadgroup T* a_tile, threadgroup T* b_stage, threadgroup float* c_stage, uint tile_row,
-                            uint tile_col, uint k_slice, uint lid, uint sgid, uint lane) {
-  const uint row0 = tile_row * kTileM;
-  const uint col0 = tile_col * kTileN;
+// Row pitch of a stage, in elements: KS plus 16 bytes.
+template <typename T>
+constexpr uint prefill_pitch(uint ks) {
+  return ks + 16u / uint(sizeof(T));
+}
+
+// Elements of STAGES stages of A [64][pitch] and transposed B [64][pitch].
+template <typename T>
+constexpr uint prefill_stage_elems(uint ks, uint stages) {
+  return stages * (TM_METAL_TILE_M + TM_METAL_TILE_N) * prefill_pitch<T>(ks);
+}
+
+// The 8 weights of one packed word, fp32, without table lookups: FP4 magnitudes x 2 are the
+// nibbles of 0xC8643210 (0 1 2 3 4 6 8 12), the sign is bit 3. Equal to dequant_word.
+template <uint FMT>
+inline void dequant_word_alu(uint word, float scale, float zero, thread float* w) {
+  for (uint j = 0; j < 8u; ++j) {
+    const uint code = (word >> (4u * j)) & 15u;
+    if (FMT == TM_FORMAT_FP4) {
+      const float mag = float((0xC8643210u >> ((code & 7u) * 4u)) & 15u) * 0.5f;
+      w[j] = ((code & 8u) != 0u ? -mag : mag) * scale;
+    } else {
+      w[j] = (float(code) - zero) * scale;
+    }
+  }
+}
+
+// One thread's share of a K step's device loads, held in registers between the load and the
+// store to threadgroup memory, and the offsets that walk them along K.
+template <uint FMT, typename T, uint KS>
+struct PrefillFetch {
+  enum : uint {
+    kChunkElems = 16u / uint(sizeof(T)),                          // activations per 16-byte chunk
+    kChunksPerRow = KS / (16u / uint(sizeof(T))),
+    kAChunks = TM_METAL_TILE_M * (KS / (16u / uint(sizeof(T)))) / kThreads,  // per thread
+    kWords = (KS / 8u) * TM_METAL_TILE_N / kThreads,                         // per thread
+  };
+  uint a_off[kAChunks];  // element index of the chunk in A at the next step
+  bool a_live[kAChunks];  // its row is < M
+  uint4 a_val[kAChunks];
+  uint b_off[kWords];  // index of the word in B at the next step
+  uint s_off[kWords];  // index of its scale (and zero point)
+  uint g_row[kWords];  // its first row's offset inside the scale group
+  uint b_word[kWords];
+  float b_s[kWords];
+  float b_z[kWords];
+  bool b_live;  // the thread's column is < N
+};
+
+// Thread lid's chunk i: row (lid + 128 i) / chunks_per_row, column chunk (lid + 128 i) % it.
+// Word j: row of words (lid + 128 j) / 64, column lid % 64 (32 lanes, 32 adjacent words).
+template <uint FMT, typename T, uint KS>
+inline void prefill_fetch_begin(thread PrefillFetch<FMT, T, KS>& f, constant QuantGemmParams& p, uint row0,
+                                uint col0, uint k_begin, uint lid) {
+  typedef PrefillFetch<FMT, T, KS> F;
+  for (uint i = 0; i < uint(F::kAChunks); ++i) {
+    const uint c = lid + i * kThreads;
+    const uint m = row0 + c / uint(F::kChunksPerRow);
+    f.a_live[i] = m < p.M;
+    f.a_off[i] = m * p.K + k_begin + (c % uint(F::kChunksPerRow)) * uint(F::kChunkElems);
+  }
+  const uint n = col0 + lid % TM_METAL_TILE_N;
+  f.b_live = n < p.N;
+  for (uint j = 0; j < uint(F::kWords); ++j) {
+    const uint k = k_begin + ((lid + j * kThreads) / TM_METAL_TILE_N) * 8u;
+    const uint g = k / p.group_size;
+    f.b_off[j] = (k / 8u) * p.N + n;
+    f.s_off[j] = g * p.N + n;
+    f.g_row[j] = k - g * p.group_size;
+  }
+}
+
+// Issues the device loads of the step at row kb (rows past k_end read as zero) and moves the
+// offsets to the next step.
+template <uint FMT, typename T, uint KS>
+inline void prefill_fetch(thread PrefillFetch<FMT, T, KS>& f, device const T* A, device const uint* B,
+                          device const T* scales, device const uchar* zeros, constant QuantGemmParams& p, uint kb,
+                          uint k_end, uint lid) {
+  typedef PrefillFetch<FMT, T, KS> F;
+  const uint k_rows = min(KS, k_end - kb);  // a multiple of 8
+  for (uint i = 0; i < uint(F::kAChunks); ++i) {
+    const uint col = ((lid + i * kThreads) % uint(F::kChunksPerRow)) * uint(F::kChunkElems);
+    if (f.a_live[i] && col < k_rows) {
+      f.a_val[i] = *((device const uint4*)(A + f.a_off[i]));
+    } else {
+      f.a_val[i] = uint4(0u, 0u, 0u, 0u);
+    }
+    f.a_off[i] += KS;
+  }
+  for (uint j = 0; j < uint(F::kWords); ++j) {
+    const uint row = ((lid + j * kThreads) / TM_METAL_TILE_N) * 8u;
+    if (f.b_live && row < k_rows) {
+      f.b_word[j] = B[f.b_off[j]];
+      f.b_s[j] = float(scales[f.s_off[j]]);
+      f.b_z[j] = FMT == TM_FORMAT_U4 ? float(zeros[f.s_off[j]] & 15u) : 0.0f;  // zero points are 0..15
+    } else {
+      f.b_word[j] = 0u;
+      f.b_s[j] = 0.0f;
+      f.b_z[j] = 0.0f;
+    }
+    f.b_off[j] += (KS / 8u) * p.N;
+    for (f.g_row[j] += KS; f.g_row[j] >= p.group_size; f.g_row[j] -= p.group_size) f.s_off[j] += p.N;
+  }
+}
+
+// Stores the loaded step into a stage: A as is, B dequantized and transposed.
+template <uint FMT, typename T, uint KS>
+inline void prefill_store(thread const PrefillFetch<FMT, T, KS>& f, threadgroup T* sa, threadgroup T* sb, uint lid) {
+  typedef PrefillFetch<FMT, T, KS> F;
+  constexpr uint kPitch = prefill_pitch<T>(KS);
+  for (uint i = 0; i < uint(F::kAChunks); ++i) {
+    const uint c = lid + i * kThreads;
+    const uint r = c / uint(F::kChunksPerRow);
+    const uint col = (c % uint(F::kChunksPerRow)) * uint(F::kChunkElems);
+    *((threadgroup uint4*)(sa + r * kPitch + col)) = f.a_val[i];
+  }
+  threadgroup T* column = sb + (lid % TM_METAL_TILE_N) * kPitch;
+  for (uint j = 0; j < uint(F::kWords); ++j) {
+    float w[8];
+    dequant_word_alu<FMT>(f.b_word[j], f.b_s[j], f.b_z[j], w);
+    threadgroup T* dst = column + ((lid + j * kThreads) / TM_METAL_TILE_N) * 8u;
+    for (uint e = 0; e < 8u; ++e) dst[e] = T(w[e]);
+  }
+}
+
+// acc[mi * 4 + ni] += A rows sg_row + 8 mi x B columns sg_col + 8 ni over the stage's KS rows.
+template <typename T, uint KS>
+inline void prefill_mma(thread simdgroup_matrix<float, 8, 8>* acc, threadgroup const T* sa,
+                        threadgroup const T* sb, uint sg_row, uint sg_col) {
+  constexpr uint kPitch = prefill_pitch<T>(KS);
+  for (uint kk = 0; kk < KS; kk += 8u) {
+    simdgroup_matrix<T, 8, 8> a[4];
+    simdgroup_matrix<T, 8, 8> b[4];
+    for (uint mi = 0; mi < 4u; ++mi) simdgroup_load(a[mi], sa + (sg_row + mi * 8u) * kPitch + kk, kPitch);
+    for (uint ni = 0; ni < 4u; ++ni)
+      simdgroup_load(b[ni], sb + (sg_col + ni * 8u) * kPitch + kk, kPitch, ulong2(0, 0), true);
+    for (uint mi = 0; mi < 4u; ++mi)
+      for (uint ni = 0; ni < 4u; ++ni)
+        simdgroup_multiply_accumulate(acc[mi * 4u + ni], a[mi], b[ni], acc[mi * 4u + ni]);
+  }
+}
+
+// The whole tile (tile_row, tile_col) over K slice k_slice. stages: prefill_stage_elems<T>(KS,
+// STAGES) elements; c_stage: kSimdgroups * 64 floats (the epilogue's per-simdgroup 8x8 stage).
+template <uint FMT, typename T, uint KS, uint STAGES>
+inline void prefill_tile_impl(device const T* A, device const uint* B, device const T* scales,
+                              device const uchar* zeros, device const T* bias, device T* C, device float* workspace,
+                              constant QuantGemmParams& p, threadgroup T* stages, threadgroup float* c_stage,
+                              uint tile_row, uint tile_col, uint k_slice, uint lid, uint sgid, uint lane) {
+  constexpr uint kPitch = prefill_pitch<T>(KS);
+  constexpr uint kAElems = TM_METAL_TILE_M * kPitch;
+  constexpr uint kStageElems = (TM_METAL_TILE_M + TM_METAL_TILE_N) * kPitch;
+  const uint row0 = tile_row * TM_METAL_TILE_M;
+  const uint col0 = tile_col * TM_METAL_TILE_N;
   const uint k_begin = k_slice * p.k_slice_len;
   const uint k_end = min(p.K, k_begin + p.k_slice_len);
   const uint sg_row = (sgid / 2u) * 32u;
   const uint sg_col = (sgid % 2u) * 32u;
-  // 8-row fragments of this simdgroup that hold real rows (uniform across the simdgroup).
-  const uint sg_first_row = row0 + sg_row;
-  const uint mi_count = sg_first_row >= p.M ? 0u : min(4u, (p.M - sg_first_row + 7u) / 8u);
-  const uint b_col = col0 + sg_col + lane;
-  threadgroup T* stage = b_stage + sgid * 8u * kStageCols;
 
-  simdgroup_matrix<float, 8, 8> acc[4][4];
-  for (uint mi = 0; mi < 4u; ++mi)
-    for (uint ni = 0; ni < 4u; ++ni) acc[mi][ni] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  simdgroup_matrix<float, 8, 8> acc[16];
+  for (uint i = 0; i < 16u; ++i) acc[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
 
-  for (uint kb = k_begin; kb < k_end; kb += kTileK) {
-    const uint k_rows = min(kTileK, k_end - kb);  // a multiple of 8
-    for (uint i = lid; i < kTileM * kTileK; i += kThreads) {
-      const uint r = i / kTileK;
-      const uint c = i % kTileK;
-      const uint m = row0 + r;
-      a_tile[r * kAStride + c] = (m < p.M && c < k_rows) ? A[m * p.K + kb + c] : T(0.0f);
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:fused_a_ready]
-    for (uint kt = 0; kt < k_rows / 8u; ++kt) {
-      const uint k = kb + kt * 8u;
-      float w[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-      if (b_col < p.N) {
-        uint word;
-        float s, z;
-        load_word<FMT, T>(B, scales, zeros, p, k, b_col, word, s, z);
-        dequant_word<FMT>(word, s, z, w);
+  PrefillFetch<FMT, T, KS> f;
+  prefill_fetch_begin<FMT, T, KS>(f, p, row0, col0, k_begin, lid);
+  uint buf = 0;
+  for (uint kb = k_begin;; kb += KS) {  // one extra iteration drains the pipeline
+    const bool more = kb < k_end;         // uniform across the threadgroup
+    if (more) prefill_fetch<FMT, T, KS>(f, A, B, scales, zeros, p, kb, k_end, lid);
+    if (STAGES == 1u) {
+      if (kb != k_begin) {
+        prefill_mma<T, KS>(acc, stages, stages + kAElems, sg_row, sg_col);
+        threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:staged_free]
       }
-      for (uint j = 0; j < 8u; ++j) stage[j * kStageCols + lane] = T(w[j]);
-      simdgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:fused_stage_ready]
-      simdgroup_matrix<T, 8, 8> b_frag[4];
-      for (uint ni = 0; ni < 4u; ++ni) simdgroup_load(b_frag[ni], stage + ni * 8u, kStageCols);
-      for (uint mi = 0; mi < mi_count; ++mi) {
-        simdgroup_matrix<T, 8, 8> a_frag;
-        simdgroup_load(a_frag, a_tile + (sg_row + mi * 8u) * kAStride + kt * 8u, kAStride);
-        for (uint ni = 0; ni < 4u; ++ni) simdgroup_multiply_accumulate(acc[mi][ni], a_frag, b_frag[ni], acc[mi][ni]);
+      if (!more) break;
+      prefill_store<FMT, T, KS>(f, stages, stages + kAElems, lid);
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:staged_ready]
+    } else {
+      if (kb != k_begin) {
+        threadgroup const T* cur = stages + (buf ^ 1u) * kStageElems;
+        prefill_mma<T, KS>(acc, cur, cur + kAElems, sg_row, sg_col);
       }
-      simdgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:fused_stage_free]
+      threadgroup T* next = stages + buf * kStageElems;
+      if (more) prefill_store<FMT, T, KS>(f, next, next + kAElems, lid);
+      // The step just stored is complete, and the stage multiplied out is free again (the next
+      // work unit of a striped threadgroup starts by storing into stage 0).
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:fused_swap]
+      if (!more) break;
+      buf ^= 1u;
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:fused_a_free]
   }
 
   threadgroup float* my_c = c_stage + sgid * 64u;
-  for (uint mi = 0; mi < mi_count; ++mi)
-    for (uint ni = 0; ni < 4u; ++ni)
-      store_fragment<T>(acc[mi][ni], my_c, bias, C, workspace, p, sg_first_row + mi * 8u, col0 + sg_col + ni * 8u,
-                        k_slice, lane);
+  for (uint mi = 0; mi < 4u; ++mi) {
+    for (uint ni = 0; ni < 4u; ++ni) {
+      const uint m = row0 + sg_row + mi * 8u;
+      const uint n = col0 + sg_col + ni * 8u;
+      if (m < p.M && n < p.N)  // uniform across the simdgroup
+        store_fragment<T>(acc[mi * 4u + ni], my_c, bias, C, workspace, p, m, n, k_slice, lane);
+    }
+  }
 }
 
 }  // namespace torch_marlin

@@ -58,6 +58,18 @@ TM_NAMESPACE_BEGIN
 #define TM_METAL_DECODE_SIMDGROUPS 4u
 #define TM_METAL_DECODE_THREADS (TM_METAL_DECODE_SIMDGROUPS * 32u)
 
+// ---- Metal prefill tile geometry (metal/fused_tiles.metal, striped.metal, staged_tiles.metal), read
+// by plan_metal.cpp too -------------------------------------------------------------------------
+// A 64x64 output tile per threadgroup of 4 simdgroups (each 32x32). K advances in steps of
+// TM_METAL_PIPELINED_TILE_K(bytes of the activation dtype) rows in the two-stage pipelined kernels
+// (fused, striped): 32 for fp16 / bf16, 16 for fp32, so that two stages of A and dequantized B
+// (64 x (k_step + 16 bytes of padding) elements each) take 20 KiB in every dtype. The one-stage
+// staged kernel steps TM_METAL_STAGED_TILE_K rows in every dtype (18 KiB for fp32).
+#define TM_METAL_TILE_M 64u
+#define TM_METAL_TILE_N 64u
+#define TM_METAL_PIPELINED_TILE_K(elem_bytes) ((elem_bytes) == 4u ? 16u : 32u)
+#define TM_METAL_STAGED_TILE_K 32u
+
 // ---- Launch parameters -------------------------------------------------------------------------
 struct QuantGemmParams {
   tm_u32 M;            // rows of A and C

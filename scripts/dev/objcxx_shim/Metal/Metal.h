@@ -60,6 +60,8 @@ static inline MTLSize MTLSizeMake(NSUInteger width, NSUInteger height, NSUIntege
 
 @protocol MTLComputePipelineState <NSObject>
 @property(readonly) NSUInteger maxTotalThreadsPerThreadgroup;
+// Bytes of threadgroup memory the function declares itself (its threadgroup arrays).
+@property(readonly) NSUInteger staticThreadgroupMemoryLength API_AVAILABLE(macos(11.0));
 @end
 
 @interface MTLCompileOptions : NSObject
