@@ -58,7 +58,7 @@ def check_close(C, A, W, dtype):
 
 @pytest.mark.parametrize("family,M", [("decode", 9), ("staged_tiles", 1), ("staged_tiles", 65)])
 def test_gemm_longer_k_and_forced_families(emu, family, M):
-    K, N, bits, gs = 1040, 130, 3, 128  # 33 K blocks of 32: many double-buffer swaps
+    K, N, bits, gs = 1040, 130, 3, 128  # 65 tiled K blocks, 9 decode K blocks: many double-buffer swaps
     w = random_trellis(K, N, bits, gs, seed=5)
     A = torch.randn(M, K).half()
     C, plan = emu.gemm(A, list(w), K, N, bits, gs, family, "random", 3)
