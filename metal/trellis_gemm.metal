@@ -67,11 +67,13 @@ template <typename T>
                                     uint lane [[thread_index_in_simdgroup]]) {
   // Two padded (A 64x16, B 16x64) stages; the epilogue reuses the front as fp32 staging.
   TM_THREADGROUP_ARRAY(T, smem, [2 * kTrStageElems]);
+  TM_THREADGROUP_ARRAY(uint, raw_s, [2 * (kTrRawRowWords + 4)]);  // the B simdgroups' index bytes
   const TrMat w = tr_mat(p);
   const uint row0 = tgid.y * kTrTileM;
   const uint col0 = tgid.x * kTrTileN;
   simdgroup_matrix<float, 8, 8> acc[16];
-  tr_tiled_core<T, false>(A, nullptr, 0u, p.M, packed, scales, grid, su, w, row0, col0, smem, lid, sgid, lane, acc);
+  tr_tiled_core<T, false>(A, nullptr, 0u, p.M, packed, scales, grid, su, w, row0, col0, smem, raw_s, lid, sgid, lane,
+                          acc);
 
   // Epilogue: each simdgroup stages one 8x8 fp32 fragment at a time, masked store with sv.
   const uint sg_first_row = row0 + (sgid / 2u) * 32u;

@@ -177,8 +177,8 @@ template <typename TX, bool GATHER, bool SWIGLU, bool DOWN>
 inline void tr_moe_tiled(device const TX* X, device const int* sorted_token, device const int* expert_offsets,
                          device const uchar* packed, device const float* scales, device const float* grid,
                          device const float* su, device const float* sv, device float* out,
-                         constant TrellisParams& p, threadgroup TX* smem, uint3 tgid, uint lid, uint sgid,
-                         uint lane) {
+                         constant TrellisParams& p, threadgroup TX* smem, threadgroup uint* raw_s, uint3 tgid,
+                         uint lid, uint sgid, uint lane) {
   const TrMat w = DOWN ? tr_down_mat(p) : tr_mat(p);
   const uint e = tgid.z;
   uint r_begin, r_end;
@@ -190,7 +190,7 @@ inline void tr_moe_tiled(device const TX* X, device const int* sorted_token, dev
   const uint col0 = tgid.x * kTrTileN;
   simdgroup_matrix<float, 8, 8> acc[16];
   tr_tiled_core<TX, GATHER>(X, sorted_token, r_begin, rows, ex.packed, ex.scales, ex.grid, ex.su, w, row0, col0, smem,
-                            lid, sgid, lane, acc);
+                            raw_s, lid, sgid, lane, acc);
 
   const uint sg_first_row = row0 + (sgid / 2u) * 32u;
   const uint sg_col = (sgid % 2u) * 32u;
@@ -227,8 +227,9 @@ template <typename T>
                                        uint sgid [[simdgroup_index_in_threadgroup]],
                                        uint lane [[thread_index_in_simdgroup]]) {
   TM_THREADGROUP_ARRAY(T, smem, [2 * kTrStageElems]);
+  TM_THREADGROUP_ARRAY(uint, raw_s, [2 * (kTrRawRowWords + 4)]);
   tr_moe_tiled<T, true, false, false>(x, sorted_token, expert_offsets, packed, scales, grid, su, sv, rows_h, p, smem,
-                                      tgid, lid, sgid, lane);
+                                      raw_s, tgid, lid, sgid, lane);
 }
 
 template <typename T>
@@ -243,8 +244,9 @@ template <typename T>
                                      uint sgid [[simdgroup_index_in_threadgroup]],
                                      uint lane [[thread_index_in_simdgroup]]) {
   TM_THREADGROUP_ARRAY(T, smem, [2 * kTrStageElems]);
+  TM_THREADGROUP_ARRAY(uint, raw_s, [2 * (kTrRawRowWords + 4)]);
   tr_moe_tiled<T, true, true, false>(x, sorted_token, expert_offsets, packed, scales, grid, su, sv, rows_h, p, smem,
-                                     tgid, lid, sgid, lane);
+                                     raw_s, tgid, lid, sgid, lane);
 }
 
 template <typename T>
@@ -259,10 +261,11 @@ template <typename T>
                                        uint lid [[thread_index_in_threadgroup]],
                                        uint sgid [[simdgroup_index_in_threadgroup]],
                                        uint lane [[thread_index_in_simdgroup]]) {
-  // fp32 A and B tiles (rows_h is fp32 scratch): 21 KiB.
+  // fp32 A and B tiles (rows_h is fp32 scratch): 21.5 KiB.
   TM_THREADGROUP_ARRAY(float, smem, [2 * kTrStageElems]);
+  TM_THREADGROUP_ARRAY(uint, raw_s, [2 * (kTrRawRowWords + 4)]);
   tr_moe_tiled<float, false, false, true>(rows_h, sorted_token, expert_offsets, packed, scales, grid, su, sv, rows_y,
-                                          p, smem, tgid, lid, sgid, lane);
+                                          p, smem, raw_s, tgid, lid, sgid, lane);
 }
 
 #define TM_TRELLIS_MOE_INSTANTIATE_DTYPE(tname, T)                               \

@@ -263,7 +263,7 @@ def test_every_barrier_is_needed(emu):
         return True
 
     tags = trellis_metal_emu.barrier_tags()
-    assert len(tags) == 9, tags
+    assert len(tags) == 10, tags
     try:
         for s in SCHEDULES:
             emu.set_dropped_barrier("")

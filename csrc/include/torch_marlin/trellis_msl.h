@@ -238,16 +238,19 @@ inline float tr_meet(threadgroup const float* partial, uint m, uint c) {
 //
 // K goes one trellis tile row (16 rows) per block, double-buffered, one barrier per block.
 // Simdgroups 0-1 stage A: thread t copies row t of the block (16 elements, 4-wide loads).
-// Simdgroups 2-3 decode B: thread 64 + u decodes tile row u % 16 of the block's tile column u / 16
-// (16 indices from one 2*bits-byte row read, codebook by simd_shuffle, group scales held in 16
-// registers and reloaded when the group changes, su once per row) into the padded B tile, so each
-// weight is decoded once per threadgroup. Tile offsets and the group advance incrementally.
-// smem: [2][kTrStageElems] of TX.
+// Simdgroups 2-3 decode B: simdgroup 2 + h copies the contiguous index bytes of tile columns 2h,
+// 2h+1 of the block with 16-byte loads (each byte once) into its raw words; then thread 64 + u
+// decodes tile row u % 16 of tile column u / 16 (16 indices from two 32-bit windows, codebook by
+// simd_shuffle, group scales held in 16 registers and reloaded when the group changes, su once
+// per row) into the padded B tile, so each weight is decoded once per threadgroup. Tile offsets
+// and the group advance incrementally.
+// smem: [2][kTrStageElems] of TX; raw_s: [2][kTrRawRowWords + 4] words.
 template <typename TX, bool GATHER>
 inline void tr_tiled_core(device const TX* X, device const int* gather, uint r_begin, uint rows,
                           device const uchar* packed, device const float* scales, device const float* grid,
                           device const float* su, thread const TrMat& w, uint row0, uint col0, threadgroup TX* smem,
-                          uint lid, uint sgid, uint lane, thread simdgroup_matrix<float, 8, 8>* acc) {
+                          threadgroup uint* raw_s, uint lid, uint sgid, uint lane,
+                          thread simdgroup_matrix<float, 8, 8>* acc) {
   const uint sg_row = (sgid / 2u) * 32u;
   const uint sg_col = (sgid % 2u) * 32u;
   const uint sg_first_row = row0 + sg_row;
@@ -268,9 +271,14 @@ inline void tr_tiled_core(device const TX* X, device const int* gather, uint r_b
   const bool b_tile_ok = !a_thread && tn < w.tiles_n;
   const uint mask = (1u << w.bits) - 1u;
   const float cb = a_thread ? 0.0f : grid[lane & mask];
-  const uint row_bytes = 2u * w.bits;
-  uint b_off = tn * w.packed_bytes + br * row_bytes;  // advances by one tile row of K per block
+  // The B simdgroup's two tiles of a block are one contiguous run: lane c < run_chunks copies its
+  // 16-byte chunk into the simdgroup's raw words, then every lane decodes its row from there.
+  const uint pair_tn = col0 / TM_TRELLIS_TILE + (bt & ~1u);
+  const uint run_chunks = pair_tn < w.tiles_n ? min(2u, w.tiles_n - pair_tn) * 2u * w.bits : 0u;
+  uint b_off = pair_tn * w.packed_bytes + lane * 16u;  // advances by one tile row of K per block
   const uint b_step = w.tiles_n * w.packed_bytes;
+  threadgroup uint* raw = raw_s + (sgid & 1u) * (kTrRawRowWords + 4u);
+  const uint row_bit = (bt & 1u) * w.packed_bytes * 8u + br * TM_TRELLIS_TILE * w.bits;
   const uint tiles_per_group = w.group_size / TM_TRELLIS_TILE;
   uint group_end = tiles_per_group;
   uint scale_row = 0;
@@ -301,14 +309,20 @@ inline void tr_tiled_core(device const TX* X, device const int* gather, uint r_b
             sc[j] = (b_tile_ok && bcol + j < w.N) ? scales[scale_row + bcol + j] : 0.0f;
           }
         }
-        ulong bits_row = 0;
-        float suk = 0.0f;
-        if (b_tile_ok) {
-          device const ushort* src = (device const ushort*)(packed + b_off);
-          for (uint i = 0; i < w.bits; ++i) bits_row |= ulong(src[i]) << (16u * i);
-          if (k0 + br < w.K) suk = su[k0 + br];
+        if (lane < run_chunks) {
+          const uint4 v = *(device const uint4*)(packed + b_off);
+          raw[lane * 4u] = v.x;
+          raw[lane * 4u + 1u] = v.y;
+          raw[lane * 4u + 2u] = v.z;
+          raw[lane * 4u + 3u] = v.w;
         }
         b_off += b_step;
+        const float suk = (b_tile_ok && k0 + br < w.K) ? su[k0 + br] : 0.0f;
+        simdgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:tr_tiled_b_staged]
+        // The row's 16 indices (<= 64 bits) from two 32-bit windows; padded tiles give idx 0,
+        // which the zero scale or su turns into 0.
+        const ulong bits_row = ulong(tr_index(raw, row_bit, 0xffffffffu)) |
+                               (ulong(tr_index(raw, row_bit + 32u, 0xffffffffu)) << 32u);
         threadgroup TX* d = Bs + br * kTrBStride + bt * TM_TRELLIS_TILE;
         for (uint j = 0; j < TM_TRELLIS_TILE; ++j) {
           const uint idx = uint(bits_row >> (j * w.bits)) & mask;
