@@ -14,8 +14,8 @@
 //                                 simdgroups' partials met in a fixed order. Grid (ceil(N/32), 1).
 //   gemm_trellis_packed_*         prefill: the tiled core of trellis_msl.h, 64x64 output tile, 4
 //                                 simdgroups as 2x2 of 32x32, K blocks of one tile row (16),
-//                                 double-buffered padded A and decoded-B tiles (21 KiB fp32,
-//                                 10.5 KiB half / bfloat). Grid (ceil(N/64), ceil(M/64)).
+//                                 double-buffered padded A and decoded-B tiles (21.5 KiB fp32,
+//                                 11 KiB half / bfloat). Grid (ceil(N/64), ceil(M/64)).
 //   dequant_trellis               dense f32 W, one thread per element of a 16x16 tile.
 //                                 Grid (tiles_n, tiles_k), 256 threads.
 //

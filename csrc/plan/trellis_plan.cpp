@@ -15,7 +15,7 @@ uint32_t cdiv(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 1) /
 //    whose index bytes are one contiguous run per tile row, staged with 16-byte loads. A 32x128
 //    tile would compute 31 wasted rows at M = 1 and give only N/128 threadgroups.
 //  - prefill: 64x64 output tile, 128 threads = 4 simdgroups as a 2x2 grid of 32x32 sub-tiles,
-//    K blocks of one tile row (16): double-buffered padded A and decoded-B tiles stay at 21 KiB
+//    K blocks of one tile row (16): double-buffered padded A and decoded-B tiles stay at 21.5 KiB
 //    in fp32 (a 32-row K block would need 39 KiB with padding), under the 28 KiB budget.
 //  - k_vec4: activation rows (and su) are read 4 elements at a time when their length is a
 //    multiple of 4 (16-byte aligned rows), element by element otherwise.
