@@ -8,14 +8,15 @@
 // Dispatches on one encoder (planned by plan_trellis_moe; buffer order and sequence in
 // csrc/mps/metal_dispatch.h, trellis_moe_dispatches):
 //   moe_trellis_gate_up_*  grid (ceil(I/32), E): for an expert with 1..16 routed rows, a
-//                          threadgroup owns 32 intermediate columns and runs the GEMV core over all
-//                          its rows (gate and up together), writing h = silu(g) * u to rows_h
-//                          [T*top_k, I] (fp32): each weight is read once.
+//                          threadgroup owns 32 intermediate columns and runs the decode core of
+//                          trellis_msl.h over all its rows (gate and up together: one staging of the
+//                          gathered activations), writing h = silu(g) * u to rows_h [T*top_k, I]
+//                          (fp32): each index byte is read once, 16 bytes per load.
 //   moe_trellis_tiled_gate_*, moe_trellis_tiled_up_*  (only when T*top_k > 16) grid
 //                          (ceil(I/64), ceil(T*top_k/64), E): experts with more than 16 rows,
-//                          64x64 simdgroup-matrix tiles over the expert's gathered rows; gate
+//                          the tiled core (64x64 simdgroup-matrix tiles) over the expert's gathered rows; gate
 //                          writes g to rows_h, up's epilogue turns it into silu(g) * u.
-//   moe_trellis_down_*     grid (ceil(H/32), E): rows_y = rows_h @ down_e, GEMV, <= 16 rows.
+//   moe_trellis_down_*     grid (ceil(H/32), E): rows_y = rows_h @ down_e, decode core, <= 16 rows.
 //   moe_trellis_tiled_down_*  grid (ceil(H/64), ceil(T*top_k/64), E): the same, > 16 rows.
 //   moe_trellis_combine_*  y[t, n] = sum_j probs[t, j] * rows_y[slot_row[t, j], n], slot order:
 //                          deterministic, no atomics.

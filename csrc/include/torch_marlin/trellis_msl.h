@@ -335,11 +335,15 @@ inline void tr_tiled_core(device const TX* X, device const int* gather, uint r_b
       threadgroup const TX* Bs = As + kTrTileM * kTrAStride;
       for (uint kt = 0; kt < kTrTileK / 8u; ++kt) {
         simdgroup_matrix<TX, 8, 8> b_frag[4];
-        for (uint ni = 0; ni < 4u; ++ni) simdgroup_load(b_frag[ni], Bs + kt * 8u * kTrBStride + sg_col + ni * 8u, kTrBStride);
+        for (uint ni = 0; ni < 4u; ++ni) {
+          simdgroup_load(b_frag[ni], Bs + kt * 8u * kTrBStride + sg_col + ni * 8u, kTrBStride);
+        }
         for (uint mi = 0; mi < mi_count; ++mi) {
           simdgroup_matrix<TX, 8, 8> a_frag;
           simdgroup_load(a_frag, As + (sg_row + mi * 8u) * kTrAStride + kt * 8u, kTrAStride);
-          for (uint ni = 0; ni < 4u; ++ni) simdgroup_multiply_accumulate(acc[mi * 4u + ni], a_frag, b_frag[ni], acc[mi * 4u + ni]);
+          for (uint ni = 0; ni < 4u; ++ni) {
+            simdgroup_multiply_accumulate(acc[mi * 4u + ni], a_frag, b_frag[ni], acc[mi * 4u + ni]);
+          }
         }
       }
     }
