@@ -8,14 +8,14 @@
 // TrellisParams. All accumulation is fp32; C is rounded to the activation dtype once.
 //
 // Kernels (host names <stem>_<dtype>, dtype in {half, float, bfloat}):
-//   gemm_trellis_packed_decode_*  M <= 16, GEMV layout: a threadgroup owns 32 columns (one per
-//                                 lane) for all rows; the 4 simdgroups take the 16-row trellis
-//                                 tiles of K round-robin and meet in threadgroup memory (fixed
-//                                 order). Grid (ceil(N/32), 1).
-//   gemm_trellis_packed_*         prefill: 64x64 output tile, 4 simdgroups as 2x2 of 32x32, K step
-//                                 32, double-buffered A and dequantized-B tiles in threadgroup
-//                                 memory (each thread decodes one 16-index tile row per step).
-//                                 Grid (ceil(N/64), ceil(M/64)).
+//   gemm_trellis_packed_decode_*  M <= 16: the decode core of trellis_msl.h (a threadgroup owns 32
+//                                 columns for all rows; K blocks of 128 rows staged with 16-byte
+//                                 loads, each index byte read once; codebook in registers), the 4
+//                                 simdgroups' partials met in a fixed order. Grid (ceil(N/32), 1).
+//   gemm_trellis_packed_*         prefill: the tiled core of trellis_msl.h, 64x64 output tile, 4
+//                                 simdgroups as 2x2 of 32x32, K blocks of one tile row (16),
+//                                 double-buffered padded A and decoded-B tiles (21.5 KiB fp32,
+//                                 11 KiB half / bfloat). Grid (ceil(N/64), ceil(M/64)).
 //   dequant_trellis               dense f32 W, one thread per element of a 16x16 tile.
 //                                 Grid (tiles_n, tiles_k), 256 threads.
 //
@@ -35,47 +35,24 @@ template <typename T>
                                            uint lid [[thread_index_in_threadgroup]],
                                            uint sgid [[simdgroup_index_in_threadgroup]],
                                            uint lane [[thread_index_in_simdgroup]]) {
-  TM_THREADGROUP_ARRAY(float, partial, [kTrSimdgroups * kTrDecodeRows * kTrDecodeCols]);  // 8 KiB
-  const uint n = tgid.x * kTrDecodeCols + lane;
+  // 16 KiB of activations (the meet reuses it) + 4 KiB of index bytes + 1 KiB of su.
+  TM_THREADGROUP_ARRAY(float, a_s, [2 * kTrDecodeRows * kTrDecodeK]);
+  TM_THREADGROUP_ARRAY(uint, raw_s, [2 * kTrRawWords]);
+  TM_THREADGROUP_ARRAY(float, su_s, [2 * kTrDecodeK]);
+  const TrMat w = tr_mat(p);
+  const TrDecodeMat mats[1] = {{packed, scales, grid, su}};
+  const uint col0 = tgid.x * kTrDecodeCols;
   float acc[kTrDecodeRows];
   for (uint m = 0; m < kTrDecodeRows; ++m) acc[m] = 0.0f;
-  const TrMat w = tr_mat(p);
-  tr_gemv_accumulate<T, false>(A, p.K, nullptr, 0u, min(p.M, kTrDecodeRows), packed, scales, grid, su, w, n, sgid,
-                               acc);
-  for (uint m = 0; m < kTrDecodeRows; ++m) partial[(sgid * kTrDecodeRows + m) * kTrDecodeCols + lane] = acc[m];
+  tr_decode_core<T, false, 1>(A, nullptr, 0u, min(p.M, kTrDecodeRows), mats, w, col0, a_s, raw_s, su_s, lid, sgid,
+                              lane, acc);
+  for (uint m = 0; m < kTrDecodeRows; ++m) a_s[(sgid * kTrDecodeRows + m) * kTrDecodeCols + lane] = acc[m];
   threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:tr_decode_meet]
   for (uint i = lid; i < kTrDecodeRows * kTrDecodeCols; i += kTrThreads) {
     const uint m = i / kTrDecodeCols;
     const uint c = i % kTrDecodeCols;
-    const uint col = tgid.x * kTrDecodeCols + c;
-    if (m < p.M && col < p.N) C[m * p.N + col] = T(tr_meet(partial, m, c) * sv[col]);
-  }
-}
-
-// ---- prefill: 64x64 tile, double-buffered threadgroup tiles ---------------------------------------
-// A[64][32] and the dequantized B[32][64] (without sv) of K block i+1 are written into one buffer
-// while the simdgroups multiply out of the other; one threadgroup barrier per K block separates
-// both hazards. B: thread lid decodes tile row r = lid / 4 (of 32) for trellis tile column lid % 4
-// (of 4): one 2*bits-byte row read per thread per K block, no idle threads.
-template <typename T>
-inline void tr_stage_load(device const T* A, device const uchar* packed, device const float* scales,
-                          device const float* grid, device const float* su, constant TrellisParams& p,
-                          threadgroup T* As, threadgroup T* Bs, uint row0, uint col0, uint kb, uint lid) {
-  for (uint i = lid; i < kTrTileM * kTrTileK; i += kTrThreads) {
-    const uint r = i / kTrTileK;
-    const uint c = i % kTrTileK;
-    const uint m = row0 + r;
-    const uint k = kb + c;
-    As[i] = (m < p.M && k < p.K) ? A[m * p.K + k] : T(0.0f);
-  }
-  const TrMat w = tr_mat(p);
-  const uint r = lid / 4u;
-  const uint tc = lid % 4u;
-  const uint k = kb + r;
-  for (uint j = 0; j < TM_TRELLIS_TILE; ++j) {
-    const uint n = col0 + tc * TM_TRELLIS_TILE + j;
-    const float v = (k < p.K && n < p.N) ? tr_weight_no_sv(packed, scales, grid, su, w, k, n) : 0.0f;
-    Bs[r * kTrTileN + tc * TM_TRELLIS_TILE + j] = T(v);
+    const uint col = col0 + c;
+    if (m < p.M && col < p.N) C[m * p.N + col] = T(tr_meet(a_s, m, c) * sv[col]);
   }
 }
 
@@ -88,52 +65,24 @@ template <typename T>
                                     uint lid [[thread_index_in_threadgroup]],
                                     uint sgid [[simdgroup_index_in_threadgroup]],
                                     uint lane [[thread_index_in_simdgroup]]) {
-  // 2 x (A 64x32 + B 32x64) elements: 16 KiB for half/bfloat, 32 KiB for float. The epilogue
-  // reuses the front as fp32 staging once the K loop is over.
-  TM_THREADGROUP_ARRAY(T, smem, [2 * (kTrTileM * kTrTileK + kTrTileK * kTrTileN)]);
-  threadgroup T* As[2] = {smem, smem + kTrTileM * kTrTileK};
-  threadgroup T* Bs[2] = {smem + 2 * kTrTileM * kTrTileK, smem + 2 * kTrTileM * kTrTileK + kTrTileK * kTrTileN};
+  // Two padded (A 64x16, B 16x64) stages; the epilogue reuses the front as fp32 staging.
+  TM_THREADGROUP_ARRAY(T, smem, [2 * kTrStageElems]);
+  TM_THREADGROUP_ARRAY(uint, raw_s, [2 * (kTrRawRowWords + 4)]);  // the B simdgroups' index bytes
+  const TrMat w = tr_mat(p);
   const uint row0 = tgid.y * kTrTileM;
   const uint col0 = tgid.x * kTrTileN;
-  const uint sg_row = (sgid / 2u) * 32u;
-  const uint sg_col = (sgid % 2u) * 32u;
-  const uint sg_first_row = row0 + sg_row;
-  // 8-row fragments of this simdgroup that hold real rows (uniform across the simdgroup).
-  const uint mi_count = sg_first_row >= p.M ? 0u : min(4u, (p.M - sg_first_row + 7u) / 8u);
-
-  simdgroup_matrix<float, 8, 8> acc[4][4];
-  for (uint mi = 0; mi < 4u; ++mi)
-    for (uint ni = 0; ni < 4u; ++ni) acc[mi][ni] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-
-  tr_stage_load<T>(A, packed, scales, grid, su, p, As[0], Bs[0], row0, col0, 0u, lid);
-  threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:tr_prologue]
-  uint buf = 0;
-  for (uint kb = 0; kb < p.K; kb += kTrTileK) {
-    if (kb + kTrTileK < p.K) {
-      tr_stage_load<T>(A, packed, scales, grid, su, p, As[buf ^ 1u], Bs[buf ^ 1u], row0, col0, kb + kTrTileK, lid);
-    }
-    // Rows past K are zero in both tiles, so whole 8-row steps are always safe.
-    const uint k_steps = (min(kTrTileK, p.K - kb) + 7u) / 8u;
-    for (uint kt = 0; kt < k_steps; ++kt) {
-      simdgroup_matrix<T, 8, 8> b_frag[4];
-      for (uint ni = 0; ni < 4u; ++ni)
-        simdgroup_load(b_frag[ni], Bs[buf] + kt * 8u * kTrTileN + sg_col + ni * 8u, kTrTileN);
-      for (uint mi = 0; mi < mi_count; ++mi) {
-        simdgroup_matrix<T, 8, 8> a_frag;
-        simdgroup_load(a_frag, As[buf] + (sg_row + mi * 8u) * kTrTileK + kt * 8u, kTrTileK);
-        for (uint ni = 0; ni < 4u; ++ni) simdgroup_multiply_accumulate(acc[mi][ni], a_frag, b_frag[ni], acc[mi][ni]);
-      }
-    }
-    // The next block's tiles are complete, and nobody reads this block's tiles any more.
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:tr_swap]
-    buf ^= 1u;
-  }
+  simdgroup_matrix<float, 8, 8> acc[16];
+  tr_tiled_core<T, false>(A, nullptr, 0u, p.M, packed, scales, grid, su, w, row0, col0, smem, raw_s, lid, sgid, lane,
+                          acc);
 
   // Epilogue: each simdgroup stages one 8x8 fp32 fragment at a time, masked store with sv.
+  const uint sg_first_row = row0 + (sgid / 2u) * 32u;
+  const uint sg_col = (sgid % 2u) * 32u;
+  const uint mi_count = sg_first_row >= p.M ? 0u : min(4u, (p.M - sg_first_row + 7u) / 8u);
   threadgroup float* stage = (threadgroup float*)smem + sgid * 64u;
   for (uint mi = 0; mi < mi_count; ++mi) {
     for (uint ni = 0; ni < 4u; ++ni) {
-      simdgroup_store(acc[mi][ni], stage, 8);
+      simdgroup_store(acc[mi * 4u + ni], stage, 8);
       simdgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:tr_epilogue_ready]
       for (uint e = lane; e < 64u; e += 32u) {
         const uint m = sg_first_row + mi * 8u + e / 8u;

@@ -8,14 +8,15 @@
 // Dispatches on one encoder (planned by plan_trellis_moe; buffer order and sequence in
 // csrc/mps/metal_dispatch.h, trellis_moe_dispatches):
 //   moe_trellis_gate_up_*  grid (ceil(I/32), E): for an expert with 1..16 routed rows, a
-//                          threadgroup owns 32 intermediate columns and runs the GEMV core over all
-//                          its rows (gate and up together), writing h = silu(g) * u to rows_h
-//                          [T*top_k, I] (fp32): each weight is read once.
+//                          threadgroup owns 32 intermediate columns and runs the decode core of
+//                          trellis_msl.h over all its rows (gate and up together: one staging of the
+//                          gathered activations), writing h = silu(g) * u to rows_h [T*top_k, I]
+//                          (fp32): each index byte is read once, 16 bytes per load.
 //   moe_trellis_tiled_gate_*, moe_trellis_tiled_up_*  (only when T*top_k > 16) grid
 //                          (ceil(I/64), ceil(T*top_k/64), E): experts with more than 16 rows,
-//                          64x64 simdgroup-matrix tiles over the expert's gathered rows; gate
+//                          the tiled core (64x64 simdgroup-matrix tiles) over the expert's gathered rows; gate
 //                          writes g to rows_h, up's epilogue turns it into silu(g) * u.
-//   moe_trellis_down_*     grid (ceil(H/32), E): rows_y = rows_h @ down_e, GEMV, <= 16 rows.
+//   moe_trellis_down_*     grid (ceil(H/32), E): rows_y = rows_h @ down_e, decode core, <= 16 rows.
 //   moe_trellis_tiled_down_*  grid (ceil(H/64), ceil(T*top_k/64), E): the same, > 16 rows.
 //   moe_trellis_combine_*  y[t, n] = sum_j probs[t, j] * rows_y[slot_row[t, j], n], slot order:
 //                          deterministic, no atomics.
@@ -53,6 +54,11 @@ inline void tr_expert_rows(device const int* expert_offsets, constant TrellisPar
 
 inline float tr_silu(float g) { return g / (1.0f + exp(-g)); }
 
+inline TrDecodeMat tr_decode_mat(thread const TrExpert& x) {
+  TrDecodeMat m = {x.packed, x.scales, x.grid, x.su};
+  return m;
+}
+
 template <typename T>
 [[kernel]] void moe_trellis_gate_up(device const T* x [[buffer(0)]], device const int* sorted_token [[buffer(1)]],
                                     device const int* expert_offsets [[buffer(2)]],
@@ -69,39 +75,38 @@ template <typename T>
                                     uint lid [[thread_index_in_threadgroup]],
                                     uint sgid [[simdgroup_index_in_threadgroup]],
                                     uint lane [[thread_index_in_simdgroup]]) {
+  // 16 KiB of activations (the gate and up meets reuse it) + 8 KiB of index bytes + 2 KiB of su.
+  TM_THREADGROUP_ARRAY(float, a_s, [2 * kTrDecodeRows * kTrDecodeK]);
+  TM_THREADGROUP_ARRAY(uint, raw_s, [2 * 2 * kTrRawWords]);
+  TM_THREADGROUP_ARRAY(float, su_s, [2 * 2 * kTrDecodeK]);
   constexpr uint kPart = kTrSimdgroups * kTrDecodeRows * kTrDecodeCols;
-  TM_THREADGROUP_ARRAY(float, partial, [2 * kPart]);  // gate, up: 16 KiB
   const TrMat w = tr_mat(p);
   const uint e = tgid.y;
   const TrExpert g = tr_expert(g_packed, g_scales, g_grid, g_su, g_sv, w, p.n_levels, e);
   const TrExpert u = tr_expert(u_packed, u_scales, u_grid, u_su, u_sv, w, p.n_levels, e);
   uint r_begin, r_end;
   tr_expert_rows(expert_offsets, p, e, r_begin, r_end);
-  // Experts with more than 16 rows belong to moe_trellis_tiled_*: one GEMV pass covers the rest.
+  // Experts with more than 16 rows belong to moe_trellis_tiled_*: one decode pass covers the rest.
   if (r_end == r_begin || r_end - r_begin > kTrDecodeRows) return;  // uniform across the threadgroup
-  const uint r0 = r_begin;
   const uint rows = r_end - r_begin;
-  const uint n = tgid.x * kTrDecodeCols + lane;
-  float ag[kTrDecodeRows], au[kTrDecodeRows];
+  const uint col0 = tgid.x * kTrDecodeCols;
+  const TrDecodeMat mats[2] = {tr_decode_mat(g), tr_decode_mat(u)};
+  float acc[2 * kTrDecodeRows];
+  for (uint m = 0; m < 2u * kTrDecodeRows; ++m) acc[m] = 0.0f;
+  tr_decode_core<T, true, 2>(x, sorted_token, r_begin, rows, mats, w, col0, a_s, raw_s, su_s, lid, sgid, lane, acc);
   for (uint m = 0; m < kTrDecodeRows; ++m) {
-    ag[m] = 0.0f;
-    au[m] = 0.0f;
-  }
-  tr_gemv_accumulate<T, true>(x, p.K, sorted_token, r0, rows, g.packed, g.scales, g.grid, g.su, w, n, sgid, ag);
-  tr_gemv_accumulate<T, true>(x, p.K, sorted_token, r0, rows, u.packed, u.scales, u.grid, u.su, w, n, sgid, au);
-  for (uint m = 0; m < kTrDecodeRows; ++m) {
-    partial[(sgid * kTrDecodeRows + m) * kTrDecodeCols + lane] = ag[m];
-    partial[kPart + (sgid * kTrDecodeRows + m) * kTrDecodeCols + lane] = au[m];
+    a_s[(sgid * kTrDecodeRows + m) * kTrDecodeCols + lane] = acc[m];
+    a_s[kPart + (sgid * kTrDecodeRows + m) * kTrDecodeCols + lane] = acc[kTrDecodeRows + m];
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:tr_moe_gate_up_meet]
   for (uint i = lid; i < kTrDecodeRows * kTrDecodeCols; i += kTrThreads) {
     const uint m = i / kTrDecodeCols;
     const uint c = i % kTrDecodeCols;
-    const uint col = tgid.x * kTrDecodeCols + c;
+    const uint col = col0 + c;
     if (m < rows && col < p.N) {
-      const float gv = tr_meet(partial, m, c) * g.sv[col];
-      const float uv = tr_meet(partial + kPart, m, c) * u.sv[col];
-      rows_h[(r0 + m) * p.N + col] = tr_silu(gv) * uv;
+      const float gv = tr_meet(a_s, m, c) * g.sv[col];
+      const float uv = tr_meet(a_s + kPart, m, c) * u.sv[col];
+      rows_h[(r_begin + m) * p.N + col] = tr_silu(gv) * uv;
     }
   }
 }
@@ -116,26 +121,29 @@ template <typename T>
                                  uint lid [[thread_index_in_threadgroup]],
                                  uint sgid [[simdgroup_index_in_threadgroup]],
                                  uint lane [[thread_index_in_simdgroup]]) {
-  TM_THREADGROUP_ARRAY(float, partial, [kTrSimdgroups * kTrDecodeRows * kTrDecodeCols]);  // 8 KiB
+  TM_THREADGROUP_ARRAY(float, a_s, [2 * kTrDecodeRows * kTrDecodeK]);
+  TM_THREADGROUP_ARRAY(uint, raw_s, [2 * kTrRawWords]);
+  TM_THREADGROUP_ARRAY(float, su_s, [2 * kTrDecodeK]);
   const TrMat w = tr_down_mat(p);  // [intermediate, hidden]
   const uint e = tgid.y;
   const TrExpert d = tr_expert(d_packed, d_scales, d_grid, d_su, d_sv, w, p.n_levels, e);
   uint r_begin, r_end;
   tr_expert_rows(expert_offsets, p, e, r_begin, r_end);
   if (r_end == r_begin || r_end - r_begin > kTrDecodeRows) return;  // tiled_down owns big experts
-  const uint r0 = r_begin;
   const uint rows = r_end - r_begin;
-  const uint n = tgid.x * kTrDecodeCols + lane;
+  const uint col0 = tgid.x * kTrDecodeCols;
+  const TrDecodeMat mats[1] = {tr_decode_mat(d)};
   float acc[kTrDecodeRows];
   for (uint m = 0; m < kTrDecodeRows; ++m) acc[m] = 0.0f;
-  tr_gemv_accumulate<float, false>(rows_h, w.K, nullptr, r0, rows, d.packed, d.scales, d.grid, d.su, w, n, sgid, acc);
-  for (uint m = 0; m < kTrDecodeRows; ++m) partial[(sgid * kTrDecodeRows + m) * kTrDecodeCols + lane] = acc[m];
+  tr_decode_core<float, false, 1>(rows_h, nullptr, r_begin, rows, mats, w, col0, a_s, raw_s, su_s, lid, sgid, lane,
+                                  acc);
+  for (uint m = 0; m < kTrDecodeRows; ++m) a_s[(sgid * kTrDecodeRows + m) * kTrDecodeCols + lane] = acc[m];
   threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:tr_moe_down_meet]
   for (uint i = lid; i < kTrDecodeRows * kTrDecodeCols; i += kTrThreads) {
     const uint m = i / kTrDecodeCols;
     const uint c = i % kTrDecodeCols;
-    const uint col = tgid.x * kTrDecodeCols + c;
-    if (m < rows && col < w.N) rows_y[(r0 + m) * w.N + col] = tr_meet(partial, m, c) * d.sv[col];
+    const uint col = col0 + c;
+    if (m < rows && col < w.N) rows_y[(r_begin + m) * w.N + col] = tr_meet(a_s, m, c) * d.sv[col];
   }
 }
 
@@ -160,44 +168,18 @@ template <typename T>
 }
 
 // ---- tiled path for experts with more than 16 routed rows ------------------------------------------
-// The 64x64 double-buffered structure of gemm_trellis_packed over one expert's rows: grid
+// The tiled core of trellis_msl.h (as gemm_trellis_packed) over one expert's rows: grid
 // (ceil(N_out/64), ceil(T*top_k/64), E); a threadgroup whose expert has <= 16 rows, or whose row
 // tile lies past the expert's rows, exits at once (the host cannot size the grid per expert
 // without a sync). Three dispatches: gate (out = rows_h holds g), up with SWIGLU (rows_h =
 // silu(g) * u in the epilogue, reading the g the previous dispatch wrote), down (out = rows_y).
 // X is x (type T, rows gathered through sorted_token) for gate/up and rows_h (fp32) for down.
-// Stages K block kb of the tiled MoE path: A rows gathered from X, B dequantized (without sv),
-// as tr_stage_load does for the dense prefill kernel.
-template <typename TX, bool GATHER>
-inline void tr_moe_stage(device const TX* X, device const int* sorted_token, thread const TrExpert& ex,
-                         thread const TrMat& w, threadgroup TX* As, threadgroup TX* Bs, uint r_begin, uint rows,
-                         uint row0, uint col0, uint kb, uint lid) {
-  for (uint i = lid; i < kTrTileM * kTrTileK; i += kTrThreads) {
-    const uint m = row0 + i / kTrTileK;
-    const uint k = kb + i % kTrTileK;
-    TX v = TX(0.0f);
-    if (m < rows && k < w.K) {
-      const uint src = GATHER ? uint(sorted_token[r_begin + m]) : r_begin + m;
-      v = X[src * w.K + k];
-    }
-    As[i] = v;
-  }
-  const uint r = lid / 4u;
-  const uint tc = lid % 4u;
-  const uint k = kb + r;
-  for (uint j = 0; j < TM_TRELLIS_TILE; ++j) {
-    const uint n = col0 + tc * TM_TRELLIS_TILE + j;
-    const float v = (k < w.K && n < w.N) ? tr_weight_no_sv(ex.packed, ex.scales, ex.grid, ex.su, w, k, n) : 0.0f;
-    Bs[r * kTrTileN + tc * TM_TRELLIS_TILE + j] = TX(v);
-  }
-}
-
 template <typename TX, bool GATHER, bool SWIGLU, bool DOWN>
 inline void tr_moe_tiled(device const TX* X, device const int* sorted_token, device const int* expert_offsets,
                          device const uchar* packed, device const float* scales, device const float* grid,
                          device const float* su, device const float* sv, device float* out,
-                         constant TrellisParams& p, threadgroup TX* smem, uint3 tgid, uint lid, uint sgid,
-                         uint lane) {
+                         constant TrellisParams& p, threadgroup TX* smem, threadgroup uint* raw_s, uint3 tgid,
+                         uint lid, uint sgid, uint lane) {
   const TrMat w = DOWN ? tr_down_mat(p) : tr_mat(p);
   const uint e = tgid.z;
   uint r_begin, r_end;
@@ -206,45 +188,18 @@ inline void tr_moe_tiled(device const TX* X, device const int* sorted_token, dev
   const uint row0 = tgid.y * kTrTileM;
   if (rows <= kTrDecodeRows || row0 >= rows) return;  // uniform across the threadgroup
   const TrExpert ex = tr_expert(packed, scales, grid, su, sv, w, p.n_levels, e);
-  threadgroup TX* As[2] = {smem, smem + kTrTileM * kTrTileK};
-  threadgroup TX* Bs[2] = {smem + 2 * kTrTileM * kTrTileK, smem + 2 * kTrTileM * kTrTileK + kTrTileK * kTrTileN};
   const uint col0 = tgid.x * kTrTileN;
-  const uint sg_row = (sgid / 2u) * 32u;
+  simdgroup_matrix<float, 8, 8> acc[16];
+  tr_tiled_core<TX, GATHER>(X, sorted_token, r_begin, rows, ex.packed, ex.scales, ex.grid, ex.su, w, row0, col0, smem,
+                            raw_s, lid, sgid, lane, acc);
+
+  const uint sg_first_row = row0 + (sgid / 2u) * 32u;
   const uint sg_col = (sgid % 2u) * 32u;
-  const uint sg_first_row = row0 + sg_row;
   const uint mi_count = sg_first_row >= rows ? 0u : min(4u, (rows - sg_first_row + 7u) / 8u);
-
-  simdgroup_matrix<float, 8, 8> acc[4][4];
-  for (uint mi = 0; mi < 4u; ++mi)
-    for (uint ni = 0; ni < 4u; ++ni) acc[mi][ni] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-
-  tr_moe_stage<TX, GATHER>(X, sorted_token, ex, w, As[0], Bs[0], r_begin, rows, row0, col0, 0u, lid);
-  threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:tr_moe_tiled_prologue]
-  uint buf = 0;
-  for (uint kb = 0; kb < w.K; kb += kTrTileK) {
-    if (kb + kTrTileK < w.K) {
-      tr_moe_stage<TX, GATHER>(X, sorted_token, ex, w, As[buf ^ 1u], Bs[buf ^ 1u], r_begin, rows, row0, col0,
-                               kb + kTrTileK, lid);
-    }
-    const uint k_steps = (min(kTrTileK, w.K - kb) + 7u) / 8u;
-    for (uint kt = 0; kt < k_steps; ++kt) {
-      simdgroup_matrix<TX, 8, 8> b_frag[4];
-      for (uint ni = 0; ni < 4u; ++ni)
-        simdgroup_load(b_frag[ni], Bs[buf] + kt * 8u * kTrTileN + sg_col + ni * 8u, kTrTileN);
-      for (uint mi = 0; mi < mi_count; ++mi) {
-        simdgroup_matrix<TX, 8, 8> a_frag;
-        simdgroup_load(a_frag, As[buf] + (sg_row + mi * 8u) * kTrTileK + kt * 8u, kTrTileK);
-        for (uint ni = 0; ni < 4u; ++ni) simdgroup_multiply_accumulate(acc[mi][ni], a_frag, b_frag[ni], acc[mi][ni]);
-      }
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:tr_moe_tiled_swap]
-    buf ^= 1u;
-  }
-
   threadgroup float* stage = (threadgroup float*)smem + sgid * 64u;
   for (uint mi = 0; mi < mi_count; ++mi) {
     for (uint ni = 0; ni < 4u; ++ni) {
-      simdgroup_store(acc[mi][ni], stage, 8);
+      simdgroup_store(acc[mi * 4u + ni], stage, 8);
       simdgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:tr_moe_tiled_epilogue_ready]
       for (uint i = lane; i < 64u; i += 32u) {
         const uint m = sg_first_row + mi * 8u + i / 8u;
@@ -272,9 +227,10 @@ template <typename T>
                                        uint lid [[thread_index_in_threadgroup]],
                                        uint sgid [[simdgroup_index_in_threadgroup]],
                                        uint lane [[thread_index_in_simdgroup]]) {
-  TM_THREADGROUP_ARRAY(T, smem, [2 * (kTrTileM * kTrTileK + kTrTileK * kTrTileN)]);
+  TM_THREADGROUP_ARRAY(T, smem, [2 * kTrStageElems]);
+  TM_THREADGROUP_ARRAY(uint, raw_s, [2 * (kTrRawRowWords + 4)]);
   tr_moe_tiled<T, true, false, false>(x, sorted_token, expert_offsets, packed, scales, grid, su, sv, rows_h, p, smem,
-                                      tgid, lid, sgid, lane);
+                                      raw_s, tgid, lid, sgid, lane);
 }
 
 template <typename T>
@@ -288,9 +244,10 @@ template <typename T>
                                      uint lid [[thread_index_in_threadgroup]],
                                      uint sgid [[simdgroup_index_in_threadgroup]],
                                      uint lane [[thread_index_in_simdgroup]]) {
-  TM_THREADGROUP_ARRAY(T, smem, [2 * (kTrTileM * kTrTileK + kTrTileK * kTrTileN)]);
+  TM_THREADGROUP_ARRAY(T, smem, [2 * kTrStageElems]);
+  TM_THREADGROUP_ARRAY(uint, raw_s, [2 * (kTrRawRowWords + 4)]);
   tr_moe_tiled<T, true, true, false>(x, sorted_token, expert_offsets, packed, scales, grid, su, sv, rows_h, p, smem,
-                                     tgid, lid, sgid, lane);
+                                     raw_s, tgid, lid, sgid, lane);
 }
 
 template <typename T>
@@ -305,10 +262,11 @@ template <typename T>
                                        uint lid [[thread_index_in_threadgroup]],
                                        uint sgid [[simdgroup_index_in_threadgroup]],
                                        uint lane [[thread_index_in_simdgroup]]) {
-  // fp32 A and B tiles: 32 KiB, the whole budget (rows_h is fp32 scratch).
-  TM_THREADGROUP_ARRAY(float, smem, [2 * (kTrTileM * kTrTileK + kTrTileK * kTrTileN)]);
+  // fp32 A and B tiles (rows_h is fp32 scratch): 21.5 KiB.
+  TM_THREADGROUP_ARRAY(float, smem, [2 * kTrStageElems]);
+  TM_THREADGROUP_ARRAY(uint, raw_s, [2 * (kTrRawRowWords + 4)]);
   tr_moe_tiled<float, false, false, true>(rows_h, sorted_token, expert_offsets, packed, scales, grid, su, sv, rows_y,
-                                          p, smem, tgid, lid, sgid, lane);
+                                          p, smem, raw_s, tgid, lid, sgid, lane);
 }
 
 #define TM_TRELLIS_MOE_INSTANTIATE_DTYPE(tname, T)                               \

@@ -81,7 +81,7 @@ def assert_matches_declaration(dispatch):
     params_type, _ = decl[-1]
     assert params_type == f"constant {dispatch['params_type']}&", (dispatch["kernel"], params_type)
     assert dispatch["params_bytes"] == {"QuantGemmParams": 48, "QuantReduceParams": 16,
-                                        "TrellisParams": 80}[dispatch["params_type"]]
+                                        "TrellisParams": 92}[dispatch["params_type"]]
 
 
 @pytest.fixture(scope="module")

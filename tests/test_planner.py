@@ -494,5 +494,17 @@ def test_plan_trellis_forced_families_and_keys():
         torch_marlin.plan_trellis(1, 64, 64, 2, 32, device="cuda", caps=H100)
     p = torch_marlin.plan_trellis(20, 64, 64, 2, 32, device="metal", caps=dict(compute_units=10))
     assert set(p) == {"family", "kernel", "grid", "threads", "tile_m", "tile_n", "m_tiles", "n_tiles", "k_chunk",
-                      "backend", "compute_units", "max_shared_memory", "wgmma", "thread_block_clusters"}
+                      "tile_k", "k_vec4", "backend", "compute_units", "max_shared_memory", "wgmma",
+                      "thread_block_clusters"}
     assert (p["backend"], p["compute_units"], p["m_tiles"], p["n_tiles"]) == ("metal", 10, 1, 1)
+
+
+def test_plan_trellis_metal_k_blocks_and_vector_reads():
+    # Decode stages K in blocks of 8 tile rows, the tiled kernels one tile row (16) per block; the
+    # activation rows are read 4 elements at a time only when their length is a multiple of 4.
+    dec = torch_marlin.plan_trellis(1, 4096, 4096, 3, 128, device="metal", caps=M1)
+    pre = torch_marlin.plan_trellis(64, 4096, 4096, 3, 128, device="metal", caps=M1)
+    assert (dec["tile_k"], dec["k_vec4"], pre["tile_k"], pre["k_vec4"]) == (128, True, 16, True)
+    assert not torch_marlin.plan_trellis(1, 4098, 4096, 3, 128, device="metal", caps=M1)["k_vec4"]
+    assert not torch_marlin.plan_trellis(64, 37, 64, 3, 32, device="metal", caps=M1)["k_vec4"]
+    assert torch_marlin.plan_trellis(1, 64, 64, 3, 32)["tile_k"] == 0  # the CPU kernels have no K blocks

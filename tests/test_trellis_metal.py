@@ -58,7 +58,7 @@ def check_close(C, A, W, dtype):
 
 @pytest.mark.parametrize("family,M", [("decode", 9), ("staged_tiles", 1), ("staged_tiles", 65)])
 def test_gemm_longer_k_and_forced_families(emu, family, M):
-    K, N, bits, gs = 1040, 130, 3, 128  # 33 K blocks of 32: many double-buffer swaps
+    K, N, bits, gs = 1040, 130, 3, 128  # 65 tiled K blocks, 9 decode K blocks: many double-buffer swaps
     w = random_trellis(K, N, bits, gs, seed=5)
     A = torch.randn(M, K).half()
     C, plan = emu.gemm(A, list(w), K, N, bits, gs, family, "random", 3)
@@ -129,6 +129,49 @@ def test_every_planned_kernel_is_instantiated(emu):
             assert f"{stem}_{dt}" in names
 
 
+# ---- decode / tiled edge paths -------------------------------------------------------------------
+# The decode kernel stages K in blocks of 128 rows (8 tile rows) and two tile columns per
+# threadgroup; K = 272 is two full blocks plus one of a single tile row (and a partial tile), and
+# N = 80 leaves a threadgroup with one tile column. Group size 48 puts a scale group boundary
+# inside a tile-row pair of one simdgroup; 16 changes the group at every tile row.
+
+@pytest.mark.parametrize("M", range(1, 17))
+def test_decode_every_row_count(emu, M):
+    dtype, bits = DTYPES[(M // 3) % 3], (2, 3, 4)[M % 3]  # every (dtype, bits) pair over M = 1..16
+    K, N, gs = 272, 80, 48
+    w = random_trellis(K, N, bits, gs, seed=M)
+    A = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
+    C, plan = emu.gemm(A, list(w), K, N, bits, gs, "auto", schedule_for("rows", M), M)
+    assert plan["family"] == "decode" and plan["tile_k"] == 128 and plan["k_vec4"]
+    check_close(C, A, dense(w, K, N, bits, gs), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("M,K,N,gs", [(1, 37, 16, 16), (16, 201, 77, 32), (3, 160, 200, 128)])
+def test_decode_shapes(emu, dtype, bits, M, K, N, gs):
+    # K = 37 / 201: rows not 16-byte aligned (element-wise activation reads), partial tiles; N = 16:
+    # one tile column in the whole matrix; N = 77 / 200: partial last tiles.
+    w = random_trellis(K, N, bits, gs, seed=K + bits)
+    A = torch.randn(M, K, generator=torch.Generator().manual_seed(K)).to(dtype)
+    C, plan = emu.gemm(A, list(w), K, N, bits, gs, "auto", schedule_for(dtype, bits, K), 1)
+    assert plan["family"] == "decode" and plan["k_vec4"] == (K % 4 == 0)
+    check_close(C, A, dense(w, K, N, bits, gs), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_tiled_shapes(emu, dtype, bits):
+    # Row tail (M = 70), column tail and a single-tile last column block (N = 150), K not a
+    # multiple of 4 with a partial tile and group size 48 (group changes between K blocks).
+    M, K, N, gs = 70, 203, 150, 48
+    w = random_trellis(K, N, bits, gs, seed=bits)
+    A = torch.randn(M, K, generator=torch.Generator().manual_seed(bits)).to(dtype)
+    C, plan = emu.gemm(A, list(w), K, N, bits, gs, "auto", schedule_for("tiled", dtype, bits), 2)
+    assert plan["family"] == "staged_tiles" and plan["tile_k"] == 16 and not plan["k_vec4"]
+    check_close(C, A, dense(w, K, N, bits, gs), dtype)
+
+
 # ---- MoE ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("top_k", [1, 2])
@@ -170,6 +213,23 @@ def test_moe_dtypes_and_cpu_agreement(emu, dtype):
     assert float((y.double() - y_cpu.double()).abs().max()) <= 2 * eps * float(ref.abs().max())
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("T,top_k", [(1, 1), (1, 4), (3, 3), (4, 4), (2, 8)])
+def test_moe_decode_experts_top_k(emu, bits, T, top_k):
+    # T * top_k <= 16: every expert takes the decode kernels (gate_up, down); several experts with
+    # one or more rows each, and H / I not multiples of 4 (element-wise activation reads) or of 32.
+    H, I, E, gs = 130 if bits == 3 else 128, 90 if bits == 2 else 96, 8, 32
+    gate, up, down, ids, probs = moe_case(T, H, I, E, top_k, bits, gs, "random", seed=T * 10 + top_k + bits)
+    x = torch.randn(T, H) * 0.5
+    y, plan = emu.moe(x, list(gate), list(up), list(down), ids, probs, I, bits, gs,
+                      schedule_for("moe", bits, T, top_k), 4)
+    assert plan["family"] == "decode" and "tiled_up" not in plan
+    assert plan["k_vec4"] == (H % 4 == 0) and plan["down_k_vec4"] == (I % 4 == 0)
+    ref = moe_reference(x, gate, up, down, ids, probs, H, I, bits, gs)
+    assert not torch.isnan(y).any()
+    torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()))
+
+
 # ---- the harness catches a missing barrier ----------------------------------------------------------
 
 def test_every_barrier_is_needed(emu):
@@ -203,7 +263,7 @@ def test_every_barrier_is_needed(emu):
         return True
 
     tags = trellis_metal_emu.barrier_tags()
-    assert len(tags) == 11, tags
+    assert len(tags) == 10, tags
     try:
         for s in SCHEDULES:
             emu.set_dropped_barrier("")

@@ -81,7 +81,9 @@ def plan_trellis(M: int, K: int, N: int, bits: int = 3, group_size: int = 128, d
     """The plan ``gemm_trellis`` would execute: M <= 16 -> ``decode`` (``gemm_trellis_packed_decode``,
     GEMV layout, on Metal; ``cpu_trellis_decode``), else ``staged_tiles`` on Metal
     (``gemm_trellis_packed``, 64x64 tiles) and ``dequant_blas`` on the CPU (``cpu_trellis_prefill``).
-    Keys: ``family, kernel, grid, threads, tile_m, tile_n, m_tiles, n_tiles, k_chunk`` and the caps.
+    Keys: ``family, kernel, grid, threads, tile_m, tile_n, m_tiles, n_tiles, k_chunk, tile_k, k_vec4`` and
+    the caps (``tile_k``: K rows per block of the Metal kernel; ``k_vec4``: activation rows read 4 elements
+    at a time).
     ``device``, ``caps`` and ``family`` as for :func:`plan_gemm`."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")

@@ -158,6 +158,9 @@ inline py::dict trellis_plan_to_dict(const TrellisPlan& p) {
   d["m_tiles"] = p.params.m_tiles;
   d["n_tiles"] = p.params.n_tiles;
   d["k_chunk"] = p.k_chunk;
+  d["tile_k"] = p.params.tile_k;
+  d["k_vec4"] = p.params.k_vec4 != 0;
+  if (p.params.num_experts != 0) d["down_k_vec4"] = p.params.down_k_vec4 != 0;
   const std::pair<const char*, const TrellisLaunch*> stages[] = {
       {"down", &p.down}, {"combine", &p.combine}, {"tiled_gate", &p.tiled_gate},
       {"tiled_up", &p.tiled_up}, {"tiled_down", &p.tiled_down}};

@@ -8,16 +8,22 @@ namespace {
 
 uint32_t cdiv(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 1) / b); }
 
-// Metal geometry (metal/trellis_gemm.metal, metal/trellis_moe.metal):
+// Metal geometry (metal/trellis_gemm.metal, metal/trellis_moe.metal; the numbers live in
+// trellis_params.h, shared with the kernels):
+//  - decode (M <= 16, and the MoE's experts with <= 16 rows): 32 output columns (two tile
+//    columns) x all rows per threadgroup, lane l owns column l; K in blocks of 8 tile rows (128)
+//    whose index bytes are one contiguous run per tile row, staged with 16-byte loads. A 32x128
+//    tile would compute 31 wasted rows at M = 1 and give only N/128 threadgroups.
 //  - prefill: 64x64 output tile, 128 threads = 4 simdgroups as a 2x2 grid of 32x32 sub-tiles,
-//    K step 32 with double-buffered A and a cooperatively dequantized 32x64 B tile.
-//  - decode: GEMV layout, 32 output columns x all M <= 16 rows per threadgroup; lane l owns
-//    column l, the 4 simdgroups split the 16-row trellis tiles of K round-robin and meet in
-//    threadgroup memory. A 32x128 tile would compute 32 rows for M = 1 and give only N/128
-//    threadgroups; 32 columns gives 4x more threadgroups and no wasted rows.
-constexpr uint32_t kMetalThreads = 128;
-constexpr uint32_t kMetalPrefillTile = 64;
-constexpr uint32_t kMetalDecodeTileN = 32;
+//    K blocks of one tile row (16): double-buffered padded A and decoded-B tiles stay at 21.5 KiB
+//    in fp32 (a 32-row K block would need 39 KiB with padding), under the 28 KiB budget.
+//  - k_vec4: activation rows (and su) are read 4 elements at a time when their length is a
+//    multiple of 4 (16-byte aligned rows), element by element otherwise.
+constexpr uint32_t kMetalThreads = TM_TRELLIS_THREADS;
+constexpr uint32_t kMetalPrefillTile = TM_TRELLIS_PREFILL_TILE;
+constexpr uint32_t kMetalPrefillTileK = TM_TRELLIS_PREFILL_TILE_K;
+constexpr uint32_t kMetalDecodeTileN = TM_TRELLIS_DECODE_COLS;
+constexpr uint32_t kMetalDecodeTileK = TM_TRELLIS_DECODE_K_TILES * TM_TRELLIS_TILE;
 constexpr uint32_t kMetalDequantThreads = TM_TRELLIS_TILE_ELEMS;
 constexpr uint32_t kMetalCombineThreads = 256;
 
@@ -104,11 +110,14 @@ TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int
       const std::string suffix = std::string("_") + dtype_name(dtype);
       if (decode) {
         set_tiles(p.params, M, N, uint32_t(kDecodeMaxM), kMetalDecodeTileN);
+        p.params.tile_k = kMetalDecodeTileK;
         p.main.kernel = "gemm_trellis_packed_decode" + suffix;
       } else {
         set_tiles(p.params, M, N, kMetalPrefillTile, kMetalPrefillTile);
+        p.params.tile_k = kMetalPrefillTileK;
         p.main.kernel = "gemm_trellis_packed" + suffix;
       }
+      p.params.k_vec4 = K % 4 == 0 ? 1u : 0u;
       p.main.grid[0] = p.params.n_tiles;
       p.main.grid[1] = p.params.m_tiles;
       p.main.threads[0] = kMetalThreads;
@@ -183,6 +192,10 @@ TrellisPlan plan_trellis_moe(int64_t tokens, int64_t hidden, int64_t intermediat
                           "plan_trellis_moe");
       const std::string suffix = std::string("_") + dtype_name(dtype);
       set_tiles(p.params, kDecodeMaxM, intermediate, uint32_t(kDecodeMaxM), kMetalDecodeTileN);
+      // The decode stages' K block; the tiled stages (when planned) step kMetalPrefillTileK.
+      p.params.tile_k = kMetalDecodeTileK;
+      p.params.k_vec4 = hidden % 4 == 0 ? 1u : 0u;
+      p.params.down_k_vec4 = intermediate % 4 == 0 ? 1u : 0u;
       p.main.kernel = "moe_trellis_gate_up" + suffix;
       p.main.grid[0] = p.params.n_tiles;
       p.main.grid[1] = E;

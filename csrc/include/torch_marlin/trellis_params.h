@@ -19,6 +19,13 @@ TM_NAMESPACE_BEGIN
 #define TM_TRELLIS_MAX_BITS 4u
 #define TM_TRELLIS_MAX_LEVELS 16u
 
+// ---- Metal kernel geometry (the planner and the kernels read the same numbers) ------------------
+#define TM_TRELLIS_THREADS 128u          // every GEMM / MoE threadgroup: 4 simdgroups of 32
+#define TM_TRELLIS_DECODE_COLS 32u       // decode: output columns per threadgroup (two tile columns)
+#define TM_TRELLIS_DECODE_K_TILES 8u     // decode: trellis tile rows of K staged per block (128 rows)
+#define TM_TRELLIS_PREFILL_TILE 64u      // prefill / tiled MoE: 64x64 output tile
+#define TM_TRELLIS_PREFILL_TILE_K 16u    // prefill: K rows per block = one trellis tile row
+
 // Launch parameters of every trellis kernel. For the dense GEMM: C[M,N] = A[M,K] @ W[K,N].
 // For the MoE (moe_trellis): M = tokens, K = hidden size, N = intermediate size; gate/up are
 // [K, N] per expert, down is [N, K] per expert.
@@ -44,10 +51,13 @@ struct TrellisParams {
   tm_u32 down_tiles_n;  // ceil(K / 16)
   tm_u32 down_n_groups; // ceil(N / group_size)
   tm_u32 max_rows;      // M * top_k: rows of the routed (expert-sorted) buffers
+  tm_u32 tile_k;        // K rows per block of the chosen kernel (decode 128, tiled 16)
+  tm_u32 k_vec4;        // 1 when K % 4 == 0: rows of A / x (and su) are read 4 elements at a time
+  tm_u32 down_k_vec4;   // MoE: 1 when N % 4 == 0, the same for rows_h and the down su
 };
 
 #if TM_HOST_CXX
-static_assert(sizeof(TrellisParams) == 20 * 4, "TrellisParams must stay 20 x u32: MSL mirrors it");
+static_assert(sizeof(TrellisParams) == 23 * 4, "TrellisParams must stay 23 x u32: MSL mirrors it");
 static_assert(alignof(TrellisParams) == 4, "TrellisParams alignment");
 #endif
 
