@@ -17,3 +17,31 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: real-model tests that take minutes on 2 cores (deselect with -m 'not slow')")
     config.addinivalue_line("markers", "metal_emu: the Metal kernels in the Metal-on-CPU harness (tests/backends.py; "
                                        "deselect with -m 'not metal_emu')")
+
+
+def pytest_sessionstart(session):
+    # Harness build messages reach the terminal while pytest captures test output.
+    import metal_emu
+
+    capman = session.config.pluginmanager.getplugin("capturemanager")
+
+    def announce(message):
+        if capman is None:
+            print(message, file=sys.stderr, flush=True)
+            return
+        with capman.global_and_fixture_disabled():
+            sys.stderr.write(message + "\n")
+            sys.stderr.flush()
+
+    metal_emu.announce = announce
+
+
+def pytest_report_header(config):
+    import metal_emu
+
+    missing = [n for n in metal_emu.HARNESS_MODULES if metal_emu.built_module(n) is None]
+    if not missing:
+        return "Metal-on-CPU harness: built (build/), reused"
+    return (f"Metal-on-CPU harness: {len(missing)} of {len(metal_emu.HARNESS_MODULES)} modules not built yet; the "
+            "first test that needs one compiles it (several minutes each on 2 cores, about 4 for the main one; "
+            "a line says when)")
