@@ -1,8 +1,9 @@
-"""scripts/patch_hf_model.py's argument handling, run as a user runs it (a subprocess): a bad
-argument, a device this machine lacks or a model path that does not exist ends with one
-``patch_hf_model.py: error: ...`` line on stderr, no traceback and exit status 2, before any model
-is loaded; ``--help`` states every default. The latency notes are checked on fake timings.
-About 5 s per subprocess (importing torch)."""
+"""scripts/patch_hf_model.py's argument handling: a bad argument, a device this machine lacks or a
+model path that does not exist ends with one ``patch_hf_model.py: error: ...`` line on stderr and
+exit status 2, before any model is loaded; ``--help`` states every default. Most cases call
+``main()`` in-process; two run the script as a user does (a subprocess, ~20 s each on a loaded
+2-core machine: importing torch) to show no traceback reaches the terminal. The latency notes are
+checked on fake timings."""
 
 import os
 import subprocess
@@ -22,14 +23,22 @@ def run_cli(*args):
                           env=dict(os.environ, PYTHONWARNINGS="ignore"))
 
 
-def assert_one_line_error(result, *fragments):
-    assert result.returncode == 2, result
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
+def assert_one_line_error(code, stderr, stdout, *fragments):
+    assert code == 2, (code, stderr)
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
     assert lines[0].startswith("patch_hf_model.py: error: "), lines[0]
     for f in fragments:
         assert f in lines[0], (f, lines[0])
-    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert "Traceback" not in stderr and stdout == ""
+
+
+def main_error(capsys, *args):
+    import patch_hf_model
+    with pytest.raises(SystemExit) as e:
+        patch_hf_model.main(list(args))
+    out = capsys.readouterr()
+    return e.value.code, out.err, out.out
 
 
 @pytest.mark.parametrize("args, fragments", [
@@ -47,27 +56,40 @@ def assert_one_line_error(result, *fragments):
     (["--device", "gpu"], ["--device", "'gpu' is not a device"]),
     (["--device", "meta"], ["no kernels for 'meta'"]),
 ])
-def test_bad_arguments_end_in_one_line(args, fragments):
-    assert_one_line_error(run_cli("--device", "cpu", *args) if "--device" not in args else run_cli(*args),
-                          *fragments)
+def test_bad_arguments_end_in_one_line(capsys, monkeypatch, args, fragments):
+    monkeypatch.setattr(sys, "argv", [SCRIPT])
+    if "--device" not in args:
+        args = ["--device", "cpu", *args]
+    assert_one_line_error(*main_error(capsys, *args), *fragments)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
-def test_missing_cuda_device_ends_in_one_line():
-    assert_one_line_error(run_cli("--device", "cuda"), "--device cuda:", "use --device cpu")
+def test_missing_cuda_device_ends_in_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [SCRIPT])
+    assert_one_line_error(*main_error(capsys, "--device", "cuda"), "--device cuda:", "use --device cpu")
 
 
 @pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")
-def test_missing_mps_device_ends_in_one_line():
-    assert_one_line_error(run_cli("--device", "mps"), "--device mps: MPS is not available", "use --device cpu")
+def test_missing_mps_device_ends_in_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [SCRIPT])
+    assert_one_line_error(*main_error(capsys, "--device", "mps"), "--device mps: MPS is not available",
+                          "use --device cpu")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--group-size", "100"], "positive multiple of 8"),
+    (["--device", "cpu", "--model", "/nonexistent/model_dir"], "does not exist"),
+])
+def test_script_run_by_a_user_prints_no_traceback(args, fragment):
+    r = run_cli(*args)
+    assert_one_line_error(r.returncode, r.stderr, r.stdout, fragment)
 
 
 def test_help_states_every_default():
     import patch_hf_model
     options = [a.option_strings[0] for a in patch_hf_model.build_parser()._actions if a.dest != "help"]
-    out = run_cli("--help")
-    assert out.returncode == 0
-    text = " ".join(out.stdout.split())
+    text = " ".join(patch_hf_model.build_parser().format_help().split())
+    text = text[text.index("options:"):]
     assert text.count("(default: ") == len(options) == 11
     for option, default in [("--model", "minilm"), ("--group-size", "128"), ("--skip", "['lm_head']"),
                             ("--repeats", "3")]:

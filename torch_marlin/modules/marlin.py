@@ -26,8 +26,9 @@ class MarlinLinear(nn.Module):
     ``scales`` ``[K/group_size, N]``, ``zeros`` uint8 ``[K/group_size, N]`` (``u4`` only) and
     ``bias`` ``[N]``. ``K = in_features``, ``N = out_features``. Any leading batch dimensions;
     fp16, bf16 or fp32 inputs (scales and bias follow the input dtype). The op picks the decode
-    kernel for small M (<= 16 rows on Metal, 8 on CPU, 128 on CUDA) and the prefill kernel above
-    (see :func:`torch_marlin.plan_gemm`).
+    kernel for small M (<= 16 rows on Metal, 8 on CPU, 16 to 128 on CUDA by GPU, shape and group
+    size) and the prefill kernel above (see :func:`torch_marlin.plan_gemm`). Inference-only: a
+    backward pass that needs the input's gradient raises.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, format: str = "fp4",
