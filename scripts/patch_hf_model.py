@@ -15,7 +15,9 @@ No network access is needed or attempted (HF_HUB_OFFLINE=1). Progress bars only 
 """
 
 import argparse
+import contextlib
 import copy
+import functools
 import os
 import sys
 import time
@@ -153,6 +155,32 @@ def show_progress():
     return sys.stderr.isatty()
 
 
+@contextlib.contextmanager
+def progress_bars(enabled):
+    """Turns off every tqdm bar while the model loads and runs (transformers' GGUF loader has its
+    own, and tqdm reads its environment switch when first imported, which torch already did)."""
+    if enabled:
+        yield
+        return
+    import tqdm.std
+
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        hf_logging = None  # evaluation.load_hf_model says what to install
+    hf_bars = hf_logging is not None and hf_logging.is_progress_bar_enabled()
+    init = vars(tqdm.std.tqdm)["__init__"]
+    tqdm.std.tqdm.__init__ = functools.partialmethod(init, disable=True)
+    if hf_bars:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        tqdm.std.tqdm.__init__ = init
+        if hf_bars:
+            hf_logging.enable_progress_bar()
+
+
 def fmt_row(cells, widths):
     return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
 
@@ -278,13 +306,11 @@ def main(argv=None):
     if dtype is None:
         dtype = torch.float32 if dev.type == "cpu" else torch.float16
     progress = show_progress()
-    if not progress:
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-        try:
-            import transformers
-            transformers.utils.logging.disable_progress_bar()
-        except ImportError:
-            pass  # evaluation.load_hf_model says what to install
+    with progress_bars(progress):
+        run(args, dev, path, dtype, progress, t_start)
+
+
+def run(args, dev, path, dtype, progress, t_start):
     print(f"torch_marlin {torch_marlin.__version__}, torch {torch.__version__}, device {dev}, dtype "
           f"{str(dtype).replace('torch.', '')}, {torch.get_num_threads()} CPU threads")
     print(f"model: {path}")

@@ -17,6 +17,10 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: real-model tests that take minutes on 2 cores (deselect with -m 'not slow')")
     config.addinivalue_line("markers", "metal_emu: the Metal kernels in the Metal-on-CPU harness (tests/backends.py; "
                                        "deselect with -m 'not metal_emu')")
+    # torch.compile's inductor imports torch/utils/mkldnn.py, whose classes use the deprecated
+    # torch.jit.script_method: torch's own warning, repeated per class; torch_marlin uses no TorchScript.
+    config.addinivalue_line("filterwarnings",
+                            r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning:torch\.jit\._script")
 
 
 def pytest_sessionstart(session):

@@ -116,3 +116,21 @@ def test_latency_notes_say_when_and_why_the_quantized_model_is_slower(monkeypatc
     lat2.measure([], "forward latency, 1 sentence (ms, min / median)", None, None)
     notes = lat2.notes(torch.device("cpu"), "fp4", torch.float32, report)
     assert len(notes) == 1 and notes[0].startswith("note: latencies vary up to 3.0x between runs")
+
+
+def test_progress_bars_off_when_not_a_terminal_and_back_after():
+    import io
+
+    import patch_hf_model
+    from tqdm.auto import tqdm
+
+    def bar_output():
+        out = io.StringIO()
+        for _ in tqdm(range(3), desc="converting", file=out, mininterval=0):
+            pass
+        return out.getvalue()
+
+    assert "converting" in bar_output()
+    with patch_hf_model.progress_bars(False):
+        assert bar_output() == ""
+    assert "converting" in bar_output()
