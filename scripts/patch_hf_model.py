@@ -125,6 +125,10 @@ def check_device(name):
                  "MPS); use --device cpu" + (" or cuda" if torch.cuda.is_available() else ""))
     elif dev.type != "cpu":
         fail(f"--device: torch_marlin has no kernels for {dev.type!r} (expected auto, cpu, cuda or mps)")
+    try:
+        torch_marlin._C.device_caps(str(dev))  # raises when this build of torch_marlin lacks the backend
+    except (ValueError, RuntimeError) as e:
+        fail(f"--device {name}: {str(e).splitlines()[0]}")
     return dev
 
 
