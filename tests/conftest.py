@@ -24,7 +24,7 @@ def pytest_configure(config):
 
 
 def pytest_sessionstart(session):
-    # Harness build messages reach the terminal while pytest captures test output.
+    # Harness build messages reach the terminal while pytest captures test output (-q included).
     import metal_emu
 
     capman = session.config.pluginmanager.getplugin("capturemanager")
@@ -38,14 +38,8 @@ def pytest_sessionstart(session):
             sys.stderr.flush()
 
     metal_emu.announce = announce
-
-
-def pytest_report_header(config):
-    import metal_emu
-
     missing = [n for n in metal_emu.HARNESS_MODULES if metal_emu.built_module(n) is None]
-    if not missing:
-        return "Metal-on-CPU harness: built (build/), reused"
-    return (f"Metal-on-CPU harness: {len(missing)} of {len(metal_emu.HARNESS_MODULES)} modules not built yet; the "
-            "first test that needs one compiles it (several minutes each on 2 cores, about 4 for the main one; "
-            "a line says when)")
+    if missing:
+        announce(f"tests: {len(missing)} of {len(metal_emu.HARNESS_MODULES)} Metal-on-CPU harness modules are not built "
+                 "yet; the first test that needs one compiles it into build/ (about 4 minutes for the main one on "
+                 "an idle 2-core machine; a line says when each starts and ends)")
