@@ -215,7 +215,7 @@ class Latency:
         if worst > 1.5:
             out.append(f"note: latencies vary up to {worst:.1f}x between runs (median vs min of {self.repeats}): "
                        "other work is sharing this machine; compare the mins, or rerun with more --repeats")
-        slower = [label.split(",")[0].split(" (")[0] for label, _, _, s in self.rows if s]
+        slower = [label.split(" (")[0] for label, _, _, s in self.rows if s]
         if slower:
             out.append(f"note: the quantized model is slower here ({'; '.join(slower)}). " +
                        why_slower(device, fmt, dtype, report))

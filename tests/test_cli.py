@@ -109,7 +109,7 @@ def test_latency_notes_say_when_and_why_the_quantized_model_is_slower(monkeypatc
     assert len(notes) == 1
     decode_rows, family = patch_hf_model.kernel_regimes(torch.device("cpu"), "fp4", torch.float32)
     assert (decode_rows, family) == (8, "dequant_blas")  # the CPU policy (torch_marlin/planner.py)
-    assert notes[0].startswith("note: the quantized model is slower here (prefill latency). On the CPU")
+    assert notes[0].startswith("note: the quantized model is slower here (prefill latency, 100 tokens). On the CPU")
     assert "more than 8 rows" in notes[0] and "(dequant_blas)" in notes[0] and "40.0 -> 6.0 MiB" in notes[0]
     # A noisy pair (median 3x its min) gets its own note; equal speed gets no slower-note.
     lat2 = patch_hf_model.Latency(repeats=3)
