@@ -4,7 +4,8 @@
 
 CPU sources always; the MPS sources (csrc/mps/*.mm, with the metal/ kernels embedded as source)
 on macOS, unless TORCH_MARLIN_NO_MPS=1; the CUDA sources only when the installed torch has CUDA and
-nvcc is found (TORCH_MARLIN_NO_CUDA=1 skips them even then). On macOS the build also compiles each
+nvcc is found (TORCH_MARLIN_NO_CUDA=1 skips them even then), on Linux with g++-12 when CXX is not
+set and the default compiler is g++ 13 or newer (csrc/cuda/host_compiler.py says why). On macOS the build also compiles each
 metal/*.metal file into a Metal library installed as torch_marlin/metallib/<stem>-<hash>.metallib,
 when Apple's Metal compiler is there (csrc/mps/build_metal.py, docs/metal.md "Building on macOS").
 The C++ standard is the one torch's cpp_extension picks for the installed torch.
@@ -22,7 +23,9 @@ from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "csrc", "mps"))
+sys.path.insert(0, os.path.join(ROOT, "csrc", "cuda"))
 import build_metal  # noqa: E402  (csrc/mps/build_metal.py: the macOS build steps)
+import host_compiler  # noqa: E402  (csrc/cuda/host_compiler.py: g++-12 over g++ 13+ for CUDA builds)
 
 METAL_DIR = os.path.join(ROOT, "metal")
 METAL_INCLUDE_DIR = os.path.join(ROOT, "csrc", "include")
@@ -73,6 +76,10 @@ def build_extension():
 
     ext_cls = cpp_extension.CppExtension
     if want_cuda():
+        env, message = host_compiler.choose_host_compiler(os.environ, sys.platform)
+        os.environ.update(env)
+        if message:
+            print(message, file=sys.stderr)
         sources += rel("csrc/cuda/*.cu")
         define_macros.append(("TM_WITH_CUDA", "1"))
         # sm_90a (not sm_90): the wgmma kernel needs the arch-specific target. Its cubin loads on
@@ -131,7 +138,7 @@ setup(
     version="0.1.0",
     description="Weight-quantized (FP4 / INT4 / trellis) GEMM kernels for PyTorch: Metal, CUDA and CPU",
     packages=find_packages(include=["torch_marlin", "torch_marlin.*"]),
-    python_requires=">=3.9",
+    python_requires=">=3.11",
     # torch is installed first (README): with it present, this range installs nothing more. Never
     # run `pip install .` on a machine without torch unless a CUDA torch download is what you want.
     install_requires=["torch>=2.4", "numpy>=1.24", "safetensors>=0.4", "tqdm>=4.60"],

@@ -132,8 +132,9 @@ def read_lines(path: str) -> List[str]:
         return [ln.strip() for ln in f if ln.strip()]
 
 
-def timed(fn, repeats: int = 3, warmup: int = 1) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
+def timed(fn, repeats: int = 3, warmup: int = 1) -> Tuple[float, float]:
+    """``(min, median)`` seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs. The min is
+    the least disturbed by other work on the machine; a median far above it says the runs were."""
     for _ in range(warmup):
         fn()
     ts = []
@@ -141,7 +142,8 @@ def timed(fn, repeats: int = 3, warmup: int = 1) -> float:
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2]
+    ts.sort()
+    return ts[0], ts[len(ts) // 2]
 
 
 def default_model_path(kind: Optional[str] = None) -> str:

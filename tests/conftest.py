@@ -17,3 +17,29 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: real-model tests that take minutes on 2 cores (deselect with -m 'not slow')")
     config.addinivalue_line("markers", "metal_emu: the Metal kernels in the Metal-on-CPU harness (tests/backends.py; "
                                        "deselect with -m 'not metal_emu')")
+    # torch.compile's inductor imports torch/utils/mkldnn.py, whose classes use the deprecated
+    # torch.jit.script_method: torch's own warning, repeated per class; torch_marlin uses no TorchScript.
+    config.addinivalue_line("filterwarnings",
+                            r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning:torch\.jit\._script")
+
+
+def pytest_sessionstart(session):
+    # Harness build messages reach the terminal while pytest captures test output (-q included).
+    import metal_emu
+
+    capman = session.config.pluginmanager.getplugin("capturemanager")
+
+    def announce(message):
+        if capman is None:
+            print(message, file=sys.stderr, flush=True)
+            return
+        with capman.global_and_fixture_disabled():
+            sys.stderr.write(message + "\n")
+            sys.stderr.flush()
+
+    metal_emu.announce = announce
+    missing = [n for n in metal_emu.HARNESS_MODULES if metal_emu.built_module(n) is None]
+    if missing:
+        announce(f"tests: {len(missing)} of {len(metal_emu.HARNESS_MODULES)} Metal-on-CPU harness modules are not built "
+                 "yet; the first test that needs one compiles it into build/ (about 4 minutes for the main one on "
+                 "an idle 2-core machine; a line says when each starts and ends)")

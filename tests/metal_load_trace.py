@@ -136,20 +136,24 @@ def _build(name, bindings, plan_sources, kernel_sources, build_dir, verbose=Fals
         return _modules[name]
     clang = clang_or_raise()
     os.makedirs(build_dir, exist_ok=True)
-    objs = _compile_kernels(clang, kernel_sources, build_dir)
-    from torch.utils import cpp_extension
-    cflags = ["-O2", "-std=c++17", "-Wno-attributes", "-Wno-unused-parameter", "-fno-strict-aliasing",
-              "-DTM_EMU_TRACE"]
-    mod = cpp_extension.load(
-        name=name,
-        sources=[os.path.join(metal_emu.EMU_DIR, f) for f in (bindings, "runtime.cpp", "load_trace.cpp")]
-        + list(plan_sources),
-        extra_include_paths=[os.path.join(ROOT, "csrc"), metal_emu.INCLUDE_DIR, metal_emu.EMU_DIR],
-        extra_cflags=cflags,
-        extra_ldflags=objs + ["-ldl"],
-        build_directory=build_dir,
-        verbose=verbose,
-    )
+
+    def build():
+        objs = _compile_kernels(clang, kernel_sources, build_dir)
+        from torch.utils import cpp_extension
+        cflags = ["-O2", "-std=c++17", "-Wno-attributes", "-Wno-unused-parameter", "-fno-strict-aliasing",
+                  "-DTM_EMU_TRACE"]
+        return cpp_extension.load(
+            name=name,
+            sources=[os.path.join(metal_emu.EMU_DIR, f) for f in (bindings, "runtime.cpp", "load_trace.cpp")]
+            + list(plan_sources),
+            extra_include_paths=[os.path.join(ROOT, "csrc"), metal_emu.INCLUDE_DIR, metal_emu.EMU_DIR],
+            extra_cflags=cflags,
+            extra_ldflags=objs + ["-ldl"],
+            build_directory=build_dir,
+            verbose=verbose,
+        )
+
+    mod = metal_emu.build_with_notice(name, build)
     _modules[name] = mod
     return mod
 

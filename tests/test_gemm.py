@@ -104,6 +104,20 @@ def test_u4_zero_points_use_low_4_bits(backend, M):
                        backend.dequant_u4(w["B"], w["scales"], w["zeros"], g))
 
 
+# N = 0 returns an empty result before any planning or launch; the harness runs planned kernels only.
+@pytest.mark.parametrize("backend, fmt, M", cases(list(itertools.product(FORMATS, [0, 1, 40])),
+                                                  skip=lambda backend, f, M: backend is METAL_EMU))
+def test_gemm_and_dequant_with_n_zero(backend, fmt, M):
+    K, g = 128, 64
+    w = {"B": torch.zeros(K // 8, 0, dtype=torch.int32), "scales": torch.zeros(K // g, 0, dtype=torch.float16),
+         "zeros": torch.zeros(K // g, 0, dtype=torch.uint8)}
+    A = torch.randn(M, K, dtype=torch.float16)
+    out = run_gemm(backend, fmt, A, w, g, torch.zeros(0, dtype=torch.float16))
+    assert out.shape == (M, 0) and out.dtype == torch.float16
+    W = run_dequant(backend, fmt, w, g)
+    assert W.shape == (K, 0) and W.dtype == torch.float16
+
+
 # The harness repeats one thread order per call; its own tests vary the order (test_metal_harness.py).
 @pytest.mark.parametrize("backend", [p for p in BACKENDS if p.values[0] is not METAL_EMU])
 def test_gemm_is_deterministic(backend):

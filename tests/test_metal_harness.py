@@ -326,8 +326,8 @@ def test_op_functions(emu):
 
 def test_harness_rejects_bad_shapes(emu):
     A, B, s, z, b, W = make_problem("fp4", 4, 128, 64, 32, torch.float16, bias=False)
-    with pytest.raises(ValueError, match="invalid shape"):
-        emu.gemm("fp4", A, B, s, None, None, 48, "auto", 0)  # 48 does not divide K = 128
+    with pytest.raises(ValueError, match=r"group_size \(48\) must divide K \(128\)"):
+        emu.gemm("fp4", A, B, s, None, None, 48, "auto", 0)
     with pytest.raises(ValueError, match="decode family handles M <= 16"):
         emu.gemm("fp4", torch.randn(17, 128).half(), B, s, None, None, 32, "decode", 0)
     with pytest.raises(ValueError, match="schedule"):

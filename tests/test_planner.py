@@ -297,6 +297,39 @@ def test_policy_rejects_bad_names():
         torch_marlin.plan_gemm("fp4", 1, 256, 64, device="meta")
 
 
+@pytest.mark.parametrize("M, K, N, g, message", [
+    (1, 100, 64, 4, "K must be a positive multiple of 8, got 100"),
+    (1, 256, 64, 12, "group_size must be a positive multiple of 8, got 12"),
+    (1, 256, 64, 96, r"group_size \(96\) must divide K \(256\)"),
+])
+def test_plan_gemm_shape_errors_are_the_ops(M, K, N, g, message):
+    with pytest.raises(ValueError, match="plan_quant_gemm: " + message):
+        torch_marlin.plan_gemm("fp4", M, K, N, g)
+    A = torch.randn(M, K, dtype=torch.float16)
+    B = torch.zeros(max(K // 8, 1), N, dtype=torch.int32)
+    scales = torch.ones(max(K // g, 1), N, dtype=torch.float16)
+    with pytest.raises(ValueError, match="gemm_fp4: " + message):
+        torch.ops.marlin.gemm_fp4(A, B, scales, g)
+
+
+def test_plan_gemm_rejects_m_and_n_out_of_range():
+    with pytest.raises(ValueError, match=r"plan_quant_gemm: M must be in \[0, 2\^32\), got -1"):
+        torch_marlin.plan_gemm("fp4", -1, 256, 64)
+    with pytest.raises(ValueError, match="plan_quant_gemm: N must be positive, got 0"):
+        torch_marlin.plan_gemm("fp4", 1, 256, 0)
+
+
+@pytest.mark.parametrize("M, K, N, bits, g, message", [
+    (1, 256, 64, 5, 32, "bits must be 2, 3 or 4, got 5"),
+    (1, 256, 64, 3, 24, "group_size must be a positive multiple of 16"),
+    (1, 0, 64, 3, 32, "K and N must be positive, got K=0, N=64"),
+    (-1, 256, 64, 3, 32, r"M must be in \[0, 2\^31\), got -1"),
+])
+def test_plan_trellis_shape_errors_name_the_argument(M, K, N, bits, g, message):
+    with pytest.raises(ValueError, match="plan_trellis_gemm: " + message):
+        torch_marlin.plan_trellis(M, K, N, bits, g)
+
+
 # ---- forced families -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device, caps, dtype, family, backend", [

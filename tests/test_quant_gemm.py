@@ -89,7 +89,7 @@ def _args(fmt="u4", K=64, N=16, g=32, dtype=torch.float16):
 @pytest.mark.parametrize("mutate, exc, pattern", [
     (lambda a: a.update(A=a["A"].to(torch.int32)), TypeError, "A must be float16, bfloat16 or float32"),
     (lambda a: a.update(A=a["A"][None]), ValueError, "A must be 2-D"),
-    (lambda a: a.update(A=a["A"][:, :32]), ValueError, "B_packed must have K/8 = 4 rows"),
+    (lambda a: a.update(A=a["A"][:, :32]), ValueError, r"A must have K = 8 \* B_packed.size\(0\) = 64 columns"),
     (lambda a: a.update(A=a["A"][:, :60]), ValueError, "K must be a positive multiple of 8"),
     (lambda a: a.update(B=a["B"].to(torch.int64)), TypeError, "B_packed must be int32"),
     (lambda a: a.update(B=a["B"][:, :8]), ValueError, r"scales must have shape \[2, 8\]"),

@@ -172,6 +172,30 @@ def test_trellis_linear_state_dict_and_validation():
         m(torch.randn(3, 65))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_trellis_linear_default_module_loads_any_from_linear_exactly(dtype):
+    # The bias is the only buffer that follows the dtype; the default module holds it in fp32,
+    # which represents every fp16/bf16/fp32 value, so the loaded module computes the same outputs.
+    lin = nn.Linear(64, 40).to(dtype)
+    with torch.no_grad():
+        lin.bias.mul_(100).add_(1 / 3)  # values fp16 cannot hold exactly, should fp32 be rounded down
+    m = tm.TrellisLinear.from_linear(lin, bits=3, group_size=32)
+    assert m.bias.dtype == dtype
+    m2 = tm.TrellisLinear(64, 40, bits=3, group_size=32)
+    assert m2.bias.dtype == torch.float32
+    m2.load_state_dict(m.state_dict())
+    assert torch.equal(m2.bias.to(dtype), m.bias)
+    x = torch.randn(5, 64).to(dtype)
+    assert torch.equal(m2(x), m(x))
+
+
+def test_trellis_linear_backward_raises_instead_of_no_gradient():
+    m = tm.TrellisLinear.from_linear(nn.Linear(64, 40), bits=3, group_size=32)
+    x = torch.randn(3, 64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="TrellisLinear: the quantized layers are inference-only"):
+        m(x).sum().backward()
+
+
 def test_trellis_moe_module():
     torch.manual_seed(1)
     H, I, E = 64, 96, 4

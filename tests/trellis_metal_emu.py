@@ -38,9 +38,9 @@ def load(verbose=False):
     build_dir = os.path.join(ROOT, "build", "trellis_metal_emu")
     os.makedirs(build_dir, exist_ok=True)
     units = metal_emu.kernel_units(SOURCES, build_dir, "tests/trellis_metal_emu.py")
-    mod = metal_emu.build_module("tm_trellis_metal_emu", ["trellis_bindings.cpp", "runtime.cpp"],
-                                 metal_emu.PLAN_SOURCES + units,
-                                 build_dir, verbose)
+    mod = metal_emu.build_with_notice("tm_trellis_metal_emu", lambda: metal_emu.build_module(
+        "tm_trellis_metal_emu", ["trellis_bindings.cpp", "runtime.cpp"], metal_emu.PLAN_SOURCES + units, build_dir,
+        verbose))
     _modules["mod"] = mod
     return mod
 

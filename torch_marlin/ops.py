@@ -6,7 +6,8 @@ that call the ops, with symbolic M included. Argument checking lives in the C++ 
 The ops are inference-only: they have no gradient formula. Each gets a fallthrough kernel at the
 Autograd key, so their outputs never require grad and the call costs nothing extra, instead of
 torch's not-implemented fallback, which records a node that warns at backward and returns no
-gradient.
+gradient. The modules pass their output through :func:`inference_only`, so a backward pass that
+needs the input's gradient fails with a clear error instead of leaving it ``None``.
 """
 
 from typing import Optional
@@ -20,6 +21,30 @@ OPS = ("gemm_fp4", "gemm_u4", "dequant_fp4", "dequant_u4", "gemm_trellis", "dequ
 _autograd = torch.library.Library("marlin", "IMPL")
 for _op in OPS:
     _autograd.impl(_op, torch.library.fallthrough_kernel, "Autograd")
+
+
+class _NoInputGradient(torch.autograd.Function):
+    """Identity on the layer's output, recorded against its input: the backward pass raises."""
+
+    @staticmethod
+    def forward(ctx, y, x, layer):
+        ctx.layer = layer
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(
+            f"{ctx.layer}: the quantized layers are inference-only and have no gradient with respect to their "
+            "input. Run them under torch.no_grad() or torch.inference_mode(), or keep gradients from reaching "
+            "them (requires_grad_(False) on the parameters before them, or detach their input).")
+
+
+def inference_only(y: torch.Tensor, x: torch.Tensor, layer: str) -> torch.Tensor:
+    """``y`` unchanged, except that when ``x`` requires grad, a backward pass through ``y`` raises
+    (naming ``layer``) instead of silently giving ``x`` no gradient."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _NoInputGradient.apply(y, x, layer)
+    return y
 
 
 def check_same_device(op: str, ref_name: str, ref: torch.Tensor, **others) -> None:

@@ -61,7 +61,8 @@ void check_shape(const at::Tensor& t, at::IntArrayRef expected, const char* op, 
 }
 
 // Checks the weight-side tensors shared by gemm and dequant; fills K, N, group_size, B, scales,
-// zeros. `ref_device`/`ref_name` is the tensor everything must sit beside.
+// zeros. `ref_device`/`ref_name` is the tensor everything must sit beside; K is A's column count
+// for a gemm (a mismatch names A) and B_packed's row count times 8 for a dequant.
 void check_weights(QuantGemmArgs& a, const at::Tensor& B, const at::Tensor& scales,
                    const c10::optional<at::Tensor>& zeros, int64_t group_size, int64_t K,
                    const at::Device& dev, const char* ref_name, const char* op) {
@@ -73,10 +74,9 @@ void check_weights(QuantGemmArgs& a, const at::Tensor& B, const at::Tensor& scal
   TORCH_CHECK_VALUE(group_size > 0 && group_size % TM_PACK_FACTOR == 0, op,
                     ": group_size must be a positive multiple of 8, got ", group_size);
   TORCH_CHECK_VALUE(K % group_size == 0, op, ": group_size (", group_size, ") must divide K (", K, ")");
-  TORCH_CHECK_VALUE(B.size(0) == K / TM_PACK_FACTOR, op, ": B_packed must have K/8 = ", K / TM_PACK_FACTOR,
-                    " rows for K = ", K, ", got ", B.size(0));
-  const int64_t N = B.size(1);
-  TORCH_CHECK_VALUE(N > 0, op, ": N (B_packed.size(1)) must be positive");
+  TORCH_CHECK_VALUE(B.size(0) * TM_PACK_FACTOR == K, op, ": A must have K = 8 * B_packed.size(0) = ",
+                    B.size(0) * TM_PACK_FACTOR, " columns (A is [M, K], B_packed [K/8, N]), got ", K);
+  const int64_t N = B.size(1);  // N = 0 is allowed: the ops return empty results without planning
   TORCH_CHECK_VALUE(N <= INT32_MAX && K <= INT32_MAX, op, ": K and N must fit in 31 bits");
   check_float_dtype(scales, op, "scales");
   check_same_device(scales, dev, op, "scales", ref_name);
@@ -124,7 +124,7 @@ QuantGemmArgs check_gemm(QuantFormat format, const at::Tensor& A, const at::Tens
 
 at::Tensor run_gemm(const QuantGemmArgs& a) {
   at::Tensor C = at::empty({a.M, a.N}, a.A.options());
-  if (a.M == 0) return C;
+  if (a.M == 0 || a.N == 0) return C;
   const DeviceCaps caps = device_caps(a.A.device());
   const GemmPlan plan = plan_quant_gemm(a.format, a.M, a.K, a.N, a.group_size, a.dtype, a.bias.defined(), caps);
   at::Tensor workspace;
@@ -146,6 +146,7 @@ at::Tensor run_gemm(const QuantGemmArgs& a) {
 
 at::Tensor run_dequant(const QuantGemmArgs& a) {
   at::Tensor W = at::empty({a.K, a.N}, a.scales.options());
+  if (a.N == 0) return W;
   switch (a.B.device().type()) {
     case at::kCPU: quant_dequant_cpu(a, W); break;
 #ifdef TM_WITH_MPS

@@ -155,13 +155,28 @@ KernelFamily choose_family(int64_t M, int64_t K, int64_t N, int64_t group_size, 
 
 }  // namespace
 
+namespace {
+
+// The op's own checks (csrc/ops/quant_gemm.cpp), in its words, for callers of the planner alone.
+void check_shape(int64_t M, int64_t K, int64_t N, int64_t group_size) {
+  auto fail = [](const std::string& what) { throw std::invalid_argument("plan_quant_gemm: " + what); };
+  if (M < 0 || M > UINT32_MAX) fail("M must be in [0, 2^32), got " + std::to_string(M));
+  if (K <= 0 || K % TM_PACK_FACTOR != 0) fail("K must be a positive multiple of 8, got " + std::to_string(K));
+  if (group_size <= 0 || group_size % TM_PACK_FACTOR != 0) {
+    fail("group_size must be a positive multiple of 8, got " + std::to_string(group_size));
+  }
+  if (K % group_size != 0) {
+    fail("group_size (" + std::to_string(group_size) + ") must divide K (" + std::to_string(K) + ")");
+  }
+  if (N <= 0) fail("N must be positive, got " + std::to_string(N) + " (the ops return N = 0 results unplanned)");
+  if (K > UINT32_MAX || N > UINT32_MAX) fail("K and N must fit in 32 bits");
+}
+
+}  // namespace
+
 GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, int64_t group_size,
                          DType dtype, bool has_bias, const DeviceCaps& caps, KernelFamily force) {
-  if (M < 0 || K <= 0 || N <= 0 || group_size <= 0 || K % TM_PACK_FACTOR != 0 ||
-      group_size % TM_PACK_FACTOR != 0 || K % group_size != 0 || M > UINT32_MAX || K > UINT32_MAX ||
-      N > UINT32_MAX) {
-    throw std::invalid_argument("plan_quant_gemm: invalid shape (op-level checks should have caught this)");
-  }
+  check_shape(M, K, N, group_size);
   GemmPlan p;
   p.caps = caps;
   p.params.M = uint32_t(M);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <string>
 
 namespace torch_marlin {
 namespace {
@@ -36,11 +37,16 @@ constexpr uint32_t kCpuPrefillTileN = 128;
 constexpr uint32_t kCpuKChunk = 16384;
 constexpr uint32_t kCpuMoeTileN = 64;
 
+// The op's own checks (csrc/ops/trellis.cpp), in its words, for callers of the planner alone.
 void check_common(int64_t K, int64_t N, int64_t bits, int64_t group_size, const char* who) {
-  if (K <= 0 || N <= 0 || K > UINT32_MAX / 2 || N > UINT32_MAX / 2 || (bits != 2 && bits != 3 && bits != 4) ||
-      group_size <= 0 || group_size % TM_TRELLIS_TILE != 0 || group_size > UINT32_MAX) {
-    throw std::invalid_argument(std::string(who) + ": invalid shape (op-level checks should have caught this)");
+  auto fail = [who](const std::string& what) { throw std::invalid_argument(std::string(who) + ": " + what); };
+  if (bits != 2 && bits != 3 && bits != 4) fail("bits must be 2, 3 or 4, got " + std::to_string(bits));
+  if (group_size <= 0 || group_size % TM_TRELLIS_TILE != 0 || group_size > UINT32_MAX) {
+    fail("group_size must be a positive multiple of 16 (a 16x16 tile never straddles groups), got " +
+         std::to_string(group_size));
   }
+  if (K <= 0 || N <= 0) fail("K and N must be positive, got K=" + std::to_string(K) + ", N=" + std::to_string(N));
+  if (K >= (int64_t(1) << 30) || N >= (int64_t(1) << 30)) fail("K and N must be < 2^30");
 }
 
 // The Metal kernels index with 32-bit unsigned arithmetic: refuse problems where an element or
@@ -84,7 +90,9 @@ KernelFamily trellis_prefill_family(Backend b) {
 TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int64_t group_size, DType dtype,
                               const DeviceCaps& caps, KernelFamily force) {
   check_common(K, N, bits, group_size, "plan_trellis_gemm");
-  if (M < 0 || M > UINT32_MAX / 2) throw std::invalid_argument("plan_trellis_gemm: invalid M");
+  if (M < 0 || M > UINT32_MAX / 2) {
+    throw std::invalid_argument("plan_trellis_gemm: M must be in [0, 2^31), got " + std::to_string(M));
+  }
   TrellisPlan p;
   p.caps = caps;
   p.params = base_params(M, K, N, bits, group_size);

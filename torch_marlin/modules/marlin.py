@@ -26,8 +26,9 @@ class MarlinLinear(nn.Module):
     ``scales`` ``[K/group_size, N]``, ``zeros`` uint8 ``[K/group_size, N]`` (``u4`` only) and
     ``bias`` ``[N]``. ``K = in_features``, ``N = out_features``. Any leading batch dimensions;
     fp16, bf16 or fp32 inputs (scales and bias follow the input dtype). The op picks the decode
-    kernel for small M (<= 16 rows on Metal, 8 on CPU, 128 on CUDA) and the prefill kernel above
-    (see :func:`torch_marlin.plan_gemm`).
+    kernel for small M (<= 16 rows on Metal, 8 on CPU, 16 to 128 on CUDA by GPU, shape and group
+    size) and the prefill kernel above (see :func:`torch_marlin.plan_gemm`). Inference-only: a
+    backward pass that needs the input's gradient raises.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, format: str = "fp4",
@@ -53,6 +54,14 @@ class MarlinLinear(nn.Module):
             self.register_buffer("bias", torch.zeros(N, dtype=dtype, device=device))
         else:
             self.bias = None
+        self.register_load_state_dict_post_hook(lambda module, keys: module.validate())
+
+    def validate(self) -> None:
+        """Zero points must be 0..15: the kernels read a byte's low 4 bits (docs/formats.md), so a
+        larger value would run as a different zero point than the one stored."""
+        if self.zeros is not None and self.zeros.numel() and int(self.zeros.max()) > 15:
+            raise ValueError(f"MarlinLinear: zeros must be in 0..15 (4-bit zero points), got a maximum of "
+                             f"{int(self.zeros.max())}")
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, format: str = "fp4", group_size: int = 128,
@@ -96,7 +105,7 @@ class MarlinLinear(nn.Module):
             y = ops.gemm_fp4(x2, self.B_packed, scales, self.group_size, bias)
         else:
             y = ops.gemm_u4(x2, self.B_packed, scales, self.zeros, self.group_size, bias)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return ops.inference_only(y.reshape(*x.shape[:-1], self.out_features), x, "MarlinLinear")
 
     def extra_repr(self) -> str:
         bits = 4 * self.in_features * self.out_features + 16 * (self.in_features // self.group_size) * self.out_features

@@ -35,11 +35,15 @@ class TrellisLinear(nn.Module):
 
     Buffers: ``packed_indices`` uint8 ``[ceil(K/16), ceil(N/16), 32*bits]``, ``scales`` f32
     ``[ceil(K/group_size), N]``, ``grid`` f32 ``[2**bits]``, ``su`` f32 ``[K]``, ``sv`` f32 ``[N]``
-    and ``bias`` ``[N]`` (module dtype); ``K = in_features``, ``N = out_features``.
+    and ``bias`` ``[N]``; ``K = in_features``, ``N = out_features``.
+
+    ``dtype`` is the bias dtype (the other buffers are always fp32). The constructor's default,
+    float32, holds any layer's bias exactly, so ``load_state_dict`` of any ``from_linear`` result
+    into ``TrellisLinear(...)`` reproduces its outputs; ``from_linear`` keeps the layer's dtype.
     """
 
     def __init__(self, in_features: int, out_features: int, bits: int = 3, group_size: int = 128,
-                 bias: bool = True, rotate: bool = True, dtype: torch.dtype = torch.float16, device=None):
+                 bias: bool = True, rotate: bool = True, dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         fmt.check_bits(bits)
         fmt.check_group_size(group_size)
@@ -103,7 +107,7 @@ class TrellisLinear(nn.Module):
             y = fmt.rotate_output(y.float(), self.sv).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return ops.inference_only(y.reshape(*x.shape[:-1], self.out_features), x, "TrellisLinear")
 
     def extra_repr(self) -> str:
         bpw = self.bits + 32 / self.group_size
@@ -233,4 +237,4 @@ class TrellisMoE(nn.Module):
                             self.intermediate_size, self.bits, self.group_size)
         if self.rotate:
             y = fmt.rotate_output(y.float(), self.rot_out).to(x.dtype)
-        return y.reshape(x.shape)
+        return ops.inference_only(y.reshape(x.shape), x, "TrellisMoE")

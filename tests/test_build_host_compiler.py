@@ -1,0 +1,66 @@
+"""The CUDA build's host-compiler choice (csrc/cuda/host_compiler.py) with the compiler probe and
+``which`` faked: g++-12 over a default g++ 13+, a one-line warning naming the fix when g++-12 is
+missing, nothing when CXX is set, the default is older or clang, or the platform is not Linux.
+The real probe runs against this machine's compilers. No GPU needed."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "csrc", "cuda"))
+
+import host_compiler  # noqa: E402
+
+
+def which_of(*present):
+    return lambda name: f"/usr/bin/{name}" if name in present else None
+
+
+def choose(environ=None, platform="linux", major=13, present=("g++-12", "gcc-12")):
+    return host_compiler.choose_host_compiler(environ or {}, platform, probe=lambda cxx: major,
+                                              which=which_of(*present))
+
+
+def test_gxx13_default_with_gxx12_installed_builds_with_gxx12():
+    env, msg = choose(major=13)
+    assert env == {"CC": "gcc-12", "CXX": "g++-12"}
+    assert msg.startswith("torch_marlin: building with g++-12") and "g++ 13" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("major", [13, 14])
+def test_gxx13_default_without_gxx12_warns_what_to_do(major):
+    env, msg = choose(major=major, present=())
+    assert env == {}
+    assert msg.startswith("torch_marlin: warning:") and f"g++ {major}" in msg and "\n" not in msg
+    assert "install g++-12" in msg and "CXX=g++-12" in msg
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(environ={"CXX": "clang++"}),  # the user chose
+    dict(major=12),                    # a compiler whose builds raise
+    dict(major=11),
+    dict(major=None),                  # clang or no working c++
+    dict(platform="darwin"),
+    dict(platform="win32"),
+])
+def test_no_change_otherwise(kwargs):
+    assert choose(**kwargs) == ({}, None)
+
+
+def test_probe_reads_the_real_compiler():
+    if shutil.which("c++") is None:
+        pytest.skip("no c++ on this machine")
+    out = subprocess.run(["c++", "--version"], capture_output=True, text=True).stdout
+    major = host_compiler.gcc_major("c++")
+    if "clang" in out.lower():
+        assert major is None
+    else:
+        assert major is not None and str(major) in out
+
+
+def test_probe_of_a_missing_compiler_is_none():
+    assert host_compiler.gcc_major("/nonexistent/g++") is None

@@ -1,0 +1,136 @@
+"""scripts/patch_hf_model.py's argument handling: a bad argument, a device this machine lacks or a
+model path that does not exist ends with one ``patch_hf_model.py: error: ...`` line on stderr and
+exit status 2, before any model is loaded; ``--help`` states every default. Most cases call
+``main()`` in-process; two run the script as a user does (a subprocess, ~20 s each on a loaded
+2-core machine: importing torch) to show no traceback reaches the terminal. The latency notes are
+checked on fake timings."""
+
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "patch_hf_model.py")
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+
+
+def assert_one_line_error(code, stderr, stdout, *fragments):
+    assert code == 2, (code, stderr)
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("patch_hf_model.py: error: "), lines[0]
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+    assert "Traceback" not in stderr and stdout == ""
+
+
+def main_error(capsys, *args):
+    import patch_hf_model
+    with pytest.raises(SystemExit) as e:
+        patch_hf_model.main(list(args))
+    out = capsys.readouterr()
+    return e.value.code, out.err, out.out
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--group-size", "100"], ["--group-size", "positive multiple of 8", "100"]),
+    (["--group-size", "0"], ["--group-size", "positive multiple of 8"]),
+    (["--group-size", "x"], ["--group-size", "expected an integer"]),
+    (["--format", "trellis", "--group-size", "40"], ["trellis needs a positive multiple of 16, got 40"]),
+    (["--format", "fp4", "--bits", "3"], ["--bits applies to --format trellis only"]),
+    (["--repeats", "0"], ["--repeats", "must be positive"]),
+    (["--format", "int8"], ["--format", "invalid choice"]),
+    (["--model", "/nonexistent/model_dir"], ["--model", "'/nonexistent/model_dir' does not exist",
+                                             "minilm, smollm2"]),
+    (["--model", ROOT], ["has no config.json"]),
+    (["--model", SCRIPT], ["is a file but not a .gguf file"]),
+    (["--device", "gpu"], ["--device", "'gpu' is not a device"]),
+    (["--device", "meta"], ["no kernels for 'meta'"]),
+])
+def test_bad_arguments_end_in_one_line(capsys, monkeypatch, args, fragments):
+    monkeypatch.setattr(sys, "argv", [SCRIPT])
+    if "--device" not in args:
+        args = ["--device", "cpu", *args]
+    assert_one_line_error(*main_error(capsys, *args), *fragments)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_missing_cuda_device_ends_in_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [SCRIPT])
+    assert_one_line_error(*main_error(capsys, "--device", "cuda"), "--device cuda:", "use --device cpu")
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")
+def test_missing_mps_device_ends_in_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [SCRIPT])
+    assert_one_line_error(*main_error(capsys, "--device", "mps"), "--device mps: MPS is not available",
+                          "use --device cpu")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--group-size", "100"], "positive multiple of 8"),
+    (["--device", "cpu", "--model", "/nonexistent/model_dir"], "does not exist"),
+])
+def test_script_run_by_a_user_prints_no_traceback(args, fragment):
+    r = run_cli(*args)
+    assert_one_line_error(r.returncode, r.stderr, r.stdout, fragment)
+
+
+def test_help_states_every_default():
+    import patch_hf_model
+    options = [a.option_strings[0] for a in patch_hf_model.build_parser()._actions if a.dest != "help"]
+    text = " ".join(patch_hf_model.build_parser().format_help().split())
+    text = text[text.index("options:"):]
+    assert text.count("(default: ") == len(options) == 11
+    for option, default in [("--model", "minilm"), ("--group-size", "128"), ("--skip", "['lm_head']"),
+                            ("--repeats", "3")]:
+        assert f"(default: {default})" in text[text.index(f"{option} "):].split(" --")[0], option
+
+
+def test_latency_notes_say_when_and_why_the_quantized_model_is_slower(monkeypatch):
+    import patch_hf_model
+    timings = iter([(0.010, 0.011), (0.030, 0.031), (0.010, 0.030), (0.010, 0.0105)])  # (min, median) s
+    monkeypatch.setattr(patch_hf_model.evaluation, "timed", lambda fn, repeats: next(timings))
+    lat = patch_hf_model.Latency(repeats=3)
+    rows = []
+    lat.measure(rows, "prefill latency, 100 tokens (ms, min / median)", None, None)
+    assert rows == [["prefill latency, 100 tokens (ms, min / median)", "10.0 / 11.0", "30.0 / 31.0"]]
+    report = types.SimpleNamespace(float_bytes=40 * 2**20, quantized_bytes=6 * 2**20)
+    notes = lat.notes(torch.device("cpu"), "fp4", torch.float32, report)
+    assert len(notes) == 1
+    decode_rows, family = patch_hf_model.kernel_regimes(torch.device("cpu"), "fp4", torch.float32)
+    assert (decode_rows, family) == (8, "dequant_blas")  # the CPU policy (torch_marlin/planner.py)
+    assert notes[0].startswith("note: the quantized model is slower here (prefill latency, 100 tokens). On the CPU")
+    assert "more than 8 rows" in notes[0] and "(dequant_blas)" in notes[0] and "40.0 -> 6.0 MiB" in notes[0]
+    # A noisy pair (median 3x its min) gets its own note; equal speed gets no slower-note.
+    lat2 = patch_hf_model.Latency(repeats=3)
+    lat2.measure([], "forward latency, 1 sentence (ms, min / median)", None, None)
+    notes = lat2.notes(torch.device("cpu"), "fp4", torch.float32, report)
+    assert len(notes) == 1 and notes[0].startswith("note: latencies vary up to 3.0x between runs")
+
+
+def test_progress_bars_off_when_not_a_terminal_and_back_after():
+    import io
+
+    import patch_hf_model
+    from tqdm.auto import tqdm
+
+    def bar_output():
+        out = io.StringIO()
+        for _ in tqdm(range(3), desc="converting", file=out, mininterval=0):
+            pass
+        return out.getvalue()
+
+    assert "converting" in bar_output()
+    with patch_hf_model.progress_bars(False):
+        assert bar_output() == ""
+    assert "converting" in bar_output()
