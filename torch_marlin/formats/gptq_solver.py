@@ -63,8 +63,9 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, quant
                   damp: float = DEFAULT_DAMP, block_size: int = DEFAULT_BLOCK):
     """Quantizes ``w`` ``[K, N]`` with error feedback under ``hessian`` ``[K, K]``.
 
-    ``quantizer``: an object with ``fit(rows, weight) -> params`` and ``quantize(rows, params) ->
-    (codes, dequantized)`` (torch_marlin/formats/group_quant.py). The last group may be short
+    ``quantizer``: an object with ``fit(rows, weight) -> params``, ``row_params(params)`` (one
+    group's parameters readied for single rows) and ``quantize_row(row, ready) -> (codes,
+    dequantized)`` (torch_marlin/formats/group_quant.py). The last group may be short
     (``K`` need not be a multiple of ``group_size``). Returns ``(codes int64 [K, N], params)``,
     ``params`` a dict of ``[ceil(K / group_size), N]`` tensors.
     """
@@ -96,8 +97,12 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, quant
 
     if act_order:
         perm = torch.argsort(diag, descending=True, stable=True)
-        for g in range(G):
-            fit(g, W[g * group_size:(g + 1) * group_size])
+        if K % group_size == 0:  # all groups in one call
+            both = quantizer.fit(W.reshape(G, group_size, N), (row_weight / row_weight.mean()).reshape(G, group_size, 1))
+            params = [{k: v[g] for k, v in both.items()} for g in range(G)]
+        else:
+            for g in range(G):
+                fit(g, W[g * group_size:(g + 1) * group_size])
     else:
         perm = torch.arange(K, device=dev)
         block_size = max(group_size, (block_size // group_size) * group_size)
@@ -105,22 +110,27 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, quant
     W = W[perm]
     group_of = (perm // group_size).tolist()
     codes = torch.empty(K, N, dtype=torch.int64, device=dev)
+    prepared: List = [None] * G
 
     for i1 in range(0, K, block_size):
         i2 = min(i1 + block_size, K)
         W1 = W[i1:i2].clone()
         E1 = torch.zeros_like(W1)
         U1 = U[i1:i2, i1:i2]
+        inv_d = (1.0 / torch.diagonal(U1)).tolist()
         for i in range(i2 - i1):
             g = group_of[i1 + i]
-            if params[g] is None:  # no act-order: rows i1 + i .. of this group are all in this block
-                fit(g, W1[i:i + group_size])
-            c, q = quantizer.quantize(W1[i:i + 1], params[g])
-            codes[i1 + i] = c[0]
-            err = (W1[i] - q[0]) / U1[i, i]
-            W1[i + 1:] -= U1[i, i + 1:, None] * err[None, :]
-            E1[i] = err
-        W[i2:] -= U[i1:i2, i2:].t() @ E1
+            if prepared[g] is None:
+                if params[g] is None:  # no act-order: rows i1 + i .. of this group are all in this block
+                    fit(g, W1[i:i + group_size])
+                prepared[g] = quantizer.row_params(params[g])
+            c, q = quantizer.quantize_row(W1[i], prepared[g])
+            codes[i1 + i] = c
+            err = E1[i]
+            torch.sub(W1[i], q, out=err)
+            err.mul_(inv_d[i])
+            W1[i + 1:].addr_(U1[i, i + 1:], err, alpha=-1)
+        W[i2:].addmm_(U[i1:i2, i2:].t(), E1, alpha=-1)
 
     out = torch.empty_like(codes)
     out[perm] = codes

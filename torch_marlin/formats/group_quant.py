@@ -103,6 +103,15 @@ class ScaleQuantizer:
         codes, vals = self.levels(x.to(torch.float32) / s)
         return codes, vals * s
 
+    def row_params(self, params: Params):
+        s = _safe(params["scales"])
+        return s, 1.0 / s
+
+    def quantize_row(self, x: torch.Tensor, ready):
+        s, inv = ready
+        codes, vals = self.levels(x * inv)
+        return codes, vals * s
+
 
 class Fp4Quantizer(ScaleQuantizer):
     """E2M1 codes: nearest magnitude (ties to the smaller one), sign in bit 3."""
@@ -223,6 +232,15 @@ class AsymmetricU4Quantizer:
         z = params["zeros"].unsqueeze(-2)
         q = torch.round(x.to(torch.float32) / s + z).clamp(0, 15)
         return q.to(torch.int64), (q - z) * s
+
+    def row_params(self, params: Params):
+        s = _safe(params["scales"])
+        return s, 1.0 / s, params["zeros"]
+
+    def quantize_row(self, x: torch.Tensor, ready):
+        s, inv, z = ready
+        q = torch.addcmul(z, x, inv).round_().clamp_(0, 15)
+        return q, (q - z).mul_(s)
 
 
 def u4_quantizer(symmetric: bool, scale_dtype: torch.dtype = torch.float16, search: bool = True):
