@@ -29,6 +29,7 @@ import evaluation  # noqa: E402  (scripts/evaluation.py)
 from torch_marlin.patching import FORMATS, resolve_device  # noqa: E402
 
 SENTENCES = os.path.join(HERE, "data", "sentences.txt")
+CALIBRATION = os.path.join(HERE, "data", "calibration.txt")
 EVAL_TEXT = os.path.join(HERE, "data", "smollm2_eval.txt")
 ALIASES = {"minilm": evaluation.minilm_path, "smollm2": evaluation.smollm2_gguf_path}
 
@@ -49,6 +50,14 @@ def parse_args(argv=None):
     p.add_argument("--prompt", default=None, help="generation prompt (causal LM) or query sentence (encoder)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per latency measurement (median)")
+    # Calibrated quantization (patch_model(method="gptq", calibration=...)).
+    p.add_argument("--method", default="rtn", choices=["rtn", "gptq"],
+                   help="rtn: round to nearest with least-squares scales (no data); gptq: error feedback with each "
+                        "layer's input Hessian from --calibration (trellis: LDLQ). Default: rtn")
+    p.add_argument("--calibration", metavar="FILE", default=CALIBRATION,
+                   help="gptq: calibration text, one sample per line (default: scripts/data/calibration.txt, "
+                        "158 short English sentences, none of them in the evaluation texts)")
+    p.add_argument("--calibration-samples", type=int, default=128, help="gptq: lines of --calibration used (default 128)")
     return p.parse_args(argv)
 
 
@@ -134,6 +143,14 @@ def main(argv=None):
         if args.format != "trellis":
             raise SystemExit("--bits applies to --format trellis only (fp4 and u4 are 4-bit)")
         opts["bits"] = args.bits
+    if args.method == "gptq":
+        if not os.path.isfile(args.calibration):
+            raise SystemExit(f"--calibration {args.calibration}: no such file")
+        lines = evaluation.read_lines(args.calibration)[:args.calibration_samples]
+        if not lines:
+            raise SystemExit(f"--calibration {args.calibration}: no non-empty lines")
+        opts["method"], opts["calibration"] = "gptq", evaluation.calibration_batches(tok, lines)
+        print(f"calibration: {len(lines)} samples from {args.calibration}")
     report = torch_marlin.patch_model(qm, format=args.format, group_size=args.group_size, skip=args.skip, device=dev,
                                       **opts)
     print(report)
@@ -145,7 +162,7 @@ def main(argv=None):
         print(f"warning: {len(not_divisible)} layers kept in float because --group-size {args.group_size} does not "
               "divide their in_features; a smaller group size (e.g. 64) quantizes them")
 
-    label = f"{args.format}{args.bits or ''} g{args.group_size}"
+    label = f"{args.format}{args.bits or ''} g{args.group_size}" + (" gptq" if args.method == "gptq" else "")
     rows = [["weights of the quantized layers (MiB)", f"{report.float_bytes / 2**20:.1f}",
              f"{report.quantized_bytes / 2**20:.1f}"]]
     if kind == evaluation.ENCODER:
