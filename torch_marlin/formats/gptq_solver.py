@@ -40,7 +40,10 @@ def check_hessian(hessian: torch.Tensor, K: int) -> None:
 
 
 def _inverse_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
-    """Upper Cholesky factor of ``(H + damping)^-1``, raising the damping until it factorizes."""
+    """Upper Cholesky factor of ``(H + damping)^-1``, raising the damping until it factorizes.
+    Factorized on the CPU for MPS tensors (not every linalg routine has an MPS kernel)."""
+    if H.device.type == "mps":
+        return _inverse_cholesky(H.cpu(), damp).to(H.device)
     mean_diag = float(torch.diagonal(H).mean())
     eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
     d = damp
