@@ -342,6 +342,7 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
                         # re-running the quantized kernels once per later step).
                         lin.weight.copy_(new.dequantized_weight().to(lin.weight.dtype))
                         done.append((name, new))
+                    del H  # one Hessian at a time: drop this one before the next is collected
             finally:
                 model.train(was_training)
             for name, new in done:
