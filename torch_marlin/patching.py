@@ -343,10 +343,10 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
                         lin.weight.copy_(new.dequantized_weight().to(lin.weight.dtype))
                         done.append((name, new))
                     del H  # one Hessian at a time: drop this one before the next is collected
+                for name, new in done:
+                    _set_submodule(model, name, new)
             finally:
                 model.train(was_training)
-            for name, new in done:
-                _set_submodule(model, name, new)
     if bar is not None:
         bar.close()
     return report
