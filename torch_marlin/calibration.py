@@ -108,6 +108,8 @@ def collect_hessian(model: nn.Module, layer: nn.Module, batches: Sequence, stop_
     mask: List[Optional[torch.Tensor]] = [None]
 
     def pre(mod, args):
+        if not args:  # called with keyword arguments only: trace_steps never listed such a layer
+            return
         x = args[0].detach()
         x2 = x.reshape(-1, K).to(torch.float32)
         m = mask[0]
