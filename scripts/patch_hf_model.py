@@ -57,7 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--calibration", metavar="FILE", default=CALIBRATION,
                    help="gptq: calibration text, one sample per line (default: scripts/data/calibration.txt, "
                         "158 short English sentences, none of them in the evaluation texts)")
-    p.add_argument("--calibration-samples", type=int, default=128, help="gptq: lines of --calibration used (default 128)")
+    p.add_argument("--calibration-samples", type=int, default=128,
+                   help="gptq: lines of --calibration used (default 128)")
     return p.parse_args(argv)
 
 

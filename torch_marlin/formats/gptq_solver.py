@@ -101,7 +101,8 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, quant
     if act_order:
         perm = torch.argsort(diag, descending=True, stable=True)
         if K % group_size == 0:  # all groups in one call
-            both = quantizer.fit(W.reshape(G, group_size, N), (row_weight / row_weight.mean()).reshape(G, group_size, 1))
+            rw = (row_weight / row_weight.mean()).reshape(G, group_size, 1)
+            both = quantizer.fit(W.reshape(G, group_size, N), rw)
             params = [{k: v[g] for k, v in both.items()} for g in range(G)]
         else:
             for g in range(G):
