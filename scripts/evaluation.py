@@ -127,6 +127,22 @@ def generate(model, tok, prompt: str, max_new_tokens: int = 32, chat: bool = Tru
     return tok.decode(new, skip_special_tokens=True), int(new.numel()), dt
 
 
+def calibration_batches(tok, lines: Sequence[str], batch_size: int = 16, max_length: int = 128) -> List[dict]:
+    """Tokenized calibration batches for ``patch_model(method="gptq", calibration=...)``: dicts
+    of ``input_ids`` / ``attention_mask`` (padding is masked out of the Hessians). Tokenizers
+    without a pad token (causal LMs) get one sample per batch."""
+    if not lines:
+        raise ValueError("no calibration samples")
+    if tok.pad_token_id is None:
+        batch_size = 1
+    out = []
+    for i in range(0, len(lines), batch_size):
+        enc = tok(list(lines[i:i + batch_size]), padding=True, truncation=True, max_length=max_length,
+                  return_tensors="pt")
+        out.append({k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")})
+    return out
+
+
 def read_lines(path: str) -> List[str]:
     with open(path) as f:
         return [ln.strip() for ln in f if ln.strip()]

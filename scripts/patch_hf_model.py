@@ -32,6 +32,7 @@ import evaluation  # noqa: E402  (scripts/evaluation.py)
 from torch_marlin.patching import FORMATS, resolve_device  # noqa: E402
 
 SENTENCES = os.path.join(HERE, "data", "sentences.txt")
+CALIBRATION = os.path.join(HERE, "data", "calibration.txt")
 EVAL_TEXT = os.path.join(HERE, "data", "smollm2_eval.txt")
 ALIASES = {"minilm": evaluation.minilm_path, "smollm2": evaluation.smollm2_gguf_path}
 
@@ -93,6 +94,14 @@ def build_parser():
     p.add_argument("--max-new-tokens", type=positive_int, default=32, help="greedy generation length")
     p.add_argument("--repeats", type=positive_int, default=3,
                    help="timed runs per latency measurement (min and median are shown)")
+    # Calibrated quantization (patch_model(method="gptq", calibration=...)).
+    p.add_argument("--method", default="rtn", choices=["rtn", "gptq"],
+                   help="rtn: round to nearest with least-squares scales (no data); gptq: error feedback with each "
+                        "layer's input Hessian from --calibration (trellis: LDLQ)")
+    p.add_argument("--calibration", metavar="FILE", default=CALIBRATION,
+                   help="gptq: calibration text, one sample per line (scripts/data/calibration.txt: "
+                        "158 short English sentences, none of them in the evaluation texts)")
+    p.add_argument("--calibration-samples", type=positive_int, default=128, help="gptq: lines of --calibration used")
     return p
 
 
@@ -103,6 +112,8 @@ def parse_args(argv=None):
         fail("--bits applies to --format trellis only (fp4 and u4 are 4-bit)", p)
     if args.format == "trellis" and args.group_size % 16 != 0:
         fail(f"--group-size: trellis needs a positive multiple of 16, got {args.group_size}", p)
+    if args.method == "gptq" and not os.path.isfile(args.calibration):
+        fail(f"--calibration: {args.calibration!r} is not a file (expected text, one sample per line)", p)
     return args
 
 
@@ -327,6 +338,12 @@ def run(args, dev, path, dtype, progress, t_start):
     fm.to(dev)
     t0 = time.perf_counter()
     opts = {} if args.bits is None else {"bits": args.bits}
+    if args.method == "gptq":
+        lines = evaluation.read_lines(args.calibration)[:args.calibration_samples]
+        if not lines:
+            fail(f"--calibration: {args.calibration!r} has no non-empty lines")
+        opts["method"], opts["calibration"] = "gptq", evaluation.calibration_batches(tok, lines)
+        print(f"calibration: {len(lines)} samples from {args.calibration}")
     report = torch_marlin.patch_model(qm, format=args.format, group_size=args.group_size, skip=args.skip, device=dev,
                                       progress=progress, **opts)
     print(report)
@@ -339,7 +356,7 @@ def run(args, dev, path, dtype, progress, t_start):
         print(f"warning: {len(not_divisible)} layers kept in float because --group-size {args.group_size} does not "
               "divide their in_features; a smaller group size (e.g. 64) quantizes them")
 
-    label = f"{args.format}{args.bits or ''} g{args.group_size}"
+    label = f"{args.format}{args.bits or ''} g{args.group_size}" + (" gptq" if args.method == "gptq" else "")
     rows = [["weights of the quantized layers (MiB)", f"{report.float_bytes / 2**20:.1f}",
              f"{report.quantized_bytes / 2**20:.1f}"]]
     lat = Latency(args.repeats)

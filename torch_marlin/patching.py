@@ -13,9 +13,11 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from . import calibration as calibration_mod
 from .modules import MarlinLinear, TrellisLinear
 
 DEFAULT_SKIP = ("lm_head",)
+METHODS = ("rtn", "gptq")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -43,9 +45,9 @@ class LayerType:
 
 
 def _marlin_quantize(fmt):
-    def quantize(linear: nn.Linear, group_size: int, dtype: torch.dtype, symmetric: bool = False):
+    def quantize(linear: nn.Linear, group_size: int, dtype: torch.dtype, symmetric: bool = False, **calibrated):
         return MarlinLinear.from_linear(linear, format=fmt, group_size=group_size, dtype=dtype,
-                                        symmetric=symmetric)
+                                        symmetric=symmetric, **calibrated)
     return quantize
 
 
@@ -95,9 +97,9 @@ def _check_expected(expected: dict, tensors: dict, what: str) -> None:
 
 
 def _trellis_quantize(linear: nn.Linear, group_size: int, dtype: torch.dtype, bits: int = 3, rotate: bool = True,
-                      seed: int = 0):
+                      seed: int = 0, **calibrated):
     return TrellisLinear.from_linear(linear, bits=bits, group_size=group_size, rotate=rotate, dtype=dtype,
-                                        seed=seed)
+                                     seed=seed, **calibrated)
 
 
 def _trellis_empty(cfg: dict, device):
@@ -176,9 +178,12 @@ class PatchReport:
     skipped: List[Tuple[str, str]] = field(default_factory=list)
     float_bytes: int = 0
     quantized_bytes: int = 0
+    method: str = "rtn"
+    uncalibrated: List[str] = field(default_factory=list)
 
     def __str__(self) -> str:
-        lines = [f"patch_model: format={self.format} group_size={self.group_size}: "
+        how = "" if self.method == "rtn" else f" method={self.method}"
+        lines = [f"patch_model: format={self.format} group_size={self.group_size}{how}: "
                  f"replaced {len(self.replaced)} Linear layers, skipped {len(self.skipped)}"]
         if self.replaced:
             ratio = self.float_bytes / max(self.quantized_bytes, 1)
@@ -186,6 +191,8 @@ class PatchReport:
                          f"{self.quantized_bytes / 2**20:.2f} MiB ({ratio:.1f}x smaller)")
         for name, reason in self.skipped:
             lines.append(f"  skipped {name}: {reason}")
+        if self.uncalibrated:
+            lines.append(f"  not reached by the calibration inputs (round to nearest): {', '.join(self.uncalibrated)}")
         return "\n".join(lines)
 
 
@@ -223,7 +230,8 @@ def _module_bytes(mod: nn.Module) -> int:
 
 def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
                 skip: Sequence[str] = DEFAULT_SKIP, device=None, dtype: Optional[torch.dtype] = None,
-                strict: bool = False, progress: bool = True, **format_options) -> PatchReport:
+                strict: bool = False, progress: bool = True, method: str = "rtn", calibration=None,
+                act_order: bool = True, damp: float = 0.01, **format_options) -> PatchReport:
     """Replaces ``model``'s ``nn.Linear`` layers with quantized ones, in place; returns a report.
 
     ``format``: ``"fp4"`` or ``"u4"`` (MarlinLinear), ``"trellis"`` (TrellisLinear).
@@ -237,6 +245,15 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
     (default: each layer's own dtype, so an fp32 model runs fp32 activations without casts).
     ``progress``: tqdm bar over the layers. ``format_options`` go to the format's quantizer:
     u4 ``symmetric`` (zero point fixed at 8); trellis ``bits`` (2/3/4), ``rotate``, ``seed``.
+
+    ``method``: ``"rtn"`` (round to nearest with least-squares scale search, no data) or
+    ``"gptq"`` (error feedback with each layer's input Hessian; trellis layers run it on their
+    rotated weights, i.e. LDLQ). ``calibration`` (gptq): an iterable of model inputs, each a tensor
+    of input ids, a dict of keyword arguments (as a tokenizer returns; an ``attention_mask`` in it
+    keeps padding out of the Hessians) or a tuple of positional arguments. Layers are calibrated
+    in call order, each on the outputs of the already-quantized layers before it
+    (torch_marlin/calibration.py); layers the calibration never reaches fall back to rtn and are
+    listed in the report. ``act_order`` and ``damp``: GPTQ options (torch_marlin/formats/gptq_solver.py).
     """
     if format not in LAYER_TYPES:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
@@ -246,6 +263,13 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
         skip = [skip]
     if not isinstance(group_size, int) or group_size <= 0 or group_size % 8 != 0:
         raise ValueError(f"group_size must be a positive multiple of 8, got {group_size!r}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method == "rtn" and calibration is not None:
+        raise ValueError("calibration is only used by method='gptq'; pass method='gptq' or drop calibration")
+    batches = calibration_mod.as_batches(calibration) if method == "gptq" else None
+    if not isinstance(damp, (int, float)) or damp < 0:
+        raise ValueError(f"damp must be a number >= 0, got {damp!r}")
     lt = LAYER_TYPES[format]
     bad = sorted(set(format_options) - set(lt.options))
     if bad:
@@ -261,7 +285,7 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
         for p in mod.parameters(recurse=False):
             users[id(p)] = users.get(id(p), 0) + 1
 
-    report = PatchReport(format=format, group_size=group_size)
+    report = PatchReport(format=format, group_size=group_size, method=method)
     todo = []
     for name, mod in model.named_modules():
         if type(mod) is not nn.Linear:  # subclasses (e.g. already-quantized wrappers) are left alone
@@ -282,18 +306,47 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
     bar = None
     if progress and todo:
         from tqdm.auto import tqdm
-        bar = tqdm(total=len(todo), desc=f"quantizing to {format} g{group_size}", unit="layer")
+        bar = tqdm(total=len(todo), desc=f"quantizing to {format} g{group_size} ({method})", unit="layer")
+
+    def quantize(name: str, lin: nn.Linear, **calibrated) -> nn.Module:
+        layer_dtype = dtype if dtype is not None else lin.weight.dtype
+        new = lt.quantize(lin, group_size, layer_dtype, **format_options, **calibrated)
+        new.train(lin.training)
+        report.float_bytes += _module_bytes(lin)
+        report.quantized_bytes += _module_bytes(new)
+        report.replaced.append((name, lin.in_features, lin.out_features))
+        if bar is not None:
+            bar.update(1)
+        return new
+
     with torch.no_grad():
-        for name, lin in todo:
-            layer_dtype = dtype if dtype is not None else lin.weight.dtype
-            new = lt.quantize(lin, group_size, layer_dtype, **format_options)
-            new.train(lin.training)
-            report.float_bytes += _module_bytes(lin)
-            report.quantized_bytes += _module_bytes(new)
-            report.replaced.append((name, lin.in_features, lin.out_features))
-            _set_submodule(model, name, new)
-            if bar is not None:
-                bar.update(1)
+        if method == "rtn":
+            for name, lin in todo:
+                _set_submodule(model, name, quantize(name, lin))
+        else:
+            was_training = model.training
+            model.eval()  # no dropout while measuring the inputs
+            done = []
+            try:
+                layers = dict(todo)
+                for names, H in calibration_mod.calibrated_layers(model, layers, batches):
+                    for name in names:
+                        lin = layers[name]
+                        if H is None:
+                            report.uncalibrated.append(name)
+                            new = quantize(name, lin)
+                        else:
+                            new = quantize(name, lin, hessian=H, act_order=act_order, damp=damp)
+                        # Later steps see this layer's quantized weights. Through a dense matmul on the
+                        # dequantized weight (same values as the kernels; far faster on CPU than
+                        # re-running the quantized kernels once per later step).
+                        lin.weight.copy_(new.dequantized_weight().to(lin.weight.dtype))
+                        done.append((name, new))
+                    del H  # one Hessian at a time: drop this one before the next is collected
+                for name, new in done:
+                    _set_submodule(model, name, new)
+            finally:
+                model.train(was_training)
     if bar is not None:
         bar.close()
     return report

@@ -150,9 +150,9 @@ def quantized_weights(fmt: str, K: int, N: int, group_size: int, dtype, gen: tor
     """(CPU tensors B / scales / zeros, fp32 dense reference [K, N]) for FP4 or U4."""
     w = torch.randn(K, N, generator=gen)
     if fmt == "fp4":
-        B, s = quantize_fp4(w, group_size, scale_dtype=dtype)
+        B, s = quantize_fp4(w, group_size, scale_dtype=dtype, search=False)
         return {"B": B, "scales": s, "zeros": None}, dequant_fp4_reference(B, s, group_size)
-    B, s, z = quantize_u4(w, group_size, scale_dtype=dtype)
+    B, s, z = quantize_u4(w, group_size, scale_dtype=dtype, search=False)
     return {"B": B, "scales": s, "zeros": z}, dequant_u4_reference(B, s, z, group_size)
 
 

@@ -4,8 +4,12 @@ E2M1 (1 sign, 2 exponent bits with bias 1, 1 mantissa bit) codes 0..7 are
 0, 0.5, 1, 1.5, 2, 3, 4, 6; codes 8..15 are the same magnitudes negated.
 """
 
+from typing import Optional
+
 import torch
 
+from .gptq_solver import gptq_quantize
+from .group_quant import Fp4Quantizer
 from .int4_packing import group_view, pack_int4, unpack_int4
 
 E2M1_VALUES = torch.tensor(
@@ -19,28 +23,30 @@ def pack_fp4_weights(codes: torch.Tensor) -> torch.Tensor:
     return pack_int4(codes)
 
 
-def quantize_fp4(w: torch.Tensor, group_size: int = 128, scale_dtype: torch.dtype = torch.float16):
+def quantize_fp4(w: torch.Tensor, group_size: int = 128, scale_dtype: torch.dtype = torch.float16,
+                 search: bool = True, hessian: Optional[torch.Tensor] = None, **gptq_options):
     """Quantizes a ``[K, N]`` float weight (the transpose of ``nn.Linear.weight``) to FP4 E2M1.
 
-    Per group of ``group_size`` rows along K and per column: ``scale = absmax / 6`` so the largest
-    magnitude maps to the top code, then each value rounds to the nearest E2M1 magnitude.
+    Per group of ``group_size`` rows along K and per column, a scale; each value then rounds to the
+    nearest E2M1 magnitude (ties to the smaller) with its sign. ``search=True`` (default) picks
+    each scale by a least-squares search around ``absmax / 6`` (torch_marlin/formats/group_quant.py);
+    ``search=False`` is plain ``absmax / 6``. ``hessian`` ``[K, K]`` (the layer's input second
+    moment ``X^T X``) switches to GPTQ error feedback (torch_marlin/formats/gptq_solver.py;
+    ``gptq_options``: ``act_order``, ``damp``, ``block_size``).
     Returns ``(B_packed int32 [K/8, N], scales [K/group_size, N] of scale_dtype)``.
     """
     if w.dim() != 2:
         raise ValueError(f"w must be 2-D [K, N], got shape {tuple(w.shape)}")
     wf = w.detach().to(torch.float32)
     g = group_view(wf, group_size)
-    scales = (g.abs().amax(dim=1) / E2M1_MAX).to(scale_dtype)
-    # Quantize against the scale as stored, so dequant(quant(w)) uses exactly what the kernel sees.
-    s = scales.to(torch.float32)
-    s = torch.where(s == 0, torch.ones_like(s), s)
-    x = (g / s.unsqueeze(1)).reshape_as(wf)
-    mags = E2M1_VALUES[:8].to(wf.device)
-    # Nearest magnitude, ties -> smaller: bucketize against the midpoints (right=False puts a value
-    # equal to a midpoint in the lower bucket). Same codes as an argmin over |x - mag|, ~6x faster.
-    code = torch.bucketize(x.abs().contiguous(), (mags[1:] + mags[:-1]) / 2, right=False)
-    code = code + 8 * (x < 0).to(code.dtype)
-    return pack_int4(code), scales
+    quantizer = Fp4Quantizer(scale_dtype, search)
+    if hessian is not None:
+        code, params = gptq_quantize(wf, hessian, group_size, quantizer, **gptq_options)
+    else:
+        # Codes against the scale as stored, so dequant(quant(w)) uses exactly what the kernel sees.
+        params = quantizer.fit(g)
+        code = quantizer.quantize(g, params)[0].reshape_as(wf)
+    return pack_int4(code), params["scales"].to(scale_dtype)
 
 
 def dequant_fp4_reference(B_packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:

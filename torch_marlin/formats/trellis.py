@@ -202,9 +202,62 @@ def _nearest(z: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(z.contiguous(), mids)
 
 
+class TrellisQuantizer:
+    """Per-group scales for a fixed codebook (the GPTQ / LDLQ group fit): starting from the group's
+    RMS, least-squares refits ``s = <w, c> / <c, c>`` on the nearest levels, keeping the best."""
+
+    def __init__(self, grid: torch.Tensor, iters: int = 4):
+        self.grid, self.iters = grid, iters
+        self.mids = (grid[1:] + grid[:-1]) / 2
+
+    def levels(self, x: torch.Tensor):
+        idx = torch.bucketize(x.contiguous(), self.mids)
+        return idx, self.grid[idx]
+
+    def fit(self, g: torch.Tensor, weight: Optional[torch.Tensor] = None):
+        g = g.to(torch.float32)
+        wt = torch.ones_like(g[..., :1]) if weight is None else weight
+        rms = (g * g).mean(-2).sqrt()
+        s = torch.where(rms > 0, rms, torch.ones_like(rms))
+        best, best_err = s, None
+        for _ in range(self.iters + 1):
+            c = self.levels(g / s.unsqueeze(-2))[1]
+            err = (wt * (g - c * s.unsqueeze(-2)) ** 2).sum(-2)
+            if best_err is None:
+                best_err = err
+            better = err < best_err
+            best, best_err = torch.where(better, s, best), torch.where(better, err, best_err)
+            num, den = (wt * g * c).sum(-2), (wt * c * c).sum(-2)
+            new = torch.where(den > 0, num / den.clamp(min=1e-30), s)
+            s = torch.where(new > 0, new, s)  # a negative LS scale (degenerate group): keep the last one
+        return {"scales": best}
+
+    def quantize(self, x: torch.Tensor, params):
+        s = params["scales"].unsqueeze(-2)
+        idx, vals = self.levels(x.to(torch.float32) / s)
+        return idx, vals * s
+
+    def row_params(self, params):
+        s = params["scales"]
+        return s, 1.0 / s
+
+    def quantize_row(self, x: torch.Tensor, ready):
+        s, inv = ready
+        idx, vals = self.levels(x * inv)
+        return idx, vals * s
+
+
+def rotate_hessian(hessian: torch.Tensor, su: torch.Tensor) -> torch.Tensor:
+    """The input Hessian of the rotated weight: with ``M = D_u H_K D_u`` (orthogonal, symmetric)
+    the layer's rotated inputs are ``x M``, so ``H_rot = M H M``."""
+    a = hessian.to(torch.float32) * su[:, None] * su[None, :]
+    a = block_hadamard(block_hadamard(a, 0), 1)
+    return a * su[:, None] * su[None, :]
+
+
 def quantize_trellis(w: torch.Tensor, bits: int = 3, group_size: int = 128, rotate: bool = True,
-                     grid: Optional[torch.Tensor] = None, seed: int = 0, scale_iters: int = 3,
-                     fit_samples: int = 1 << 20):
+                     grid: Optional[torch.Tensor] = None, seed: int = 0, scale_iters: int = 6,
+                     fit_samples: int = 1 << 20, hessian: Optional[torch.Tensor] = None, **gptq_options):
     """Quantizes a ``[K, N]`` float weight (``nn.Linear.weight.t()``) to the trellis format.
 
     1. Incoherence (``rotate=True``): random signs ``su``/``sv`` and the block Hadamard ``H``;
@@ -212,8 +265,14 @@ def quantize_trellis(w: torch.Tensor, bits: int = 3, group_size: int = 128, rota
        ``rotate=False`` ``su = sv = 1`` and ``Q = W``.
     2. Per group (``group_size`` rows of K) and column: normalize by the RMS of the group.
     3. Codebook: Lloyd-Max levels fitted to the normalized values (or the given ``grid``).
-    4. Assign nearest levels, then refit each group's scale by least squares
-       (``s = <q, c> / <c, c>``) and reassign, ``scale_iters`` times.
+    4. Alternating least squares, ``scale_iters`` rounds: assign nearest levels, refit each
+       group's scale (``s = <q, c> / <c, c>``), refit the codebook for the scales (each level the
+       scale-weighted mean of its values; not when ``grid`` is given).
+    5. With ``hessian`` ``[K, K]`` (the layer's input second moment): the indices and scales are
+       chosen again by LDLQ / GPTQ error feedback (torch_marlin/formats/gptq_solver.py) under
+       the rotated Hessian, with the codebook of step 4. ``gptq_options``: ``act_order``,
+       ``damp``, ``block_size``. The indices are independent per element, so the nearest level
+       inside the error-feedback recursion is the exact per-element choice.
 
     Returns a dict with ``packed_indices, scales, grid, su, sv, K, N, bits, group_size``.
     """
@@ -246,7 +305,8 @@ def quantize_trellis(w: torch.Tensor, bits: int = 3, group_size: int = 128, rota
     count = gm.sum(1)  # [G, 1] real rows per group
     rms = ((g * g).sum(1) / count).sqrt()
     scales = torch.where(rms > 0, rms, torch.ones_like(rms))
-    if grid is None:
+    fit_grid = grid is None
+    if fit_grid:
         z = (g / scales[:, None, :])[gm.expand_as(g) > 0]
         if z.numel() > fit_samples:
             z = z[torch.randperm(z.numel(), generator=gen)[:fit_samples].to(dev)]
@@ -255,14 +315,28 @@ def quantize_trellis(w: torch.Tensor, bits: int = 3, group_size: int = 128, rota
     if tuple(grid.shape) != (1 << bits,):
         raise ValueError(f"grid must have shape ({1 << bits},), got {tuple(grid.shape)}")
     grid, _ = torch.sort(grid)
-    for _ in range(scale_iters + 1):
+    for it in range(scale_iters + 1):
         idx = _nearest(g / scales[:, None, :], grid)
         c = grid[idx] * gm
         num, den = (g * c).sum(1), (c * c).sum(1)
         new_scales = torch.where(den > 0, num / den.clamp(min=1e-30), scales)
         # A negative LS scale is possible for a degenerate group; keep the previous one.
         scales = torch.where(new_scales > 0, new_scales, scales)
-    idx = _nearest(g / scales[:, None, :], grid).reshape(Kp, N)[:K]
+        if fit_grid and it < scale_iters:
+            # Each level: argmin_v sum (q - v s)^2 over its members = sum(s q) / sum(s^2).
+            sb = scales[:, None, :] * gm
+            flat = idx.reshape(-1)
+            num = torch.zeros_like(grid).index_add_(0, flat, (sb * g).reshape(-1))
+            den = torch.zeros_like(grid).index_add_(0, flat, (sb * sb).reshape(-1))
+            grid, _ = torch.sort(torch.where(den > 0, num / den.clamp(min=1e-30), grid))
+    if hessian is not None:
+        from .gptq_solver import check_hessian, gptq_quantize
+        check_hessian(hessian, K)
+        h = rotate_hessian(hessian.to(dev), su) if rotate else hessian.to(dev)
+        idx, params = gptq_quantize(q, h, group_size, TrellisQuantizer(grid), **gptq_options)
+        scales = params["scales"]
+    else:
+        idx = _nearest(g / scales[:, None, :], grid).reshape(Kp, N)[:K]
     return {
         "packed_indices": pack_indices(idx, bits),
         "scales": scales.contiguous(),

@@ -3,8 +3,12 @@
 Symmetric signed INT4 (S4) is the special case ``zeros == 8`` (offset binary: stored = value + 8).
 """
 
+from typing import Optional
+
 import torch
 
+from .gptq_solver import gptq_quantize
+from .group_quant import u4_quantizer
 from .int4_packing import group_view, pack_int4, unpack_int4
 
 U4_MAX = 15
@@ -12,30 +16,31 @@ S4_ZERO = 8
 
 
 def quantize_u4(w: torch.Tensor, group_size: int = 128, symmetric: bool = False,
-                scale_dtype: torch.dtype = torch.float16):
-    """Round-to-nearest INT4 of a ``[K, N]`` float weight (the transpose of ``nn.Linear.weight``).
+                scale_dtype: torch.dtype = torch.float16, search: bool = True,
+                hessian: Optional[torch.Tensor] = None, **gptq_options):
+    """INT4 of a ``[K, N]`` float weight (the transpose of ``nn.Linear.weight``), per group along K.
 
-    Asymmetric: per group, ``scale = (max - min) / 15`` and ``zero = round(-min / scale)`` so the
-    group's range maps onto 0..15. Symmetric: ``zero = 8`` and ``scale = absmax / 7``.
+    Asymmetric: per group a scale and an integer zero point with the group's range inside
+    ``0..15``; ``search=True`` (default) fits both by least squares over candidate steps
+    (torch_marlin/formats/group_quant.py), ``search=False`` is ``scale = (max - min) / 15``,
+    ``zero = round(-min / scale)``. Symmetric: ``zero = 8`` and all 16 levels ``-8..7``:
+    ``scale = m / -8`` with ``m`` the group's largest-magnitude value (sign kept; the scale is
+    negative when ``m > 0``), refined by the same search unless ``search=False``.
+    ``hessian`` ``[K, K]`` switches to GPTQ error feedback (torch_marlin/formats/gptq_solver.py;
+    ``gptq_options``: ``act_order``, ``damp``, ``block_size``).
     Returns ``(B_packed int32 [K/8, N], scales [K/group_size, N], zeros uint8 [K/group_size, N])``.
     """
     if w.dim() != 2:
         raise ValueError(f"w must be 2-D [K, N], got shape {tuple(w.shape)}")
     wf = w.detach().to(torch.float32)
     g = group_view(wf, group_size)
-    if symmetric:
-        scales = (g.abs().amax(dim=1) / 7.0).to(scale_dtype)
-        zeros = torch.full_like(scales, S4_ZERO, dtype=torch.float32)
+    quantizer = u4_quantizer(symmetric, scale_dtype, search)
+    if hessian is not None:
+        q, params = gptq_quantize(wf, hessian, group_size, quantizer, **gptq_options)
     else:
-        lo = g.amin(dim=1).clamp(max=0.0)
-        hi = g.amax(dim=1).clamp(min=0.0)
-        scales = ((hi - lo) / U4_MAX).to(scale_dtype)
-    s = scales.to(torch.float32)
-    s = torch.where(s == 0, torch.ones_like(s), s)
-    if not symmetric:
-        zeros = torch.round(-lo / s).clamp(0, U4_MAX)
-    q = torch.round(g / s.unsqueeze(1) + zeros.unsqueeze(1)).clamp(0, U4_MAX)
-    return pack_int4(q.reshape_as(wf).to(torch.int64)), scales, zeros.to(torch.uint8)
+        params = quantizer.fit(g)
+        q = quantizer.quantize(g, params)[0].reshape_as(wf)
+    return pack_int4(q), params["scales"].to(scale_dtype), params["zeros"].to(torch.uint8)
 
 
 def dequant_u4_reference(B_packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

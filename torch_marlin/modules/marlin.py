@@ -65,9 +65,17 @@ class MarlinLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, format: str = "fp4", group_size: int = 128,
-                    dtype: Optional[torch.dtype] = None, symmetric: bool = False) -> "MarlinLinear":
-        """Quantizes ``linear`` (round to nearest per group). ``dtype`` of scales/bias defaults to
-        the layer's dtype when it is a 16-bit float, else float16. ``symmetric`` applies to u4."""
+                    dtype: Optional[torch.dtype] = None, symmetric: bool = False,
+                    hessian: Optional[torch.Tensor] = None, act_order: bool = True,
+                    damp: float = 0.01) -> "MarlinLinear":
+        """Quantizes ``linear``. ``dtype`` of scales/bias defaults to the layer's dtype when it is a
+        16-bit float, else float16. ``symmetric`` applies to u4.
+
+        Without ``hessian``: round to nearest with least-squares scale (and zero) search per group.
+        With ``hessian`` ``[in_features, in_features]`` (the second moment ``X^T X`` of the
+        layer's inputs, see :func:`torch_marlin.calibration.collect_hessian`): GPTQ error feedback,
+        ``act_order`` and ``damp`` as in torch_marlin/formats/gptq_solver.py.
+        """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear expects nn.Linear, got {type(linear).__name__}")
         w = linear.weight.detach()
@@ -76,10 +84,11 @@ class MarlinLinear(nn.Module):
         mod = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, format=format,
                   group_size=group_size, dtype=dtype, device=w.device)
         wt = w.t().to(torch.float32)  # [K, N]
+        gptq = {} if hessian is None else {"hessian": hessian, "act_order": act_order, "damp": damp}
         if format == "fp4":
-            B, s = quantize_fp4(wt, group_size, scale_dtype=dtype)
+            B, s = quantize_fp4(wt, group_size, scale_dtype=dtype, **gptq)
         else:
-            B, s, z = quantize_u4(wt, group_size, symmetric=symmetric, scale_dtype=dtype)
+            B, s, z = quantize_u4(wt, group_size, symmetric=symmetric, scale_dtype=dtype, **gptq)
             mod.zeros.copy_(z)
         mod.B_packed.copy_(B)
         mod.scales.copy_(s)

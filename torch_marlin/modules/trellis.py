@@ -71,7 +71,11 @@ class TrellisLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int = 3, group_size: int = 128, rotate: bool = True,
-                    dtype: Optional[torch.dtype] = None, seed: int = 0) -> "TrellisLinear":
+                    dtype: Optional[torch.dtype] = None, seed: int = 0, hessian: Optional[torch.Tensor] = None,
+                    act_order: bool = True, damp: float = 0.01) -> "TrellisLinear":
+        """Quantizes ``linear`` (:func:`torch_marlin.formats.trellis.quantize_trellis`). With
+        ``hessian`` ``[in_features, in_features]`` (the second moment ``X^T X`` of the layer's
+        inputs) the indices and scales come from LDLQ error feedback under the rotated Hessian."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear expects nn.Linear, got {type(linear).__name__}")
         w = linear.weight.detach()
@@ -79,7 +83,8 @@ class TrellisLinear(nn.Module):
             dtype = w.dtype if w.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float16
         mod = cls(linear.in_features, linear.out_features, bits, group_size, linear.bias is not None, rotate, dtype,
                   w.device)
-        q = fmt.quantize_trellis(w.t().to(torch.float32), bits, group_size, rotate=rotate, seed=seed)
+        gptq = {} if hessian is None else {"hessian": hessian, "act_order": act_order, "damp": damp}
+        q = fmt.quantize_trellis(w.t().to(torch.float32), bits, group_size, rotate=rotate, seed=seed, **gptq)
         for p in _PARTS:
             getattr(mod, p).copy_(q[p])
         if linear.bias is not None:
