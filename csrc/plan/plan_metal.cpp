@@ -30,11 +30,12 @@ uint32_t prefill_k_step(KernelFamily f, DType d) {
 }
 }  // namespace
 
-// Stripes + K-parallel only pay when the output alone cannot fill the GPU (and K has at least
-// 16 steps of 32 rows to split).
+// Stripes + K-parallel only pay when the output alone cannot fill the GPU and K is long enough
+// to split (at least 4 slices of 128 rows).
 bool metal_striped_pays(int64_t M, int64_t K, int64_t N, const DeviceCaps& caps) {
+  constexpr int64_t kStripedMinK = 512;
   const int64_t tiles = int64_t((M + kTile - 1) / kTile) * ((N + kTile - 1) / kTile);
-  return tiles < caps.compute_units * 2 && K / 32 >= 16;
+  return tiles < caps.compute_units * 2 && K >= kStripedMinK;
 }
 
 void plan_metal(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps& caps) {
