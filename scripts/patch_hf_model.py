@@ -98,9 +98,9 @@ def build_parser():
     p.add_argument("--method", default="rtn", choices=["rtn", "gptq"],
                    help="rtn: round to nearest with least-squares scales (no data); gptq: error feedback with each "
                         "layer's input Hessian from --calibration (trellis: LDLQ)")
-    p.add_argument("--calibration", metavar="FILE", default=CALIBRATION,
-                   help="gptq: calibration text, one sample per line (scripts/data/calibration.txt: "
-                        "158 short English sentences, none of them in the evaluation texts)")
+    p.add_argument("--calibration", metavar="FILE", default=None,
+                   help="gptq: calibration text, one sample per line; None: scripts/data/calibration.txt "
+                        "(158 short English sentences, none of them in the evaluation texts)")
     p.add_argument("--calibration-samples", type=positive_int, default=128, help="gptq: lines of --calibration used")
     return p
 
@@ -112,6 +112,8 @@ def parse_args(argv=None):
         fail("--bits applies to --format trellis only (fp4 and u4 are 4-bit)", p)
     if args.format == "trellis" and args.group_size % 16 != 0:
         fail(f"--group-size: trellis needs a positive multiple of 16, got {args.group_size}", p)
+    if args.calibration is None:
+        args.calibration = CALIBRATION
     if args.method == "gptq" and not os.path.isfile(args.calibration):
         fail(f"--calibration: {args.calibration!r} is not a file (expected text, one sample per line)", p)
     return args
