@@ -2,6 +2,7 @@
 # Compile-checks the CUDA sources with nvcc on a machine without a GPU (and with a CPU-only torch):
 # catches CUDA build breaks in CI. Needs nvcc on PATH (or CUDA_HOME); skips with a message if absent.
 # Usage: scripts/dev/check_cuda_build.sh [arch ...]   (default: sm_80 sm_90a, setup.py's default targets)
+# CUDA_CHECK_JOBS=N: nvcc processes at once (default: one per core).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 NVCC="${NVCC:-$(command -v nvcc || true)}"
@@ -30,7 +31,7 @@ compile_one() {
 }
 export -f compile_one; export NVCC TORCH_INC SHIM OUT
 for src in csrc/cuda/*.cu; do for arch in "${ARCHS[@]}"; do echo "$src $arch"; done; done |
-  xargs -P "$(nproc)" -n 2 bash -c 'compile_one "$0" "$1"'
+  xargs -P "${CUDA_CHECK_JOBS:-$(nproc)}" -n 2 bash -c 'compile_one "$0" "$1"'
 for src in scripts/dev/*.cu; do  # standalone GPU microbenchmarks (no torch)
   echo "nvcc -arch=sm_90 $src"
   "$NVCC" -std=c++17 -O3 -arch=sm_90 -c "$src" -o "$OUT/$(basename "$src" .cu).o"
