@@ -48,21 +48,6 @@ constexpr uint prefill_stage_elems(uint ks, uint stages) {
   return stages * (TM_METAL_TILE_M + TM_METAL_TILE_N) * prefill_pitch<T>(ks);
 }
 
-// The 8 weights of one packed word, fp32, without table lookups: FP4 magnitudes x 2 are the
-// nibbles of 0xC8643210 (0 1 2 3 4 6 8 12), the sign is bit 3. Equal to dequant_word.
-template <uint FMT>
-inline void dequant_word_alu(uint word, float scale, float zero, thread float* w) {
-  for (uint j = 0; j < 8u; ++j) {
-    const uint code = (word >> (4u * j)) & 15u;
-    if (FMT == TM_FORMAT_FP4) {
-      const float mag = float((0xC8643210u >> ((code & 7u) * 4u)) & 15u) * 0.5f;
-      w[j] = ((code & 8u) != 0u ? -mag : mag) * scale;
-    } else {
-      w[j] = (float(code) - zero) * scale;
-    }
-  }
-}
-
 // One thread's share of a K step's device loads, held in registers between the load and the
 // store to threadgroup memory, and the offsets that walk them along K.
 template <uint FMT, typename T, uint KS>
@@ -155,7 +140,7 @@ inline void prefill_store(thread const PrefillFetch<FMT, T, KS>& f, threadgroup 
   threadgroup T* column = sb + (lid % TM_METAL_TILE_N) * kPitch;
   for (uint j = 0; j < uint(F::kWords); ++j) {
     float w[8];
-    dequant_word_alu<FMT>(f.b_word[j], f.b_s[j], f.b_z[j], w);
+    dequant_word<FMT>(f.b_word[j], f.b_s[j], f.b_z[j], w);
     threadgroup T* dst = column + ((lid + j * kThreads) / TM_METAL_TILE_N) * 8u;
     for (uint e = 0; e < 8u; ++e) dst[e] = T(w[e]);
   }

@@ -24,20 +24,6 @@ constant constexpr uint kTileM = 64;  // the tiled families' output tile and K s
 constant constexpr uint kTileN = 64;
 constant constexpr uint kTileK = 32;
 
-// E2M1 magnitudes by code (codes 8..15 are the negatives).
-constant float kFp4Values[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                                 -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-
-// The 8 weights of one packed word (rows k..k+7 of one column), all in one scale group because
-// group_size is a multiple of 8. fp32 product, as the reference computes it.
-template <uint FMT>
-inline void dequant_word(uint word, float scale, float zero, thread float* w) {
-  for (uint j = 0; j < 8; ++j) {
-    const uint code = (word >> (4u * j)) & 15u;
-    w[j] = FMT == TM_FORMAT_FP4 ? kFp4Values[code] * scale : (float(code) - zero) * scale;
-  }
-}
-
 // The 8 weights of one packed word by bit arithmetic, no table: each step takes nibbles j and j+4
 // (bits 4j and 16+4j) into the two halves of a half2 bit pattern.
 //  - FP4 (E2M1, s eem): sign to bit 15, eem to bits 11..9 is the fp16 number v * 2^-14 for every
@@ -58,6 +44,18 @@ inline void dequant_word_bits(uint word, float scale, float zero_bias, thread fl
     const half2 h = as_type<half2>(bits);
     w[j] = (float(h.x) - zero_bias) * scale;
     w[j + 4u] = (float(h.y) - zero_bias) * scale;
+  }
+}
+
+// The 8 weights of one packed word (rows k..k+7 of one column), all in one scale group because
+// group_size is a multiple of 8, from the scale (and zero point) as stored: dequant_word_bits
+// with the folding done per word. fp32 product, as the reference computes it.
+template <uint FMT>
+inline void dequant_word(uint word, float scale, float zero, thread float* w) {
+  if (FMT == TM_FORMAT_FP4) {
+    dequant_word_bits<FMT>(word, scale * kFp4BitsScale, 0.0f, w);
+  } else {
+    dequant_word_bits<FMT>(word, scale, kU4BitsBias + zero, w);
   }
 }
 
