@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "emu_common.h"
+#include "ops/vector_aligned.h"
 #include "plan/plan_py.h"
 #include "runtime.h"
 
@@ -40,16 +41,13 @@ std::tuple<at::Tensor, py::dict> gemm(const std::string& format, const at::Tenso
   check_cpu(A_in, "A");
   TORCH_CHECK_VALUE(A_in.dim() == 2 && B_in.dim() == 2, "metal_emu: A and B_packed must be 2-D");
   TORCH_CHECK_VALUE(f == QuantFormat::FP4 || zeros_in.has_value(), "metal_emu: u4 needs zeros");
-  const at::Tensor B = B_in.contiguous(), scales = scales_in.contiguous();
-  // As csrc/mps/quant_gemm_mps.mm: an A whose data does not start 16-byte aligned is copied.
-  const at::Tensor A_c = A_in.contiguous();
-  const at::Tensor A =
-      reinterpret_cast<uintptr_t>(A_c.data_ptr()) % kMetalActivationAlignment == 0 ? A_c : A_c.clone();
+  // As the op prepares them (csrc/ops/quant_gemm.cpp).
+  const at::Tensor A = contiguous_aligned(A_in), B = contiguous_aligned(B_in), scales = contiguous_aligned(scales_in);
   const int64_t M = A.size(0), K = A.size(1), N = B.size(1);
   const GemmPlan plan = plan_gemm(f, M, K, N, group_size, dtype_of(A), bias_in.has_value(), family, compute_units);
   const float nan = std::numeric_limits<float>::quiet_NaN();
   at::Tensor C = at::full({M, N}, nan, A.options());
-  at::Tensor zeros = zeros_in.has_value() ? zeros_in->contiguous() : at::Tensor();
+  at::Tensor zeros = zeros_in.has_value() ? contiguous_aligned(*zeros_in) : at::Tensor();
   at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
   at::Tensor ws;
   if (plan.workspace_bytes > 0) {
@@ -77,11 +75,11 @@ at::Tensor dequant(const std::string& format, const at::Tensor& B_in, const at::
   const QuantFormat f = parse_format(format);
   check_cpu(B_in, "B_packed");
   TORCH_CHECK_VALUE(f == QuantFormat::FP4 || zeros_in.has_value(), "metal_emu: u4 needs zeros");
-  const at::Tensor B = B_in.contiguous(), scales = scales_in.contiguous();
+  const at::Tensor B = contiguous_aligned(B_in), scales = contiguous_aligned(scales_in);
   const int64_t K = B.size(0) * 8, N = B.size(1);
   const GemmPlan plan = described([&] { return plan_quant_dequant_metal(f, K, N, group_size, dtype_of(scales)); });
   at::Tensor W = at::full({K, N}, std::numeric_limits<float>::quiet_NaN(), scales.options());
-  at::Tensor zeros = zeros_in.has_value() ? zeros_in->contiguous() : at::Tensor();
+  at::Tensor zeros = zeros_in.has_value() ? contiguous_aligned(*zeros_in) : at::Tensor();
   QuantDequantBuffers<void*> b;
   b.B = B.data_ptr();
   b.scales = scales.data_ptr();

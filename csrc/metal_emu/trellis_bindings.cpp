@@ -10,6 +10,7 @@
 
 #include "emu_common.h"
 #include "ops/trellis.h"
+#include "ops/vector_aligned.h"
 #include "plan/plan_py.h"
 #include "runtime.h"
 
@@ -21,7 +22,9 @@ using namespace torch_marlin;
 TrellisWeights weights(const std::vector<at::Tensor>& t) {
   TORCH_CHECK_VALUE(t.size() == 5, "trellis weights are (packed_indices, scales, grid, su, sv)");
   for (const auto& x : t) TORCH_CHECK_VALUE(x.device().is_cpu(), "metal_emu: tensors must be on the CPU");
-  return TrellisWeights{t[0].contiguous(), t[1].contiguous(), t[2].contiguous(), t[3].contiguous(), t[4].contiguous()};
+  // As the op prepares them (csrc/ops/trellis.cpp).
+  return TrellisWeights{contiguous_aligned(t[0]), t[1].contiguous(), t[2].contiguous(), contiguous_aligned(t[3]),
+                        t[4].contiguous()};
 }
 
 TrellisWeightBuffers<void*> weight_buffers(const TrellisWeights& w) {
@@ -53,7 +56,7 @@ std::tuple<at::Tensor, py::dict> gemm(const at::Tensor& A_in, const std::vector<
                                       const std::string& schedule, uint64_t seed, int workers,
                                       const std::string& prefix) {
   TORCH_CHECK_VALUE(A_in.device().is_cpu() && A_in.dim() == 2 && A_in.size(1) == K, "metal_emu: A must be CPU [M, K]");
-  const at::Tensor A = A_in.contiguous();
+  const at::Tensor A = contiguous_aligned(A_in);
   const TrellisWeights w = weights(w_in);
   const TrellisPlan plan = plan_gemm(A.size(0), K, N, bits, group_size, dtype_of(A), family);
   at::Tensor C = at::full({A.size(0), N}, std::numeric_limits<float>::quiet_NaN(), A.options());
@@ -83,7 +86,7 @@ std::tuple<at::Tensor, py::dict> moe(const at::Tensor& x_in, const std::vector<a
                                      int workers, const std::string& prefix) {
   TORCH_CHECK_VALUE(x_in.device().is_cpu() && x_in.dim() == 2, "metal_emu: x must be CPU [T, H]");
   TrellisMoeArgs a;
-  a.x = x_in.contiguous();
+  a.x = contiguous_aligned(x_in);
   a.gate = weights(gate_in);
   a.up = weights(up_in);
   a.down = weights(down_in);

@@ -44,13 +44,9 @@ using MetalDispatches = std::vector<MetalDispatch<Buffer>>;
 
 // ---- FP4 / INT4 ---------------------------------------------------------------------------------
 
-// Byte alignment of A's offset in its buffer: the prefill kernels read A in 16-byte vectors (K is
-// a multiple of 8, so every row then starts aligned too). Bindings copy an A that is not.
-constexpr uint64_t kMetalActivationAlignment = 16;
-
 template <class Buffer>
 struct QuantGemmBuffers {
-  Buffer A;                         // [M, K] activations, kMetalActivationAlignment-aligned
+  Buffer A;                         // [M, K] activations (buffers start 16-byte aligned: ops/vector_aligned.h)
   Buffer B;                         // int32 [K/8, N] packed weights
   Buffer scales;                    // [K/group_size, N]
   std::optional<Buffer> zeros;      // uint8 zero points (INT4); absent (FP4): scales stands in

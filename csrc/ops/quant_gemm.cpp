@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include "ops/quant_gemm.h"
+#include "ops/vector_aligned.h"
 
 namespace torch_marlin {
 
@@ -84,8 +85,8 @@ void check_weights(QuantGemmArgs& a, const at::Tensor& B, const at::Tensor& scal
   a.K = K;
   a.N = N;
   a.group_size = group_size;
-  a.B = B.contiguous();
-  a.scales = scales.contiguous();
+  a.B = contiguous_aligned(B);
+  a.scales = contiguous_aligned(scales);
   if (a.format == QuantFormat::U4) {
     TORCH_CHECK_VALUE(zeros.has_value(), op, ": zeros is required");
     const at::Tensor& z = *zeros;
@@ -93,7 +94,7 @@ void check_weights(QuantGemmArgs& a, const at::Tensor& B, const at::Tensor& scal
                      z.scalar_type());
     check_same_device(z, dev, op, "zeros", ref_name);
     check_shape(z, {K / group_size, N}, op, "zeros", "[K/group_size, N]");
-    a.zeros = z.contiguous();
+    a.zeros = contiguous_aligned(z);
   }
 }
 
@@ -110,7 +111,7 @@ QuantGemmArgs check_gemm(QuantFormat format, const at::Tensor& A, const at::Tens
                    A.scalar_type(), ", got ", scales.scalar_type());
   a.M = A.size(0);
   a.dtype = to_dtype(A.scalar_type());
-  a.A = A.contiguous();
+  a.A = contiguous_aligned(A);
   if (bias.has_value()) {
     const at::Tensor& b = *bias;
     TORCH_CHECK_TYPE(b.scalar_type() == A.scalar_type(), op, ": bias must have A's dtype ", A.scalar_type(),

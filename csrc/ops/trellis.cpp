@@ -16,6 +16,7 @@
 
 #include "ops/quant_gemm.h"
 #include "ops/trellis.h"
+#include "ops/vector_aligned.h"
 
 namespace torch_marlin {
 namespace {
@@ -78,14 +79,6 @@ void check_params(int64_t K, int64_t N, int64_t bits, int64_t group_size, const 
   TORCH_CHECK_VALUE(K < (int64_t(1) << 30) && N < (int64_t(1) << 30), op, ": K and N must be < 2^30");
 }
 
-// Contiguous, with its first byte at a multiple of 16 bytes into its storage: the Metal kernels read the
-// packed indices 16 bytes at a time and activation rows / su 4 elements at a time (a view that
-// starts mid-vector, e.g. a flat slice at an odd offset, is copied).
-at::Tensor contiguous_16b(const at::Tensor& t) {
-  at::Tensor c = t.contiguous();
-  return (c.storage_offset() * c.element_size()) % 16 == 0 ? c : c.clone();
-}
-
 // Checks one trellis matrix W[K, N] (with a leading expert dim when experts > 0).
 TrellisWeights check_weights(const char* op, const std::string& prefix, const at::Tensor& packed,
                              const at::Tensor& scales, const at::Tensor& grid, const at::Tensor& su,
@@ -122,7 +115,7 @@ TrellisWeights check_weights(const char* op, const std::string& prefix, const at
   }
   check_device(packed, dev, op, prefix + "packed_indices", ref);
   for (const F& f : fs) check_device(*f.t, dev, op, prefix + f.name, ref);
-  return TrellisWeights{contiguous_16b(packed), scales.contiguous(), grid.contiguous(), contiguous_16b(su),
+  return TrellisWeights{contiguous_aligned(packed), scales.contiguous(), grid.contiguous(), contiguous_aligned(su),
                         sv.contiguous()};
 }
 
@@ -141,7 +134,7 @@ at::Tensor gemm_trellis(const at::Tensor& A, const at::Tensor& packed, const at:
   a.group_size = group_size;
   a.dtype = to_dtype(A.scalar_type());
   a.w = check_weights(op, "", packed, scales, grid, su, sv, K, N, bits, group_size, 0, A.device(), "A");
-  a.A = contiguous_16b(A);
+  a.A = contiguous_aligned(A);
   at::Tensor C = at::empty({a.M, N}, A.options());
   if (a.M == 0) return C;
   const DeviceCaps caps = device_caps(A.device());
@@ -240,7 +233,7 @@ at::Tensor moe_trellis(const at::Tensor& x, const at::Tensor& gate_packed, const
   a.bits = bits;
   a.group_size = group_size;
   a.dtype = to_dtype(x.scalar_type());
-  a.x = contiguous_16b(x);
+  a.x = contiguous_aligned(x);
   a.probs = expert_probs.to(at::kFloat).contiguous();
   const DeviceCaps caps = device_caps(dev);
   const TrellisPlan plan = plan_trellis_moe(T, H, intermediate, E, top_k, bits, group_size, a.dtype, caps);
