@@ -6,7 +6,7 @@
 using namespace metal;
 using namespace torch_marlin;
 
-constant constexpr uint kDequantThreads = 256;
+constant constexpr uint kDequantThreads = TM_METAL_ELEMENTWISE_THREADS;
 
 template <uint FMT, typename T>
 inline void dequant_impl(device const uint* B, device const T* scales, device const uchar* zeros, device T* W,

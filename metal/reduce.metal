@@ -11,7 +11,7 @@
 using namespace metal;
 using namespace torch_marlin;
 
-constant constexpr uint kReduceThreads = 256;
+constant constexpr uint kReduceThreads = TM_METAL_ELEMENTWISE_THREADS;
 
 template <typename T>
 inline void reduce_partials_impl(device const float* workspace, device const T* bias, device T* C,

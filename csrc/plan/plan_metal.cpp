@@ -17,8 +17,8 @@ DeviceCaps default_metal_caps() {
 }
 
 namespace {
-constexpr uint32_t kTile = TM_METAL_TILE_M, kThreads = 128;
-constexpr uint32_t kReduceThreads = 256;
+constexpr uint32_t kTile = TM_METAL_TILE_M, kThreads = TM_METAL_THREADS;
+constexpr uint32_t kReduceThreads = TM_METAL_ELEMENTWISE_THREADS;
 constexpr uint32_t kDecodeMinKStep = 64, kDecodeMinSliceRows = 512;
 static_assert(TM_METAL_TILE_M == TM_METAL_TILE_N, "the prefill tiles are square");
 
@@ -108,7 +108,7 @@ GemmPlan plan_quant_dequant_metal(QuantFormat format, int64_t K, int64_t N, int6
       K % group_size != 0 || K > UINT32_MAX || N > UINT32_MAX || (K / TM_PACK_FACTOR) * N > UINT32_MAX) {
     throw std::invalid_argument("plan_quant_dequant_metal: invalid shape");
   }
-  constexpr uint32_t kDequantThreads = 256;  // kDequantThreads in metal/dequant.metal
+  constexpr uint32_t kDequantThreads = TM_METAL_ELEMENTWISE_THREADS;
   GemmPlan p;
   p.caps = default_metal_caps();
   p.desc.backend = Backend::Metal;

@@ -25,8 +25,8 @@ constexpr uint32_t kMetalPrefillTile = TM_TRELLIS_PREFILL_TILE;
 constexpr uint32_t kMetalPrefillTileK = TM_TRELLIS_PREFILL_TILE_K;
 constexpr uint32_t kMetalDecodeTileN = TM_TRELLIS_DECODE_COLS;
 constexpr uint32_t kMetalDecodeTileK = TM_TRELLIS_DECODE_K_TILES * TM_TRELLIS_TILE;
-constexpr uint32_t kMetalDequantThreads = TM_TRELLIS_TILE_ELEMS;
-constexpr uint32_t kMetalCombineThreads = 256;
+constexpr uint32_t kMetalDequantThreads = TM_TRELLIS_DEQUANT_THREADS;
+constexpr uint32_t kMetalCombineThreads = TM_TRELLIS_COMBINE_THREADS;
 
 // CPU geometry (csrc/cpu/trellis.cpp): decode tasks over 64-column blocks; the prefill path
 // dequantizes column chunks of at most k_chunk * 128 fp32 (8 MiB) with all threads and hands each

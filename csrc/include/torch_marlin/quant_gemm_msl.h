@@ -17,12 +17,9 @@ using namespace metal;  // MSL-only header: min/max, simdgroup_matrix and the ad
 
 namespace torch_marlin {
 
-// Tuning constants shared by several families; the planner uses the same numbers.
-constant constexpr uint kThreads = 128;  // 4 simdgroups of 32
-constant constexpr uint kSimdgroups = 4;
-constant constexpr uint kTileM = 64;  // the tiled families' output tile and K step
-constant constexpr uint kTileN = 64;
-constant constexpr uint kTileK = 32;
+// Threadgroup shape of the tiled families (quant_gemm_params.h, which the planner reads too).
+constant constexpr uint kThreads = TM_METAL_THREADS;
+constant constexpr uint kSimdgroups = TM_METAL_THREADS / 32u;
 
 // The 8 weights of one packed word by bit arithmetic, no table: each step takes nibbles j and j+4
 // (bits 4j and 16+4j) into the two halves of a half2 bit pattern.

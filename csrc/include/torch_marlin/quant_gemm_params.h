@@ -65,6 +65,8 @@ TM_NAMESPACE_BEGIN
 // (fused, striped): 32 for fp16 / bf16, 16 for fp32, so that two stages of A and dequantized B
 // (64 x (k_step + 16 bytes of padding) elements each) take 20 KiB in every dtype. The one-stage
 // staged kernel steps TM_METAL_STAGED_TILE_K rows in every dtype (18 KiB for fp32).
+#define TM_METAL_ELEMENTWISE_THREADS 256u  // metal/dequant.metal and metal/reduce.metal: one element (word) per thread
+#define TM_METAL_THREADS 128u  // threads of every prefill threadgroup: 4 simdgroups of 32
 #define TM_METAL_TILE_M 64u
 #define TM_METAL_TILE_N 64u
 #define TM_METAL_PIPELINED_TILE_K(elem_bytes) ((elem_bytes) == 4u ? 16u : 32u)

@@ -32,8 +32,7 @@ constant constexpr uint kTrTileK = TM_TRELLIS_PREFILL_TILE_K;
 constant constexpr uint kTrAStride = TM_TRELLIS_PREFILL_TILE_K + 8u;
 constant constexpr uint kTrBStride = TM_TRELLIS_PREFILL_TILE + 8u;
 constant constexpr uint kTrStageElems = TM_TRELLIS_PREFILL_TILE * kTrAStride + TM_TRELLIS_PREFILL_TILE_K * kTrBStride;
-constant constexpr uint kTrDequantThreads = 256;
-constant constexpr uint kTrCombineThreads = 256;
+constant constexpr uint kTrCombineThreads = TM_TRELLIS_COMBINE_THREADS;
 
 // Geometry of one trellis matrix W[K, N]. The MoE's down projection has K and N swapped
 // relative to the params (it maps intermediate -> hidden). vec4: rows of the activations (stride

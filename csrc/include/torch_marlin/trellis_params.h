@@ -25,6 +25,8 @@ TM_NAMESPACE_BEGIN
 #define TM_TRELLIS_DECODE_K_TILES 8u     // decode: trellis tile rows of K staged per block (128 rows)
 #define TM_TRELLIS_PREFILL_TILE 64u      // prefill / tiled MoE: 64x64 output tile
 #define TM_TRELLIS_PREFILL_TILE_K 16u    // prefill: K rows per block = one trellis tile row
+#define TM_TRELLIS_DEQUANT_THREADS TM_TRELLIS_TILE_ELEMS  // dequant: one 16x16 tile per threadgroup
+#define TM_TRELLIS_COMBINE_THREADS 256u  // MoE combine: one output element per thread
 
 // Launch parameters of every trellis kernel. For the dense GEMM: C[M,N] = A[M,K] @ W[K,N].
 // For the MoE (moe_trellis): M = tokens, K = hidden size, N = intermediate size; gate/up are
