@@ -189,13 +189,6 @@ def test_trellis_linear_default_module_loads_any_from_linear_exactly(dtype):
     assert torch.equal(m2(x), m(x))
 
 
-def test_trellis_linear_backward_raises_instead_of_no_gradient():
-    m = tm.TrellisLinear.from_linear(nn.Linear(64, 40), bits=3, group_size=32)
-    x = torch.randn(3, 64, requires_grad=True)
-    with pytest.raises(RuntimeError, match="TrellisLinear: the quantized layers are inference-only"):
-        m(x).sum().backward()
-
-
 def test_trellis_moe_module():
     torch.manual_seed(1)
     H, I, E = 64, 96, 4

@@ -3,11 +3,13 @@
 The fake kernels only compute output shapes and dtypes, so ``torch.compile`` can trace modules
 that call the ops, with symbolic M included. Argument checking lives in the C++ op.
 
-The ops are inference-only: they have no gradient formula. Each gets a fallthrough kernel at the
-Autograd key, so their outputs never require grad and the call costs nothing extra, instead of
-torch's not-implemented fallback, which records a node that warns at backward and returns no
-gradient. The modules pass their output through :func:`inference_only`, so a backward pass that
-needs the input's gradient fails with a clear error instead of leaving it ``None``.
+The ops themselves have no gradient formula: each gets a fallthrough kernel at the Autograd key,
+so their outputs never require grad and the call costs nothing extra, instead of torch's
+not-implemented fallback, which records a node that warns at backward and returns no gradient.
+The modules give their input a gradient through :func:`frozen_weight_linear`: the weights are
+frozen quantized buffers, so the backward pass needs only ``grad_y @ W``, computed from the
+dense weight the dequant op rebuilds on the layer's device (an adapter such as LoRA on top of a
+quantized base trains this way).
 """
 
 from typing import Optional
@@ -23,6 +25,54 @@ for _op in OPS:
     _autograd.impl(_op, torch.library.fallthrough_kernel, "Autograd")
 
 
+class _FrozenWeightLinear(torch.autograd.Function):
+    """``y`` (already computed by a quantized op) recorded as ``x @ W^T (+ bias)``: the backward
+    pass gives ``x`` the gradient ``grad_y @ W`` and a trainable bias ``grad_y`` summed over rows.
+    ``dense_weight(dtype)`` returns ``W`` ``[N, K]`` on ``x``'s device, from scales in ``dtype`` (the
+    gradient's, as the forward pass casts them to the input's); it runs only in the backward pass,
+    so the forward pass keeps the fused kernel and allocates nothing extra."""
+
+    @staticmethod
+    def forward(ctx, y, x, bias, dense_weight):
+        ctx.dense_weight = dense_weight
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_x = grad_bias = None
+        g = grad.reshape(-1, grad.shape[-1])
+        if ctx.needs_input_grad[1]:
+            # In the gradient's dtype: matmul accumulates 16-bit products in fp32.
+            w = ctx.dense_weight(g.dtype)
+            grad_x = (g @ w.to(g.dtype)).to(ctx.x_dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[2]:
+            grad_bias = g.float().sum(0).to(ctx.bias_dtype)
+        # y's own history (a bias added after the op, in the trellis module) gets the gradient as is.
+        return grad if ctx.needs_input_grad[0] else None, grad_x, grad_bias, None
+
+
+def frozen_weight_linear(y: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], dense_weight,
+                         layer: str, quantized: dict) -> torch.Tensor:
+    """``y``, with ``x`` (and a bias that requires grad) given gradients as for ``x @ W^T + bias``.
+
+    ``quantized`` names the layer's quantized tensors: none may require grad (they are codes and
+    their scales, which a gradient step cannot update), so asking for their gradient raises here,
+    naming the tensor, instead of training nothing."""
+    if not torch.is_grad_enabled():
+        return y
+    for name, t in quantized.items():
+        if t is not None and t.requires_grad:
+            raise RuntimeError(
+                f"{layer}: {name} requires grad, but the quantized weights are frozen: train an adapter on top "
+                f"of the layer (LoRA) and call {name}.requires_grad_(False)")
+    trainable_bias = bias is not None and bias.requires_grad
+    if not (x.requires_grad or trainable_bias):
+        return y
+    return _FrozenWeightLinear.apply(y, x, bias if trainable_bias else None, dense_weight)
+
+
 class _NoInputGradient(torch.autograd.Function):
     """Identity on the layer's output, recorded against its input: the backward pass raises."""
 
@@ -34,12 +84,11 @@ class _NoInputGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         raise RuntimeError(
-            f"{ctx.layer}: the quantized layers are inference-only and have no gradient with respect to their "
-            "input. Run them under torch.no_grad() or torch.inference_mode(), or keep gradients from reaching "
-            "them (requires_grad_(False) on the parameters before them, or detach their input).")
+            f"{ctx.layer}: has no gradient with respect to its input (only MarlinLinear and TrellisLinear do). "
+            "Run it under torch.no_grad() or torch.inference_mode(), or detach its input.")
 
 
-def inference_only(y: torch.Tensor, x: torch.Tensor, layer: str) -> torch.Tensor:
+def no_input_gradient(y: torch.Tensor, x: torch.Tensor, layer: str) -> torch.Tensor:
     """``y`` unchanged, except that when ``x`` requires grad, a backward pass through ``y`` raises
     (naming ``layer``) instead of silently giving ``x`` no gradient."""
     if torch.is_grad_enabled() and x.requires_grad:

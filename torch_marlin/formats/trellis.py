@@ -354,11 +354,14 @@ def effective_weight(q: dict, rotate: bool = True) -> torch.Tensor:
     """The ``[K, N]`` linear map a quantized layer computes (undoing the rotation), for SQNR."""
     w = dequant_trellis_reference(q["packed_indices"], q["scales"], q["grid"], q["su"], q["sv"], q["K"], q["N"],
                                   q["bits"], q["group_size"])
-    if not rotate:
-        return w
-    # y = (x D_u H_K) W_deq (H_N D_v)  =>  W_eff = D_u H_K W_deq H_N D_v.
-    w = block_hadamard(w, 0) * q["su"][:, None]
-    return block_hadamard(w, 1) * q["sv"][None, :]
+    return undo_rotation(w, q["su"], q["sv"]) if rotate else w
+
+
+def undo_rotation(w: torch.Tensor, su: torch.Tensor, sv: torch.Tensor) -> torch.Tensor:
+    """The linear map of a rotated layer from its stored ``[K, N]`` matrix:
+    ``y = (x D_u H_K) W (H_N D_v)``, so ``W_eff = D_u H_K W H_N D_v``."""
+    w = block_hadamard(w, 0) * su.to(w.dtype)[:, None]
+    return block_hadamard(w, 1) * sv.to(w.dtype)[None, :]
 
 
 def sqnr_db(w: torch.Tensor, w_hat: torch.Tensor) -> float:

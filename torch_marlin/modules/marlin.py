@@ -27,8 +27,9 @@ class MarlinLinear(nn.Module):
     ``bias`` ``[N]``. ``K = in_features``, ``N = out_features``. Any leading batch dimensions;
     fp16, bf16 or fp32 inputs (scales and bias follow the input dtype). The op picks the decode
     kernel for small M (<= 16 rows on Metal, 8 on CPU, 16 to 128 on CUDA by GPU, shape and group
-    size) and the prefill kernel above (see :func:`torch_marlin.plan_gemm`). Inference-only: a
-    backward pass that needs the input's gradient raises.
+    size) and the prefill kernel above (see :func:`torch_marlin.plan_gemm`). The weights are frozen:
+    the backward pass gives the input (and a bias set to require grad) their gradients, so adapters
+    train on top of the layer; quantized tensors that require grad raise.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, format: str = "fp4",
@@ -114,7 +115,21 @@ class MarlinLinear(nn.Module):
             y = ops.gemm_fp4(x2, self.B_packed, scales, self.group_size, bias)
         else:
             y = ops.gemm_u4(x2, self.B_packed, scales, self.zeros, self.group_size, bias)
-        return ops.inference_only(y.reshape(*x.shape[:-1], self.out_features), x, "MarlinLinear")
+        return ops.frozen_weight_linear(y.reshape(*x.shape[:-1], self.out_features), x, self.bias,
+                                        self._dense_weight, "MarlinLinear", self._quantized_tensors())
+
+    def _quantized_tensors(self) -> dict:
+        return {"B_packed": self.B_packed, "scales": self.scales, "zeros": self.zeros}
+
+    def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """``W`` ``[out_features, in_features]`` rebuilt by the dequant op on the layer's device,
+        from the scales in ``dtype`` as the forward pass uses them."""
+        scales = self.scales.to(dtype)
+        if self.format == "fp4":
+            w = ops.dequant_fp4(self.B_packed, scales, self.group_size)
+        else:
+            w = ops.dequant_u4(self.B_packed, scales, self.zeros, self.group_size)
+        return w.t()
 
     def extra_repr(self) -> str:
         bits = 4 * self.in_features * self.out_features + 16 * (self.in_features // self.group_size) * self.out_features

@@ -112,7 +112,16 @@ class TrellisLinear(nn.Module):
             y = fmt.rotate_output(y.float(), self.sv).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
-        return ops.inference_only(y.reshape(*x.shape[:-1], self.out_features), x, "TrellisLinear")
+        # The bias was added above, so autograd already gives it its gradient.
+        return ops.frozen_weight_linear(y.reshape(*x.shape[:-1], self.out_features), x, None, self._dense_weight,
+                                        "TrellisLinear", {p: getattr(self, p) for p in _PARTS})
+
+    def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The fp32 ``[out_features, in_features]`` map the layer applies, rotation included, rebuilt
+        by the dequant op on the layer's device (``dtype`` unused: the trellis buffers are fp32)."""
+        w = ops.dequant_trellis(*(getattr(self, p) for p in _PARTS), self.in_features, self.out_features, self.bits,
+                                self.group_size)
+        return (fmt.undo_rotation(w, self.su, self.sv) if self.rotate else w).t()
 
     def extra_repr(self) -> str:
         bpw = self.bits + 32 / self.group_size
@@ -242,4 +251,4 @@ class TrellisMoE(nn.Module):
                             self.intermediate_size, self.bits, self.group_size)
         if self.rotate:
             y = fmt.rotate_output(y.float(), self.rot_out).to(x.dtype)
-        return ops.inference_only(y.reshape(x.shape), x, "TrellisMoE")
+        return ops.no_input_gradient(y.reshape(x.shape), x, "TrellisMoE")
