@@ -193,6 +193,28 @@ def test_calibrated_patch_model_beats_rtn(fmt, opts):
     assert errs["gptq"] < 0.9 * errs["rtn"], errs
 
 
+@pytest.mark.parametrize("device", [
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+    pytest.param("mps", marks=pytest.mark.skipif(not torch.backends.mps.is_available(), reason="needs an Apple GPU")),
+])
+@pytest.mark.parametrize("fmt, opts", [("fp4", {}), ("u4", {}), ("trellis", {"bits": 3})])
+def test_calibration_runs_on_the_device(fmt, opts, device):
+    """Hessians, GPTQ / LDLQ and the quantized model on the GPU (calibration batches on the CPU are
+    moved there): as good as the CPU's calibration. The two differ by summation order, which can
+    flip near-tie codes, so the errors are compared, not the codes."""
+    m, calib, test = tiny_and_data()
+    with torch.no_grad():
+        ref = m(test)
+        errs = {}
+        for where in ("cpu", device):
+            q = copy.deepcopy(m)
+            patch_model(q, format=fmt, group_size=32, progress=False, method="gptq", calibration=calib,
+                        device=where, **opts)
+            assert all(p.device.type == where for p in q.buffers())
+            errs[where] = float((q(test.to(where)).cpu() - ref).norm() / ref.norm())
+    assert errs[device] < 1.05 * errs["cpu"], errs
+
+
 def test_calibration_accepts_tensors_and_masks_padding():
     m, calib, test = tiny_and_data(seed=4)
     ids = [b["input_ids"] for b in calib]

@@ -28,7 +28,7 @@ fi
 if has test; then
   # The harness-backend cases (metal_emu) need no GPU and run in CI.
   python -m pytest tests/test_cuda.py tests/test_gemm.py tests/test_trellis_ops.py tests/test_opcheck.py \
-    tests/test_planner.py tests/test_quant_gemm.py tests/test_modules.py tests/test_trellis.py tests/test_gradients.py \
+    tests/test_planner.py tests/test_quant_gemm.py tests/test_modules.py tests/test_trellis.py tests/test_gradients.py tests/test_quantizers.py \
     -k "not metal_emu" \
     -q --maxfail=30 --durations=5 ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/test_cuda.log" | tail -25
 fi
