@@ -67,7 +67,7 @@ def default_rows(g):
 def mlx_affine(w: torch.Tensor, bits: int, group: int = 64):
     import mlx.core as mx
     import numpy as np
-    a = mx.array(w.float().numpy())
+    a = mx.array(w.float().cpu().numpy())
     q, s, b = mx.quantize(a, group_size=group, bits=bits)
     d = mx.dequantize(q, s, b, group_size=group, bits=bits)
     return torch.from_numpy(np.array(d, dtype=np.float32)), bits + 32 / group
@@ -77,7 +77,7 @@ def gguf_q4_0(w: torch.Tensor):
     import gguf
     from gguf.quants import dequantize, quantize
     t = gguf.GGMLQuantizationType.Q4_0
-    d = dequantize(quantize(w.float().numpy(), t), t)
+    d = dequantize(quantize(w.float().cpu().numpy(), t), t)
     return torch.from_numpy(d.copy()).reshape(w.shape), 18 * 8 / 32
 
 
@@ -188,6 +188,9 @@ def parse_args(argv=None):
                    help="calibration text, one sample per line (default scripts/data/calibration.txt)")
     p.add_argument("--calibration-samples", type=int, default=128)
     p.add_argument("--skip", nargs="*", default=["lm_head"], help="Linear layers kept in float (default lm_head)")
+    p.add_argument("--device", default="cpu",
+                   help="where the models run and ours are quantized and calibrated (cpu, cuda, mps; the "
+                        "reference formats are computed with their tools on the CPU)")
     return p.parse_args(argv)
 
 
@@ -196,6 +199,7 @@ def main(argv=None):
     aliases = {"minilm": evaluation.minilm_path, "smollm2": evaluation.smollm2_gguf_path}
     path = aliases[args.model]() if args.model in aliases else args.model
     fm, tok, kind = evaluation.load_hf_model(path)
+    fm.to(args.device)
     g = args.group_size or (64 if args.model == "smollm2" else 128)
     rows = args.rows or default_rows(g)
     ev = Evaluator(fm, tok, kind)
@@ -223,11 +227,13 @@ def main(argv=None):
             bpw = stored_bits(m)
         seconds = time.perf_counter() - t0
         results.append((row, f"{bpw:.3f}", ev(m), f"{seconds:.1f}"))
+        tqdm.write(" | ".join(results[-1]))  # each row as it finishes: a long run shows its progress
         del m
 
     print(f"\nmodel: {path}")
+    where = torch.cuda.get_device_name() if fm.device.type == "cuda" else fm.device.type
     print(f"calibrated rows: {len(lines)} samples of {os.path.relpath(args.calibration)}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} CPU threads\n")
+          f"on {where}, {torch.get_num_threads()} CPU threads\n")
     header = ("scheme", "bits/weight", ev.header(), "quantize s")
     widths = [max(len(str(r[i])) for r in [header] + results) for i in range(4)]
     print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
