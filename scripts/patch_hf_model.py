@@ -109,7 +109,7 @@ def parse_args(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
     if args.bits is not None and args.format != "trellis":
-        fail("--bits applies to --format trellis only (fp4 and u4 are 4-bit)", p)
+        fail("--bits applies to --format trellis only (fp4, u4 and affine are 4-bit)", p)
     if args.format == "trellis" and args.group_size % 16 != 0:
         fail(f"--group-size: trellis needs a positive multiple of 16, got {args.group_size}", p)
     if args.calibration is None:

@@ -18,7 +18,7 @@ import zlib
 import pytest
 import torch
 
-INT4_OPS = ("gemm_fp4", "gemm_u4", "dequant_fp4", "dequant_u4")
+INT4_OPS = ("gemm_fp4", "gemm_u4", "dequant_fp4", "dequant_u4", "gemm_affine", "dequant_affine")
 TRELLIS_OPS = ("gemm_trellis", "dequant_trellis", "moe_trellis")
 OPS = INT4_OPS + TRELLIS_OPS
 

@@ -15,12 +15,18 @@ Error bounds, elementwise, for ``C = A @ W (+ bias)`` with ``mag = |A| @ |W|`` (
   (cuBLAS under torch's default fp16/bf16 reduced-precision reductions): at most two roundings
   of relative size ``u`` per product term, ``2 u mag``; tensor-core fp32 accumulation truncates
   instead of rounding, so its sum term is ``K * 2^-23 * mag``.
+
+Affine weights ``s * q + b`` are summed by some kernels as two terms (``s * sum a q + b * sum a``)
+or dequantized in two roundings (``s * q``, then ``+ b``), so their ``mag`` is taken over
+``|s q| + |b|`` (:func:`make_weights`' ``"mag"``) instead of ``|w|``: every bound above holds
+with it.
 """
 
 import torch
 import torch.nn.functional as F
 
-from torch_marlin.formats import dequant_fp4_reference, dequant_u4_reference, quantize_fp4, quantize_u4
+from torch_marlin.formats import (dequant_affine_reference, dequant_fp4_reference, dequant_u4_reference,
+                                  quantize_affine, quantize_fp4, quantize_u4, unpack_int4)
 from torch_marlin.formats import trellis as trellis_format
 
 # Unit roundoff of the output dtype: a correctly accumulated result rounded once to the output
@@ -32,12 +38,19 @@ UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32
 
 def make_weights(fmt: str, K: int, N: int, group_size: int, dtype: torch.dtype, device="cpu"):
     """Random quantized weights plus their fp32 dense reference ``[K, N]`` (plain round to nearest:
-    kernels need valid codes, not the best ones, and the scale search only adds time)."""
+    kernels need valid codes, not the best ones, and the scale search only adds time). Affine
+    weights also carry ``"mag"``, ``|s q| + |b|`` (the module docstring's error bounds)."""
     w = torch.randn(K, N)
     if fmt == "fp4":
         B, s = quantize_fp4(w, group_size, scale_dtype=dtype, search=False)
         ref = dequant_fp4_reference(B, s, group_size)
         return {"B": B.to(device), "scales": s.to(device), "zeros": None, "ref": ref}
+    if fmt == "affine":
+        B, s, b = quantize_affine(w + 0.5, group_size, scale_dtype=dtype, search=False)  # offsets of both signs
+        ref = dequant_affine_reference(B, s, b, group_size)
+        sq = unpack_int4(B).float() * s.float().repeat_interleave(group_size, 0)
+        mag = sq.abs() + b.float().abs().repeat_interleave(group_size, 0)
+        return {"B": B.to(device), "scales": s.to(device), "offsets": b.to(device), "ref": ref, "mag": mag}
     B, s, z = quantize_u4(w, group_size, scale_dtype=dtype, search=False)
     ref = dequant_u4_reference(B, s, z, group_size)
     return {"B": B.to(device), "scales": s.to(device), "zeros": z.to(device), "ref": ref}
@@ -51,12 +64,13 @@ def reference_gemm(A: torch.Tensor, W: torch.Tensor, bias=None) -> torch.Tensor:
 
 
 def gemm_error_bound(A: torch.Tensor, W: torch.Tensor, ref: torch.Tensor, bias=None, exact_products=True,
-                     extra_weight_rounding=0.0) -> torch.Tensor:
+                     extra_weight_rounding=0.0, W_mag=None) -> torch.Tensor:
     """The elementwise bound of the module docstring. ``extra_weight_rounding``: relative error of
-    the reference weight itself against the kernel's (trellis: a few fp32 roundings)."""
+    the reference weight itself against the kernel's (trellis: a few fp32 roundings). ``W_mag``:
+    the weight magnitudes of the sum (default ``|W|``; affine: ``|s q| + |b|``)."""
     u = UNIT_ROUNDOFF[A.dtype]
     K = A.shape[1]
-    mag = A.double().abs().cpu() @ W.double().abs().cpu()
+    mag = A.double().abs().cpu() @ (W.abs() if W_mag is None else W_mag).double().cpu()
     if exact_products:
         per_term = K * 2.0**-24 + extra_weight_rounding
     else:
@@ -79,10 +93,11 @@ def assert_within(out: torch.Tensor, ref: torch.Tensor, tol: torch.Tensor):
                         f"max |ref| {ref.abs().max().item():.3g} (worst excess {worst:.3g})")
 
 
-def assert_gemm_close(out: torch.Tensor, A: torch.Tensor, W: torch.Tensor, bias=None, exact_products=True):
+def assert_gemm_close(out: torch.Tensor, A: torch.Tensor, W: torch.Tensor, bias=None, exact_products=True,
+                      W_mag=None):
     """``out`` against ``A @ W + bias`` within :func:`gemm_error_bound`."""
     ref = reference_gemm(A, W, bias)
-    assert_within(out, ref, gemm_error_bound(A, W, ref, bias, exact_products))
+    assert_within(out, ref, gemm_error_bound(A, W, ref, bias, exact_products, W_mag=W_mag))
 
 
 # ---- trellis -----------------------------------------------------------------------------------------

@@ -1,10 +1,12 @@
-"""FP4 / INT4 ops (gemm_fp4, gemm_u4, dequant_fp4, dequant_u4) on every backend of tests/backends.py
+"""FP4 / INT4 / affine INT4 ops (gemm_fp4, gemm_u4, gemm_affine, dequant_*) on every backend of tests/backends.py
 against torch.matmul on weights dequantized by plain torch (tests/reference.py, error bounds there).
 
 The Metal harness runs the kernels as emulated threads (a 257-row prefill case takes about a
 second), so in the main matrix it runs M up to two prefill tiles (100 rows), half the cases with
 bias; the other backends run all of it. Shapes are chosen for the kernels' edges, not read from
 the planner: decode rows (M <= 8 on CPU, 16 on Metal, 128 on CUDA), prefill rows, partial tiles.
+Affine runs the same kernels as u4 with a float offset in place of the zero point, so it runs half
+of the main matrix (bias on odd M only; on the harness one K and group size).
 """
 
 import itertools
@@ -17,20 +19,34 @@ from reference import assert_gemm_close, make_weights
 from torch_marlin.formats import dequant_fp4_reference, pack_int4
 from torch_marlin.formats.fp4 import E2M1_VALUES
 
-FORMATS = ["fp4", "u4"]
+FORMATS = ["fp4", "u4", "affine"]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
 def run_gemm(backend, fmt, A, w, group_size, bias=None):
     if fmt == "fp4":
         return backend.gemm_fp4(A, w["B"], w["scales"], group_size, bias)
+    if fmt == "affine":
+        return backend.gemm_affine(A, w["B"], w["scales"], w["offsets"], group_size, bias)
     return backend.gemm_u4(A, w["B"], w["scales"], w["zeros"], group_size, bias)
 
 
 def run_dequant(backend, fmt, w, group_size):
     if fmt == "fp4":
         return backend.dequant_fp4(w["B"], w["scales"], group_size)
+    if fmt == "affine":
+        return backend.dequant_affine(w["B"], w["scales"], w["offsets"], group_size)
     return backend.dequant_u4(w["B"], w["scales"], w["zeros"], group_size)
+
+
+def assert_close(out, A, w, bias, backend):
+    assert_gemm_close(out, A, w["ref"], bias, exact_products=backend.exact_products, W_mag=w.get("mag"))
+
+
+def skip_main(backend, f, d, K, g, M, b):
+    if backend is METAL_EMU and (M not in EMU_MS or b != (M % 2 == 1)):
+        return True
+    return f == "affine" and (b != (M % 2 == 1) or (backend is METAL_EMU and K != 288))
 
 
 # (K, group_size): K = 288 is not a multiple of a 64-row K tile (partial last tile), each group
@@ -45,7 +61,7 @@ EMU_MS = (0, 1, 3, 16, 17, 64, 100)
 
 @pytest.mark.parametrize("backend, fmt, dtype, K, group_size, M, with_bias", cases(
     [(f, d, K, g, M, b) for f, d, (K, g), M, b in itertools.product(FORMATS, DTYPES, K_GROUP, MS, [False, True])],
-    skip=lambda backend, f, d, K, g, M, b: backend is METAL_EMU and (M not in EMU_MS or b != (M % 2 == 1))))
+    skip=skip_main))
 def test_gemm_matches_matmul(backend, fmt, dtype, K, group_size, M, with_bias):
     N = 200
     w = make_weights(fmt, K, N, group_size, dtype)
@@ -53,7 +69,7 @@ def test_gemm_matches_matmul(backend, fmt, dtype, K, group_size, M, with_bias):
     bias = torch.randn(N).to(dtype) if with_bias else None
     out = run_gemm(backend, fmt, A, w, group_size, bias)
     assert out.dtype == dtype and out.shape == (M, N)
-    assert_gemm_close(out, A, w["ref"], bias, exact_products=backend.exact_products)
+    assert_close(out, A, w, bias, backend)
 
 
 @pytest.mark.parametrize("backend, fmt, M, N", cases(list(itertools.product(
@@ -63,7 +79,7 @@ def test_gemm_odd_n(backend, fmt, M, N):
     K, g = 64, 8
     w = make_weights(fmt, K, N, g, torch.float16)
     A = torch.randn(M, K).half()
-    assert_gemm_close(run_gemm(backend, fmt, A, w, g), A, w["ref"], exact_products=backend.exact_products)
+    assert_close(run_gemm(backend, fmt, A, w, g), A, w, None, backend)
 
 
 @pytest.mark.parametrize("backend, fmt, dtype, M, N", cases(list(itertools.product(
@@ -75,8 +91,7 @@ def test_gemm_long_k_small_n(backend, fmt, dtype, M, N):
     w = make_weights(fmt, K, N, g, dtype)
     A = torch.randn(M, K).to(dtype)
     bias = torch.randn(N).to(dtype)
-    assert_gemm_close(run_gemm(backend, fmt, A, w, g, bias), A, w["ref"], bias,
-                      exact_products=backend.exact_products)
+    assert_close(run_gemm(backend, fmt, A, w, g, bias), A, w, bias, backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -110,7 +125,7 @@ def test_u4_zero_points_use_low_4_bits(backend, M):
 def test_gemm_and_dequant_with_n_zero(backend, fmt, M):
     K, g = 128, 64
     w = {"B": torch.zeros(K // 8, 0, dtype=torch.int32), "scales": torch.zeros(K // g, 0, dtype=torch.float16),
-         "zeros": torch.zeros(K // g, 0, dtype=torch.uint8)}
+         "zeros": torch.zeros(K // g, 0, dtype=torch.uint8), "offsets": torch.zeros(K // g, 0, dtype=torch.float16)}
     A = torch.randn(M, K, dtype=torch.float16)
     out = run_gemm(backend, fmt, A, w, g, torch.zeros(0, dtype=torch.float16))
     assert out.shape == (M, 0) and out.dtype == torch.float16
@@ -141,7 +156,8 @@ def test_dequant_matches_reference(backend, fmt, dtype, K, N, group_size):
     w = make_weights(fmt, K, N, group_size, dtype)
     W = run_dequant(backend, fmt, w, group_size)
     assert W.dtype == dtype and W.shape == (K, N)
-    # Code value x scale in fp32, rounded once to the scales' dtype, as the reference: bitwise.
+    # Code value x scale (affine: + offset, one fused rounding) in fp32, rounded once to the
+    # scales' dtype, as the reference: bitwise.
     assert torch.equal(W, w["ref"].to(dtype))
 
 
@@ -152,3 +168,15 @@ def test_dequant_fp4_codes_are_e2m1_grid(backend):
     s = torch.ones(1, 1)
     assert torch.equal(backend.dequant_fp4(B, s, 128)[::8, 0], E2M1_VALUES)
     assert torch.equal(dequant_fp4_reference(B, s, 128)[::8, 0], E2M1_VALUES)
+
+
+@pytest.mark.parametrize("backend, M", cases([3, 40]))
+def test_affine_offsets_are_not_zero_points(backend, M):
+    # The same codes and scales with offsets b = -z * s give u4's weights (s * (q - z)).
+    K, N, g = 256, 96, 64
+    w = make_weights("u4", K, N, g, torch.float32)
+    offsets = -w["zeros"].float() * w["scales"]
+    A = torch.randn(M, K)
+    out = backend.gemm_affine(A, w["B"], w["scales"], offsets, g)
+    assert_gemm_close(out, A, w["ref"], exact_products=backend.exact_products)
+    assert torch.allclose(backend.dequant_affine(w["B"], w["scales"], offsets, g), w["ref"], rtol=0, atol=1e-5)

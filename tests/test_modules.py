@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from torch_marlin import MarlinLinear
-from torch_marlin.formats import dequant_fp4_reference, dequant_u4_reference
+from torch_marlin.formats import dequant_affine_reference, dequant_fp4_reference, dequant_u4_reference, unpack_int4
 
 from reference import assert_gemm_close
 
@@ -20,7 +20,7 @@ def make_linear(K=256, N=200, bias=True):
     return lin
 
 
-@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("fmt", ["fp4", "u4", "affine"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(1,), (5,), (2, 3), (2, 3, 17)])
 def test_forward_matches_dequantized_weight(fmt, dtype, shape):
@@ -32,15 +32,25 @@ def test_forward_matches_dequantized_weight(fmt, dtype, shape):
     # Scales/bias are stored in fp16 and cast to the input dtype in forward: rebuild the reference
     # weight from the same cast scales with the plain-torch dequant.
     s = q.scales.to(dtype)
-    W = (dequant_fp4_reference(q.B_packed, s, 64) if fmt == "fp4"
-         else dequant_u4_reference(q.B_packed, s, q.zeros, 64))
-    assert_gemm_close(y.reshape(-1, 200), x.reshape(-1, 256), W, q.bias.to(dtype))
+    mag = None
+    if fmt == "fp4":
+        W = dequant_fp4_reference(q.B_packed, s, 64)
+    elif fmt == "affine":
+        b = q.offsets.to(dtype)
+        W = dequant_affine_reference(q.B_packed, s, b, 64)
+        mag = (unpack_int4(q.B_packed).float() * s.float().repeat_interleave(64, 0)).abs() + \
+            b.float().abs().repeat_interleave(64, 0)
+        torch.testing.assert_close(q.dequantized_weight(), dequant_affine_reference(q.B_packed, q.scales, q.offsets,
+                                                                                    64).t(), rtol=0, atol=0)
+    else:
+        W = dequant_u4_reference(q.B_packed, s, q.zeros, 64)
+    assert_gemm_close(y.reshape(-1, 200), x.reshape(-1, 256), W, q.bias.to(dtype), W_mag=mag)
 
 
-@pytest.mark.parametrize("fmt, bound", [("fp4", 0.13), ("u4", 0.11)])
+@pytest.mark.parametrize("fmt, bound", [("fp4", 0.13), ("u4", 0.11), ("affine", 0.11)])
 def test_from_linear_output_error_is_bounded(fmt, bound):
     # Relative output error of the quantized layer vs the float layer on Gaussian inputs. Measured
-    # ~0.095 (fp4 g128) and ~0.08 (u4 g128) on N(0, 0.02) weights; bounds carry ~30% margin.
+    # ~0.095 (fp4 g128) and ~0.08 (u4 and affine g128) on N(0, 0.02) weights; bounds carry ~30% margin.
     lin = make_linear(1024, 512)
     q = MarlinLinear.from_linear(lin, format=fmt, group_size=128, dtype=torch.float32)
     x = torch.randn(64, 1024)
@@ -64,6 +74,18 @@ def test_state_dict_round_trip_and_repr():
     assert set(q.state_dict()) == {"B_packed", "scales", "zeros", "bias"}
     r = repr(q)
     assert "format=u4" in r and "group_size=32" in r and "bits_per_weight=4.500" in r
+
+
+def test_affine_state_dict_round_trip_and_repr():
+    q = MarlinLinear.from_linear(make_linear(), format="affine", group_size=32, dtype=torch.bfloat16)
+    assert q.offsets.dtype == q.scales.dtype == torch.bfloat16 and q.zeros is None
+    fresh = MarlinLinear(256, 200, bias=True, format="affine", group_size=32, dtype=torch.bfloat16)
+    fresh.load_state_dict(q.state_dict())
+    x = torch.randn(2, 3, 256).bfloat16()
+    assert torch.equal(fresh(x), q(x))
+    assert set(q.state_dict()) == {"B_packed", "scales", "offsets", "bias"}
+    r = repr(q)  # 4 bits + a 16-bit scale and a 16-bit offset per 32 weights
+    assert "format=affine" in r and "bits_per_weight=5.000" in r
 
 
 def test_no_bias_and_module_dtype_conversion():
@@ -110,7 +132,7 @@ class TinyMLP(nn.Module):
         return self.down(torch.nn.functional.gelu(self.up(x)))
 
 
-@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("fmt", ["fp4", "u4", "affine"])
 def test_torch_compile_fullgraph_dynamic_m(fmt):
     # aot_eager traces through the fake kernels (symbolic M included) without C++ codegen cost.
     model = TinyMLP(fmt)

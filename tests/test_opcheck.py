@@ -38,7 +38,7 @@ def opcheck(backend, op, args):
 
 
 @pytest.mark.parametrize("backend, fmt, dtype, M, with_bias", device_cases(list(itertools.product(
-    ["fp4", "u4"], DTYPES, [0, 5], [False, True]))))
+    ["fp4", "u4", "affine"], DTYPES, [0, 5], [False, True]))))
 def test_gemm(backend, fmt, dtype, M, with_bias):
     K, N, g = 128, 48, 32
     w = make_weights(fmt, K, N, g, dtype)
@@ -46,16 +46,20 @@ def test_gemm(backend, fmt, dtype, M, with_bias):
     bias = torch.randn(N).to(dtype) if with_bias else None
     if fmt == "fp4":
         opcheck(backend, "gemm_fp4", (A, w["B"], w["scales"], g, bias))
+    elif fmt == "affine":
+        opcheck(backend, "gemm_affine", (A, w["B"], w["scales"], w["offsets"], g, bias))
     else:
         opcheck(backend, "gemm_u4", (A, w["B"], w["scales"], w["zeros"], g, bias))
 
 
-@pytest.mark.parametrize("backend, fmt, dtype", device_cases(list(itertools.product(["fp4", "u4"], DTYPES))))
+@pytest.mark.parametrize("backend, fmt, dtype", device_cases(list(itertools.product(["fp4", "u4", "affine"], DTYPES))))
 def test_dequant(backend, fmt, dtype):
     K, N, g = 128, 48, 32
     w = make_weights(fmt, K, N, g, dtype)
     if fmt == "fp4":
         opcheck(backend, "dequant_fp4", (w["B"], w["scales"], g))
+    elif fmt == "affine":
+        opcheck(backend, "dequant_affine", (w["B"], w["scales"], w["offsets"], g))
     else:
         opcheck(backend, "dequant_u4", (w["B"], w["scales"], w["zeros"], g))
 

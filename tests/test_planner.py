@@ -541,3 +541,20 @@ def test_plan_trellis_metal_k_blocks_and_vector_reads():
     assert not torch_marlin.plan_trellis(1, 4098, 4096, 3, 128, device="metal", caps=M1)["k_vec4"]
     assert not torch_marlin.plan_trellis(64, 37, 64, 3, 32, device="metal", caps=M1)["k_vec4"]
     assert torch_marlin.plan_trellis(1, 64, 64, 3, 32)["tile_k"] == 0  # the CPU kernels have no K blocks
+
+
+@pytest.mark.parametrize("device, caps", [("cpu", dict(compute_units=4)), ("metal", M1), ("cuda", H100),
+                                          ("cuda", SM132_PORTABLE)])
+def test_affine_plans_as_u4(device, caps):
+    # Affine runs u4's kernels with a float offset in place of the zero point: same family,
+    # geometry and K split for every shape; only the format in the kernel name differs.
+    for M, K, N, g, dtype in [(1, 4096, 4096, 128, torch.float16), (16, 4096, 14336, 64, torch.bfloat16),
+                              (64, 8192, 1024, 128, torch.float16), (1024, 4096, 4096, 128, torch.bfloat16),
+                              (4096, 14336, 4096, 128, torch.float16), (40, 2048, 200, 32, torch.float32)]:
+        u4 = torch_marlin.plan_gemm("u4", M, K, N, g, dtype=dtype, device=device, caps=caps)
+        affine = torch_marlin.plan_gemm("affine", M, K, N, g, dtype=dtype, device=device, caps=caps)
+        assert affine["format"] == "affine" and affine["kernel"] == u4["kernel"].replace("_u4", "_affine")
+        # CUDA decode does not fold the scales for affine (plan_cuda.cpp plan_decode says why).
+        assert {k: v for k, v in affine.items() if k not in ("format", "kernel", "fold")} == \
+            {k: v for k, v in u4.items() if k not in ("format", "kernel", "fold")}
+        assert not affine["fold"]

@@ -126,6 +126,26 @@ def test_gemm_fp4_and_dequant_reject_bad_arguments():
         torch.ops.marlin.dequant_u4(w["B"], w["scales"], torch.zeros(2, 16, dtype=torch.uint8, device="meta"), 32)
 
 
+@pytest.mark.parametrize("mutate, exc, pattern", [
+    (lambda a: a.update(offsets=a["offsets"][:1]), ValueError, r"offsets must have shape \[2, 16\]"),
+    (lambda a: a.update(offsets=a["offsets"].t()), ValueError, r"offsets must have shape \[2, 16\]"),
+    (lambda a: a.update(offsets=a["offsets"].float()), TypeError, r"offsets must have the dtype of scales"),
+    (lambda a: a.update(offsets=a["offsets"].to(torch.uint8)), TypeError, r"offsets must have the dtype of scales"),
+    (lambda a: a.update(offsets=a["offsets"].to("meta")), ValueError, "offsets is on meta but A is on cpu"),
+    (lambda a: a.update(scales=a["scales"].float(), offsets=a["offsets"].float()), TypeError,
+     "scales must have A's dtype"),
+])
+def test_gemm_affine_rejects_bad_arguments(mutate, exc, pattern):
+    A, w = _args("affine")
+    a = {"A": A, "B": w["B"], "scales": w["scales"], "offsets": w["offsets"]}
+    mutate(a)
+    with pytest.raises(exc, match=pattern):
+        torch.ops.marlin.gemm_affine(a["A"], a["B"], a["scales"], a["offsets"], 32)
+    if "A's dtype" not in pattern:
+        with pytest.raises(exc, match=pattern.replace(" A is", " B_packed is")):
+            torch.ops.marlin.dequant_affine(a["B"], a["scales"], a["offsets"], 32)
+
+
 @pytest.mark.parametrize("fmt", ["fp4", "u4"])
 @pytest.mark.parametrize("M", [1, 5])
 def test_gemm_wide_n_decode_tiles(fmt, M):

@@ -13,8 +13,9 @@ from torch import nn
 
 from torch_marlin import MarlinLinear, TrellisLinear, patch_model
 from torch_marlin.formats import dequant_fp4_reference, dequant_u4_reference, quantize_fp4, quantize_u4, unpack_int4
+from torch_marlin.formats import dequant_affine_reference, quantize_affine
 from torch_marlin.formats import trellis as tfmt
-from torch_marlin.formats.group_quant import AsymmetricU4Quantizer, Fp4Quantizer, SymmetricU4Quantizer
+from torch_marlin.formats.group_quant import AffineQuantizer, AsymmetricU4Quantizer, Fp4Quantizer, SymmetricU4Quantizer
 from torch_marlin.formats.gptq_solver import gptq_quantize
 
 
@@ -28,6 +29,8 @@ def heavy_tailed(K, N, seed=0):
 def dequant(fmt, w, g, **kw):
     if fmt == "fp4":
         return dequant_fp4_reference(*quantize_fp4(w, g, scale_dtype=torch.float32, **kw), g)
+    if fmt == "affine":
+        return dequant_affine_reference(*quantize_affine(w, g, scale_dtype=torch.float32, **kw), g)
     return dequant_u4_reference(*quantize_u4(w, g, symmetric=fmt == "s4", scale_dtype=torch.float32, **kw), g)
 
 
@@ -35,7 +38,7 @@ def group_err(w, w_hat, g):
     return ((w - w_hat) ** 2).reshape(-1, g, w.shape[1]).sum(1)  # [K/g, N]
 
 
-@pytest.mark.parametrize("fmt", ["fp4", "u4", "s4"])
+@pytest.mark.parametrize("fmt", ["fp4", "u4", "s4", "affine"])
 @pytest.mark.parametrize("g", [32, 128])
 def test_scale_search_never_worse_per_group_and_better_overall(fmt, g):
     w = heavy_tailed(256, 96)
@@ -66,6 +69,29 @@ def test_symmetric_rule_uses_all_16_levels():
     assert e16 < ((q7.reshape_as(w) - w) ** 2).sum()
 
 
+def test_affine_fits_the_groups_range_and_beats_integer_zero_points():
+    # Groups away from zero (all positive here): INT4's range must reach 0 (integer zero point in
+    # 0..15), affine's is the group's own [min, max].
+    w = heavy_tailed(256, 64, seed=4).abs() + 0.05
+    B, s, b = quantize_affine(w, 32, scale_dtype=torch.float32, search=False)
+    g = w.reshape(8, 32, 64)
+    torch.testing.assert_close(b, g.amin(1), rtol=0, atol=0)
+    torch.testing.assert_close(s * 15 + b, g.amax(1), rtol=1e-6, atol=0)
+    e_affine = ((dequant("affine", w, 32) - w) ** 2).sum()
+    e_u4 = ((dequant("u4", w, 32) - w) ** 2).sum()
+    assert e_affine < 0.5 * e_u4, (float(e_affine), float(e_u4))
+
+
+def test_affine_is_exact_on_representable_weights_and_constant_groups():
+    K, N, g = 64, 24, 32
+    q = torch.randint(0, 16, (K, N)).float()
+    q[0], q[1], q[32], q[33] = 0, 15, 0, 15
+    w = q * 0.5 - 0.375  # the offset is not a multiple of the scale
+    w[:, 0] = 1.25  # a constant group: scale 0, offset = the value
+    B, s, b = quantize_affine(w, g, scale_dtype=torch.float32)
+    assert torch.equal(dequant_affine_reference(B, s, b, g), w)
+
+
 def correlated_inputs(K, rows=2048, seed=0):
     g = torch.Generator().manual_seed(seed)
     mix = torch.eye(K) + 1.5 * torch.randn(K, K, generator=g) / K ** 0.5
@@ -76,7 +102,7 @@ def out_err(X, w, w_hat):
     return float((X @ (w - w_hat)).norm() / (X @ w).norm())
 
 
-@pytest.mark.parametrize("fmt", ["fp4", "u4", "s4", "trellis3", "trellis4"])
+@pytest.mark.parametrize("fmt", ["fp4", "u4", "s4", "affine", "trellis3", "trellis4"])
 @pytest.mark.parametrize("act_order", [True, False])
 def test_gptq_beats_rtn_on_correlated_hessian(fmt, act_order):
     K, N, g = 256, 64, 64
@@ -97,7 +123,8 @@ def test_gptq_beats_rtn_on_correlated_hessian(fmt, act_order):
 
 @pytest.mark.parametrize("quantizer", [Fp4Quantizer(torch.float32, search=False),
                                        AsymmetricU4Quantizer(torch.float32, search=False),
-                                       SymmetricU4Quantizer(torch.float32, search=False)])
+                                       SymmetricU4Quantizer(torch.float32, search=False),
+                                       AffineQuantizer(torch.float32, search=False)])
 def test_act_order_permutation_round_trips(quantizer):
     # A diagonal Hessian feeds no error forward (its inverse Cholesky factor is diagonal), so GPTQ
     # must reproduce round to nearest exactly, whatever order act-order visits the rows in: every
@@ -176,7 +203,7 @@ def tiny_and_data(seed=0):
     return m, calib, test
 
 
-@pytest.mark.parametrize("fmt, opts", [("fp4", {}), ("u4", {}), ("u4", {"symmetric": True}),
+@pytest.mark.parametrize("fmt, opts", [("fp4", {}), ("u4", {}), ("u4", {"symmetric": True}), ("affine", {}),
                                        ("trellis", {"bits": 3})])
 def test_calibrated_patch_model_beats_rtn(fmt, opts):
     m, calib, test = tiny_and_data()

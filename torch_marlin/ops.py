@@ -18,7 +18,7 @@ import torch
 
 from . import _C  # noqa: F401  (the ops must be registered before register_fake)
 
-OPS = ("gemm_fp4", "gemm_u4", "dequant_fp4", "dequant_u4", "gemm_trellis", "dequant_trellis", "moe_trellis")
+OPS = ("gemm_fp4", "gemm_u4", "dequant_fp4", "dequant_u4", "gemm_affine", "dequant_affine", "gemm_trellis", "dequant_trellis", "moe_trellis")
 
 _autograd = torch.library.Library("marlin", "IMPL")
 for _op in OPS:
@@ -129,6 +129,18 @@ def _dequant_u4_fake(B_packed, scales, zeros, group_size):
     return scales.new_empty((B_packed.shape[0] * 8, B_packed.shape[1]))
 
 
+@torch.library.register_fake("marlin::gemm_affine")
+def _gemm_affine_fake(A, B_packed, scales, offsets, group_size, bias=None):
+    check_same_device("gemm_affine", "A", A, B_packed=B_packed, scales=scales, offsets=offsets, bias=bias)
+    return A.new_empty((A.shape[0], B_packed.shape[1]))
+
+
+@torch.library.register_fake("marlin::dequant_affine")
+def _dequant_affine_fake(B_packed, scales, offsets, group_size):
+    check_same_device("dequant_affine", "B_packed", B_packed, scales=scales, offsets=offsets)
+    return scales.new_empty((B_packed.shape[0] * 8, B_packed.shape[1]))
+
+
 def gemm_fp4(A: torch.Tensor, B_packed: torch.Tensor, scales: torch.Tensor, group_size: int,
              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``A[M, K] @ dequant_fp4(B_packed, scales)[K, N] (+ bias)`` in A's dtype, fp32 accumulation."""
@@ -147,6 +159,18 @@ def dequant_fp4(B_packed: torch.Tensor, scales: torch.Tensor, group_size: int) -
 
 def dequant_u4(B_packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
     return torch.ops.marlin.dequant_u4(B_packed, scales, zeros, group_size)
+
+
+def gemm_affine(A: torch.Tensor, B_packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                group_size: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``A[M, K] @ dequant_affine(B_packed, scales, offsets)[K, N] (+ bias)``."""
+    return torch.ops.marlin.gemm_affine(A, B_packed, scales, offsets, group_size, bias)
+
+
+def dequant_affine(B_packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                   group_size: int) -> torch.Tensor:
+    """``W[k, n] = scales[g, n] * q[k, n] + offsets[g, n]``, ``g = k // group_size``, in scales' dtype."""
+    return torch.ops.marlin.dequant_affine(B_packed, scales, offsets, group_size)
 
 
 # ---- trellis codebook family (csrc/ops/trellis.cpp) ----------------------------------------------

@@ -71,6 +71,8 @@ def _marlin_check_shapes(cfg: dict, tensors: Dict[str, Tuple[Tuple[int, ...], st
     expected = {"B_packed": ((K // 8, N), "int32"), "scales": ((K // g, N), cfg["dtype"])}
     if cfg["format"] == "u4":
         expected["zeros"] = ((K // g, N), "uint8")
+    if cfg["format"] == "affine":
+        expected["offsets"] = ((K // g, N), cfg["dtype"])
     if cfg["bias"]:
         expected["bias"] = ((N,), cfg["dtype"])
     _check_expected(expected, tensors, f"format={cfg['format']}, in_features={K}, out_features={N}, "
@@ -143,6 +145,8 @@ LAYER_TYPES: Dict[str, LayerType] = {
                      _marlin_check_shapes, _marlin_supports, ()),
     "u4": LayerType("u4", lambda: MarlinLinear, _marlin_quantize("u4"), _marlin_empty, _marlin_describe,
                     _marlin_check_shapes, _marlin_supports, ("symmetric",)),
+    "affine": LayerType("affine", lambda: MarlinLinear, _marlin_quantize("affine"), _marlin_empty, _marlin_describe,
+                        _marlin_check_shapes, _marlin_supports, ()),
     "trellis": LayerType("trellis", lambda: TrellisLinear, _trellis_quantize, _trellis_empty, _trellis_describe,
                          _trellis_check_shapes, _trellis_supports, ("bits", "rotate", "seed")),
 }
@@ -234,7 +238,7 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
                 act_order: bool = True, damp: float = 0.01, **format_options) -> PatchReport:
     """Replaces ``model``'s ``nn.Linear`` layers with quantized ones, in place; returns a report.
 
-    ``format``: ``"fp4"`` or ``"u4"`` (MarlinLinear), ``"trellis"`` (TrellisLinear).
+    ``format``: ``"fp4"``, ``"u4"`` or ``"affine"`` (MarlinLinear), ``"trellis"`` (TrellisLinear).
     ``skip``: module names to keep in float: exact names, trailing components (``"lm_head"``,
     ``"pooler.dense"``) or globs (``"*.attention.*"``). Layers sharing their weight with another
     module (e.g. an ``lm_head`` tied to the embeddings) are always kept, since quantizing one would

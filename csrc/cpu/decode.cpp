@@ -2,6 +2,7 @@
 // kernel sums a[m,k] * code_value[k,n] in fp32 and applies the scale (and zero point) once per
 // group:
 //   FP4: acc += s * sum_k a*v          U4: acc += s * (sum_k a*q - z * sum_k a)
+//   Affine: acc += s * sum_k a*q + b * sum_k a
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -17,7 +18,8 @@ constexpr int64_t kPrefetchRows = 8;  // packed rows ahead in the decode strip k
 constexpr int64_t kMaxStrips = 16;    // 16-column strips per decode pass: 1 KB of each packed row
 
 // Fills vals[r][n] (r in 0..7) with the decoded codes of one packed row for columns [0, nb).
-// U4 codes decode to their unsigned value; the zero point is applied per group by the caller.
+// U4 and Affine codes decode to their unsigned value; the zero point or offset is applied per group
+// by the caller.
 template <QuantFormat F>
 inline void decode_word_row(const int32_t* __restrict words, int64_t nb, float (*__restrict vals)[kBlockN]) {
   int64_t n = 0;
@@ -37,8 +39,8 @@ inline void decode_word_row(const int32_t* __restrict words, int64_t nb, float (
 
 template <QuantFormat F>
 void decode_block(const QuantGemmArgs& a, const float* __restrict A, const float* __restrict S,
-                  const uint8_t* __restrict Z, const float* __restrict bias, int64_t n0, int64_t nb,
-                  float* __restrict C) {
+                  const uint8_t* __restrict Z, const float* __restrict O, const float* __restrict bias,
+                  int64_t n0, int64_t nb, float* __restrict C) {
   const int64_t M = a.M, K = a.K, N = a.N, gs = a.group_size;
   const int32_t* B = a.B.data_ptr<int32_t>();
   float acc[kDecodeMaxM][kBlockN] = {};
@@ -60,6 +62,13 @@ void decode_block(const QuantGemmArgs& a, const float* __restrict A, const float
     if (F == QuantFormat::FP4) {
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = 0; n < nb; ++n) acc[m][n] += s[n] * gacc[m][n];
+    } else if (F == QuantFormat::Affine) {
+      const float* b = O + g * N + n0;
+      for (int64_t m = 0; m < M; ++m) {
+        float asum = 0.f;
+        for (int64_t k = g * gs; k < (g + 1) * gs; ++k) asum += A[m * K + k];
+        for (int64_t n = 0; n < nb; ++n) acc[m][n] += s[n] * gacc[m][n] + b[n] * asum;
+      }
     } else {
       const uint8_t* z = Z + g * N + n0;
       for (int64_t m = 0; m < M; ++m) {
@@ -76,11 +85,11 @@ void decode_block(const QuantGemmArgs& a, const float* __restrict A, const float
 #if defined(__AVX2__)
 // Decode kernel for one scale group g, 16 columns [n0, n0 + 16) and rows [m0, m0 + R): the group
 // accumulators live in 2R ymm registers; each packed word is decoded once per row chunk of R <= 4
-// rows. asum[m][g] = sum of A over group g (U4 zero-point term).
+// rows. asum[m][g] = sum of A over group g (the U4 zero-point and Affine offset term).
 template <QuantFormat F, int R>
 void decode_strip16(const QuantGemmArgs& a, const float* __restrict A, const float* __restrict S,
-                    const uint8_t* __restrict Z, const float* __restrict asum, int64_t m0, int64_t n0, int64_t g,
-                    float (*__restrict acc)[16]) {
+                    const uint8_t* __restrict Z, const float* __restrict O, const float* __restrict asum,
+                    int64_t m0, int64_t n0, int64_t g, float (*__restrict acc)[16]) {
   const int64_t K = a.K, N = a.N, gs = a.group_size, G = K / gs;
   const int32_t* B = a.B.data_ptr<int32_t>() + n0;
   {
@@ -108,10 +117,16 @@ void decode_strip16(const QuantGemmArgs& a, const float* __restrict A, const flo
       if (F == QuantFormat::U4) {
         z = zero_points8(Z + g * N + n0 + 8 * h);
       }
+      __m256 b = _mm256_setzero_ps();
+      if (F == QuantFormat::Affine) {
+        b = _mm256_loadu_ps(O + g * N + n0 + 8 * h);
+      }
       for (int m = 0; m < R; ++m) {
         __m256 t = ga[m][h];
         if (F == QuantFormat::U4) t = _mm256_fnmadd_ps(z, _mm256_set1_ps(asum[(m0 + m) * G + g]), t);
-        _mm256_storeu_ps(acc[m] + 8 * h, _mm256_fmadd_ps(s, t, _mm256_loadu_ps(acc[m] + 8 * h)));
+        __m256 out = _mm256_fmadd_ps(s, t, _mm256_loadu_ps(acc[m] + 8 * h));
+        if (F == QuantFormat::Affine) out = _mm256_fmadd_ps(b, _mm256_set1_ps(asum[(m0 + m) * G + g]), out);
+        _mm256_storeu_ps(acc[m] + 8 * h, out);
       }
     }
   }
@@ -121,8 +136,8 @@ void decode_strip16(const QuantGemmArgs& a, const float* __restrict A, const flo
 // then per group every strip in turn, so consecutive reads of a packed row are adjacent cache
 // lines of one page (rows are N words apart; one strip per pass would touch a new page per row).
 template <QuantFormat F>
-void decode_cols(const QuantGemmArgs& a, const float* A, const float* S, const uint8_t* Z, const float* asum,
-                 const float* bias, int64_t n0, int64_t strips, float* C) {
+void decode_cols(const QuantGemmArgs& a, const float* A, const float* S, const uint8_t* Z, const float* O,
+                 const float* asum, const float* bias, int64_t n0, int64_t strips, float* C) {
   for (int64_t m0 = 0; m0 < a.M; m0 += 4) {
     float acc[kMaxStrips][4][16] = {};
     const int64_t rows = std::min<int64_t>(4, a.M - m0);
@@ -130,10 +145,10 @@ void decode_cols(const QuantGemmArgs& a, const float* A, const float* S, const u
       for (int64_t st = 0; st < strips; ++st) {
         const int64_t c = n0 + 16 * st;
         switch (rows) {
-          case 4: decode_strip16<F, 4>(a, A, S, Z, asum, m0, c, g, acc[st]); break;
-          case 3: decode_strip16<F, 3>(a, A, S, Z, asum, m0, c, g, acc[st]); break;
-          case 2: decode_strip16<F, 2>(a, A, S, Z, asum, m0, c, g, acc[st]); break;
-          default: decode_strip16<F, 1>(a, A, S, Z, asum, m0, c, g, acc[st]); break;
+          case 4: decode_strip16<F, 4>(a, A, S, Z, O, asum, m0, c, g, acc[st]); break;
+          case 3: decode_strip16<F, 3>(a, A, S, Z, O, asum, m0, c, g, acc[st]); break;
+          case 2: decode_strip16<F, 2>(a, A, S, Z, O, asum, m0, c, g, acc[st]); break;
+          default: decode_strip16<F, 1>(a, A, S, Z, O, asum, m0, c, g, acc[st]); break;
         }
       }
     }
@@ -152,12 +167,13 @@ void decode_impl(const GemmPlan& plan, const QuantGemmArgs& a, CpuGemmOperands& 
   const float* A = o.A.data_ptr<float>();
   const float* S = o.scales.data_ptr<float>();
   const uint8_t* Z = F == QuantFormat::U4 ? a.zeros.data_ptr<uint8_t>() : nullptr;
+  const float* O = F == QuantFormat::Affine ? o.offsets.data_ptr<float>() : nullptr;
   const float* bias = o.bias.defined() ? o.bias.data_ptr<float>() : nullptr;
   float* Cp = o.C.data_ptr<float>();
   const int64_t tile_n = plan.params.tile_n;
   const int64_t n_tiles = plan.params.n_tiles;
-  std::vector<float> asum;  // [M][G] sums of A per group: the U4 zero-point term
-  if (F == QuantFormat::U4) {
+  std::vector<float> asum;  // [M][G] sums of A per group: the U4 zero-point and Affine offset term
+  if (F != QuantFormat::FP4) {
     asum = std::vector<float>(size_t(a.M) * (a.K / a.group_size));
     for (int64_t m = 0; m < a.M; ++m)
       for (int64_t k = 0; k < a.K; ++k) asum[m * (a.K / a.group_size) + k / a.group_size] += A[m * a.K + k];
@@ -169,11 +185,11 @@ void decode_impl(const GemmPlan& plan, const QuantGemmArgs& a, CpuGemmOperands& 
 #if defined(__AVX2__)
       while (c + 16 <= end) {
         const int64_t strips = std::min<int64_t>(kMaxStrips, (end - c) / 16);
-        decode_cols<F>(a, A, S, Z, asum.data(), bias, c, strips, Cp);
+        decode_cols<F>(a, A, S, Z, O, asum.data(), bias, c, strips, Cp);
         c += 16 * strips;
       }
 #endif
-      for (; c < end; c += kBlockN) decode_block<F>(a, A, S, Z, bias, c, std::min(kBlockN, end - c), Cp);
+      for (; c < end; c += kBlockN) decode_block<F>(a, A, S, Z, O, bias, c, std::min(kBlockN, end - c), Cp);
     }
   });
 }
@@ -181,8 +197,11 @@ void decode_impl(const GemmPlan& plan, const QuantGemmArgs& a, CpuGemmOperands& 
 }  // namespace
 
 void decode_gemm_cpu(const GemmPlan& plan, const QuantGemmArgs& a, CpuGemmOperands& o) {
-  if (a.format == QuantFormat::FP4) decode_impl<QuantFormat::FP4>(plan, a, o);
-  else decode_impl<QuantFormat::U4>(plan, a, o);
+  switch (a.format) {
+    case QuantFormat::FP4: decode_impl<QuantFormat::FP4>(plan, a, o); break;
+    case QuantFormat::U4: decode_impl<QuantFormat::U4>(plan, a, o); break;
+    case QuantFormat::Affine: decode_impl<QuantFormat::Affine>(plan, a, o); break;
+  }
 }
 
 }  // namespace torch_marlin

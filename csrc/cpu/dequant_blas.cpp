@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "cpu/panel_buffer.h"
 #include "cpu/quant_gemm_cpu.h"
@@ -18,13 +19,13 @@ constexpr int64_t kChunkFloats = int64_t(2) << 20;
 
 // Dequantizes columns [n0, n0 + nb) of B into panel[K][ld] (fp32).
 template <QuantFormat F>
-void dequant_panel(const QuantGemmArgs& a, const float* __restrict S, const uint8_t* __restrict Z, int64_t n0,
-                   int64_t nb, float* __restrict panel, int64_t ld) {
+void dequant_panel(const QuantGemmArgs& a, const float* __restrict S, const uint8_t* __restrict Z,
+                   const float* __restrict O, int64_t n0, int64_t nb, float* __restrict panel, int64_t ld) {
   const int64_t K = a.K, N = a.N, gs = a.group_size;
   const int32_t* B = a.B.data_ptr<int32_t>();
   int64_t vec_end = 0;
 #if defined(__AVX2__)
-  // Decode, zero point and scale in one pass per 8 columns, straight into the panel. Rows outer,
+  // Decode, zero point (or offset) and scale in one pass per 8 columns, straight into the panel. Rows outer,
   // columns inner: the panel is written sequentially (column strips would touch a new page per
   // row and thrash the TLB).
   vec_end = nb / 8 * 8;
@@ -36,6 +37,11 @@ void dequant_panel(const QuantGemmArgs& a, const float* __restrict S, const uint
       __m256 z = _mm256_setzero_ps();
       if (F == QuantFormat::U4) {
         z = zero_points8(Z + g * N + n0 + c0);
+      }
+      if (F == QuantFormat::Affine) {
+        const __m256 b = _mm256_loadu_ps(O + g * N + n0 + c0);
+        for (int r = 0; r < 8; ++r) _mm256_storeu_ps(panel + (kw * 8 + r) * ld + c0, _mm256_fmadd_ps(decode8<F>(w, r), s, b));
+        continue;
       }
       for (int r = 0; r < 8; ++r) {
         const __m256 v = F == QuantFormat::U4 ? _mm256_sub_ps(decode8<F>(w, r), z) : decode8<F>(w, r);
@@ -50,9 +56,12 @@ void dequant_panel(const QuantGemmArgs& a, const float* __restrict S, const uint
       const uint32_t word = uint32_t(B[kw * N + n0 + n]);
       const float s = S[g * N + n0 + n];
       const float z = F == QuantFormat::U4 ? float(Z[g * N + n0 + n] & 15u) : 0.f;
+      const float b = F == QuantFormat::Affine ? O[g * N + n0 + n] : 0.f;
       for (int r = 0; r < 8; ++r) {
         const uint32_t code = (word >> (4 * r)) & 15u;
-        panel[(kw * 8 + r) * ld + n] = (F == QuantFormat::FP4 ? fp4_e2m1_to_float(code) : float(code) - z) * s;
+        // Affine: one rounding (fma), as every backend's dequant.
+        panel[(kw * 8 + r) * ld + n] = F == QuantFormat::Affine ? std::fma(float(code), s, b)
+                                       : (F == QuantFormat::FP4 ? fp4_e2m1_to_float(code) : float(code) - z) * s;
       }
     }
   }
@@ -62,6 +71,7 @@ template <QuantFormat F>
 void dequant_blas_impl(const GemmPlan& plan, const QuantGemmArgs& a, CpuGemmOperands& o) {
   const float* S = o.scales.data_ptr<float>();
   const uint8_t* Z = F == QuantFormat::U4 ? a.zeros.data_ptr<uint8_t>() : nullptr;
+  const float* O = F == QuantFormat::Affine ? o.offsets.data_ptr<float>() : nullptr;
   const int64_t tile_n = plan.params.tile_n;
   // Chunks of whole tiles, each at most 8 MB of fp32 panel: dequantize the chunk with all
   // threads, then one multi-threaded BLAS call for every row. (Calling BLAS per tile from inside
@@ -72,7 +82,7 @@ void dequant_blas_impl(const GemmPlan& plan, const QuantGemmArgs& a, CpuGemmOper
     const int64_t cw = std::min(max_cols, a.N - c0);
     at::parallel_for(0, (cw + kBlockN - 1) / kBlockN, 1, [&](int64_t b0, int64_t b1) {
       const int64_t lo = b0 * kBlockN, hi = std::min(b1 * kBlockN, cw);
-      dequant_panel<F>(a, S, Z, c0 + lo, hi - lo, panel + lo, cw);
+      dequant_panel<F>(a, S, Z, O, c0 + lo, hi - lo, panel + lo, cw);
     });
     const at::Tensor P = at::from_blob(panel, {a.K, cw}, at::kFloat);
     at::Tensor out = o.C.narrow(1, c0, cw);
@@ -87,10 +97,12 @@ void dequant_impl(const QuantGemmArgs& a, at::Tensor& W) {
   const bool direct = W.scalar_type() == at::kFloat;
   at::Tensor Wf = direct ? W : at::empty({a.K, a.N}, W.options().dtype(at::kFloat));
   const uint8_t* Z = F == QuantFormat::U4 ? a.zeros.data_ptr<uint8_t>() : nullptr;
+  const at::Tensor Of = F == QuantFormat::Affine ? a.offsets.to(at::kFloat).contiguous() : at::Tensor();
+  const float* O = F == QuantFormat::Affine ? Of.data_ptr<float>() : nullptr;
   const int64_t n_tiles = (a.N + kBlockN - 1) / kBlockN;
   at::parallel_for(0, n_tiles, 1, [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * kBlockN, n1 = std::min(t1 * kBlockN, a.N);
-    dequant_panel<F>(a, Sf.data_ptr<float>(), Z, n0, n1 - n0, Wf.data_ptr<float>() + n0, a.N);
+    dequant_panel<F>(a, Sf.data_ptr<float>(), Z, O, n0, n1 - n0, Wf.data_ptr<float>() + n0, a.N);
   });
   if (!direct) W.copy_(Wf);
 }
@@ -98,13 +110,19 @@ void dequant_impl(const QuantGemmArgs& a, at::Tensor& W) {
 }  // namespace
 
 void dequant_blas_gemm_cpu(const GemmPlan& plan, const QuantGemmArgs& a, CpuGemmOperands& o) {
-  if (a.format == QuantFormat::FP4) dequant_blas_impl<QuantFormat::FP4>(plan, a, o);
-  else dequant_blas_impl<QuantFormat::U4>(plan, a, o);
+  switch (a.format) {
+    case QuantFormat::FP4: dequant_blas_impl<QuantFormat::FP4>(plan, a, o); break;
+    case QuantFormat::U4: dequant_blas_impl<QuantFormat::U4>(plan, a, o); break;
+    case QuantFormat::Affine: dequant_blas_impl<QuantFormat::Affine>(plan, a, o); break;
+  }
 }
 
 void quant_dequant_cpu(const QuantGemmArgs& args, at::Tensor& W) {
-  if (args.format == QuantFormat::FP4) dequant_impl<QuantFormat::FP4>(args, W);
-  else dequant_impl<QuantFormat::U4>(args, W);
+  switch (args.format) {
+    case QuantFormat::FP4: dequant_impl<QuantFormat::FP4>(args, W); break;
+    case QuantFormat::U4: dequant_impl<QuantFormat::U4>(args, W); break;
+    case QuantFormat::Affine: dequant_impl<QuantFormat::Affine>(args, W); break;
+  }
 }
 
 }  // namespace torch_marlin

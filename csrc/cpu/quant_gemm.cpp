@@ -1,4 +1,4 @@
-// CPU entry of the FP4 / INT4 GEMM: fp32 operands, then the family the plan names.
+// CPU entry of the FP4 / INT4 / affine INT4 GEMM: fp32 operands, then the family the plan names.
 #include "cpu/quant_gemm_cpu.h"
 
 namespace torch_marlin {
@@ -7,6 +7,7 @@ void quant_gemm_cpu(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C)
   CpuGemmOperands o;
   o.A = a.A.to(at::kFloat).contiguous();
   o.scales = a.scales.to(at::kFloat).contiguous();
+  if (a.offsets.defined()) o.offsets = a.offsets.to(at::kFloat).contiguous();
   if (a.bias.defined()) o.bias = a.bias.to(at::kFloat).contiguous();
   const bool direct = C.scalar_type() == at::kFloat;
   o.C = direct ? C : at::empty({a.M, a.N}, C.options().dtype(at::kFloat));

@@ -21,14 +21,14 @@ namespace torch_marlin {
 // The GEMM's operands in fp32 (what both families compute in). C is the output itself when it is
 // fp32, else a scratch the entry copies back.
 struct CpuGemmOperands {
-  at::Tensor A, scales, bias, C;  // bias undefined when absent
+  at::Tensor A, scales, offsets, bias, C;  // offsets: Affine only; bias undefined when absent
 };
 
 void decode_gemm_cpu(const GemmPlan& plan, const QuantGemmArgs& a, CpuGemmOperands& o);
 void dequant_blas_gemm_cpu(const GemmPlan& plan, const QuantGemmArgs& a, CpuGemmOperands& o);
 
 #if defined(__AVX2__)
-// Codes of packed row r (0..7) for 8 columns: FP4 -> E2M1 value, U4 -> unsigned value.
+// Codes of packed row r (0..7) for 8 columns: FP4 -> E2M1 value, U4 and Affine -> unsigned value.
 // FP4: vpermps reads only the low 3 bits of each index (the magnitude bits), the sign bit of the
 // nibble is shifted to bit 31 and xor-ed in: 5 instructions per 8 weights.
 template <QuantFormat F>

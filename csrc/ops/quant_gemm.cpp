@@ -1,9 +1,11 @@
-// FP4 E2M1 / INT4 op family: schema, argument checks, plan, backend call, registration.
+// FP4 E2M1 / INT4 / affine INT4 op family: schema, argument checks, plan, backend call, registration.
 //
 //   gemm_fp4(A, B_packed, scales, group_size, bias=None) -> C
 //   gemm_u4(A, B_packed, scales, zeros, group_size, bias=None) -> C
 //   dequant_fp4(B_packed, scales, group_size) -> W
 //   dequant_u4(B_packed, scales, zeros, group_size) -> W
+//   gemm_affine(A, B_packed, scales, offsets, group_size, bias=None) -> C
+//   dequant_affine(B_packed, scales, offsets, group_size) -> W
 //
 // Fake (meta) kernels live in torch_marlin/ops.py (register_fake handles symbolic shapes).
 #include <ATen/Parallel.h>
@@ -62,10 +64,10 @@ void check_shape(const at::Tensor& t, at::IntArrayRef expected, const char* op, 
 }
 
 // Checks the weight-side tensors shared by gemm and dequant; fills K, N, group_size, B, scales,
-// zeros. `ref_device`/`ref_name` is the tensor everything must sit beside; K is A's column count
+// and `aux`: zeros (U4) or offsets (Affine). `ref_device`/`ref_name` is the tensor everything must sit beside; K is A's column count
 // for a gemm (a mismatch names A) and B_packed's row count times 8 for a dequant.
 void check_weights(QuantGemmArgs& a, const at::Tensor& B, const at::Tensor& scales,
-                   const c10::optional<at::Tensor>& zeros, int64_t group_size, int64_t K,
+                   const c10::optional<at::Tensor>& aux, int64_t group_size, int64_t K,
                    const at::Device& dev, const char* ref_name, const char* op) {
   TORCH_CHECK_VALUE(B.dim() == 2, op, ": B_packed must be 2-D [K/8, N], got ", B.dim(), "-D");
   TORCH_CHECK_TYPE(B.scalar_type() == at::kInt, op, ": B_packed must be int32 (8 four-bit codes per word), got ",
@@ -88,25 +90,34 @@ void check_weights(QuantGemmArgs& a, const at::Tensor& B, const at::Tensor& scal
   a.B = contiguous_aligned(B);
   a.scales = contiguous_aligned(scales);
   if (a.format == QuantFormat::U4) {
-    TORCH_CHECK_VALUE(zeros.has_value(), op, ": zeros is required");
-    const at::Tensor& z = *zeros;
+    TORCH_CHECK_VALUE(aux.has_value(), op, ": zeros is required");
+    const at::Tensor& z = *aux;
     TORCH_CHECK_TYPE(z.scalar_type() == at::kByte, op, ": zeros must be uint8 (values 0..15), got ",
                      z.scalar_type());
     check_same_device(z, dev, op, "zeros", ref_name);
     check_shape(z, {K / group_size, N}, op, "zeros", "[K/group_size, N]");
     a.zeros = contiguous_aligned(z);
   }
+  if (a.format == QuantFormat::Affine) {
+    TORCH_CHECK_VALUE(aux.has_value(), op, ": offsets is required");
+    const at::Tensor& b = *aux;
+    TORCH_CHECK_TYPE(b.scalar_type() == scales.scalar_type(), op, ": offsets must have the dtype of scales (",
+                     scales.scalar_type(), "), got ", b.scalar_type());
+    check_same_device(b, dev, op, "offsets", ref_name);
+    check_shape(b, {K / group_size, N}, op, "offsets", "[K/group_size, N]");
+    a.offsets = contiguous_aligned(b);
+  }
 }
 
 QuantGemmArgs check_gemm(QuantFormat format, const at::Tensor& A, const at::Tensor& B,
-                         const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
+                         const at::Tensor& scales, const c10::optional<at::Tensor>& aux,
                          int64_t group_size, const c10::optional<at::Tensor>& bias, const char* op) {
   QuantGemmArgs a;
   a.format = format;
   TORCH_CHECK_VALUE(A.dim() == 2, op, ": A must be 2-D [M, K] (MarlinLinear flattens leading dims), got ",
                     A.dim(), "-D");
   check_float_dtype(A, op, "A");
-  check_weights(a, B, scales, zeros, group_size, A.size(1), A.device(), "A", op);
+  check_weights(a, B, scales, aux, group_size, A.size(1), A.device(), "A", op);
   TORCH_CHECK_TYPE(scales.scalar_type() == A.scalar_type(), op, ": scales must have A's dtype ",
                    A.scalar_type(), ", got ", scales.scalar_type());
   a.M = A.size(0);
@@ -171,12 +182,17 @@ at::Tensor gemm_u4(const at::Tensor& A, const at::Tensor& B, const at::Tensor& s
   return run_gemm(check_gemm(QuantFormat::U4, A, B, scales, zeros, group_size, bias, "gemm_u4"));
 }
 
+at::Tensor gemm_affine(const at::Tensor& A, const at::Tensor& B, const at::Tensor& scales,
+                       const at::Tensor& offsets, int64_t group_size, const c10::optional<at::Tensor>& bias) {
+  return run_gemm(check_gemm(QuantFormat::Affine, A, B, scales, offsets, group_size, bias, "gemm_affine"));
+}
+
 QuantGemmArgs check_dequant(QuantFormat format, const at::Tensor& B, const at::Tensor& scales,
-                            const c10::optional<at::Tensor>& zeros, int64_t group_size, const char* op) {
+                            const c10::optional<at::Tensor>& aux, int64_t group_size, const char* op) {
   QuantGemmArgs a;
   a.format = format;
   TORCH_CHECK_VALUE(B.dim() == 2, op, ": B_packed must be 2-D [K/8, N], got ", B.dim(), "-D");
-  check_weights(a, B, scales, zeros, group_size, B.size(0) * TM_PACK_FACTOR, B.device(), "B_packed", op);
+  check_weights(a, B, scales, aux, group_size, B.size(0) * TM_PACK_FACTOR, B.device(), "B_packed", op);
   a.dtype = to_dtype(scales.scalar_type());
   return a;
 }
@@ -189,6 +205,11 @@ at::Tensor dequant_u4(const at::Tensor& B, const at::Tensor& scales, const at::T
   return run_dequant(check_dequant(QuantFormat::U4, B, scales, zeros, group_size, "dequant_u4"));
 }
 
+at::Tensor dequant_affine(const at::Tensor& B, const at::Tensor& scales, const at::Tensor& offsets,
+                          int64_t group_size) {
+  return run_dequant(check_dequant(QuantFormat::Affine, B, scales, offsets, group_size, "dequant_affine"));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(marlin, m) {
@@ -196,6 +217,8 @@ TORCH_LIBRARY_FRAGMENT(marlin, m) {
   m.def("gemm_u4(Tensor A, Tensor B_packed, Tensor scales, Tensor zeros, int group_size, Tensor? bias=None) -> Tensor");
   m.def("dequant_fp4(Tensor B_packed, Tensor scales, int group_size) -> Tensor");
   m.def("dequant_u4(Tensor B_packed, Tensor scales, Tensor zeros, int group_size) -> Tensor");
+  m.def("gemm_affine(Tensor A, Tensor B_packed, Tensor scales, Tensor offsets, int group_size, Tensor? bias=None) -> Tensor");
+  m.def("dequant_affine(Tensor B_packed, Tensor scales, Tensor offsets, int group_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(marlin, CPU, m) {
@@ -203,6 +226,8 @@ TORCH_LIBRARY_IMPL(marlin, CPU, m) {
   m.impl("gemm_u4", &gemm_u4);
   m.impl("dequant_fp4", &dequant_fp4);
   m.impl("dequant_u4", &dequant_u4);
+  m.impl("gemm_affine", &gemm_affine);
+  m.impl("dequant_affine", &dequant_affine);
 }
 
 #ifdef TM_WITH_MPS
@@ -211,6 +236,8 @@ TORCH_LIBRARY_IMPL(marlin, MPS, m) {
   m.impl("gemm_u4", &gemm_u4);
   m.impl("dequant_fp4", &dequant_fp4);
   m.impl("dequant_u4", &dequant_u4);
+  m.impl("gemm_affine", &gemm_affine);
+  m.impl("dequant_affine", &dequant_affine);
 }
 #endif
 
@@ -220,6 +247,8 @@ TORCH_LIBRARY_IMPL(marlin, CUDA, m) {
   m.impl("gemm_u4", &gemm_u4);
   m.impl("dequant_fp4", &dequant_fp4);
   m.impl("dequant_u4", &dequant_u4);
+  m.impl("gemm_affine", &gemm_affine);
+  m.impl("dequant_affine", &dequant_affine);
 }
 #endif
 

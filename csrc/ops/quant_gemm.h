@@ -1,4 +1,4 @@
-// FP4 / INT4 op family: validated arguments and the per-backend entry points the registration
+// FP4 / INT4 / affine INT4 op family: validated arguments and the per-backend entry points the registration
 // unit (quant_gemm.cpp) calls. Backends implement these; they never re-check arguments.
 #pragma once
 
@@ -17,7 +17,8 @@ struct QuantGemmArgs {
   at::Tensor A;              // [M, K] fp16/bf16/fp32 (undefined for dequant)
   at::Tensor B;              // int32 [K/8, N]
   at::Tensor scales;         // [K/group_size, N], dtype of A
-  at::Tensor zeros;          // uint8 [K/group_size, N] for U4; undefined for FP4
+  at::Tensor zeros;          // uint8 [K/group_size, N] for U4; undefined otherwise
+  at::Tensor offsets;        // [K/group_size, N], dtype of scales, for Affine; undefined otherwise
   at::Tensor bias;           // [N], dtype of A; undefined when absent
 };
 

@@ -53,7 +53,17 @@ const char* dtype_name(DType d) {
   return "?";
 }
 
-const char* format_name(QuantFormat f) { return f == QuantFormat::FP4 ? "fp4" : "u4"; }
+const char* format_name(QuantFormat f) {
+  switch (f) {
+    case QuantFormat::FP4: return "fp4";
+    case QuantFormat::U4: return "u4";
+    case QuantFormat::Affine: return "affine";
+  }
+  return "?";
+}
+static_assert(int(QuantFormat::FP4) == TM_FORMAT_FP4 && int(QuantFormat::U4) == TM_FORMAT_U4 &&
+                  int(QuantFormat::Affine) == TM_FORMAT_AFFINE,
+              "QuantFormat values are the kernels' TM_FORMAT_* template arguments");
 
 namespace {
 

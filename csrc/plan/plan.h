@@ -20,7 +20,7 @@ namespace torch_marlin {
 
 enum class Backend : int { CPU = 0, Metal = 1, CUDA = 2 };
 enum class DType : int { F16 = 0, BF16 = 1, F32 = 2 };
-enum class QuantFormat : int { FP4 = 0, U4 = 1 };
+enum class QuantFormat : int { FP4 = 0, U4 = 1, Affine = 2 };  // values = TM_FORMAT_*
 
 // What the planner needs to know about the device. Metal: compute_units = GPU cores;
 // CUDA: SM count; CPU: worker threads.
@@ -88,7 +88,7 @@ const char* family_name(KernelFamily f);  // "decode", "dequant_blas", "fused_ti
 const char* reduce_name(ReduceKind r);    // "none", "second_dispatch", "cluster", "last_block"
 const char* backend_name(Backend b);
 const char* dtype_name(DType d);  // "half", "bfloat", "float": the suffix of Metal kernel names
-const char* format_name(QuantFormat f);  // "fp4", "u4"
+const char* format_name(QuantFormat f);  // "fp4", "u4", "affine"
 // The backend's name for the kernel: the Metal function (marlin_gemv_m1_fp4_half, ...), the CUDA
 // tag (decode_fp4_half, ...) or the CPU routine (cpu_decode, ...).
 std::string kernel_name(const KernelDesc& k);

@@ -254,7 +254,11 @@ void plan_decode(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps&
                      cuda_tile_slices(cuda_tiles(p), K, int64_t(caps.compute_units) * blocks_per_sm, kCudaDecodeSlices),
                      kCudaDecodeSlices.k_step);
   p.threads[0] = 32 * TM_CUDA_DECODE_WARPS;
-  p.desc.fold = tile_m <= kCudaDecodeFoldMaxTileM && p.params.group_size % 32 == 0;
+  // Folding sums a * (q - z) per group on the tensor cores and scales the fp32 sums; an affine
+  // weight s q + b would also need each row's per-group sum of A for the b term, which the mma
+  // layout does not hold, so affine dequantizes every chunk in full (fused multiply-add) instead.
+  p.desc.fold = tile_m <= kCudaDecodeFoldMaxTileM && p.params.group_size % 32 == 0 &&
+                p.desc.format != QuantFormat::Affine;
   set_in_kernel_reduction(p, caps.thread_block_clusters && p.params.k_parallel <= TM_CUDA_DECODE_MAX_CLUSTER_SLICES,
                           size_t(M) * N);
   // PDL needs sm_90 and kernels from sm_90 PTX: the devices that run clusters (docs/cuda-tuning.md

@@ -24,7 +24,7 @@ E parse_name(const std::string& s, std::initializer_list<std::pair<const char*, 
 }
 
 inline QuantFormat parse_format(const std::string& s) {
-  return parse_name<QuantFormat>(s, {{"fp4", QuantFormat::FP4}, {"u4", QuantFormat::U4}}, "format");
+  return parse_name<QuantFormat>(s, {{"fp4", QuantFormat::FP4}, {"u4", QuantFormat::U4}, {"affine", QuantFormat::Affine}}, "format");
 }
 
 inline Backend parse_backend(const std::string& s) {

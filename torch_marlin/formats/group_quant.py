@@ -245,3 +245,80 @@ class AsymmetricU4Quantizer:
 
 def u4_quantizer(symmetric: bool, scale_dtype: torch.dtype = torch.float16, search: bool = True):
     return (SymmetricU4Quantizer if symmetric else AsymmetricU4Quantizer)(scale_dtype, search)
+
+
+class AffineQuantizer:
+    """``w = scale * q + offset``, ``q`` an integer in 0..15, ``scale`` and ``offset`` floats stored in
+    the scale dtype (the offset need not be a multiple of the scale, unlike INT4's zero point).
+
+    Range fit: ``scale = (max - min) / 15``, ``offset = min``. The search tries the inverse steps
+    ``(15 + d) / (max - min)`` of :class:`AsymmetricU4Quantizer`; for each, the codes
+    ``q = round((w - min) * step)`` get a least-squares fit of ``w ~ scale * q + offset`` and a
+    second fit on the codes the first one's (stored) parameters give; a candidate replaces the range
+    fit where its squared error, measured with the parameters as stored, is smaller.
+    """
+
+    STEPS = AsymmetricU4Quantizer.STEPS
+
+    def __init__(self, scale_dtype: torch.dtype = torch.float16, search: bool = True):
+        self.scale_dtype, self.search = scale_dtype, search
+
+    def _stored(self, s):
+        return s.to(self.scale_dtype).to(torch.float32)
+
+    @staticmethod
+    def _codes(g, s, b):
+        return torch.round((g - b.unsqueeze(-2)) / _safe(s).unsqueeze(-2)).clamp(0, 15)
+
+    def _deq(self, g, s, b):
+        return self._codes(g, s, b) * s.unsqueeze(-2) + b.unsqueeze(-2)
+
+    @staticmethod
+    def _ls_fit(g, q, ones, n, sw):
+        """Least-squares ``(scale, offset, ok)`` of ``g ~ scale * q + offset``, weighted by ``ones``."""
+        sq, sqq, swq = (ones * q).sum(-2), (ones * q * q).sum(-2), (ones * q * g).sum(-2)
+        det = n * sqq - sq * sq
+        ok = det > 0
+        detc = torch.where(ok, det, torch.ones_like(det))
+        s = (n * swq - sq * sw) / detc
+        off = (sqq * sw - sq * swq) / detc
+        return s, off, ok & (s > 0)
+
+    def fit(self, g: torch.Tensor, weight: Optional[torch.Tensor] = None) -> Params:
+        g = g.to(torch.float32)
+        wt = weight
+        lo, hi = g.amin(dim=-2), g.amax(dim=-2)
+        best_s, best_b = self._stored((hi - lo) / 15.0), self._stored(lo)
+        if not self.search:
+            return {"scales": best_s, "offsets": best_b}
+        best_err = _err(g, self._deq(g, best_s, best_b), wt)
+        rng = hi - lo
+        ones = torch.ones_like(g) if wt is None else torch.ones_like(g) * wt
+        n, sw = ones.sum(-2), (ones * g).sum(-2)
+        for d in self.STEPS:
+            inv = torch.where(rng > 0, (15.0 + d) / rng.clamp(min=1e-30), torch.zeros_like(rng))
+            q = torch.round((g - lo.unsqueeze(-2)) * inv.unsqueeze(-2)).clamp(0, 15)
+            for _ in range(2):
+                s, off, ok = self._ls_fit(g, q, ones, n, sw)
+                s, b = self._stored(torch.where(ok, s, best_s)), self._stored(torch.where(ok, off, best_b))
+                q = self._codes(g, s, b)
+                e = _err(g, q * s.unsqueeze(-2) + b.unsqueeze(-2), wt)
+                better = ok & (e < best_err)
+                best_s = torch.where(better, s, best_s)
+                best_b = torch.where(better, b, best_b)
+                best_err = torch.where(better, e, best_err)
+        return {"scales": best_s, "offsets": best_b}
+
+    def quantize(self, x: torch.Tensor, params: Params):
+        s, b = params["scales"], params["offsets"]
+        q = self._codes(x.to(torch.float32), s, b)
+        return q.to(torch.int64), q * s.unsqueeze(-2) + b.unsqueeze(-2)
+
+    def row_params(self, params: Params):
+        s = params["scales"]
+        return s, 1.0 / _safe(s), params["offsets"]
+
+    def quantize_row(self, x: torch.Tensor, ready):
+        s, inv, b = ready
+        q = (x - b).mul_(inv).round_().clamp_(0, 15)
+        return q, torch.addcmul(b, q, s)

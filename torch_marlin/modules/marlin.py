@@ -1,4 +1,4 @@
-"""``MarlinLinear``: a drop-in ``nn.Linear`` with FP4 E2M1 or INT4 (zero-point) weights."""
+"""``MarlinLinear``: a drop-in ``nn.Linear`` with FP4 E2M1, INT4 (zero-point) or affine INT4 weights."""
 
 from typing import Optional
 
@@ -7,10 +7,11 @@ from torch import nn
 
 from .. import ops
 from ..formats import int4_packing
+from ..formats.affine import dequant_affine_reference, quantize_affine
 from ..formats.fp4 import dequant_fp4_reference, quantize_fp4
 from ..formats.u4 import dequant_u4_reference, quantize_u4
 
-FORMATS = ("fp4", "u4")
+FORMATS = ("fp4", "u4", "affine")
 
 
 def _flatten(x: torch.Tensor, in_features: int, name: str) -> torch.Tensor:
@@ -20,11 +21,13 @@ def _flatten(x: torch.Tensor, in_features: int, name: str) -> torch.Tensor:
 
 
 class MarlinLinear(nn.Module):
-    """``y = x @ W^T + b`` with ``W`` stored as 4-bit codes, per-group scales (and zero points).
+    """``y = x @ W^T + b`` with ``W`` stored as 4-bit codes, per-group scales (and zero points or
+    offsets).
 
     Buffers (all persistent, so ``state_dict`` round-trips): ``B_packed`` int32 ``[K/8, N]``,
-    ``scales`` ``[K/group_size, N]``, ``zeros`` uint8 ``[K/group_size, N]`` (``u4`` only) and
-    ``bias`` ``[N]``. ``K = in_features``, ``N = out_features``. Any leading batch dimensions;
+    ``scales`` ``[K/group_size, N]``, ``zeros`` uint8 ``[K/group_size, N]`` (``u4`` only),
+    ``offsets`` ``[K/group_size, N]`` in the scales' dtype (``affine`` only, ``w = scale * q +
+    offset``) and ``bias`` ``[N]``. ``K = in_features``, ``N = out_features``. Any leading batch dimensions;
     fp16, bf16 or fp32 inputs (scales and bias follow the input dtype). The op picks the decode
     kernel for small M (<= 16 rows on Metal, 8 on CPU, 16 to 128 on CUDA by GPU, shape and group
     size) and the prefill kernel above (see :func:`torch_marlin.plan_gemm`). The weights are frozen:
@@ -51,6 +54,10 @@ class MarlinLinear(nn.Module):
             self.register_buffer("zeros", torch.full((G, N), 8, dtype=torch.uint8, device=device))
         else:
             self.zeros = None
+        if format == "affine":
+            self.register_buffer("offsets", torch.zeros(G, N, dtype=dtype, device=device))
+        else:
+            self.offsets = None
         if bias:
             self.register_buffer("bias", torch.zeros(N, dtype=dtype, device=device))
         else:
@@ -72,7 +79,8 @@ class MarlinLinear(nn.Module):
         """Quantizes ``linear``. ``dtype`` of scales/bias defaults to the layer's dtype when it is a
         16-bit float, else float16. ``symmetric`` applies to u4.
 
-        Without ``hessian``: round to nearest with least-squares scale (and zero) search per group.
+        Without ``hessian``: round to nearest with least-squares scale (and zero point or offset)
+        search per group (affine: from the group's min / max, torch_marlin/formats/affine.py).
         With ``hessian`` ``[in_features, in_features]`` (the second moment ``X^T X`` of the
         layer's inputs, see :func:`torch_marlin.calibration.collect_hessian`): GPTQ error feedback,
         ``act_order`` and ``damp`` as in torch_marlin/formats/gptq_solver.py.
@@ -88,6 +96,9 @@ class MarlinLinear(nn.Module):
         gptq = {} if hessian is None else {"hessian": hessian, "act_order": act_order, "damp": damp}
         if format == "fp4":
             B, s = quantize_fp4(wt, group_size, scale_dtype=dtype, **gptq)
+        elif format == "affine":
+            B, s, b = quantize_affine(wt, group_size, scale_dtype=dtype, **gptq)
+            mod.offsets.copy_(b)
         else:
             B, s, z = quantize_u4(wt, group_size, symmetric=symmetric, scale_dtype=dtype, **gptq)
             mod.zeros.copy_(z)
@@ -101,6 +112,8 @@ class MarlinLinear(nn.Module):
         """The dense fp32 weight ``[out_features, in_features]`` (for tests and debugging)."""
         if self.format == "fp4":
             w = dequant_fp4_reference(self.B_packed, self.scales, self.group_size)
+        elif self.format == "affine":
+            w = dequant_affine_reference(self.B_packed, self.scales, self.offsets, self.group_size)
         else:
             w = dequant_u4_reference(self.B_packed, self.scales, self.zeros, self.group_size)
         return w.t()
@@ -113,6 +126,9 @@ class MarlinLinear(nn.Module):
             bias = bias.to(x.dtype)
         if self.format == "fp4":
             y = ops.gemm_fp4(x2, self.B_packed, scales, self.group_size, bias)
+        elif self.format == "affine":
+            offsets = self.offsets if self.offsets.dtype == x.dtype else self.offsets.to(x.dtype)
+            y = ops.gemm_affine(x2, self.B_packed, scales, offsets, self.group_size, bias)
         else:
             y = ops.gemm_u4(x2, self.B_packed, scales, self.zeros, self.group_size, bias)
         return ops.frozen_weight_linear(y.reshape(*x.shape[:-1], self.out_features), x, self.bias,
@@ -132,7 +148,9 @@ class MarlinLinear(nn.Module):
         return w.t()
 
     def extra_repr(self) -> str:
-        bits = 4 * self.in_features * self.out_features + 16 * (self.in_features // self.group_size) * self.out_features
+        # Per group and column: the scale, and the offset (affine; u4's zero point is 4 bits of a byte).
+        group_bits = 8 * self.scales.element_size() * (2 if self.format == "affine" else 1)
+        bits = 4 * self.in_features * self.out_features + group_bits * (self.in_features // self.group_size) * self.out_features
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"format={self.format}, group_size={self.group_size}, scales_dtype={self.scales.dtype}, "
                 f"bits_per_weight={bits / (self.in_features * self.out_features):.3f}")

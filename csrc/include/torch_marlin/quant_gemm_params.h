@@ -21,6 +21,8 @@ TM_NAMESPACE_BEGIN
 // Which weight format a kernel dequantizes.
 #define TM_FORMAT_FP4 0u
 #define TM_FORMAT_U4 1u
+// Affine INT4: float offsets [K/group_size, N] in the scales' dtype; w = q * s + b, q in 0..15.
+#define TM_FORMAT_AFFINE 2u
 
 // ---- CUDA decode kernel geometry (csrc/cuda/decode.cu), read by plan_cuda.cpp too --------------
 // A block is TM_CUDA_DECODE_WARPS warps over TM_CUDA_DECODE_TILE_N columns; blocks resident per SM
@@ -77,7 +79,7 @@ struct QuantGemmParams {
   tm_u32 M;            // rows of A and C
   tm_u32 K;            // reduction length; multiple of 8 and of group_size
   tm_u32 N;            // columns of B and C (any value; edge tiles are masked)
-  tm_u32 group_size;   // K rows sharing one scale (and zero point); multiple of 8
+  tm_u32 group_size;   // K rows sharing one scale (and zero point or offset); multiple of 8
   tm_u32 tile_m;       // output tile rows of the chosen kernel
   tm_u32 tile_n;       // output tile columns of the chosen kernel
   tm_u32 m_tiles;      // ceil(M / tile_m)
