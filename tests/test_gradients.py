@@ -38,6 +38,7 @@ def linear(K, N, bias=True, seed=0):
 LAYERS = {
     "fp4": lambda lin, dtype: MarlinLinear.from_linear(lin, format="fp4", group_size=32, dtype=dtype),
     "u4": lambda lin, dtype: MarlinLinear.from_linear(lin, format="u4", group_size=32, dtype=dtype),
+    "affine": lambda lin, dtype: MarlinLinear.from_linear(lin, format="affine", group_size=32, dtype=dtype),
     "trellis3": lambda lin, dtype: tm.TrellisLinear.from_linear(lin.to(dtype), bits=3, group_size=32),
     "trellis4 unrotated": lambda lin, dtype: tm.TrellisLinear.from_linear(lin.to(dtype), bits=4, group_size=32,
                                                                           rotate=False),
@@ -120,7 +121,7 @@ def test_lora_adapter_on_a_quantized_base_trains(device):
     assert loss_fn(q).item() < first
 
 
-@pytest.mark.parametrize("kind, tensor", [("fp4", "scales"), ("u4", "scales"), ("trellis3", "scales"),
+@pytest.mark.parametrize("kind, tensor", [("fp4", "scales"), ("u4", "scales"), ("affine", "offsets"), ("trellis3", "scales"),
                                           ("trellis3", "grid")])
 def test_gradient_of_quantized_weights_raises(kind, tensor):
     q = make(kind, torch.float32, "cpu")

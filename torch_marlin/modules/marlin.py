@@ -135,7 +135,8 @@ class MarlinLinear(nn.Module):
                                         self._dense_weight, "MarlinLinear", self._quantized_tensors())
 
     def _quantized_tensors(self) -> dict:
-        return {"B_packed": self.B_packed, "scales": self.scales, "zeros": self.zeros}
+        return {"B_packed": self.B_packed, "scales": self.scales, "zeros": self.zeros,
+                "offsets": self.offsets}
 
     def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """``W`` ``[out_features, in_features]`` rebuilt by the dequant op on the layer's device,
@@ -143,6 +144,8 @@ class MarlinLinear(nn.Module):
         scales = self.scales.to(dtype)
         if self.format == "fp4":
             w = ops.dequant_fp4(self.B_packed, scales, self.group_size)
+        elif self.format == "affine":
+            w = ops.dequant_affine(self.B_packed, scales, self.offsets.to(dtype), self.group_size)
         else:
             w = ops.dequant_u4(self.B_packed, scales, self.zeros, self.group_size)
         return w.t()
