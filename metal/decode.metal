@@ -1,4 +1,4 @@
-// Decode family of the FP4 / INT4 GEMM (M <= 16): marlin_gemv_m<R>_<fmt>_<dtype> (R = 1, 2, 4, 8,
+// Decode family of the FP4 / INT4 / affine INT4 GEMM (M <= 16): marlin_gemv_m<R>_<fmt>_<dtype> (R = 1, 2, 4, 8,
 // 16 rows, N % 4 == 0) and marlin_gemv_unaligned_<fmt>_<dtype> (16 rows, any N).
 //
 // Bandwidth layout. B_packed is [K/8, N], so the 4 packed words of columns c..c+3 for 8 K rows
@@ -8,8 +8,9 @@
 // The 4 simdgroups of a threadgroup take contiguous shares of the threadgroup's K slice (whole
 // groups when a group fits in a share). A simdgroup walks its share in pieces: it stages the
 // piece's activations A[0:M, piece] into its own threadgroup area (vector loads, converted to
-// fp32 once), then reads them back as broadcasts for every column. Group scales (and zero points)
-// sit on the outer loop: one half4 (uchar4) load per group and lane, nothing divides in the loop.
+// fp32 once), then reads them back as broadcasts for every column. Group scales (and zero points or
+// offsets) sit on the outer loop: one half4 (uchar4, half4) load per group and lane, nothing divides in
+// the loop.
 // The simdgroups meet at the end in threadgroup memory, summed in a fixed order.
 // Grid (n_tiles, k_parallel): with k_parallel > 1 each slice writes fp32 partials to the
 // workspace and marlin_reduce_partials (metal/reduce.metal) sums them.
@@ -59,11 +60,33 @@ inline uint4 gemv_load_words(device const uint* b, uint cols_left) {
   return uint4(b[0], cols_left > 1u ? b[1] : 0u, cols_left > 2u ? b[2] : 0u, cols_left > 3u ? b[3] : 0u);
 }
 
+// The group terms of the lane's 4 columns (dequant_word_bits' group_term). INT4: one uchar4 of
+// zero points (the low 4 bits: zero points are 0..15, docs/formats.md) -> 1024 + z.
+template <bool VEC>
+inline float4 gemv_group_terms(device const uchar* zeros, uint at, uint cols_left) {
+  uchar4 z;
+  if (VEC) {
+    z = *(device const uchar4*)(zeros + at);
+  } else {
+    z = uchar4(zeros[at], cols_left > 1u ? zeros[at + 1u] : uchar(0), cols_left > 2u ? zeros[at + 2u] : uchar(0),
+               cols_left > 3u ? zeros[at + 3u] : uchar(0));
+  }
+  return float4(kU4BitsBias + float(z.x & 15u), kU4BitsBias + float(z.y & 15u), kU4BitsBias + float(z.z & 15u),
+                kU4BitsBias + float(z.w & 15u));
+}
+// Affine: the 4 offsets, one vector load of the scales' dtype as for the scales.
+template <bool VEC, typename T>
+inline float4 gemv_group_terms(device const T* offsets, uint at, uint cols_left) {
+  if (VEC) return gemv_load4(offsets + at);
+  return float4(float(offsets[at]), cols_left > 1u ? float(offsets[at + 1u]) : 0.0f,
+                cols_left > 2u ? float(offsets[at + 2u]) : 0.0f, cols_left > 3u ? float(offsets[at + 3u]) : 0.0f);
+}
+
 // One group's scales of the lane's columns, with the dequantization constants folded in
-// (dequant_word_bits): FP4 scale * 2^14; INT4 the zero bias 1024 + z.
+// (dequant_word_bits): FP4 scale * 2^14; INT4 the zero bias 1024 + z; affine the offset.
 template <uint FMT, typename T, bool VEC>
-inline void gemv_load_group(device const T* scales, device const uchar* zeros, uint at, uint cols_left,
-                            thread float4& s, thread float4& zb) {
+inline void gemv_load_group(device const T* scales, device const group_aux_t<FMT, T>* zeros_or_offsets, uint at,
+                            uint cols_left, thread float4& s, thread float4& zb) {
   if (VEC) {
     s = gemv_load4(scales + at);
   } else {
@@ -74,16 +97,7 @@ inline void gemv_load_group(device const T* scales, device const uchar* zeros, u
     s = float4(s.x * kFp4BitsScale, s.y * kFp4BitsScale, s.z * kFp4BitsScale, s.w * kFp4BitsScale);
     zb = float4(0.0f, 0.0f, 0.0f, 0.0f);
   } else {
-    uchar4 z;
-    if (VEC) {
-      z = *(device const uchar4*)(zeros + at);
-    } else {
-      z = uchar4(zeros[at], cols_left > 1u ? zeros[at + 1u] : uchar(0), cols_left > 2u ? zeros[at + 2u] : uchar(0),
-                 cols_left > 3u ? zeros[at + 3u] : uchar(0));
-    }
-    // Zero points are 0..15 (docs/formats.md): the low 4 bits, as every backend reads them.
-    zb = float4(kU4BitsBias + float(z.x & 15u), kU4BitsBias + float(z.y & 15u), kU4BitsBias + float(z.z & 15u),
-                kU4BitsBias + float(z.w & 15u));
+    zb = gemv_group_terms<VEC>(zeros_or_offsets, at, cols_left);
   }
 }
 
@@ -124,7 +138,7 @@ inline void gemv_stage_a(device const T* A, uint M, uint K, threadgroup float* s
 }
 
 template <uint FMT, typename T, uint ROWS, bool VEC>
-inline void gemv_impl(device const T* A, device const uint* B, device const T* scales, device const uchar* zeros,
+inline void gemv_impl(device const T* A, device const uint* B, device const T* scales, device const group_aux_t<FMT, T>* zeros_or_offsets,
                       device const T* bias, device T* C, device float* workspace, constant QuantGemmParams& p,
                       threadgroup float* tg, uint3 tgid, uint lid, uint sgid, uint lane) {
   constexpr uint kPiece = gemv_piece_rows<ROWS>();
@@ -160,7 +174,7 @@ inline void gemv_impl(device const T* A, device const uint* B, device const T* s
       for (uint k = k0; k < k1;) {
         const uint seg_end = min(k1, k + g_left);
         if (g != g_loaded) {
-          gemv_load_group<FMT, T, VEC>(scales, zeros, g * N + col, cols_left, s, zb);
+          gemv_load_group<FMT, T, VEC>(scales, zeros_or_offsets, g * N + col, cols_left, s, zb);
           g_loaded = g;
         }
         device const uint* b = B + (k / 8u) * N + col;
@@ -237,9 +251,9 @@ inline void gemv_impl(device const T* A, device const uint* B, device const T* s
   }
 }
 
-template <uint FMT, typename T, uint ROWS, bool VEC>
+template <uint FMT, typename T, uint ROWS, bool VEC, typename Z = group_aux_t<FMT, T>>
 [[kernel]] void marlin_gemv(device const T* A [[buffer(0)]], device const uint* B [[buffer(1)]],
-                            device const T* scales [[buffer(2)]], device const uchar* zeros [[buffer(3)]],
+                            device const T* scales [[buffer(2)]], device const Z* zeros_or_offsets [[buffer(3)]],
                             device const T* bias [[buffer(4)]], device T* C [[buffer(5)]],
                             device float* workspace [[buffer(6)]], constant QuantGemmParams& p [[buffer(7)]],
                             uint3 tgid [[threadgroup_position_in_grid]],
@@ -247,13 +261,14 @@ template <uint FMT, typename T, uint ROWS, bool VEC>
                             uint sgid [[simdgroup_index_in_threadgroup]],
                             uint lane [[thread_index_in_simdgroup]]) {
   TM_THREADGROUP_ARRAY(float, tg, [gemv_tg_floats<ROWS>()]);  // 4 KiB (1-4 rows) to 16 KiB (16 rows)
-  gemv_impl<FMT, T, ROWS, VEC>(A, B, scales, zeros, bias, C, workspace, p, tg, tgid, lid, sgid, lane);
+  gemv_impl<FMT, T, ROWS, VEC>(A, B, scales, zeros_or_offsets, bias, C, workspace, p, tg, tgid, lid, sgid, lane);
 }
 
 // Host names: marlin_gemv_m<ROWS>_<fmt>_<dtype>, marlin_gemv_unaligned_<fmt>_<dtype>.
 #define TM_INSTANTIATE_GEMV(stem, fn, ROWS, VEC, tname, T)              \
   TM_INSTANTIATE(stem "_fp4_" #tname, fn<TM_FORMAT_FP4, T, ROWS, VEC>) \
-  TM_INSTANTIATE(stem "_u4_" #tname, fn<TM_FORMAT_U4, T, ROWS, VEC>)
+  TM_INSTANTIATE(stem "_u4_" #tname, fn<TM_FORMAT_U4, T, ROWS, VEC>)     \
+  TM_INSTANTIATE(stem "_affine_" #tname, fn<TM_FORMAT_AFFINE, T, ROWS, VEC>)
 #define TM_INSTANTIATE_GEMV_DTYPE(tname, T)                                   \
   TM_INSTANTIATE_GEMV("marlin_gemv_m1", marlin_gemv, 1, true, tname, T)       \
   TM_INSTANTIATE_GEMV("marlin_gemv_m2", marlin_gemv, 2, true, tname, T)       \

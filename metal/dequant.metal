@@ -9,7 +9,7 @@ using namespace torch_marlin;
 constant constexpr uint kDequantThreads = TM_METAL_ELEMENTWISE_THREADS;
 
 template <uint FMT, typename T>
-inline void dequant_impl(device const uint* B, device const T* scales, device const uchar* zeros, device T* W,
+inline void dequant_impl(device const uint* B, device const T* scales, device const group_aux_t<FMT, T>* zeros_or_offsets, device T* W,
                          constant QuantGemmParams& p, uint3 tgid, uint lid) {
   const uint i = tgid.x * kDequantThreads + lid;
   if (i >= (p.K / 8u) * p.N) return;
@@ -17,21 +17,21 @@ inline void dequant_impl(device const uint* B, device const T* scales, device co
   const uint k = (i / p.N) * 8u;
   uint word;
   float s, z;
-  load_word<FMT, T>(B, scales, zeros, p, k, n, word, s, z);
+  load_word<FMT, T>(B, scales, zeros_or_offsets, p, k, n, word, s, z);
   float w[8];
   dequant_word<FMT>(word, s, z, w);
   for (uint j = 0; j < 8u; ++j) W[(k + j) * p.N + n] = T(w[j]);
 }
 
-template <uint FMT, typename T>
+template <uint FMT, typename T, typename Z = group_aux_t<FMT, T>>
 [[kernel]] void dequant_kernel(device const uint* B [[buffer(0)]], device const T* scales [[buffer(1)]],
-                               device const uchar* zeros [[buffer(2)]], device T* W [[buffer(3)]],
+                               device const Z* zeros_or_offsets [[buffer(2)]], device T* W [[buffer(3)]],
                                constant QuantGemmParams& p [[buffer(4)]],
                                uint3 tgid [[threadgroup_position_in_grid]],
                                uint lid [[thread_index_in_threadgroup]],
                                uint sgid [[simdgroup_index_in_threadgroup]],
                                uint lane [[thread_index_in_simdgroup]]) {
-  dequant_impl<FMT, T>(B, scales, zeros, W, p, tgid, lid);
+  dequant_impl<FMT, T>(B, scales, zeros_or_offsets, W, p, tgid, lid);
 }
 
 TM_INSTANTIATE_QUANT_DTYPE("dequant", dequant_kernel, half, half)

@@ -11,9 +11,9 @@
 using namespace metal;
 using namespace torch_marlin;
 
-template <uint FMT, typename T>
+template <uint FMT, typename T, typename Z = group_aux_t<FMT, T>>
 [[kernel]] void marlin_gemm_fused(device const T* A [[buffer(0)]], device const uint* B [[buffer(1)]],
-                                  device const T* scales [[buffer(2)]], device const uchar* zeros [[buffer(3)]],
+                                  device const T* scales [[buffer(2)]], device const Z* zeros_or_offsets [[buffer(3)]],
                                   device const T* bias [[buffer(4)]], device T* C [[buffer(5)]],
                                   device float* workspace [[buffer(6)]], constant QuantGemmParams& p [[buffer(7)]],
                                   uint3 tgid [[threadgroup_position_in_grid]],
@@ -23,7 +23,7 @@ template <uint FMT, typename T>
   // 2 stages x (A + B) x 64 x (k_step + 16 bytes): 20 KiB in every dtype, + 1 KiB epilogue stage.
   TM_THREADGROUP_ARRAY(T, stages, [prefill_stage_elems<T>(prefill_k_step<T>(), 2u)]);
   TM_THREADGROUP_ARRAY(float, c_stage, [kSimdgroups * 64]);
-  prefill_tile_impl<FMT, T, prefill_k_step<T>(), 2u>(A, B, scales, zeros, bias, C, workspace, p, stages, c_stage,
+  prefill_tile_impl<FMT, T, prefill_k_step<T>(), 2u>(A, B, scales, zeros_or_offsets, bias, C, workspace, p, stages, c_stage,
                                                      tgid.y, tgid.x, tgid.z, lid, sgid, lane);
 }
 

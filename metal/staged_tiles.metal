@@ -12,9 +12,9 @@
 using namespace metal;
 using namespace torch_marlin;
 
-template <uint FMT, typename T>
+template <uint FMT, typename T, typename Z = group_aux_t<FMT, T>>
 [[kernel]] void marlin_gemm(device const T* A [[buffer(0)]], device const uint* B [[buffer(1)]],
-                            device const T* scales [[buffer(2)]], device const uchar* zeros [[buffer(3)]],
+                            device const T* scales [[buffer(2)]], device const Z* zeros_or_offsets [[buffer(3)]],
                             device const T* bias [[buffer(4)]], device T* C [[buffer(5)]],
                             device float* workspace [[buffer(6)]], constant QuantGemmParams& p [[buffer(7)]],
                             uint3 tgid [[threadgroup_position_in_grid]],
@@ -24,7 +24,7 @@ template <uint FMT, typename T>
   // (A + B) x 64 x (32 + 16 bytes): 10 KiB for half / bfloat, 18 KiB for float; + 1 KiB epilogue.
   TM_THREADGROUP_ARRAY(T, stage, [prefill_stage_elems<T>(TM_METAL_STAGED_TILE_K, 1u)]);
   TM_THREADGROUP_ARRAY(float, c_stage, [kSimdgroups * 64]);
-  prefill_tile_impl<FMT, T, TM_METAL_STAGED_TILE_K, 1u>(A, B, scales, zeros, bias, C, workspace, p, stage, c_stage,
+  prefill_tile_impl<FMT, T, TM_METAL_STAGED_TILE_K, 1u>(A, B, scales, zeros_or_offsets, bias, C, workspace, p, stage, c_stage,
                                                         tgid.y, tgid.x, tgid.z, lid, sgid, lane);
 }
 

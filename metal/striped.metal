@@ -14,7 +14,7 @@ using namespace metal;
 using namespace torch_marlin;
 
 template <uint FMT, typename T>
-inline void striped_impl(device const T* A, device const uint* B, device const T* scales, device const uchar* zeros,
+inline void striped_impl(device const T* A, device const uint* B, device const T* scales, device const group_aux_t<FMT, T>* zeros_or_offsets,
                          device const T* bias, device T* C, device float* workspace, constant QuantGemmParams& p,
                          threadgroup T* stages, threadgroup float* c_stage, uint3 tgid, uint lid, uint sgid,
                          uint lane) {
@@ -30,7 +30,7 @@ inline void striped_impl(device const T* A, device const uint* B, device const T
   uint tile_row = tile_begin % p.m_tiles;
   uint tile_col = tile_begin / p.m_tiles;
   for (uint w = w_begin; w < w_end; ++w) {
-    prefill_tile_impl<FMT, T, prefill_k_step<T>(), 2u>(A, B, scales, zeros, bias, C, workspace, p, stages, c_stage,
+    prefill_tile_impl<FMT, T, prefill_k_step<T>(), 2u>(A, B, scales, zeros_or_offsets, bias, C, workspace, p, stages, c_stage,
                                                        tile_row, tile_col, k_slice, lid, sgid, lane);
     if (++k_slice == kp) {
       k_slice = 0;
@@ -42,9 +42,9 @@ inline void striped_impl(device const T* A, device const uint* B, device const T
   }
 }
 
-template <uint FMT, typename T>
+template <uint FMT, typename T, typename Z = group_aux_t<FMT, T>>
 [[kernel]] void marlin_gemm_striped(device const T* A [[buffer(0)]], device const uint* B [[buffer(1)]],
-                                    device const T* scales [[buffer(2)]], device const uchar* zeros [[buffer(3)]],
+                                    device const T* scales [[buffer(2)]], device const Z* zeros_or_offsets [[buffer(3)]],
                                     device const T* bias [[buffer(4)]], device T* C [[buffer(5)]],
                                     device float* workspace [[buffer(6)]], constant QuantGemmParams& p [[buffer(7)]],
                                     uint3 tgid [[threadgroup_position_in_grid]],
@@ -53,7 +53,7 @@ template <uint FMT, typename T>
                                     uint lane [[thread_index_in_simdgroup]]) {
   TM_THREADGROUP_ARRAY(T, stages, [prefill_stage_elems<T>(prefill_k_step<T>(), 2u)]);
   TM_THREADGROUP_ARRAY(float, c_stage, [kSimdgroups * 64]);
-  striped_impl<FMT, T>(A, B, scales, zeros, bias, C, workspace, p, stages, c_stage, tgid, lid, sgid, lane);
+  striped_impl<FMT, T>(A, B, scales, zeros_or_offsets, bias, C, workspace, p, stages, c_stage, tgid, lid, sgid, lane);
 }
 
 TM_INSTANTIATE_QUANT_DTYPE("marlin_gemm_striped", marlin_gemm_striped, half, half)

@@ -5,9 +5,9 @@ that compiles the FP4 / INT4 kernel files (``QUANT_SOURCES``) as C++ over the sh
 csrc/metal_emu/metal_stdlib, one translation unit per .metal file (each file is a library of its
 own), links the executor and the planner (csrc/plan/*.cpp), and exposes:
 
-  gemm(format, A, B_packed, scales, zeros, bias, group_size, family="auto", compute_units=0,
+  gemm(format, A, B_packed, scales, zeros_or_offsets, bias, group_size, family="auto", compute_units=0,
        schedule="forward", seed=0, workers=0, prefix="", swap_buffers=[]) -> (C, plan dict)
-  dequant(format, B_packed, scales, zeros, group_size, ...) -> W
+  dequant(format, B_packed, scales, zeros_or_offsets, group_size, ...) -> W
   describe_gemm(format, M, K, N, group_size, ...), describe_dequant(...) -> the dispatch list
       (csrc/mps/metal_dispatch.h, the one the MPS backend encodes) with buffers as names
   dispatch_raw(kernel, grid, threads, buffers, ...), kernel_names(), last_stats()
@@ -200,3 +200,14 @@ def dequant_fp4(B_packed, scales, group_size, *, schedule="forward", seed=0):
 
 def dequant_u4(B_packed, scales, zeros, group_size, *, schedule="forward", seed=0):
     return load().dequant("u4", B_packed, scales, zeros, group_size, schedule, seed)
+
+
+def gemm_affine(A, B_packed, scales, offsets, group_size, bias=None, *, family="auto", compute_units=0,
+                schedule="forward", seed=0, return_plan=False):
+    C, plan = load().gemm("affine", A, B_packed, scales, offsets, bias, group_size, family, compute_units, schedule,
+                          seed)
+    return (C, plan) if return_plan else C
+
+
+def dequant_affine(B_packed, scales, offsets, group_size, *, schedule="forward", seed=0):
+    return load().dequant("affine", B_packed, scales, offsets, group_size, schedule, seed)

@@ -4,7 +4,7 @@ The traced harness modules are the normal ones (tests/metal_emu.py, tests/trelli
 rebuilt with the kernel translation units compiled by clang with
 ``-fsanitize-coverage=inline-8bit-counters,trace-loads``: every load instruction of a kernel calls
 csrc/metal_emu/load_trace.cpp first, which keeps the loads whose address lies in a tensor the
-bindings bound for the dispatch (attributed by name: A, B, scales, zeros, ...; packed, grid, su,
+bindings bound for the dispatch (attributed by name: A, B, scales, zeros_or_offsets, ...; packed, grid, su,
 sv, ...; the params struct as "params"). The executor (g++) is not instrumented. Separate modules
 (cached under build/metal_emu_trace/ and build/trellis_metal_emu_trace/), so the normal harness
 tests never pay for tracing.
@@ -288,15 +288,19 @@ def _dtype(name):
 
 
 def trace_quant_gemm(fmt, M, K, N, group_size=128, dtype="half", max_threadgroups=0, seed=0):
-    """C = A @ dequant(B) through the planner's kernel (fmt "fp4" or "u4"), traced."""
+    """C = A @ dequant(B) through the planner's kernel (fmt "fp4", "u4" or "affine"), traced."""
     import torch
     g = torch.Generator().manual_seed(seed)
     mod = load_quant()
     A = torch.randn(M, K, generator=g).to(_dtype(dtype))
     B = torch.randint(-2**31, 2**31 - 1, (K // 8, N), generator=g, dtype=torch.int64).to(torch.int32)
     scales = (torch.rand(K // group_size, N, generator=g) * 0.1 + 0.01).to(_dtype(dtype))
-    zeros = torch.randint(0, 16, (K // group_size, N), generator=g, dtype=torch.uint8) if fmt == "u4" else None
-    return trace(mod, lambda: mod.gemm(fmt, A, B, scales, zeros, None, group_size), max_threadgroups)
+    aux = None
+    if fmt == "u4":
+        aux = torch.randint(0, 16, (K // group_size, N), generator=g, dtype=torch.uint8)
+    elif fmt == "affine":
+        aux = (torch.rand(K // group_size, N, generator=g) - 0.5).to(_dtype(dtype))
+    return trace(mod, lambda: mod.gemm(fmt, A, B, scales, aux, None, group_size), max_threadgroups)
 
 
 def _trellis_weights(K, N, bits, group_size, g, experts=None):

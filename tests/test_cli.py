@@ -47,6 +47,7 @@ def main_error(capsys, *args):
     (["--group-size", "x"], ["--group-size", "expected an integer"]),
     (["--format", "trellis", "--group-size", "40"], ["trellis needs a positive multiple of 16, got 40"]),
     (["--format", "fp4", "--bits", "3"], ["--bits applies to --format trellis only"]),
+    (["--format", "affine", "--bits", "3"], ["--bits applies to --format trellis only (fp4, u4 and affine"]),
     (["--repeats", "0"], ["--repeats", "must be positive"]),
     (["--format", "int8"], ["--format", "invalid choice"]),
     (["--model", "/nonexistent/model_dir"], ["--model", "'/nonexistent/model_dir' does not exist",

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 import torch_marlin  # noqa: F401  (registers torch.ops.marlin)
-from torch_marlin.formats import dequant_fp4_reference, dequant_u4_reference, quantize_fp4, quantize_u4
+from torch_marlin.formats import (dequant_affine_reference, dequant_fp4_reference, dequant_u4_reference,
+                                  quantize_affine, quantize_fp4, quantize_u4)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -37,6 +38,9 @@ def make_weights(fmt, K, N, group_size, dtype, device="cuda", seed=0, on_gpu=Fal
     if fmt == "fp4":
         B, s = quantize_fp4(w, group_size, scale_dtype=dtype)
         z = None
+    elif fmt == "affine":  # z: the offsets
+        B, s, z = quantize_affine(w + 0.5, group_size, scale_dtype=dtype)
+        z = z.to(device)
     else:
         B, s, z = quantize_u4(w, group_size, symmetric=False, scale_dtype=dtype)
         z = z.to(device)
@@ -46,12 +50,16 @@ def make_weights(fmt, K, N, group_size, dtype, device="cuda", seed=0, on_gpu=Fal
 def reference_weight(fmt, B, s, z, group_size):
     if fmt == "fp4":
         return dequant_fp4_reference(B, s, group_size)
+    if fmt == "affine":
+        return dequant_affine_reference(B, s, z, group_size)
     return dequant_u4_reference(B, s, z, group_size)
 
 
 def run_op(fmt, A, B, s, z, group_size, bias):
     if fmt == "fp4":
         return torch.ops.marlin.gemm_fp4(A, B, s, group_size, bias)
+    if fmt == "affine":
+        return torch.ops.marlin.gemm_affine(A, B, s, z, group_size, bias)
     return torch.ops.marlin.gemm_u4(A, B, s, z, group_size, bias)
 
 
@@ -95,7 +103,7 @@ def gpu_case(fmt, M, K, N, dtype, with_bias, seed, group_size=128):
     check_close(C, ref, dtype)
 
 
-@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("fmt", ["fp4", "u4", "affine"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("M", [1, 16, 40, 130])
 def test_n_multiple_of_16_not_64(fmt, dtype, M):
@@ -103,7 +111,7 @@ def test_n_multiple_of_16_not_64(fmt, dtype, M):
     case(fmt, M, 512, 144, 128, dtype, True)
 
 
-@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("fmt", ["fp4", "u4", "affine"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("group_size", [16, 96])
 @pytest.mark.parametrize("M", [1, 9, 20, 100])
@@ -113,7 +121,7 @@ def test_other_group_sizes(fmt, dtype, group_size, M):
     case(fmt, M, 1536, 200, group_size, dtype, True)
 
 
-@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("fmt", ["fp4", "u4", "affine"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("K,group_size", [(264, 24), (2072, 56)])
 @pytest.mark.parametrize("M", [1, 9, 20, 40])
@@ -129,7 +137,7 @@ def plan_for(M, K, N, dtype):
     return torch_marlin.plan_gemm("fp4", M, K, N, 128, dtype=dtype, device="cuda")
 
 
-@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("fmt", ["fp4", "u4", "affine"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("M", [1, 5, 16, 48, 100])
 @pytest.mark.parametrize("K,k_parallel", [(4096, 4), (2048, 2)])
@@ -197,7 +205,7 @@ WGMMA_CASES = [(65, 256, 8200, 32, 1, 256), (100, 512, 8192, 32, 1, 256), (200, 
                (130, 768, 8192, 96, 1, 128)]
 
 
-@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("fmt", ["fp4", "u4", "affine"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("M,K,N,group_size,k_parallel,tile_n", WGMMA_CASES)
 def test_wgmma(fmt, dtype, M, K, N, group_size, k_parallel, tile_n):
@@ -253,7 +261,7 @@ WS_CASES = [(33, 256, 8200, 64, 1, 64, 128), (64, 4096, 4096, 128, 4, 64, 128), 
             (1024, 1024, 4096, 128, 1, 256, 128), (24, 2048, 12290, 128, 2, 64, 192)]
 
 
-@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("fmt", ["fp4", "u4", "affine"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("M,K,N,group_size,k_parallel,tile_m,tile_n", WS_CASES)
 def test_wgmma_ws(fmt, dtype, M, K, N, group_size, k_parallel, tile_m, tile_n):
@@ -279,7 +287,7 @@ def test_wgmma_ws(fmt, dtype, M, K, N, group_size, k_parallel, tile_m, tile_n):
 WS_TAIL_CASES = [(300, 2048, 8520, 128, 1, 3), (200, 1024, 17920, 64, 8, 2), (1024, 4096, 21504, 128, 3, 3)]
 
 
-@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("fmt", ["fp4", "u4", "affine"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("M,K,N,group_size,tail_n_tiles,tail_k_parallel", WS_TAIL_CASES)
 def test_wgmma_ws_tail(fmt, dtype, M, K, N, group_size, tail_n_tiles, tail_k_parallel):
@@ -325,7 +333,7 @@ def test_u4_zero_points_masked(dtype, M, K, group_size):
 
 
 # ---- Large M: dequantized panels + cuBLAS ----------------------------------------------------------
-@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("fmt", ["fp4", "u4", "affine"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
 def test_dequant_blas_two_panels(fmt, dtype):
     # 65536 x 8208 x 2 B is over the 1 GiB panel cap: two panels (4224 + 3976 columns), and
@@ -465,7 +473,7 @@ def test_k_slice_counters_made_under_capture():
     assert r.returncode == 0 and "counters made under capture: ok" in r.stdout, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("fmt", ["fp4", "u4"])
+@pytest.mark.parametrize("fmt", ["fp4", "u4", "affine"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("M", [1, 16, 64, 200])
 @pytest.mark.parametrize("dims", [[4096, 1024] * 3 + [4096], [2048] * 9], ids=["4096_1024", "2048"])

@@ -29,7 +29,7 @@ DTYPES = ["float16", "bfloat16", "float32"]
 _KERNEL_RE = re.compile(r"\[\[kernel\]\]\s+void\s+(\w+)\s*\((.*?)\)\s*\{", re.DOTALL)
 _BUFFER_RE = re.compile(r"^(.*?)\b(\w+)\s*\[\[buffer\((\d+)\)\]\]$", re.DOTALL)
 _INSTANTIATE_RE = re.compile(r'TM_INSTANTIATE\w*\(\s*"(\w+)"[^,]*,\s*(\w+)')
-_SUFFIX_RE = re.compile(r"^(_(fp4|u4))?(_(half|float|bfloat))?$")
+_SUFFIX_RE = re.compile(r"^(_(fp4|u4|affine))?(_(half|float|bfloat))?$")
 
 
 def kernel_declarations():
@@ -60,7 +60,7 @@ def declaration_of(host_name):
 
 
 # Documented stand-ins for optional buffers the call does not have (metal_dispatch.h).
-STAND_INS = {"zeros": "scales", "bias": "C", "workspace": "C"}
+STAND_INS = {"zeros_or_offsets": "scales", "bias": "C", "workspace": "C"}
 
 
 def slot_matches(buffer, param, buffers):
@@ -120,7 +120,7 @@ QUANT_PLANS = [("decode", 4, 512, 96, 64, 0), ("decode", 1, 8192, 256, 128, 0), 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family,M,K,N,gs,cu", QUANT_PLANS)
 def test_quant_descriptions_match_kernels(emu, dtype, family, M, K, N, gs, cu):
-    for fmt in ("fp4", "u4"):
+    for fmt in ("fp4", "u4", "affine"):
         ds = emu.describe_gemm(fmt, M, K, N, gs, dtype, True, True, family, cu)
         for d in ds:
             assert_matches_declaration(d)
@@ -141,7 +141,7 @@ def test_quant_descriptions_cover_k_slices(emu):
 
 
 def test_quant_stand_ins(emu):
-    # FP4 without bias, one K slice: zeros <- scales, bias <- C, workspace <- C (bound, never read).
+    # FP4 without bias, one K slice: zeros_or_offsets <- scales, bias <- C, workspace <- C (bound, never read).
     (d,) = emu.describe_gemm("fp4", 70, 256, 96, 32, "float16", False, False, "fused_tiles", 0)
     assert d["buffers"] == ["A", "B", "scales", "scales", "C", "C", "C"]
     ds = emu.describe_gemm("fp4", 1, 8192, 256, 128, "float16", False, False, "decode", 0)

@@ -15,7 +15,7 @@ Gates (each a test per kernel):
                          (traced)
 
 Which kernels: the planner's (the harness's describe_* functions, i.e. the dispatch description
-the MPS backend encodes). Decode kernels are those planned at M = 1 and M = 16 (FP4 / INT4 and
+the MPS backend encodes). Decode kernels are those planned at M = 1 and M = 16 (FP4 / INT4 / affine INT4 and
 trellis GEMM; the MoE at one token) that read a weight buffer; default-path kernels are every
 kernel any plan over the shape sweep below picks (GEMM, dequant, the MoE's dispatches, K-slice
 reductions).
@@ -69,7 +69,7 @@ def planned_kernels():
     q, t = metal_emu.load(), trellis_metal_emu.load()
     decode, default = {}, set()
     for dtype, short in DTYPES.items():
-        for fmt in ("fp4", "u4"):
+        for fmt in ("fp4", "u4", "affine"):
             for M in (1, 16):
                 for k in _weight_dispatches(q.describe_gemm(fmt, M, 4096, 4096, 128, dtype)):
                     decode.setdefault(k, []).append(("quant", short, fmt, M))

@@ -156,7 +156,7 @@ def test_import_does_not_need_transformers():
 # save_quantized / load_quantized
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fmt,tie", [("fp4", False), ("u4", True)])
+@pytest.mark.parametrize("fmt,tie", [("fp4", False), ("u4", True), ("affine", False)])
 def test_checkpoint_round_trip_identical(tmp_path, fmt, tie):
     m = toy(tie=tie)
     patch_model(m, format=fmt, group_size=32, dtype=torch.float16, progress=False)

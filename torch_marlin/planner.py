@@ -61,7 +61,8 @@ def _backend_and_caps(device, caps):
 
 def plan_gemm(format: str, M: int, K: int, N: int, group_size: int = 128, dtype=torch.float16,
               device="cpu", family: str = "auto", has_bias: bool = False, caps=None) -> dict:
-    """The plan the FP4 / INT4 op would execute for this problem: ``family``, ``kernel``, ``reduce``,
+    """The plan the FP4 / INT4 / affine op (``format`` ``"fp4"``, ``"u4"``, ``"affine"``) would execute
+    for this problem: ``family``, ``kernel``, ``reduce``,
     ``grid``, ``threads``, tiles, K slices, ... and the caps it was made for (``backend``,
     ``compute_units``, ``wgmma``, ``thread_block_clusters``, ``max_shared_memory``).
 

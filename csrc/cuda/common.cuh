@@ -123,7 +123,8 @@ __device__ __forceinline__ T magic_zero(u32 z) {
   return Tr<T>::from_f(Tr<T>::kMagicF + float(z & 0xFu));
 }
 
-// Per-column dequant constants for one group: the scale pair and, for U4, (magic + zero) pair.
+// Per-column dequant constants for one group: the scale pair and, for U4, the (magic + zero)
+// pair, for affine the offset pair.
 template <typename T>
 struct ColQ {
   typename Tr<T>::T2 s2, z2;
@@ -137,6 +138,10 @@ __device__ __forceinline__ u32 dequant_pair(u32 w, const ColQ<T>& q) {
     const T2 r = Tr<T>::dup(t_from_bits<T>(Tr<T>::kFp4Rescale));
     const T2 v = as_t2<T2>(Tr<T>::template fp4_bits<P>(w));
     return as_u32(__hmul2(__hmul2(v, r), q.s2));
+  } else if constexpr (FMT == TM_FORMAT_AFFINE) {
+    // (magic | q) - magic = q exactly; then q * s + b rounded once, as the reference rounds it.
+    const u32 x = (shift_left<-4 * P>(w) & 0x000F000Fu) | Tr<T>::kMagic;
+    return as_u32(__hfma2(__hsub2(as_t2<T2>(x), as_t2<T2>(Tr<T>::kMagic)), q.s2, q.z2));
   } else {
     const u32 x = (shift_left<-4 * P>(w) & 0x000F000Fu) | Tr<T>::kMagic;
     return as_u32(__hmul2(__hsub2(as_t2<T2>(x), q.z2), q.s2));
@@ -144,15 +149,19 @@ __device__ __forceinline__ u32 dequant_pair(u32 w, const ColQ<T>& q) {
 }
 
 
-// Four columns' constants from 4 scales (8 bytes) and 4 zero points (4 bytes).
+// Four columns' constants from 4 scales (8 bytes) and 4 zero points (4 bytes, U4) or 4 offsets
+// (8 bytes, affine).
 template <typename T, u32 FMT>
-__device__ __forceinline__ void make_colq(ColQ<T> (&q)[4], uint2 s4, u32 z4) {
+__device__ __forceinline__ void make_colq(ColQ<T> (&q)[4], uint2 s4, u32 z4, uint2 b4 = make_uint2(0u, 0u)) {
   const T* s = reinterpret_cast<const T*>(&s4);
+  const T* b = reinterpret_cast<const T*>(&b4);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     q[j].s2 = Tr<T>::dup(s[j]);
     if constexpr (FMT == TM_FORMAT_U4) {
       q[j].z2 = Tr<T>::dup(magic_zero<T>(z4 >> (8 * j)));
+    } else if constexpr (FMT == TM_FORMAT_AFFINE) {
+      q[j].z2 = Tr<T>::dup(b[j]);
     }
   }
 }
@@ -198,10 +207,12 @@ __device__ bool last_arrival(u32 k_parallel, int* counters, u32 tile, u32 tid, u
   return true;
 }
 
-// The portable reference dequant of one code (fp32 paths: simt, dequant to float).
+// The portable reference dequant of one code (fp32 paths: simt, dequant to float); z is the zero
+// point (U4) or the offset (affine).
 template <u32 FMT>
 __device__ __forceinline__ float dequant_scalar(u32 code, float s, float z) {
   if constexpr (FMT == TM_FORMAT_FP4) return fp4_e2m1_to_float(code) * s;
+  else if constexpr (FMT == TM_FORMAT_AFFINE) return fmaf(float(code), s, z);
   else return (float(code) - z) * s;
 }
 
@@ -337,12 +348,13 @@ __device__ __forceinline__ void fp4_natural(u32 w, u32 (&h)[4]) {
   }
 }
 
-// U4 word -> 8 values in natural k order: the pairs (k p, k p + 4) dequantized with q (whose two
-// halves may belong to different columns: lo for k 0..3, hi for k 4..7), then regrouped.
-template <typename T>
-__device__ __forceinline__ uint4 u4_natural(u32 w, const ColQ<T>& q) {
-  const u32 d0 = dequant_pair<T, TM_FORMAT_U4, 0>(w, q), d1 = dequant_pair<T, TM_FORMAT_U4, 1>(w, q);
-  const u32 d2 = dequant_pair<T, TM_FORMAT_U4, 2>(w, q), d3 = dequant_pair<T, TM_FORMAT_U4, 3>(w, q);
+// U4 / affine word -> 8 values in natural k order: the pairs (k p, k p + 4) dequantized with q
+// (whose two halves may belong to different columns: lo for k 0..3, hi for k 4..7), then regrouped.
+template <typename T, u32 FMT>
+__device__ __forceinline__ uint4 int4_natural(u32 w, const ColQ<T>& q) {
+  static_assert(FMT == TM_FORMAT_U4 || FMT == TM_FORMAT_AFFINE, "the magic-number formats");
+  const u32 d0 = dequant_pair<T, FMT, 0>(w, q), d1 = dequant_pair<T, FMT, 1>(w, q);
+  const u32 d2 = dequant_pair<T, FMT, 2>(w, q), d3 = dequant_pair<T, FMT, 3>(w, q);
   // d_p = (k p, k p + 4): regroup into (0, 1), (2, 3), (4, 5), (6, 7).
   return make_uint4(prmt(d0, d1, 0x5410), prmt(d2, d3, 0x5410), prmt(d0, d1, 0x7632), prmt(d2, d3, 0x7632));
 }

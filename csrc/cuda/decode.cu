@@ -189,11 +189,12 @@ __device__ __forceinline__ V ld_dec(const V* p) {
 template <typename T, u32 FMT, int NT, bool kFold, bool kCluster>
 __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u * NT))
     decode_kernel(QuantGemmParams p, u32 Np, int gs_shift, const T* A, const u32* B, const T* S, const uint8_t* Z,
-                  const T* bias, T* __restrict__ C, float* __restrict__ ws, int* __restrict__ counters) {
+                  const T* O, const T* bias, T* __restrict__ C, float* __restrict__ ws, int* __restrict__ counters) {
   using T2 = typename Tr<T>::T2;
   // A one chunk ahead, except for 4 n8 tiles: at 2 blocks per SM they leave no registers for it.
   constexpr bool kAhead = NT != 4;
   static_assert(!kFold || NT <= 2, "folded scales need a second accumulator set");
+  static_assert(!kFold || FMT != TM_FORMAT_AFFINE, "affine is not folded (plan_cuda.cpp plan_decode)");
   extern __shared__ __align__(16) unsigned char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -317,8 +318,9 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
       const size_t so = size_t(gi) * Np + col;
       const uint2 sc = ld_dec(reinterpret_cast<const uint2*>(S + so));
       const u32 zz = FMT == TM_FORMAT_U4 ? ld_dec(reinterpret_cast<const u32*>(Z + so)) : 0u;
+      const uint2 oo = FMT == TM_FORMAT_AFFINE ? ld_dec(reinterpret_cast<const uint2*>(O + so)) : make_uint2(0u, 0u);
       ColQ<T> q[4];
-      make_colq<T, FMT>(q, sc, zz);
+      make_colq<T, FMT>(q, sc, zz, oo);
       dequant_words<T, FMT>(b, words, q);
     }
 #pragma unroll
@@ -446,7 +448,7 @@ void launch_decode_as(const GemmPlan& plan, int gs_shift, const GemmOperands<T>&
     constexpr bool kCluster = decltype(cluster)::value;
     launch_tile_kernel<kCluster>(plan, decode_kernel<T, FMT, NT, kFold, kCluster>, kDecThreads,
                                  dec_smem_bytes<NT, kCluster>(), o.stream, plan.params, o.Np, gs_shift, o.A, o.B, o.S,
-                                 o.Z, o.bias, o.C, o.ws, o.counters);
+                                 o.Z, o.O, o.bias, o.C, o.ws, o.counters);
   });
 }
 
@@ -461,17 +463,21 @@ void launch_decode(const GemmPlan& plan, const GemmOperands<T>& o) {
                   d.tile_n == q.tile_n && q.tile_n == TM_CUDA_DECODE_TILE_N &&
                   uint64_t(q.M) <= uint64_t(q.tile_m) * q.m_tiles && plan.grid[0] == q.m_tiles &&
                   plan.grid[1] == q.n_tiles && plan.grid[2] == q.k_parallel && plan.threads[0] == u32(kDecThreads) &&
-                  (!d.fold || (d.tile_m <= 16u && q.group_size % 32u == 0)),
+                  (!d.fold || (d.tile_m <= 16u && q.group_size % 32u == 0 && FMT != TM_FORMAT_AFFINE)),
               "torch_marlin: bad decode plan");
   const int gs_shift = (q.group_size & (q.group_size - 1u)) == 0 ? __builtin_ctzll(uint64_t(q.group_size)) : -1;
   switch (d.tile_m) {
     case 64: return launch_decode_as<T, FMT, 8, false>(plan, gs_shift, o);
     case 32: return launch_decode_as<T, FMT, 4, false>(plan, gs_shift, o);
     case 16:
-      if (d.fold) return launch_decode_as<T, FMT, 2, true>(plan, gs_shift, o);
+      if constexpr (FMT != TM_FORMAT_AFFINE) {
+        if (d.fold) return launch_decode_as<T, FMT, 2, true>(plan, gs_shift, o);
+      }
       return launch_decode_as<T, FMT, 2, false>(plan, gs_shift, o);
     default:
-      if (d.fold) return launch_decode_as<T, FMT, 1, true>(plan, gs_shift, o);
+      if constexpr (FMT != TM_FORMAT_AFFINE) {
+        if (d.fold) return launch_decode_as<T, FMT, 1, true>(plan, gs_shift, o);
+      }
       return launch_decode_as<T, FMT, 1, false>(plan, gs_shift, o);
   }
 }

@@ -4,7 +4,7 @@
 // launch.cu validates the call, pads the weights and switches on plan.desc.family; each family's
 // launch entry checks the plan against its kernel's fixed geometry and instantiates exactly the
 // kernel template the plan's KernelDesc names. Entries are templates over the activation type T
-// (__half, __nv_bfloat16) and the weight format FMT (TM_FORMAT_FP4, TM_FORMAT_U4), instantiated
+// (__half, __nv_bfloat16) and the weight format FMT (TM_FORMAT_FP4, TM_FORMAT_U4, TM_FORMAT_AFFINE), instantiated
 // explicitly in their family's file.
 #pragma once
 
@@ -25,10 +25,11 @@
 namespace torch_marlin {
 namespace cuda_backend {
 
-// B, scales and (U4) zeros padded to plan.padded_n columns (B.size(1)) with 16-byte aligned bases:
-// the fast kernels read 16-byte chunks of B (4 columns), scales (8) and zeros (16).
+// B, scales and (U4) zeros or (affine) offsets padded to plan.padded_n columns (B.size(1)) with
+// 16-byte aligned bases: the fast kernels read 16-byte chunks of B (4 columns), scales and offsets
+// (8) and zeros (16).
 struct PaddedWeights {
-  at::Tensor B, S, Z;
+  at::Tensor B, S, Z, O;
 };
 
 // The operands of one fp16/bf16 GEMM after launch.cu's checks: A 16-byte aligned, the weights
@@ -39,6 +40,7 @@ struct GemmOperands {
   const uint32_t* B;
   const T* S;
   const uint8_t* Z;  // U4 zero points, else nullptr
+  const T* O;        // affine offsets, else nullptr
   const T* bias;     // nullptr when the plan has no bias
   T* C;
   uint32_t Np;       // plan.padded_n
@@ -140,9 +142,11 @@ CUtensorMap activation_tensor_map(const T* A, int64_t M, int64_t K, int rows) {
 }  // namespace cuda_backend
 }  // namespace torch_marlin
 
-// Explicit instantiations of a family's entry for both activation types and both formats.
+// Explicit instantiations of a family's entry for both activation types and every format.
 #define TM_CUDA_INSTANTIATE_ENTRY(ENTRY)                                          \
   template void ENTRY<__half, TM_FORMAT_FP4>(const GemmPlan&, const GemmOperands<__half>&); \
   template void ENTRY<__half, TM_FORMAT_U4>(const GemmPlan&, const GemmOperands<__half>&);  \
   template void ENTRY<__nv_bfloat16, TM_FORMAT_FP4>(const GemmPlan&, const GemmOperands<__nv_bfloat16>&); \
-  template void ENTRY<__nv_bfloat16, TM_FORMAT_U4>(const GemmPlan&, const GemmOperands<__nv_bfloat16>&);
+  template void ENTRY<__nv_bfloat16, TM_FORMAT_U4>(const GemmPlan&, const GemmOperands<__nv_bfloat16>&); \
+  template void ENTRY<__half, TM_FORMAT_AFFINE>(const GemmPlan&, const GemmOperands<__half>&); \
+  template void ENTRY<__nv_bfloat16, TM_FORMAT_AFFINE>(const GemmPlan&, const GemmOperands<__nv_bfloat16>&);

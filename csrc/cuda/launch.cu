@@ -29,7 +29,7 @@ namespace {
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
-// The fast kernels read 16-byte chunks of B (4 columns), scales (8) and zeros (16): they need the
+// The fast kernels read 16-byte chunks of B (4 columns), scales and offsets (8) and zeros (16): they need the
 // column count padded to a multiple of 16 and 16-byte aligned bases. Real models satisfy this;
 // other shapes get a zero-padded copy (correct, one extra pass over the weights).
 at::Tensor pad_cols(const at::Tensor& t, int64_t Np) {
@@ -39,9 +39,10 @@ at::Tensor pad_cols(const at::Tensor& t, int64_t Np) {
   return out;
 }
 
-// B, scales and (U4) zeros with Np columns.
+// B, scales and (U4) zeros or (affine) offsets with Np columns.
 PaddedWeights padded_weights(const QuantGemmArgs& a, int64_t Np) {
-  return {pad_cols(a.B, Np), pad_cols(a.scales, Np), a.zeros.defined() ? pad_cols(a.zeros, Np) : at::Tensor()};
+  return {pad_cols(a.B, Np), pad_cols(a.scales, Np), a.zeros.defined() ? pad_cols(a.zeros, Np) : at::Tensor(),
+          a.offsets.defined() ? pad_cols(a.offsets, Np) : at::Tensor()};
 }
 
 // Per-tile arrival counters of the in-kernel K-slice reduction. One zeroed buffer per (device,
@@ -94,6 +95,7 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
   o.B = reinterpret_cast<const uint32_t*>(w.B.data_ptr());
   o.S = reinterpret_cast<const T*>(w.S.data_ptr());
   o.Z = w.Z.defined() ? w.Z.data_ptr<uint8_t>() : nullptr;
+  o.O = w.O.defined() ? reinterpret_cast<const T*>(w.O.data_ptr()) : nullptr;
   o.bias = a.bias.defined() ? reinterpret_cast<const T*>(a.bias.data_ptr()) : nullptr;
   o.C = reinterpret_cast<T*>(C.data_ptr());
   o.Np = plan.padded_n;
@@ -126,7 +128,7 @@ void gemm_for_format(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C
 }
 
 // The standalone dequant has no plan: the dequant kernel's only layout need is B, scales and zeros
-// padded to a multiple of 16 columns.
+// (offsets) padded to a multiple of 16 columns.
 template <uint32_t FMT>
 void dequant_for_format(const QuantGemmArgs& a, at::Tensor& W, cudaStream_t stream) {
   const PaddedWeights w = padded_weights(a, (a.N + 15) / 16 * 16);
@@ -192,15 +194,21 @@ void quant_gemm_cuda(const GemmPlan& plan, const QuantGemmArgs& args, at::Tensor
               "torch_marlin: the CUDA plan '", plan.kernel, "' does not match the call");
   const c10::cuda::CUDAGuard guard(args.A.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (d.format == QuantFormat::FP4) cuda_backend::gemm_for_format<TM_FORMAT_FP4>(plan, args, C, workspace, stream);
-  else cuda_backend::gemm_for_format<TM_FORMAT_U4>(plan, args, C, workspace, stream);
+  switch (d.format) {
+    case QuantFormat::FP4: cuda_backend::gemm_for_format<TM_FORMAT_FP4>(plan, args, C, workspace, stream); break;
+    case QuantFormat::U4: cuda_backend::gemm_for_format<TM_FORMAT_U4>(plan, args, C, workspace, stream); break;
+    case QuantFormat::Affine: cuda_backend::gemm_for_format<TM_FORMAT_AFFINE>(plan, args, C, workspace, stream); break;
+  }
 }
 
 void quant_dequant_cuda(const QuantGemmArgs& args, at::Tensor& W) {
   const c10::cuda::CUDAGuard guard(args.B.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (args.format == QuantFormat::FP4) cuda_backend::dequant_for_format<TM_FORMAT_FP4>(args, W, stream);
-  else cuda_backend::dequant_for_format<TM_FORMAT_U4>(args, W, stream);
+  switch (args.format) {
+    case QuantFormat::FP4: cuda_backend::dequant_for_format<TM_FORMAT_FP4>(args, W, stream); break;
+    case QuantFormat::U4: cuda_backend::dequant_for_format<TM_FORMAT_U4>(args, W, stream); break;
+    case QuantFormat::Affine: cuda_backend::dequant_for_format<TM_FORMAT_AFFINE>(args, W, stream); break;
+  }
 }
 
 }  // namespace torch_marlin

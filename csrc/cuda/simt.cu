@@ -9,8 +9,8 @@ namespace {
 template <u32 FMT>
 __global__ void __launch_bounds__(128) simt_kernel(QuantGemmParams p, const float* __restrict__ A,
                                                    const u32* __restrict__ B, const float* __restrict__ S,
-                                                   const uint8_t* __restrict__ Z, const float* __restrict__ bias,
-                                                   float* __restrict__ C) {
+                                                   const uint8_t* __restrict__ Z, const float* __restrict__ O,
+                                                   const float* __restrict__ bias, float* __restrict__ C) {
   const u32 n = blockIdx.x * blockDim.x + threadIdx.x;
   const u32 m0 = blockIdx.y * 8u;
   if (n >= p.N) return;
@@ -19,7 +19,9 @@ __global__ void __launch_bounds__(128) simt_kernel(QuantGemmParams p, const floa
     const u32 w = B[size_t(kw) * p.N + n];
     const u32 grp = kw * 8u / p.group_size;
     const float s = S[size_t(grp) * p.N + n];
-    const float z = FMT == TM_FORMAT_U4 ? float(Z[size_t(grp) * p.N + n]) : 0.f;
+    // The zero point (U4) or the offset (affine).
+    const float z = FMT == TM_FORMAT_U4 ? float(Z[size_t(grp) * p.N + n])
+                    : FMT == TM_FORMAT_AFFINE ? O[size_t(grp) * p.N + n] : 0.f;
     float wv[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) wv[i] = dequant_scalar<FMT>(tm_nibble(w, i), s, z);
@@ -50,12 +52,14 @@ void launch_simt(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, cu
   simt_kernel<FMT><<<grid, plan.threads[0], 0, stream>>>(
       plan.params, a.A.data_ptr<float>(), reinterpret_cast<const u32*>(a.B.data_ptr()), a.scales.data_ptr<float>(),
       FMT == TM_FORMAT_U4 ? a.zeros.data_ptr<uint8_t>() : nullptr,
+      FMT == TM_FORMAT_AFFINE ? a.offsets.data_ptr<float>() : nullptr,
       a.bias.defined() ? a.bias.data_ptr<float>() : nullptr, C.data_ptr<float>());
   check_launch(plan.kernel.c_str());
 }
 
 template void launch_simt<TM_FORMAT_FP4>(const GemmPlan&, const QuantGemmArgs&, at::Tensor&, cudaStream_t);
 template void launch_simt<TM_FORMAT_U4>(const GemmPlan&, const QuantGemmArgs&, at::Tensor&, cudaStream_t);
+template void launch_simt<TM_FORMAT_AFFINE>(const GemmPlan&, const QuantGemmArgs&, at::Tensor&, cudaStream_t);
 
 }  // namespace cuda_backend
 }  // namespace torch_marlin

@@ -47,7 +47,8 @@ struct WgSmem {
   static constexpr int kBLbo = TN / 8 * 128;              // bytes between k-adjacent core matrices
   static constexpr int kW = kWgThreads * 16 * kCols;      // packed words: 4 a thread and column
   static constexpr int kS = kWgThreads * 4 * kCols;       // 2 scales a thread (its column pair)
-  static constexpr int kZ = kWgThreads * 4 * kCols;       // 4 zero points a thread (its column quad)
+  static constexpr int kZ = kWgThreads * 4 * kCols;       // 4 zero points (its column quad) or 2 offsets
+                                                          // (its column pair) a thread
   static constexpr int kStage = kA + kW + kS + kZ;  // kA % 1024 == 0: TMA 128-byte swizzle atoms
   static constexpr int kBytes = kWgStages * kStage + kWgBBufs * kB + 1024;  // + alignment slack
   static_assert(kStage % 1024 == 0 && kBytes <= 227 * 1024, "stage alignment / shared-memory limit");
@@ -87,7 +88,7 @@ __device__ __forceinline__ void wgmma_ss(float* d, uint64_t desc_a, uint64_t des
 #undef TM_WGMMA_SS256
 
 // One packed word (8 k of one column) -> 8 values in natural k order (16 bytes): FP4 by table
-// lookup (fp4_natural), U4 by magic numbers (u4_natural).
+// lookup (fp4_natural), U4 and affine by magic numbers (int4_natural).
 template <typename T, u32 FMT>
 __device__ __forceinline__ uint4 dequant_word_natural(u32 w, const ColQ<T>& q) {
   if constexpr (FMT == TM_FORMAT_FP4) {
@@ -97,7 +98,7 @@ __device__ __forceinline__ uint4 dequant_word_natural(u32 w, const ColQ<T>& q) {
     return make_uint4(as_u32(__hmul2(as_t2<T2>(h[0]), q.s2)), as_u32(__hmul2(as_t2<T2>(h[1]), q.s2)),
                       as_u32(__hmul2(as_t2<T2>(h[2]), q.s2)), as_u32(__hmul2(as_t2<T2>(h[3]), q.s2)));
   } else {
-    return u4_natural<T>(w, q);
+    return int4_natural<T, FMT>(w, q);
   }
 }
 
@@ -106,8 +107,8 @@ __device__ __forceinline__ uint4 dequant_word_natural(u32 w, const ColQ<T>& q) {
 template <typename T, u32 FMT, int BM, int TN, bool kCluster>
 __global__ void __launch_bounds__(kWgThreads, 1)
     wgmma_kernel(const __grid_constant__ CUtensorMap tmap_a, QuantGemmParams p, u32 Np, const u32* __restrict__ B,
-                 const T* __restrict__ S, const uint8_t* __restrict__ Z, const T* __restrict__ bias,
-                 T* __restrict__ C) {
+                 const T* __restrict__ S, const uint8_t* __restrict__ Z, const T* __restrict__ O,
+                 const T* __restrict__ bias, T* __restrict__ C) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = WgSmem<BM, TN>;
   constexpr int kHalves = BM / 128;  // m64 wgmmas per warpgroup and k16 step
@@ -157,12 +158,17 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const size_t g_off = size_t(k_thread / p.group_size) * Np;
   const u32* b_src[kCols];
   const T* s_src[kCols];
+  // U4: the 4 zero points of the thread's column quad; affine: the 2 offsets of its column pair
+  // (4 bytes either way: the stage's kZ slot).
   const uint8_t* z_src[kCols];
+  const size_t z_row_bytes = FMT == TM_FORMAT_AFFINE ? size_t(Np) * sizeof(T) : size_t(Np);
 #pragma unroll
   for (int i = 0; i < kCols; ++i) {
     b_src[i] = B + size_t(k_begin / 8u + 4u * h_w) * Np + col_w[i];
     s_src[i] = S + g_off + (col_w[i] & ~1u);
-    z_src[i] = FMT == TM_FORMAT_U4 ? Z + g_off + (col_w[i] & ~3u) : nullptr;
+    z_src[i] = FMT == TM_FORMAT_U4        ? Z + g_off + (col_w[i] & ~3u)
+               : FMT == TM_FORMAT_AFFINE ? reinterpret_cast<const uint8_t*>(O + g_off + (col_w[i] & ~1u))
+                                         : nullptr;
   }
   auto copy_stage = [&](int s) {
     if (s < n_stages) {
@@ -180,7 +186,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         for (int j = 0; j < 4; ++j) cp_async4(wslot + 4u * j, b_src[i] + size_t(j) * Np);
         b_src[i] += b_stage_step;
         cp_async4(slot + u32(L::kA + L::kW) + u32(i * kWgThreads + tid) * 4u, s_src[i]);
-        if constexpr (FMT == TM_FORMAT_U4)
+        if constexpr (FMT != TM_FORMAT_FP4)
           cp_async4(slot + u32(L::kA + L::kW + L::kS) + u32(i * kWgThreads + tid) * 4u, z_src[i]);
       }
       k_in_group += u32(kWgKStep);  // the next stage's 32 k: 0, 1 or 2 groups on
@@ -189,7 +195,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #pragma unroll
         for (int i = 0; i < kCols; ++i) {
           s_src[i] += Np;
-          if constexpr (FMT == TM_FORMAT_U4) z_src[i] += Np;
+          if constexpr (FMT != TM_FORMAT_FP4) z_src[i] += z_row_bytes;
         }
       }
     }
@@ -210,6 +216,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       if constexpr (FMT == TM_FORMAT_U4) {
         const u32 zq = *reinterpret_cast<const u32*>(slot + L::kA + L::kW + L::kS + ti * 4);
         q.z2 = Tr<T>::dup(magic_zero<T>(zq >> (8u * (col_w[i] & 3u))));
+      } else if constexpr (FMT == TM_FORMAT_AFFINE) {
+        const u32 op = *reinterpret_cast<const u32*>(slot + L::kA + L::kW + L::kS + ti * 4);
+        q.z2 = Tr<T>::dup(t_from_bits<T>((unsigned short)(op >> (16u * (col_w[i] & 1u)))));
       }
       unsigned char* dst =
           sm + kWgStages * L::kStage + b * L::kB + (4 * int(h_w)) * L::kBLbo + (int(c_w) + 128 * i) * 16;
@@ -345,7 +354,7 @@ void launch_wgmma_as(const GemmPlan& plan, const CUtensorMap& tmap, const GemmOp
   static std::atomic<uint64_t> opted_in{0};
   opt_in_smem(kernel, kSmem, opted_in);
   launch_tile_kernel<kCluster>(plan, kernel, kWgThreads, kSmem, o.stream, tmap, plan.params, o.Np, o.B, o.S, o.Z,
-                               o.bias, o.C);
+                               o.O, o.bias, o.C);
 }
 
 template <typename T, u32 FMT, int BM, int TN>

@@ -24,7 +24,7 @@ namespace {
 // consumer warpgroups over a 64 NC-column x BN-row output tile, one block per SM.
 //  - One producer thread keeps a kStages-deep ring of 64-k stages full by TMA: the activation box
 //    (BN rows x 64 k, 128-byte swizzle: wgmma's canonical K-major layout), the packed-weight box
-//    (8 packed rows x 64 NC columns) and the stage's scale (and U4 zero-point) row, all completing
+//    (8 packed rows x 64 NC columns) and the stage's scale (and U4 zero-point or affine offset) row, all completing
 //    on the slot's "full" mbarrier; it refills a slot once every consumer warp has arrived on its
 //    "empty" mbarrier.
 //  - A consumer lane (g, t) of warp w holds the A rows 16 w + g and 16 w + g + 8 of its warpgroup.
@@ -65,7 +65,8 @@ struct WsSmem {
   static constexpr int kA = BN * kWgKStep * 2;             // activation box: BN rows of 128 bytes
   static constexpr int kW = (kWgKStep / 8) * kTN * 4;      // 8 packed rows x kTN columns
   static constexpr int kS = kTN * 2;                       // one scale row
-  static constexpr int kZ = kTN;                           // one zero-point row (U4)
+  static constexpr int kZ = kTN * 2;                       // one zero-point row (U4: kTN bytes) or offset row
+                                                           // (affine: kTN * 2 bytes, the scales' dtype)
   static constexpr int kStage = (kA + kW + kS + kZ + 1023) / 1024 * 1024;  // 1024-aligned swizzle atoms
   // The TMA ring: as many stages as 200 KiB hold, at most 8 (docs/cuda-tuning.md WS-RING).
   static constexpr int kStages = (200 * 1024) / kStage < 8 ? (200 * 1024) / kStage : 8;
@@ -117,8 +118,9 @@ __device__ __forceinline__ void wgmma_rs(float* d, const u32 (&a)[4], uint64_t d
 // 4 bytes (columns e = 0, 1 x packed rows 2 ks, 2 ks + 1) -> the A fragment of one k16 step:
 // a0 = (col 0, k 2t, 2t+1), a1 = (col 1, same k), a2 = (col 0, k 2t+8, 2t+9), a3 = (col 1, same k).
 // x = [row 2ks col 0, row 2ks+1 col 0, row 2ks col 1, row 2ks+1 col 1] (bytes, low first), so x's
-// natural k order is (a0, a2, a1, a3). s0 / s1: the columns' scales (duplicated); U4: qp holds the
-// pair (col 0, col 1) of scales and magic + zero points (nibbles p and p + 4 are the two columns).
+// natural k order is (a0, a2, a1, a3). s0 / s1: the columns' scales (duplicated); U4 / affine: qp
+// holds the pair (col 0, col 1) of scales and magic + zero points or offsets (nibbles p and p + 4
+// are the two columns).
 template <typename T, u32 FMT>
 __device__ __forceinline__ void rs_fragment(u32 (&a)[4], u32 x, typename Tr<T>::T2 s0, typename Tr<T>::T2 s1,
                                             const ColQ<T>& qp) {
@@ -131,7 +133,7 @@ __device__ __forceinline__ void rs_fragment(u32 (&a)[4], u32 x, typename Tr<T>::
     a[1] = as_u32(__hmul2(as_t2<T2>(h[2]), s1));
     a[3] = as_u32(__hmul2(as_t2<T2>(h[3]), s1));
   } else {
-    const uint4 v = u4_natural<T>(x, qp);
+    const uint4 v = int4_natural<T, FMT>(x, qp);
     a[0] = v.x;
     a[2] = v.y;
     a[1] = v.z;
@@ -179,7 +181,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
       const u32 k0 = k_begin + u32(s) * u32(kWgKStep), grp = k0 / p.group_size;
       tma_prefetch_l2_2d(&tmap_b, n0, k0 / 8u);
       tma_prefetch_l2_2d(&tmap_s, n0, grp);
-      if constexpr (FMT == TM_FORMAT_U4) tma_prefetch_l2_2d(&tmap_z, n0, grp);
+      if constexpr (FMT != TM_FORMAT_FP4) tma_prefetch_l2_2d(&tmap_z, n0, grp);
     }
   }
   pdl_wait();
@@ -190,7 +192,9 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     // slot's previous stage.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
     if (tid == kConsumers) {
-      constexpr u32 kTx = u32(L::kA + L::kW + L::kS + (FMT == TM_FORMAT_U4 ? L::kZ : 0));
+      // The zero-point row is kTN bytes, the offset row kTN values of T.
+      constexpr u32 kTx = u32(L::kA + L::kW + L::kS + (FMT == TM_FORMAT_U4 ? kTN : 0) +
+                              (FMT == TM_FORMAT_AFFINE ? kTN * int(sizeof(T)) : 0));
       for (int s = 0; s < n_stages; ++s) {
         const int slot = s % kS;
         if (s >= kS) mbar_wait(empty_base + 8u * slot, u32(s / kS - 1) & 1u);
@@ -200,7 +204,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
         tma_load_2d(dst, &tmap_a, k0, m0, bar);
         tma_load_2d(dst + L::kA, &tmap_b, n0, k0 / 8u, bar);
         tma_load_2d(dst + L::kA + L::kW, &tmap_s, n0, grp, bar);
-        if constexpr (FMT == TM_FORMAT_U4) tma_load_2d(dst + L::kA + L::kW + L::kS, &tmap_z, n0, grp, bar);
+        if constexpr (FMT != TM_FORMAT_FP4) tma_load_2d(dst + L::kA + L::kW + L::kS, &tmap_z, n0, grp, bar);
       }
     }
     if constexpr (kCluster) {  // the two cluster barriers of the consumers' wgmma_cluster_reduce
@@ -234,6 +238,9 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
         qp.s2 = as_t2<T2>(sp);
         qp.z2.x = magic_zero<T>(zp);
         qp.z2.y = magic_zero<T>(zp >> 8);
+      } else if constexpr (FMT == TM_FORMAT_AFFINE) {
+        qp.s2 = as_t2<T2>(sp);
+        qp.z2 = as_t2<T2>(*reinterpret_cast<const u32*>(st + L::kA + L::kW + L::kS + col * 2));
       }
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
@@ -407,10 +414,14 @@ void launch_wgmma_ws_tile(const GemmPlan& plan, const GemmOperands<T>& o) {
       tensor_map_2d(o.B, CU_TENSOR_MAP_DATA_TYPE_UINT32, q.K / 8, Np, Np * 4, kWgKStep / 8, kTN,
                     CU_TENSOR_MAP_SWIZZLE_NONE),
       scales,
-      // FP4 has no zero points: the kernel never reads this slot, which repeats the scales' map.
+      // U4 zero points, affine offsets (a row like the scales'); FP4 has neither: the kernel never
+      // reads this slot, which repeats the scales' map.
       FMT == TM_FORMAT_U4
           ? tensor_map_2d(o.Z, CU_TENSOR_MAP_DATA_TYPE_UINT8, groups, Np, Np, 1, kTN, CU_TENSOR_MAP_SWIZZLE_NONE)
-          : scales};
+          : FMT == TM_FORMAT_AFFINE
+                ? tensor_map_2d(o.O, CU_TENSOR_MAP_DATA_TYPE_UINT16, groups, Np, Np * 2, 1, kTN,
+                                CU_TENSOR_MAP_SWIZZLE_NONE)
+                : scales};
   const auto launch = [&](const GemmPlan& pl, u32 n_tile0) {
     with_cluster(pl, [&](auto cluster) {
       launch_wgmma_ws_as<T, FMT, BN, NC, decltype(cluster)::value>(pl, maps, n_tile0, o);

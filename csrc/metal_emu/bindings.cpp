@@ -1,4 +1,4 @@
-// Metal-on-CPU harness of the FP4 / INT4 kernels: the torch side. Plans exactly as the MPS
+// Metal-on-CPU harness of the FP4 / INT4 / affine INT4 kernels: the torch side. Plans exactly as the MPS
 // backend does (plan_quant_gemm with Backend::Metal), binds the tensors to the same dispatch
 // description (csrc/mps/metal_dispatch.h) the MPS encoder encodes, and runs that list on the CPU
 // executor (runtime.cpp). Test-time only: built JIT by tests/metal_emu.py, never part of
@@ -32,7 +32,7 @@ GemmPlan plan_gemm(QuantFormat f, int64_t M, int64_t K, int64_t N, int64_t group
 // C = A @ dequant(B) (+ bias) through the Metal kernels. Returns (C, plan). Output and workspace
 // start as NaN so an element a kernel forgets to write cannot pass.
 std::tuple<at::Tensor, py::dict> gemm(const std::string& format, const at::Tensor& A_in, const at::Tensor& B_in,
-                                      const at::Tensor& scales_in, const c10::optional<at::Tensor>& zeros_in,
+                                      const at::Tensor& scales_in, const c10::optional<at::Tensor>& zeros_or_offsets_in,
                                       const c10::optional<at::Tensor>& bias_in, int64_t group_size,
                                       const std::string& family, int compute_units, const std::string& schedule,
                                       uint64_t seed, int workers, const std::string& prefix,
@@ -40,14 +40,16 @@ std::tuple<at::Tensor, py::dict> gemm(const std::string& format, const at::Tenso
   const QuantFormat f = parse_format(format);
   check_cpu(A_in, "A");
   TORCH_CHECK_VALUE(A_in.dim() == 2 && B_in.dim() == 2, "metal_emu: A and B_packed must be 2-D");
-  TORCH_CHECK_VALUE(f == QuantFormat::FP4 || zeros_in.has_value(), "metal_emu: u4 needs zeros");
+  TORCH_CHECK_VALUE(f == QuantFormat::FP4 || zeros_or_offsets_in.has_value(),
+                    "metal_emu: u4 needs zeros, affine offsets");
   // As the op prepares them (csrc/ops/quant_gemm.cpp).
   const at::Tensor A = contiguous_aligned(A_in), B = contiguous_aligned(B_in), scales = contiguous_aligned(scales_in);
   const int64_t M = A.size(0), K = A.size(1), N = B.size(1);
   const GemmPlan plan = plan_gemm(f, M, K, N, group_size, dtype_of(A), bias_in.has_value(), family, compute_units);
   const float nan = std::numeric_limits<float>::quiet_NaN();
   at::Tensor C = at::full({M, N}, nan, A.options());
-  at::Tensor zeros = zeros_in.has_value() ? contiguous_aligned(*zeros_in) : at::Tensor();
+  at::Tensor zeros_or_offsets =
+      zeros_or_offsets_in.has_value() ? contiguous_aligned(*zeros_or_offsets_in) : at::Tensor();
   at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
   at::Tensor ws;
   if (plan.workspace_bytes > 0) {
@@ -57,11 +59,11 @@ std::tuple<at::Tensor, py::dict> gemm(const std::string& format, const at::Tenso
   b.A = A.data_ptr();
   b.B = B.data_ptr();
   b.scales = scales.data_ptr();
-  if (zeros.defined()) b.zeros = zeros.data_ptr();
+  if (zeros_or_offsets.defined()) b.zeros_or_offsets = zeros_or_offsets.data_ptr();
   if (bias.defined()) b.bias = bias.data_ptr();
   b.C = C.data_ptr();
   if (ws.defined()) b.workspace = ws.data_ptr();
-  note_buffers({{"A", &A}, {"B", &B}, {"scales", &scales}, {"zeros", &zeros}, {"bias", &bias}, {"C", &C},
+  note_buffers({{"A", &A}, {"B", &B}, {"scales", &scales}, {"zeros_or_offsets", &zeros_or_offsets}, {"bias", &bias}, {"C", &C},
                 {"workspace", &ws}});
   MetalDispatches<void*> list = described([&] { return quant_gemm_dispatches(plan, b); });
   swap_first_dispatch_buffers(list, swap_buffers);
@@ -70,29 +72,31 @@ std::tuple<at::Tensor, py::dict> gemm(const std::string& format, const at::Tenso
 }
 
 at::Tensor dequant(const std::string& format, const at::Tensor& B_in, const at::Tensor& scales_in,
-                   const c10::optional<at::Tensor>& zeros_in, int64_t group_size, const std::string& schedule,
+                   const c10::optional<at::Tensor>& zeros_or_offsets_in, int64_t group_size, const std::string& schedule,
                    uint64_t seed, int workers) {
   const QuantFormat f = parse_format(format);
   check_cpu(B_in, "B_packed");
-  TORCH_CHECK_VALUE(f == QuantFormat::FP4 || zeros_in.has_value(), "metal_emu: u4 needs zeros");
+  TORCH_CHECK_VALUE(f == QuantFormat::FP4 || zeros_or_offsets_in.has_value(),
+                    "metal_emu: u4 needs zeros, affine offsets");
   const at::Tensor B = contiguous_aligned(B_in), scales = contiguous_aligned(scales_in);
   const int64_t K = B.size(0) * 8, N = B.size(1);
   const GemmPlan plan = described([&] { return plan_quant_dequant_metal(f, K, N, group_size, dtype_of(scales)); });
   at::Tensor W = at::full({K, N}, std::numeric_limits<float>::quiet_NaN(), scales.options());
-  at::Tensor zeros = zeros_in.has_value() ? contiguous_aligned(*zeros_in) : at::Tensor();
+  at::Tensor zeros_or_offsets =
+      zeros_or_offsets_in.has_value() ? contiguous_aligned(*zeros_or_offsets_in) : at::Tensor();
   QuantDequantBuffers<void*> b;
   b.B = B.data_ptr();
   b.scales = scales.data_ptr();
-  if (zeros.defined()) b.zeros = zeros.data_ptr();
+  if (zeros_or_offsets.defined()) b.zeros_or_offsets = zeros_or_offsets.data_ptr();
   b.W = W.data_ptr();
-  note_buffers({{"B", &B}, {"scales", &scales}, {"zeros", &zeros}, {"W", &W}});
+  note_buffers({{"B", &B}, {"scales", &scales}, {"zeros_or_offsets", &zeros_or_offsets}, {"W", &W}});
   run_dispatches(described([&] { return quant_dequant_dispatches(plan, b); }), RunOpts{schedule, seed, workers, ""});
   return W;
 }
 
 // The description over buffer names: what gemm() would run for this problem.
 py::list describe_gemm(const std::string& format, int64_t M, int64_t K, int64_t N, int64_t group_size,
-                       const std::string& dtype, bool has_bias, bool has_zeros, const std::string& family,
+                       const std::string& dtype, bool has_bias, bool has_zeros_or_offsets, const std::string& family,
                        int compute_units) {
   const GemmPlan plan = plan_gemm(parse_format(format), M, K, N, group_size, parse_dtype(dtype), has_bias, family,
                                   compute_units);
@@ -100,7 +104,7 @@ py::list describe_gemm(const std::string& format, int64_t M, int64_t K, int64_t 
   b.A = "A";
   b.B = "B";
   b.scales = "scales";
-  if (has_zeros) b.zeros = "zeros";
+  if (has_zeros_or_offsets) b.zeros_or_offsets = "zeros_or_offsets";
   if (has_bias) b.bias = "bias";
   b.C = "C";
   if (plan.workspace_bytes > 0) b.workspace = "workspace";
@@ -108,13 +112,13 @@ py::list describe_gemm(const std::string& format, int64_t M, int64_t K, int64_t 
 }
 
 py::list describe_dequant(const std::string& format, int64_t K, int64_t N, int64_t group_size,
-                          const std::string& dtype, bool has_zeros) {
+                          const std::string& dtype, bool has_zeros_or_offsets) {
   const GemmPlan plan = described(
       [&] { return plan_quant_dequant_metal(parse_format(format), K, N, group_size, parse_dtype(dtype)); });
   QuantDequantBuffers<std::string> b;
   b.B = "B";
   b.scales = "scales";
-  if (has_zeros) b.zeros = "zeros";
+  if (has_zeros_or_offsets) b.zeros_or_offsets = "zeros_or_offsets";
   b.W = "W";
   return dispatches_to_py(described([&] { return quant_dequant_dispatches(plan, b); }));
 }
@@ -160,17 +164,17 @@ void dispatch_raw(const std::string& kernel, std::vector<int64_t> grid, int64_t 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Metal-on-CPU harness for the FP4 / INT4 kernels (test-time only)";
-  m.def("gemm", &gemm, py::arg("format"), py::arg("A"), py::arg("B_packed"), py::arg("scales"), py::arg("zeros"),
+  m.def("gemm", &gemm, py::arg("format"), py::arg("A"), py::arg("B_packed"), py::arg("scales"), py::arg("zeros_or_offsets"),
         py::arg("bias"), py::arg("group_size"), py::arg("family") = "auto", py::arg("compute_units") = 0,
         py::arg("schedule") = "forward", py::arg("seed") = 0, py::arg("workers") = 0, py::arg("prefix") = "",
         py::arg("swap_buffers") = std::vector<int64_t>{});
-  m.def("dequant", &dequant, py::arg("format"), py::arg("B_packed"), py::arg("scales"), py::arg("zeros"),
+  m.def("dequant", &dequant, py::arg("format"), py::arg("B_packed"), py::arg("scales"), py::arg("zeros_or_offsets"),
         py::arg("group_size"), py::arg("schedule") = "forward", py::arg("seed") = 0, py::arg("workers") = 0);
   m.def("describe_gemm", &describe_gemm, py::arg("format"), py::arg("M"), py::arg("K"), py::arg("N"),
-        py::arg("group_size"), py::arg("dtype") = "float16", py::arg("has_bias") = true, py::arg("has_zeros") = true,
+        py::arg("group_size"), py::arg("dtype") = "float16", py::arg("has_bias") = true, py::arg("has_zeros_or_offsets") = true,
         py::arg("family") = "auto", py::arg("compute_units") = 0);
   m.def("describe_dequant", &describe_dequant, py::arg("format"), py::arg("K"), py::arg("N"), py::arg("group_size"),
-        py::arg("dtype") = "float16", py::arg("has_zeros") = true);
+        py::arg("dtype") = "float16", py::arg("has_zeros_or_offsets") = true);
   m.def("dispatch_raw", &dispatch_raw, py::arg("kernel"), py::arg("grid"), py::arg("threads"), py::arg("buffers"),
         py::arg("schedule") = "forward", py::arg("seed") = 0, py::arg("workers") = 0,
         py::arg("names") = std::vector<std::string>{});

@@ -42,14 +42,15 @@ struct MetalDispatch {
 template <class Buffer>
 using MetalDispatches = std::vector<MetalDispatch<Buffer>>;
 
-// ---- FP4 / INT4 ---------------------------------------------------------------------------------
+// ---- FP4 / INT4 / affine INT4 -----------------------------------------------------------------------------
 
 template <class Buffer>
 struct QuantGemmBuffers {
   Buffer A;                         // [M, K] activations (buffers start 16-byte aligned: ops/vector_aligned.h)
   Buffer B;                         // int32 [K/8, N] packed weights
   Buffer scales;                    // [K/group_size, N]
-  std::optional<Buffer> zeros;      // uint8 zero points (INT4); absent (FP4): scales stands in
+  std::optional<Buffer> zeros_or_offsets;  // uint8 zero points (INT4) or offsets in the scales' dtype
+                                           // (affine); absent (FP4): scales stands in
   std::optional<Buffer> bias;       // [N]; absent: C stands in (params.has_bias = 0, never read)
   Buffer C;                         // [M, N] output
   std::optional<Buffer> workspace;  // fp32 [k_parallel, M, N] partials; needed when the plan splits
@@ -60,7 +61,7 @@ template <class Buffer>
 struct QuantDequantBuffers {
   Buffer B;                     // int32 [K/8, N]
   Buffer scales;                // [K/group_size, N]
-  std::optional<Buffer> zeros;  // absent (FP4): scales stands in
+  std::optional<Buffer> zeros_or_offsets;  // as in QuantGemmBuffers
   Buffer W;                     // [K, N] output, dtype of scales
 };
 
@@ -131,11 +132,11 @@ MetalDispatches<Buffer> quant_gemm_dispatches(const GemmPlan& plan, const QuantG
   const QuantGemmParams& p = plan.params;
   const bool split_k = p.k_parallel > 1u || !plan.reduce_kernel.empty();
   if (split_k && !b.workspace) throw std::logic_error("Metal dispatch: K-parallel plan without a workspace");
-  const Buffer zeros = b.zeros ? *b.zeros : b.scales;
+  const Buffer zeros_or_offsets = b.zeros_or_offsets ? *b.zeros_or_offsets : b.scales;
   const Buffer bias = b.bias ? *b.bias : b.C;
   const Buffer workspace = b.workspace ? *b.workspace : b.C;
   MetalDispatches<Buffer> out;
-  out.push_back(make<Buffer>(plan.kernel, plan.grid, plan.threads, {b.A, b.B, b.scales, zeros, bias, b.C, workspace},
+  out.push_back(make<Buffer>(plan.kernel, plan.grid, plan.threads, {b.A, b.B, b.scales, zeros_or_offsets, bias, b.C, workspace},
                      "QuantGemmParams", p));
   if (!plan.reduce_kernel.empty()) {
     const QuantReduceParams rp{p.M, p.N, p.k_parallel, p.has_bias};
@@ -149,8 +150,8 @@ MetalDispatches<Buffer> quant_gemm_dispatches(const GemmPlan& plan, const QuantG
 template <class Buffer>
 MetalDispatches<Buffer> quant_dequant_dispatches(const GemmPlan& plan, const QuantDequantBuffers<Buffer>& b) {
   using metal_dispatch_detail::make;
-  const Buffer zeros = b.zeros ? *b.zeros : b.scales;
-  return {make<Buffer>(plan.kernel, plan.grid, plan.threads, {b.B, b.scales, zeros, b.W}, "QuantGemmParams", plan.params)};
+  const Buffer zeros_or_offsets = b.zeros_or_offsets ? *b.zeros_or_offsets : b.scales;
+  return {make<Buffer>(plan.kernel, plan.grid, plan.threads, {b.B, b.scales, zeros_or_offsets, b.W}, "QuantGemmParams", plan.params)};
 }
 
 // C = A @ W (plan_trellis_gemm): gemm_trellis_packed_decode_* or gemm_trellis_packed_*.

@@ -1,4 +1,4 @@
-// MPS backend of the FP4 / INT4 op family: binds the op's tensors to the dispatch description
+// MPS backend of the FP4 / INT4 / affine INT4 op family: binds the op's tensors to the dispatch description
 // (csrc/mps/metal_dispatch.h, the same one the Metal-on-CPU harness runs) and encodes it
 // (csrc/mps/mps_encoder.mm).
 #ifdef TM_WITH_MPS
@@ -15,7 +15,8 @@ void quant_gemm_mps(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C,
   b.A = mps_buffer(a.A);
   b.B = mps_buffer(a.B);
   b.scales = mps_buffer(a.scales);
-  if (a.zeros.defined()) b.zeros = mps_buffer(a.zeros);
+  if (a.zeros.defined()) b.zeros_or_offsets = mps_buffer(a.zeros);
+  if (a.offsets.defined()) b.zeros_or_offsets = mps_buffer(a.offsets);
   if (a.bias.defined()) b.bias = mps_buffer(a.bias);
   b.C = mps_buffer(C);
   if (workspace.defined()) b.workspace = mps_buffer(workspace);
@@ -32,7 +33,8 @@ void quant_dequant_mps(const QuantGemmArgs& a, at::Tensor& W) {
   QuantDequantBuffers<MpsBuffer> b;
   b.B = mps_buffer(a.B);
   b.scales = mps_buffer(a.scales);
-  if (a.zeros.defined()) b.zeros = mps_buffer(a.zeros);
+  if (a.zeros.defined()) b.zeros_or_offsets = mps_buffer(a.zeros);
+  if (a.offsets.defined()) b.zeros_or_offsets = mps_buffer(a.offsets);
   b.W = mps_buffer(W);
   mps_encode(mps_describe([&] { return quant_dequant_dispatches(plan, b); }));
 }

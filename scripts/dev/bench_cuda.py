@@ -1,7 +1,7 @@
 """CUDA benchmark of the FP4 / INT4 GEMMs against cuBLAS fp16 and torch._weight_int4pack_mm.
 
     python scripts/dev/bench_cuda.py [--reps 15] [--out DIR] [--shapes 4096x4096,...] [--ms 1,16,...] [--graph]
-                                 [--rotate]
+                                 [--rotate] [--affine]
 
 Timing: CUDA events around each call, the 50 MB L2 flushed (a 256 MB memset) before every timed
 repetition, median of --reps repetitions after 3 warm-ups. With --graph every call (ours and the
@@ -15,7 +15,8 @@ run (each layer's weights cold, the next launch queued behind the last), so the 
 single timed call pays alone (launch latency, the first DRAM requests' ramp, the tail) overlap
 with the neighbouring calls. Shapes are K x N (the weight
 [K, N] = nn.Linear(K, N)); activations are fp16 (bf16 for _weight_int4pack_mm, which only takes
-bf16 on CUDA). FP4 and INT4 (gemm_u4, asymmetric, zero points) use group size 128.
+bf16 on CUDA). FP4 and INT4 (gemm_u4, asymmetric, zero points) use group size 128. --affine adds
+affine INT4 (gemm_affine: the same codes and scales with fp16 offsets) and its time over INT4's.
 
 Reported per row: time (us), effective weight bandwidth (bytes of the stored weight: packed codes +
 scales (+ zeros) for ours, fp16 for cuBLAS, over the time), that bandwidth as % of the measured
@@ -110,6 +111,7 @@ def main():
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (no host overhead)")
     ap.add_argument("--rotate", action="store_true",
                     help="cold weights by rotating over copies totalling 4x L2, calls back to back (no flush)")
+    ap.add_argument("--affine", action="store_true", help="also time gemm_affine, reported against gemm_u4")
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = [int(v) for v in args.ms.split(",")]
@@ -125,13 +127,15 @@ def main():
         torch.manual_seed(0)
         bytes_fp4 = (K // 8) * N * 4 + (K // GS) * N * 2
         bytes_u4 = bytes_fp4 + (K // GS) * N
+        bytes_affine = bytes_fp4 + (K // GS) * N * 2
         bytes_16 = K * N * 2
 
         def quantized():
             B = pack_int4(torch.randint(0, 16, (K, N), device="cuda"))
             s16 = (torch.rand(K // GS, N, device="cuda") * 0.02 + 0.001).half()
             z = torch.randint(0, 16, (K // GS, N), device="cuda", dtype=torch.uint8)
-            return B, s16, z
+            b16 = (torch.rand(K // GS, N, device="cuda") * -0.2).half()
+            return B, s16, z, b16
 
         n_copies = (lambda make, nbytes: copies(make, nbytes, l2)) if args.rotate else (lambda make, nbytes: [make()])
         Q = n_copies(quantized, bytes_fp4)
@@ -154,17 +158,21 @@ def main():
             t_fp4 = timed([lambda q=q: torch.ops.marlin.gemm_fp4(A, q[0], q[1], GS) for q in Q])
             t_u4 = timed([lambda q=q: torch.ops.marlin.gemm_u4(A, q[0], q[1], q[2], GS) for q in Q])
             t_i4 = timed([lambda w=w: torch._weight_int4pack_mm(Ab, w[0], GS, w[1]) for w in I4]) if I4 else float("nan")
+            t_affine = (timed([lambda q=q: torch.ops.marlin.gemm_affine(A, q[0], q[1], q[3], GS) for q in Q])
+                        if args.affine else float("nan"))
             plan = torch_marlin.plan_gemm("fp4", M, K, N, GS, dtype=torch.float16, device="cuda")
             for name, t, nbytes in [("cublas_fp16", t_cublas, bytes_16), ("fp4", t_fp4, bytes_fp4),
-                                    ("u4", t_u4, bytes_u4), ("int4pack_mm", t_i4, bytes_u4)]:
+                                    ("u4", t_u4, bytes_u4), ("int4pack_mm", t_i4, bytes_u4)] + \
+                    ([("affine", t_affine, bytes_affine)] if args.affine else []):
                 gbs = nbytes / (t * 1e-6) / 1e9
                 rows.append(dict(K=K, N=N, M=M, kernel=name, us=round(t, 2), weight_GBps=round(gbs, 1),
                                  pct_copy_bw=round(100 * gbs / bw, 1), speedup_vs_cublas=round(t_cublas / t, 3),
                                  plan=f"{plan['kernel']} kp={plan['k_parallel']}" if name in ("fp4", "u4") else ""))
+            affine = f" | affine {t_affine:9.1f} us ({t_affine / t_u4:5.2f}x u4's time)" if args.affine else ""
             print(f"K={K:6d} N={N:6d} M={M:5d}  cublas {t_cublas:9.1f} us | fp4 {t_fp4:9.1f} us "
                   f"({t_cublas / t_fp4:5.2f}x) | u4 {t_u4:9.1f} us ({t_cublas / t_u4:5.2f}x) | "
-                  f"int4pack_mm {t_i4:9.1f} us ({t_cublas / t_i4:5.2f}x) | {plan['kernel']} kp={plan['k_parallel']}",
-                  flush=True)
+                  f"int4pack_mm {t_i4:9.1f} us ({t_cublas / t_i4:5.2f}x) | {plan['kernel']} kp={plan['k_parallel']}"
+                  f"{affine}", flush=True)
         del Q, W16, I4
         torch.cuda.empty_cache()
 
@@ -180,15 +188,17 @@ def main():
           f"{'weights rotated over copies of >= 4x L2, back to back' if args.rotate else 'L2 flushed'}"
           f"{', CUDA-graph replays' if args.graph else ''}.", "",
           "| K x N | M | cuBLAS fp16 us | FP4 us | FP4 GB/s (% copy) | FP4 vs cuBLAS | INT4 us | INT4 GB/s (% copy) "
-          "| INT4 vs cuBLAS | int4pack_mm us (vs cuBLAS) |",
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+          "| INT4 vs cuBLAS | int4pack_mm us (vs cuBLAS) |" + (" affine us | affine / INT4 time |" if args.affine else ""),
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if args.affine else "")]
     by = {(r["K"], r["N"], r["M"], r["kernel"]): r for r in rows}
     for K, N in shapes:
         for M in ms:
             c, a, u, i = (by[(K, N, M, k)] for k in ("cublas_fp16", "fp4", "u4", "int4pack_mm"))
             md.append(f"| {K}x{N} | {M} | {c['us']} | {a['us']} | {a['weight_GBps']} ({a['pct_copy_bw']}%) | "
                       f"{a['speedup_vs_cublas']}x | {u['us']} | {u['weight_GBps']} ({u['pct_copy_bw']}%) | "
-                      f"{u['speedup_vs_cublas']}x | {i['us']} ({i['speedup_vs_cublas']}x) |")
+                      f"{u['speedup_vs_cublas']}x | {i['us']} ({i['speedup_vs_cublas']}x) |" +
+                      (f" {by[(K, N, M, 'affine')]['us']} | {by[(K, N, M, 'affine')]['us'] / u['us']:.3f} |"
+                       if args.affine else ""))
     with open(os.path.join(args.out, "bench_cuda.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n".join(md))

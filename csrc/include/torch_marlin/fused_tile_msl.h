@@ -97,7 +97,7 @@ inline void prefill_fetch_begin(thread PrefillFetch<FMT, T, KS>& f, constant Qua
 // offsets to the next step.
 template <uint FMT, typename T, uint KS>
 inline void prefill_fetch(thread PrefillFetch<FMT, T, KS>& f, device const T* A, device const uint* B,
-                          device const T* scales, device const uchar* zeros, constant QuantGemmParams& p, uint kb,
+                          device const T* scales, device const group_aux_t<FMT, T>* zeros_or_offsets, constant QuantGemmParams& p, uint kb,
                           uint k_end, uint lid) {
   typedef PrefillFetch<FMT, T, KS> F;
   const uint k_rows = min(KS, k_end - kb);  // a multiple of 8
@@ -115,7 +115,7 @@ inline void prefill_fetch(thread PrefillFetch<FMT, T, KS>& f, device const T* A,
     if (f.b_live && row < k_rows) {
       f.b_word[j] = B[f.b_off[j]];
       f.b_s[j] = float(scales[f.s_off[j]]);
-      f.b_z[j] = FMT == TM_FORMAT_U4 ? float(zeros[f.s_off[j]] & 15u) : 0.0f;  // zero points are 0..15
+      f.b_z[j] = FMT == TM_FORMAT_FP4 ? 0.0f : group_value(zeros_or_offsets[f.s_off[j]]);
     } else {
       f.b_word[j] = 0u;
       f.b_s[j] = 0.0f;
@@ -167,7 +167,7 @@ inline void prefill_mma(thread simdgroup_matrix<float, 8, 8>* acc, threadgroup c
 // STAGES) elements; c_stage: kSimdgroups * 64 floats (the epilogue's per-simdgroup 8x8 stage).
 template <uint FMT, typename T, uint KS, uint STAGES>
 inline void prefill_tile_impl(device const T* A, device const uint* B, device const T* scales,
-                              device const uchar* zeros, device const T* bias, device T* C, device float* workspace,
+                              device const group_aux_t<FMT, T>* zeros_or_offsets, device const T* bias, device T* C, device float* workspace,
                               constant QuantGemmParams& p, threadgroup T* stages, threadgroup float* c_stage,
                               uint tile_row, uint tile_col, uint k_slice, uint lid, uint sgid, uint lane) {
   constexpr uint kPitch = prefill_pitch<T>(KS);
@@ -188,7 +188,7 @@ inline void prefill_tile_impl(device const T* A, device const uint* B, device co
   uint buf = 0;
   for (uint kb = k_begin;; kb += KS) {  // one extra iteration drains the pipeline
     const bool more = kb < k_end;         // uniform across the threadgroup
-    if (more) prefill_fetch<FMT, T, KS>(f, A, B, scales, zeros, p, kb, k_end, lid);
+    if (more) prefill_fetch<FMT, T, KS>(f, A, B, scales, zeros_or_offsets, p, kb, k_end, lid);
     if (STAGES == 1u) {
       if (kb != k_begin) {
         prefill_mma<T, KS>(acc, stages, stages + kAElems, sg_row, sg_col);
