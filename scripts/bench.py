@@ -64,9 +64,10 @@ def bench(fn, device, reps, min_time=0.2):
     return statistics.median(times)
 
 
-def bench_interleaved(fns, device, reps, min_time=0.2):
-    """Median wall time in seconds of each fn in fns, timed in rounds of one call each (after one
-    warm-up call each); at least `reps` rounds, more for fast calls until min_time has passed."""
+def bench_interleaved(fns, device, reps, min_time=0.2, clock=time.perf_counter):
+    """Median time in seconds of each fn in fns, timed in rounds of one call each (after one
+    warm-up call each); at least `reps` rounds, more for fast calls until min_time has passed.
+    CPU: `clock` is wall time, or time.process_time (CPU time of this process, all threads)."""
     for fn in fns:
         fn()
     sync(device)
@@ -82,10 +83,10 @@ def bench_interleaved(fns, device, reps, min_time=0.2):
                 torch.cuda.synchronize()
                 ts.append(begin.elapsed_time(end) / 1e3)
             else:
-                t0 = time.perf_counter()
+                t0 = clock()
                 fn()
                 sync(device)
-                ts.append(time.perf_counter() - t0)
+                ts.append(clock() - t0)
     return [statistics.median(ts) for ts in times]
 
 
@@ -214,6 +215,9 @@ def main():
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="CPU: time by the process's CPU clock instead of wall time (steadier on a machine shared "
+                         "with other busy processes; with --threads 1, as idle threads may spin)")
     ap.add_argument("--hot", action="store_true",
                     help="CPU: reuse one weight copy (L3-resident); default rotates copies totalling 2x the LLC")
     args = ap.parse_args()
@@ -233,7 +237,8 @@ def main():
     if fp32_baseline:
         cols += ["dense_float32_us", "speedup_vs_fp32"]
     cold_bytes = 0 if (args.hot or device.type != "cpu") else 2 * last_level_cache_bytes()
-    print(f"# weights: {'hot (one copy)' if not cold_bytes else f'cold (copies rotating over {cold_bytes >> 20} MiB)'}")
+    print(f"# weights: {'hot (one copy)' if not cold_bytes else f'cold (copies rotating over {cold_bytes >> 20} MiB)'}"
+          f"; {'process CPU time' if args.cpu_time else 'wall time'}, medians of interleaved calls")
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     copies = lambda weights: max(1, min(64, -(-cold_bytes // nbytes_of(weights))))  # noqa: E731
@@ -251,7 +256,8 @@ def main():
             A = torch.randn(M, K, device=device).to(dtype)
             fns = [lambda: dense(A)] + ([lambda: dense32(A.float())] if fp32_baseline else [])
             fns += [lambda fn=fn: fn(A) for fn, _ in kernels.values()]
-            times = bench_interleaved(fns, device, args.reps)
+            times = bench_interleaved(fns, device, args.reps,
+                                      clock=time.process_time if args.cpu_time else time.perf_counter)
             t_dense = times[0]
             t_dense32 = times[1] if fp32_baseline else None
             for (fmt, (fn, nbytes)), t in zip(kernels.items(), times[len(times) - len(kernels):]):
