@@ -1,15 +1,17 @@
-"""Benchmarks of the torch_marlin ops against dense torch.matmul in the same process.
+"""Benchmarks of the torch_marlin ops against dense F.linear (nn.Linear's layout) in the same process.
 
     python scripts/bench.py                      # CPU, Llama-7B shapes, M in {1, 16, 64, 256}
     python scripts/bench.py --device cuda        # on a GPU (CUDA-event timing)
     python scripts/bench.py --shapes 4096x4096 --m 1,16 --formats fp4
+    python scripts/bench.py --formats trellis2,trellis3,trellis4 --m 1,64 --threads 2   # trellis on CPU
 
 The full CUDA suite of docs/benchmarks.md (L2 flushed between repetitions, cuBLAS fp16 and
 torch._weight_int4pack_mm baselines, % of measured copy bandwidth) is scripts/dev/bench_cuda.py.
 
-For every (K x N, M, format) it prints the median time, the effective weight bandwidth (bytes of
+For every (K x N, M, format) it prints the median time (the dense baseline and every format's call
+interleaved, one call each per round, so a load change on a shared machine hits all alike), the effective weight bandwidth (bytes of
 packed weights + scales (+ zero points) read once, divided by the time) and the speed ratio
-against torch.matmul with dense weights of the activation dtype (> 1 means torch_marlin is faster).
+against F.linear with dense weights of the activation dtype (> 1 means torch_marlin is faster).
 On CPU a dense fp32 baseline is printed too, whatever the activation dtype.
 """
 
@@ -19,11 +21,13 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
 import torch_marlin  # noqa: F401
 from torch_marlin.formats import quantize_fp4, quantize_u4
 
-LLAMA7B_SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096)]
+# q/k/v/o, gate/up, down, and q/k/v fused into one GEMM.
+LLAMA7B_SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 12288)]
 
 
 def parse_shapes(text):
@@ -58,6 +62,44 @@ def bench(fn, device, reps, min_time=0.2):
             sync(device)
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def bench_interleaved(fns, device, reps, min_time=0.2, clock=time.perf_counter):
+    """Median time in seconds of each fn in fns, timed in rounds of one call each (after one
+    warm-up call each); at least `reps` rounds, more for fast calls until min_time has passed.
+    CPU: `clock` is wall time, or time.process_time (CPU time of this process, all threads)."""
+    for fn in fns:
+        fn()
+    sync(device)
+    times = [[] for _ in fns]
+    start = time.perf_counter()
+    while len(times[0]) < reps or (time.perf_counter() - start < min_time and len(times[0]) < 1000):
+        for fn, ts in zip(fns, times):
+            if device.type == "cuda":
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                ts.append(begin.elapsed_time(end) / 1e3)
+            else:
+                t0 = clock()
+                fn()
+                sync(device)
+                ts.append(clock() - t0)
+    return [statistics.median(ts) for ts in times]
+
+
+def cpu_model_name():
+    """The CPU's model name as lscpu prints it (falls back to the architecture)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def random_trellis(K, N, bits, group_size, experts=()):
@@ -100,7 +142,6 @@ def rotating(op, weights, copies):
 
 def bench_moe(args, device, dtype):
     """MoE rows: moe_trellis vs a dense torch MoE (per-expert index_select + matmuls) in the same dtype."""
-    import torch.nn.functional as F
 
     H, I, E = (int(v) for v in args.moe_shape.split("x"))
     top_k = args.moe_top_k
@@ -174,6 +215,9 @@ def main():
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="CPU: time by the process's CPU clock instead of wall time (steadier on a machine shared "
+                         "with other busy processes; with --threads 1, as idle threads may spin)")
     ap.add_argument("--hot", action="store_true",
                     help="CPU: reuse one weight copy (L3-resident); default rotates copies totalling 2x the LLC")
     args = ap.parse_args()
@@ -184,7 +228,7 @@ def main():
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "float16"))
     torch.manual_seed(0)
     if device.type == "cpu":
-        machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+        machine = f"{cpu_model_name()}, {torch.get_num_threads()} threads"
     else:
         machine = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     print(f"# torch {torch.__version__}, device {device} ({machine}), activations {dtype}, group {args.group_size}")
@@ -193,14 +237,15 @@ def main():
     if fp32_baseline:
         cols += ["dense_float32_us", "speedup_vs_fp32"]
     cold_bytes = 0 if (args.hot or device.type != "cpu") else 2 * last_level_cache_bytes()
-    print(f"# weights: {'hot (one copy)' if not cold_bytes else f'cold (copies rotating over {cold_bytes >> 20} MiB)'}")
+    print(f"# weights: {'hot (one copy)' if not cold_bytes else f'cold (copies rotating over {cold_bytes >> 20} MiB)'}"
+          f"; {'process CPU time' if args.cpu_time else 'wall time'}, medians of interleaved calls")
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     copies = lambda weights: max(1, min(64, -(-cold_bytes // nbytes_of(weights))))  # noqa: E731
     for K, N in parse_shapes(args.shapes):
-        W = ((torch.randn(K, N) * 0.02).to(device=device, dtype=dtype),)
-        dense = rotating(torch.matmul, W, copies(W))
-        dense32 = rotating(torch.matmul, (W[0].float(),), copies(W)) if fp32_baseline else None
+        W = ((torch.randn(N, K) * 0.02).to(device=device, dtype=dtype),)  # nn.Linear.weight: [out, in]
+        dense = rotating(F.linear, W, copies(W))
+        dense32 = rotating(F.linear, (W[0].float(),), copies(W)) if fp32_baseline else None
         # Trellis kernels exist for CPU and MPS only.
         fmts = [f for f in args.formats.split(",") if device.type != "cuda" or not f.startswith("trellis")]
         kernels = {}
@@ -209,10 +254,13 @@ def main():
             kernels[fmt] = (rotating(op, weights, copies(weights)), nbytes_of(weights))
         for M in (int(m) for m in args.m.split(",")):
             A = torch.randn(M, K, device=device).to(dtype)
-            t_dense = bench(lambda: dense(A), device, args.reps)
-            t_dense32 = bench(lambda: dense32(A.float()), device, args.reps) if fp32_baseline else None
-            for fmt, (fn, nbytes) in kernels.items():
-                t = bench(lambda: fn(A), device, args.reps)
+            fns = [lambda: dense(A)] + ([lambda: dense32(A.float())] if fp32_baseline else [])
+            fns += [lambda fn=fn: fn(A) for fn, _ in kernels.values()]
+            times = bench_interleaved(fns, device, args.reps,
+                                      clock=time.process_time if args.cpu_time else time.perf_counter)
+            t_dense = times[0]
+            t_dense32 = times[1] if fp32_baseline else None
+            for (fmt, (fn, nbytes)), t in zip(kernels.items(), times[len(times) - len(kernels):]):
                 row = [fmt, K, N, M, f"{t * 1e6:.1f}", f"{nbytes / t / 1e9:.1f}", f"{t_dense * 1e6:.1f}",
                        f"{t_dense / t:.2f}x"]
                 if fp32_baseline:

@@ -44,7 +44,8 @@ def test_cpu_quick_covers_every_op_and_family(cpu_quick):
             families = {r["family"] for r in rows if r["op"] == op and r["dtype"] == dtype}
             assert families == {"decode", "dequant_blas"}, (op, dtype, families)
     kernels = {r["kernel"] for r in rows}
-    assert {"cpu_trellis_decode", "cpu_trellis_prefill", "cpu_dequant_blas"} <= kernels
+    assert {"cpu_trellis_prefill", "cpu_dequant_blas"} <= kernels
+    assert kernels & {"cpu_trellis_decode", "cpu_trellis_decode_avx2"}
 
 
 def test_cpu_quick_benchmark_tables(cpu_quick):

@@ -263,7 +263,9 @@ def test_debug_logging():
                        "q = f.quantize_trellis(torch.randn(32, 32), 2, 32)\n"
                        "torch_marlin.ops.gemm_trellis(torch.randn(3, 32), q['packed_indices'], q['scales'], "
                        "q['grid'], q['su'], q['sv'], 32, 32, 2, 32)\n")
-    assert "kernel=cpu_trellis_decode grid=(1,1,1)" in log
+    # N = 32: two tasks of one tile column each (one per thread), or one task on one thread.
+    decode = "cpu_trellis_decode_avx2" if tm._C.device_caps("cpu")["avx2"] else "cpu_trellis_decode"
+    assert f"kernel={decode} grid=(" in log
     for name in ("A:", "scales:", "grid:", "su:", "sv:"):
         assert name in log
     assert "has_nan=False" in log and "min=" in log
@@ -295,4 +297,5 @@ def test_trellis_linear_dispatches_decode_then_prefill():
                        " dtype=torch.float32)\n"
                        "m(torch.randn(2, 8, 64)); m(torch.randn(3, 6, 64))\n")
     kernels = [line.split("kernel=")[1].split()[0] for line in log.splitlines() if "kernel=" in line]
-    assert kernels == ["cpu_trellis_decode", "cpu_trellis_prefill"], kernels
+    decode = "cpu_trellis_decode_avx2" if tm._C.device_caps("cpu")["avx2"] else "cpu_trellis_decode"
+    assert kernels == [decode, "cpu_trellis_prefill"], kernels

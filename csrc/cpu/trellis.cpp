@@ -3,10 +3,10 @@
 // Every kernel works on column blocks whose start is a multiple of 16, so one block covers whole
 // trellis tiles; one tile row (16 indices) is 2*bits contiguous bytes, read as one little-endian
 // 64-bit load and split with constant shifts (the bit width is a template parameter).
-//   decode_rows (the decode family, <= 16 rows): each tile row is decoded once into grid values
-//     and used for every row; sums run per scale group without the scale, the scale is applied
-//     once per group:
+//   decode_rows / decode_strip16 (the MoE's experts with <= 16 rows): each tile row is decoded once
+//     into grid values and used for every row; sums run per scale group without the scale:
 //       C[m,n] = sv[n] * sum_g s[g,n] * sum_{k in g} (A[m,k] * su[k]) * grid[idx[k,n]]
+//     (the GEMM's decode family is csrc/cpu/trellis_decode.cpp).
 //   blas_rows (the dequant_blas family, > 16 rows): column chunks (<= k_chunk * 128 floats) of the full w
 //     (grid*scale*su*sv) are decoded once by all threads, then one BLAS call multiplies every row
 //     against the chunk; the dense weight never exists beyond one chunk.
@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "cpu/panel_buffer.h"
-#include "ops/trellis.h"
+#include "cpu/trellis_cpu.h"
 
 namespace torch_marlin {
 namespace {
@@ -35,33 +35,6 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "tile rows are read as 
 
 constexpr int64_t kMaxDecodeRows = kDecodeMaxM;  // 16
 constexpr int64_t kMaxDecodeCols = 64;
-
-// One trellis matrix W[K, N] (one expert's slice for the MoE), raw pointers.
-struct TView {
-  const uint8_t* packed;
-  const float* scales;
-  const float* grid;
-  const float* su;
-  const float* sv;
-  int64_t K, N, group_size, tiles_k, tiles_n, packed_bytes, n_groups;
-};
-
-TView make_view(const TrellisWeights& w, int64_t K, int64_t N, int64_t bits, int64_t group_size, int64_t expert) {
-  TView v;
-  v.K = K;
-  v.N = N;
-  v.group_size = group_size;
-  v.tiles_k = (K + 15) / 16;
-  v.tiles_n = (N + 15) / 16;
-  v.packed_bytes = 32 * bits;
-  v.n_groups = (K + group_size - 1) / group_size;
-  v.packed = w.packed.data_ptr<uint8_t>() + expert * v.tiles_k * v.tiles_n * v.packed_bytes;
-  v.scales = w.scales.data_ptr<float>() + expert * v.n_groups * N;
-  v.grid = w.grid.data_ptr<float>() + expert * (int64_t(1) << bits);
-  v.su = w.su.data_ptr<float>() + expert * K;
-  v.sv = w.sv.data_ptr<float>() + expert * N;
-  return v;
-}
 
 #if defined(__AVX2__)
 // The codebook in registers: levels 0-7 and 8-15 (4-bit) as two 8-lane vectors, looked up with a
@@ -286,24 +259,17 @@ void blas_rows(const TView& w, const float* X, int64_t ldx, int64_t rows, float*
 
 template <int BITS>
 void gemm_impl(const TrellisPlan& plan, const TrellisGemmArgs& a, at::Tensor& C) {
-  const at::Tensor Af = a.A.to(at::kFloat).contiguous();
   const bool direct = C.scalar_type() == at::kFloat;
   at::Tensor Cf = direct ? C : at::empty({a.M, a.N}, C.options().dtype(at::kFloat));
-  const TView w = make_view(a.w, a.K, a.N, a.bits, a.group_size, 0);
-  const float* X = Af.data_ptr<float>();
   float* Cp = Cf.data_ptr<float>();
   switch (plan.family) {
-    case KernelFamily::Decode: {
-      const int64_t tile_n = plan.params.tile_n;
-      at::parallel_for(0, plan.params.n_tiles, 1, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t) {
-          const int64_t n0 = t * tile_n;
-          decode_range<BITS>(w, X, a.K, a.M, n0, std::min(n0 + tile_n, a.N), Cp + n0, a.N);
-        }
-      });
+    case KernelFamily::Decode: trellis_decode_gemm(plan, a, Cp); break;
+    case KernelFamily::DequantBlas: {
+      const at::Tensor Af = a.A.to(at::kFloat).contiguous();
+      const TView w = make_view(a.w, a.K, a.N, a.bits, a.group_size, 0);
+      blas_rows<BITS>(w, Af.data_ptr<float>(), a.K, a.M, Cp, a.N, plan.k_chunk);
       break;
     }
-    case KernelFamily::DequantBlas: blas_rows<BITS>(w, X, a.K, a.M, Cp, a.N, plan.k_chunk); break;
     default: TORCH_CHECK(false, "torch_marlin: no CPU trellis kernels of the '", family_name(plan.family), "' family");
   }
   if (!direct) C.copy_(Cf);

@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "ops/quant_gemm.h"
+#include "ops/trellis.h"
 #include "plan/plan_py.h"
 #include "plan/trellis_plan.h"
 
@@ -63,4 +64,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("M"), py::arg("K"), py::arg("N"), py::arg("bits"), py::arg("group_size"), py::arg("dtype"),
       py::arg("backend"), py::arg("caps"), py::arg("family") = "auto");
+  m.def(
+      "gemm_trellis_cpu_with_caps",
+      [](const py::dict& caps, const at::Tensor& A, const at::Tensor& packed, const at::Tensor& scales,
+         const at::Tensor& grid, const at::Tensor& su, const at::Tensor& sv, int64_t K, int64_t N, int64_t bits,
+         int64_t group_size) {
+        const DeviceCaps c = caps_from_dict(Backend::CPU, caps);
+        return gemm_trellis_cpu_with_caps(c, A, packed, scales, grid, su, sv, K, N, bits, group_size);
+      },
+      py::arg("caps"), py::arg("A"), py::arg("packed_indices"), py::arg("scales"), py::arg("grid"), py::arg("su"),
+      py::arg("sv"), py::arg("K"), py::arg("N"), py::arg("bits"), py::arg("group_size"),
+      "gemm_trellis on the CPU planned with these caps (keys as default_caps): avx2=False runs the portable "
+      "kernels on any machine.");
 }

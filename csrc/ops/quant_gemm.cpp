@@ -31,6 +31,10 @@ DeviceCaps device_caps(const at::Device& dev) {
       DeviceCaps c;
       c.backend = Backend::CPU;
       c.compute_units = at::get_num_threads();
+#if defined(__AVX2__) && defined(__FMA__)
+      static const bool cpu_has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+      c.avx2 = cpu_has_avx2 ? 1 : 0;
+#endif
       return c;
     }
 #ifdef TM_WITH_MPS

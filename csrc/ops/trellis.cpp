@@ -119,9 +119,9 @@ TrellisWeights check_weights(const char* op, const std::string& prefix, const at
                         sv.contiguous()};
 }
 
-at::Tensor gemm_trellis(const at::Tensor& A, const at::Tensor& packed, const at::Tensor& scales,
-                        const at::Tensor& grid, const at::Tensor& su, const at::Tensor& sv, int64_t K, int64_t N,
-                        int64_t bits, int64_t group_size) {
+at::Tensor gemm_trellis_planned(const DeviceCaps* caps_given, const at::Tensor& A, const at::Tensor& packed,
+                                const at::Tensor& scales, const at::Tensor& grid, const at::Tensor& su,
+                                const at::Tensor& sv, int64_t K, int64_t N, int64_t bits, int64_t group_size) {
   const char* op = "gemm_trellis";
   check_activation(A, op, "A");
   check_params(K, N, bits, group_size, op);
@@ -137,7 +137,7 @@ at::Tensor gemm_trellis(const at::Tensor& A, const at::Tensor& packed, const at:
   a.A = contiguous_aligned(A);
   at::Tensor C = at::empty({a.M, N}, A.options());
   if (a.M == 0) return C;
-  const DeviceCaps caps = device_caps(A.device());
+  const DeviceCaps caps = caps_given != nullptr ? *caps_given : device_caps(A.device());
   const TrellisPlan plan = plan_trellis_gemm(a.M, K, N, bits, group_size, a.dtype, caps);
   if (debug_enabled()) {
     log_dispatch(op, plan, {{"A", a.A}, {"scales", a.w.scales}, {"grid", a.w.grid}, {"su", a.w.su}, {"sv", a.w.sv}});
@@ -150,6 +150,12 @@ at::Tensor gemm_trellis(const at::Tensor& A, const at::Tensor& packed, const at:
     default: TORCH_CHECK(false, "torch_marlin: trellis backend not built");
   }
   return C;
+}
+
+at::Tensor gemm_trellis(const at::Tensor& A, const at::Tensor& packed, const at::Tensor& scales,
+                        const at::Tensor& grid, const at::Tensor& su, const at::Tensor& sv, int64_t K, int64_t N,
+                        int64_t bits, int64_t group_size) {
+  return gemm_trellis_planned(nullptr, A, packed, scales, grid, su, sv, K, N, bits, group_size);
 }
 
 at::Tensor dequant_trellis(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& grid,
@@ -258,6 +264,16 @@ at::Tensor moe_trellis(const at::Tensor& x, const at::Tensor& gate_packed, const
 }
 
 }  // namespace
+
+at::Tensor gemm_trellis_cpu_with_caps(const DeviceCaps& caps, const at::Tensor& A, const at::Tensor& packed,
+                                      const at::Tensor& scales, const at::Tensor& grid, const at::Tensor& su,
+                                      const at::Tensor& sv, int64_t K, int64_t N, int64_t bits, int64_t group_size) {
+  TORCH_CHECK_VALUE(A.device().is_cpu(), "gemm_trellis_cpu_with_caps: A must be on the CPU, got ", A.device());
+  TORCH_CHECK_VALUE(caps.backend == Backend::CPU, "gemm_trellis_cpu_with_caps: caps must be CPU caps");
+  TORCH_CHECK_VALUE(caps.avx2 == 0 || device_caps(A.device()).avx2 != 0,
+                    "gemm_trellis_cpu_with_caps: caps['avx2'] is set but this build or CPU has no AVX2 kernels");
+  return gemm_trellis_planned(&caps, A, packed, scales, grid, su, sv, K, N, bits, group_size);
+}
 
 TORCH_LIBRARY_FRAGMENT(marlin, m) {
   m.def("gemm_trellis(Tensor A, Tensor packed_indices, Tensor scales, Tensor grid, Tensor su, Tensor sv, "

@@ -35,6 +35,9 @@ struct DeviceCaps {
   // sm_90a; the planner may then pick the wgmma kernels (plan_cuda.cpp cuda_wgmma_ws_pays,
   // cuda_wgmma_pays).
   int wgmma = 0;
+  // CPU: 1 when this build has the AVX2+FMA kernels and the running CPU executes AVX2 and FMA;
+  // the planner then names the AVX2 kernels (the trellis decode family), else the portable ones.
+  int avx2 = 0;
 };
 
 // What a backend is assumed to have where the caller names no value: CPU 1 thread; Metal

@@ -68,6 +68,7 @@ inline py::dict caps_to_dict(const DeviceCaps& c) {
   d["max_shared_memory"] = c.max_shared_memory;
   d["wgmma"] = c.wgmma != 0;
   d["thread_block_clusters"] = c.thread_block_clusters != 0;
+  d["avx2"] = c.avx2 != 0;
   return d;
 }
 
@@ -92,9 +93,11 @@ inline DeviceCaps caps_from_dict(Backend backend, const py::dict& caps) {
       c.wgmma = v.cast<bool>() ? 1 : 0;
     } else if (key == "thread_block_clusters") {
       c.thread_block_clusters = v.cast<bool>() ? 1 : 0;
+    } else if (key == "avx2") {
+      c.avx2 = v.cast<bool>() ? 1 : 0;
     } else {
       TORCH_CHECK_VALUE(false, "caps: unknown key '", key,
-                        "' (keys: backend, compute_units, max_shared_memory, wgmma, thread_block_clusters)");
+                        "' (keys: backend, compute_units, max_shared_memory, wgmma, thread_block_clusters, avx2)");
     }
   }
   return c;
@@ -160,6 +163,7 @@ inline py::dict trellis_plan_to_dict(const TrellisPlan& p) {
   d["k_chunk"] = p.k_chunk;
   d["tile_k"] = p.params.tile_k;
   d["k_vec4"] = p.params.k_vec4 != 0;
+  d["cpu_avx2"] = p.cpu_avx2;
   if (p.params.num_experts != 0) d["down_k_vec4"] = p.params.down_k_vec4 != 0;
   const std::pair<const char*, const TrellisLaunch*> stages[] = {
       {"down", &p.down}, {"combine", &p.combine}, {"tiled_gate", &p.tiled_gate},

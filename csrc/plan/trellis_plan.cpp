@@ -28,11 +28,14 @@ constexpr uint32_t kMetalDecodeTileK = TM_TRELLIS_DECODE_K_TILES * TM_TRELLIS_TI
 constexpr uint32_t kMetalDequantThreads = TM_TRELLIS_DEQUANT_THREADS;
 constexpr uint32_t kMetalCombineThreads = TM_TRELLIS_COMBINE_THREADS;
 
-// CPU geometry (csrc/cpu/trellis.cpp): decode tasks over 64-column blocks; the prefill path
-// dequantizes column chunks of at most k_chunk * 128 fp32 (8 MiB) with all threads and hands each
-// chunk to one BLAS call (few, large calls; BLAS per tile inside the parallel region
-// oversubscribed the cores).
-constexpr uint32_t kCpuDecodeTileN = 64;
+// CPU geometry. Decode (csrc/cpu/trellis_decode.cpp): each task owns a contiguous column block
+// and streams its tile rows front to back, keeping M x tile_n fp32 accumulators; tile_n is as
+// wide as kCpuDecodeAccFloats allows (long sequential runs per tile row, accumulators in L1),
+// with a task count that is a multiple of the thread count (equal shares, no split K). The
+// prefill path (csrc/cpu/trellis.cpp) dequantizes column chunks of at most k_chunk * 128 fp32
+// (8 MiB) with all threads and hands each chunk to one BLAS call (few, large calls; BLAS per tile
+// inside the parallel region oversubscribed the cores).
+constexpr int64_t kCpuDecodeAccFloats = 4096;  // 16 KiB, half of a 32 KiB L1d
 constexpr uint32_t kCpuPrefillTileN = 128;
 constexpr uint32_t kCpuKChunk = 16384;
 constexpr uint32_t kCpuMoeTileN = 64;
@@ -132,9 +135,19 @@ TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int
       break;
     }
     case Backend::CPU: {
-      set_tiles(p.params, M, N, decode ? uint32_t(kDecodeMaxM) : uint32_t(std::max<int64_t>(M, 1)),
-                decode ? kCpuDecodeTileN : kCpuPrefillTileN);
-      p.main.kernel = decode ? "cpu_trellis_decode" : "cpu_trellis_prefill";
+      if (decode) {
+        const int64_t threads = std::max(1, caps.compute_units);
+        const int64_t max_cols = std::max<int64_t>(TM_TRELLIS_TILE, kCpuDecodeAccFloats / std::max<int64_t>(M, 1) /
+                                                                        TM_TRELLIS_TILE * TM_TRELLIS_TILE);
+        const int64_t tasks = threads * ((N + threads * max_cols - 1) / (threads * max_cols));
+        const int64_t tile_n = (N + tasks - 1) / tasks;
+        set_tiles(p.params, M, N, uint32_t(kDecodeMaxM), cdiv(tile_n, TM_TRELLIS_TILE) * TM_TRELLIS_TILE);
+        p.cpu_avx2 = caps.avx2 != 0;
+        p.main.kernel = p.cpu_avx2 ? "cpu_trellis_decode_avx2" : "cpu_trellis_decode";
+      } else {
+        set_tiles(p.params, M, N, uint32_t(std::max<int64_t>(M, 1)), kCpuPrefillTileN);
+        p.main.kernel = "cpu_trellis_prefill";
+      }
       p.main.grid[0] = p.params.n_tiles;
       p.k_chunk = kCpuKChunk;
       break;

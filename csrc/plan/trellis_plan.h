@@ -34,6 +34,7 @@ struct TrellisPlan {
   // down, tiled_down, combine. Empty kernel names when not planned.
   TrellisLaunch tiled_gate, tiled_up, tiled_down;
   uint32_t k_chunk = 0;   // CPU: K rows dequantized per panel (bounded cache footprint)
+  bool cpu_avx2 = false;  // CPU decode: the AVX2 kernel (caps.avx2), else the portable one
   TrellisParams params{};
 };
 

@@ -1,0 +1,44 @@
+// Shared pieces of the CPU trellis kernels (csrc/cpu/trellis.cpp: prefill, dequant, MoE;
+// csrc/cpu/trellis_decode.cpp: the decode family).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+#include "ops/trellis.h"
+
+namespace torch_marlin {
+
+// One trellis matrix W[K, N] (one expert's slice for the MoE), raw pointers.
+struct TView {
+  const uint8_t* packed;
+  const float* scales;
+  const float* grid;
+  const float* su;
+  const float* sv;
+  int64_t K, N, group_size, tiles_k, tiles_n, packed_bytes, n_groups;
+};
+
+inline TView make_view(const TrellisWeights& w, int64_t K, int64_t N, int64_t bits, int64_t group_size,
+                       int64_t expert) {
+  TView v;
+  v.K = K;
+  v.N = N;
+  v.group_size = group_size;
+  v.tiles_k = (K + 15) / 16;
+  v.tiles_n = (N + 15) / 16;
+  v.packed_bytes = 32 * bits;
+  v.n_groups = (K + group_size - 1) / group_size;
+  v.packed = w.packed.data_ptr<uint8_t>() + expert * v.tiles_k * v.tiles_n * v.packed_bytes;
+  v.scales = w.scales.data_ptr<float>() + expert * v.n_groups * N;
+  v.grid = w.grid.data_ptr<float>() + expert * (int64_t(1) << bits);
+  v.su = w.su.data_ptr<float>() + expert * K;
+  v.sv = w.sv.data_ptr<float>() + expert * N;
+  return v;
+}
+
+// The decode family's GEMM (M <= kDecodeMaxM rows), the plan's column blocks split over threads.
+void trellis_decode_gemm(const TrellisPlan& plan, const TrellisGemmArgs& args, float* C);
+
+}  // namespace torch_marlin
