@@ -137,7 +137,7 @@ def calibration_batches(tok, lines: Sequence[str], batch_size: int = 16, max_len
         batch_size = 1
     out = []
     for i in range(0, len(lines), batch_size):
-        enc = tok(list(lines[i:i + batch_size]), padding=True, truncation=True, max_length=max_length,
+        enc = tok(list(lines[i:i + batch_size]), padding=batch_size > 1, truncation=True, max_length=max_length,
                   return_tensors="pt")
         out.append({k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")})
     return out

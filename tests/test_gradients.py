@@ -16,6 +16,8 @@ from torch import nn
 import torch_marlin.modules.trellis as tm
 from torch_marlin import MarlinLinear
 
+from backends import CPU, CUDA, MPS
+
 DEVICES = [
     "cpu",
     pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
@@ -52,7 +54,9 @@ def quantized(kind, scale_dtype, K, N, bias):
 
 def make(kind, dtype, device, K=96, N=40, bias=True):
     """A fresh copy of a quantized layer on ``device`` (16-bit scales for MarlinLinear in 16-bit
-    dtypes, fp16 for fp32: the gradient uses the weight at that precision)."""
+    dtypes, fp16 for fp32: the gradient uses the weight at that precision); skips where the
+    device has no kernels for the layer."""
+    {"cpu": CPU, "cuda": CUDA, "mps": MPS}[device].require("gemm_trellis" if kind.startswith("trellis") else "gemm_u4")
     scale_dtype = dtype if dtype != torch.float32 else torch.float16
     return copy.deepcopy(quantized(kind, scale_dtype, K, N, bias)).to(device)
 

@@ -18,6 +18,8 @@ from torch_marlin.formats import trellis as tfmt
 from torch_marlin.formats.group_quant import AffineQuantizer, AsymmetricU4Quantizer, Fp4Quantizer, SymmetricU4Quantizer
 from torch_marlin.formats.gptq_solver import gptq_quantize
 
+from backends import CUDA, MPS
+
 
 def heavy_tailed(K, N, seed=0):
     """Student-t-like weights: a few large values per group, where the range-fitted scale is worst."""
@@ -229,6 +231,7 @@ def test_calibration_runs_on_the_device(fmt, opts, device):
     """Hessians, GPTQ / LDLQ and the quantized model on the GPU (calibration batches on the CPU are
     moved there): as good as the CPU's calibration. The two differ by summation order, which can
     flip near-tie codes, so the errors are compared, not the codes."""
+    {"cuda": CUDA, "mps": MPS}[device].require("gemm_trellis" if fmt == "trellis" else "gemm_u4")
     m, calib, test = tiny_and_data()
     with torch.no_grad():
         ref = m(test)
