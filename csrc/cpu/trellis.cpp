@@ -3,15 +3,12 @@
 // Every kernel works on column blocks whose start is a multiple of 16, so one block covers whole
 // trellis tiles; one tile row (16 indices) is 2*bits contiguous bytes, read as one little-endian
 // 64-bit load and split with constant shifts (the bit width is a template parameter).
-//   decode_rows / decode_strip16 (the MoE's experts with <= 16 rows): each tile row is decoded once
-//     into grid values and used for every row; sums run per scale group without the scale:
-//       C[m,n] = sv[n] * sum_g s[g,n] * sum_{k in g} (A[m,k] * su[k]) * grid[idx[k,n]]
-//     (the GEMM's decode family is csrc/cpu/trellis_decode.cpp).
+//   Decode (<= 16 rows, the GEMM and the MoE's small experts): csrc/cpu/trellis_decode.cpp.
 //   blas_rows (the dequant_blas family, > 16 rows): column chunks (<= k_chunk * 128 floats) of the full w
 //     (grid*scale*su*sv) are decoded once by all threads, then one BLAS call multiplies every row
 //     against the chunk; the dense weight never exists beyond one chunk.
 //   MoE: x rows are gathered in expert order once; stage 1 computes silu(gate)*up, stage 2 the
-//     down projection (decode path per (expert, column block) for experts with <= 16 rows, the
+//     down projection (the decode kernel per (expert, column block) for experts with <= 16 rows, the
 //     BLAS path per expert above) — so each expert's weights are decoded once per call — and
 //     stage 3 sums the top_k rows per token in slot order (deterministic, no atomics).
 #include <ATen/Parallel.h>
@@ -111,110 +108,6 @@ inline void decode_tile_row(const TView& w, const GridRegs& g, int64_t tk, int64
   }
 }
 
-// out[m, n] (row stride ldo) = sum_k X[m, k] * w[k, n0 + n] for m < rows <= 16, n < nb <= 64.
-template <int BITS>
-void decode_rows(const TView& w, const float* __restrict X, int64_t ldx, int64_t rows, int64_t n0, int64_t nb,
-                 float* __restrict out, int64_t ldo) {
-  float acc[kMaxDecodeRows][kMaxDecodeCols] = {};
-  float gacc[kMaxDecodeRows][kMaxDecodeCols];
-  float vals[kMaxDecodeCols];
-  const GridRegs gr = load_grid<BITS>(w.grid);
-  const int64_t tiles_per_group = w.group_size / 16;
-  for (int64_t g = 0; g < w.n_groups; ++g) {
-    for (int64_t m = 0; m < rows; ++m) std::fill(gacc[m], gacc[m] + nb, 0.f);
-    const int64_t tk_end = std::min((g + 1) * tiles_per_group, w.tiles_k);
-    for (int64_t tk = g * tiles_per_group; tk < tk_end; ++tk) {
-      const int64_t r_end = std::min<int64_t>(16, w.K - tk * 16);
-      for (int64_t r = 0; r < r_end; ++r) {
-        const int64_t k = tk * 16 + r;
-        decode_tile_row<BITS>(w, gr, tk, r, n0, nb, vals);
-        const float su = w.su[k];
-        for (int64_t m = 0; m < rows; ++m) {
-          const float a = X[m * ldx + k] * su;
-          float* __restrict ga = gacc[m];
-          for (int64_t n = 0; n < nb; ++n) ga[n] += a * vals[n];
-        }
-      }
-    }
-    const float* __restrict s = w.scales + g * w.N + n0;
-    for (int64_t m = 0; m < rows; ++m)
-      for (int64_t n = 0; n < nb; ++n) acc[m][n] += s[n] * gacc[m][n];
-  }
-  const float* __restrict sv = w.sv + n0;
-  for (int64_t m = 0; m < rows; ++m)
-    for (int64_t n = 0; n < nb; ++n) out[m * ldo + n] = acc[m][n] * sv[n];
-}
-
-#if defined(__AVX2__)
-// Register-resident strip: out[m, 0 .. 16) = C[m, n0 .. n0+16) for R <= 4 rows, n0 a multiple of 16 with all 16
-// columns inside N. Per tile row: one row load, two codebook permutes, the group's scale folded
-// into the 16 values, then 2 FMAs per row into 2R accumulators that never leave registers.
-template <int BITS, int R>
-void decode_strip16(const TView& w, const GridRegs& gr, const float* __restrict X, int64_t ldx, int64_t n0,
-                    float* __restrict out, int64_t ldo) {
-  __m256 acc[R][2];
-  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  const int64_t tiles_per_group = w.group_size / 16;
-  const uint8_t* col_tiles = w.packed + (n0 / 16) * w.packed_bytes;
-  for (int64_t g = 0; g < w.n_groups; ++g) {
-    const __m256 s0 = _mm256_loadu_ps(w.scales + g * w.N + n0);
-    const __m256 s1 = _mm256_loadu_ps(w.scales + g * w.N + n0 + 8);
-    const int64_t tk_end = std::min((g + 1) * tiles_per_group, w.tiles_k);
-    for (int64_t tk = g * tiles_per_group; tk < tk_end; ++tk) {
-      const uint8_t* tile = col_tiles + tk * w.tiles_n * w.packed_bytes;
-      const int64_t r_end = std::min<int64_t>(16, w.K - tk * 16);
-      for (int64_t r = 0; r < r_end; ++r) {
-        const int64_t k = tk * 16 + r;
-        const uint64_t bits = load_row_bits<BITS>(tile + r * 2 * BITS);
-        const __m256 v0 = _mm256_mul_ps(lookup8<BITS>(uint32_t(bits), gr), s0);
-        const __m256 v1 = _mm256_mul_ps(lookup8<BITS>(uint32_t(bits >> (8 * BITS)), gr), s1);
-        const float su = w.su[k];
-        for (int i = 0; i < R; ++i) {
-          const __m256 a = _mm256_set1_ps(X[i * ldx + k] * su);
-          acc[i][0] = _mm256_fmadd_ps(a, v0, acc[i][0]);
-          acc[i][1] = _mm256_fmadd_ps(a, v1, acc[i][1]);
-        }
-      }
-    }
-  }
-  const __m256 sv0 = _mm256_loadu_ps(w.sv + n0), sv1 = _mm256_loadu_ps(w.sv + n0 + 8);
-  for (int i = 0; i < R; ++i) {
-    _mm256_storeu_ps(out + i * ldo, _mm256_mul_ps(acc[i][0], sv0));
-    _mm256_storeu_ps(out + i * ldo + 8, _mm256_mul_ps(acc[i][1], sv1));
-  }
-}
-
-// All rows (<= 16) for columns [n0, n0 + 16) (out at column n0): row chunks of up to 4.
-template <int BITS>
-void decode_cols16(const TView& w, const GridRegs& gr, const float* X, int64_t ldx, int64_t rows, int64_t n0,
-                   float* out, int64_t ldo) {
-  for (int64_t m = 0; m < rows; m += 4) {
-    const float* Xm = X + m * ldx;
-    float* om = out + m * ldo;
-    switch (std::min<int64_t>(4, rows - m)) {
-      case 1: decode_strip16<BITS, 1>(w, gr, Xm, ldx, n0, om, ldo); break;
-      case 2: decode_strip16<BITS, 2>(w, gr, Xm, ldx, n0, om, ldo); break;
-      case 3: decode_strip16<BITS, 3>(w, gr, Xm, ldx, n0, om, ldo); break;
-      default: decode_strip16<BITS, 4>(w, gr, Xm, ldx, n0, om, ldo); break;
-    }
-  }
-}
-#endif
-
-// Decode path for columns [c0, c1) (c0 a multiple of 16), <= 16 rows: out[m, n - c0] (row stride
-// ldo). AVX2 strips for whole 16-column tiles, the portable block for the rest.
-template <int BITS>
-void decode_range(const TView& w, const float* X, int64_t ldx, int64_t rows, int64_t c0, int64_t c1, float* out,
-                  int64_t ldo) {
-  int64_t c = c0;
-#if defined(__AVX2__)
-  const GridRegs gr = load_grid<BITS>(w.grid);
-  for (; c + 16 <= c1; c += 16) decode_cols16<BITS>(w, gr, X, ldx, rows, c, out + (c - c0), ldo);
-#endif
-  for (; c < c1; c += kMaxDecodeCols)
-    decode_rows<BITS>(w, X, ldx, rows, c, std::min(kMaxDecodeCols, c1 - c), out + (c - c0), ldo);
-}
-
 // P[k - k0, n] (row stride ldp) = w[k, n0 + n] (fully dequantized) for k in [k0, k0 + kc).
 template <int BITS>
 void dequant_rows(const TView& w, int64_t k0, int64_t kc, int64_t n0, int64_t nb, float* __restrict P, int64_t ldp) {
@@ -307,9 +200,19 @@ void moe_impl(const TrellisPlan& plan, const TrellisMoeArgs& a, at::Tensor& y) {
   for (int64_t e = 0; e < a.E; ++e)
     if (off[e + 1] - off[e] > kMaxDecodeRows) big.push_back(e);
 
-  // Stage 1: h = silu(x @ gate_e) * (x @ up_e) for the rows routed to expert e.
+  // Stage 1: h = silu(x @ gate_e) * (x @ up_e) for the rows routed to expert e. The decode
+  // kernels take x * su per matrix (trellis_decode_activations), formed once per small expert.
+  std::vector<at::Tensor> xg(a.E), xu(a.E), xd(a.E);
+  for (int64_t e = 0; e < a.E; ++e) {
+    const int64_t rows = off[e + 1] - off[e];
+    if (rows == 0 || rows > kMaxDecodeRows) continue;
+    const at::Tensor xe = Xs.narrow(0, off[e], rows);
+    xg[e] = trellis_decode_activations(xe, a.gate.su[e], H);
+    xu[e] = trellis_decode_activations(xe, a.up.su[e], H);
+  }
   const int64_t nb1 = plan.params.tile_n, blocks1 = plan.main.grid[0];
-  TORCH_CHECK(nb1 <= kMaxDecodeCols, "trellis_moe_cpu: plan tile_n ", nb1, " exceeds the decode block");
+  TORCH_CHECK(nb1 <= kMaxDecodeCols && nb1 % 16 == 0, "trellis_moe_cpu: plan tile_n ", nb1,
+              " is not a multiple of 16 up to ", kMaxDecodeCols);
   at::parallel_for(0, a.E * blocks1, 1, [&](int64_t i0, int64_t i1) {
     float g[kMaxDecodeRows * kMaxDecodeCols], u[kMaxDecodeRows * kMaxDecodeCols];
     for (int64_t i = i0; i < i1; ++i) {
@@ -319,8 +222,8 @@ void moe_impl(const TrellisPlan& plan, const TrellisMoeArgs& a, at::Tensor& y) {
       const TView wg = make_view(a.gate, H, I, a.bits, a.group_size, e);
       const TView wu = make_view(a.up, H, I, a.bits, a.group_size, e);
       const int64_t n1 = std::min(n0 + nb1, I), nb = n1 - n0;
-      decode_range<BITS>(wg, X + r0 * H, H, rows, n0, n1, g, nb);
-      decode_range<BITS>(wu, X + r0 * H, H, rows, n0, n1, u, nb);
+      trellis_decode_columns(plan.cpu_avx2, a.bits, wg, xg[e].data_ptr<float>(), xg[e].size(1), rows, n0, n1, g, nb);
+      trellis_decode_columns(plan.cpu_avx2, a.bits, wu, xu[e].data_ptr<float>(), xu[e].size(1), rows, n0, n1, u, nb);
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t n = 0; n < nb; ++n) Hp[(r0 + r) * I + n0 + n] = silu(g[r * nb + n]) * u[r * nb + n];
     }
@@ -337,6 +240,11 @@ void moe_impl(const TrellisPlan& plan, const TrellisMoeArgs& a, at::Tensor& y) {
   }
 
   // Stage 2: y_rows = h @ down_e.
+  for (int64_t e = 0; e < a.E; ++e) {
+    const int64_t rows = off[e + 1] - off[e];
+    if (rows == 0 || rows > kMaxDecodeRows) continue;
+    xd[e] = trellis_decode_activations(rows_h.narrow(0, off[e], rows), a.down.su[e], I);
+  }
   const int64_t nb2 = nb1, blocks2 = plan.down.grid[0];
   at::parallel_for(0, a.E * blocks2, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
@@ -344,7 +252,8 @@ void moe_impl(const TrellisPlan& plan, const TrellisMoeArgs& a, at::Tensor& y) {
       const int64_t r0 = off[e], rows = off[e + 1] - off[e];
       if (rows == 0 || rows > kMaxDecodeRows) continue;
       const TView wd = make_view(a.down, I, H, a.bits, a.group_size, e);
-      decode_range<BITS>(wd, Hp + r0 * I, I, rows, n0, std::min(n0 + nb2, H), Yp + r0 * H + n0, H);
+      trellis_decode_columns(plan.cpu_avx2, a.bits, wd, xd[e].data_ptr<float>(), xd[e].size(1), rows, n0,
+                             std::min(n0 + nb2, H), Yp + r0 * H + n0, H);
     }
   });
   for (int64_t e : big) {

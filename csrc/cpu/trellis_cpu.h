@@ -41,4 +41,13 @@ inline TView make_view(const TrellisWeights& w, int64_t K, int64_t N, int64_t bi
 // The decode family's GEMM (M <= kDecodeMaxM rows), the plan's column blocks split over threads.
 void trellis_decode_gemm(const TrellisPlan& plan, const TrellisGemmArgs& args, float* C);
 
+// X = A * su in fp32 [M, tiles_k * 16], zero past K: the decode kernels' activation operand.
+at::Tensor trellis_decode_activations(const at::Tensor& A, const at::Tensor& su, int64_t K);
+
+// C[m * ldc + n - c0] = (X @ W)[m, n] for m < M <= kDecodeMaxM, n in [c0, c1), c0 a multiple of 16,
+// X from trellis_decode_activations (row stride ldx); one thread. avx2: the AVX2 kernel (only
+// where the plan says so), else the portable one.
+void trellis_decode_columns(bool avx2, int64_t bits, const TView& w, const float* X, int64_t ldx, int64_t M,
+                            int64_t c0, int64_t c1, float* C, int64_t ldc);
+
 }  // namespace torch_marlin

@@ -76,7 +76,7 @@ void decode_block_portable(const TView& w, const float* X, int64_t ldx, int64_t 
     }
   }
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = c0; n < c1; ++n) C[m * ldc + n] = acc[m * width + (n - c0)] * w.sv[n];
+    for (int64_t n = c0; n < c1; ++n) C[m * ldc + (n - c0)] = acc[m * width + (n - c0)] * w.sv[n];
 }
 
 #if defined(TM_TRELLIS_AVX2)
@@ -202,8 +202,9 @@ void decode_block_avx2_rows(const TView& w, const float* X, int64_t ldx, int64_t
     const float* a = acc.get() + m * width;
     int64_t n = c0;
     for (; n + 8 <= c1; n += 8)
-      _mm256_storeu_ps(C + m * ldc + n, _mm256_mul_ps(_mm256_loadu_ps(a + (n - c0)), _mm256_loadu_ps(w.sv + n)));
-    for (; n < c1; ++n) C[m * ldc + n] = a[n - c0] * w.sv[n];
+      _mm256_storeu_ps(C + m * ldc + (n - c0),
+                       _mm256_mul_ps(_mm256_loadu_ps(a + (n - c0)), _mm256_loadu_ps(w.sv + n)));
+    for (; n < c1; ++n) C[m * ldc + (n - c0)] = a[n - c0] * w.sv[n];
   }
 }
 
@@ -221,41 +222,51 @@ void decode_block_avx2(const TView& w, const float* X, int64_t ldx, int64_t M, i
 #endif
 
 template <int BITS>
-void decode_gemm(const TrellisPlan& plan, const TView& w, const float* X, int64_t ldx, int64_t M, float* C) {
-  const int64_t tile_n = plan.params.tile_n;
-  at::parallel_for(0, plan.params.n_tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t c0 = t * tile_n, c1 = std::min(c0 + tile_n, w.N);
+void decode_columns(bool avx2, const TView& w, const float* X, int64_t ldx, int64_t M, int64_t c0, int64_t c1, float* C,
+                    int64_t ldc) {
 #if defined(TM_TRELLIS_AVX2)
-      if (plan.cpu_avx2) {
-        decode_block_avx2<BITS>(w, X, ldx, M, c0, c1, C, w.N);
-        continue;
-      }
+  if (avx2) return decode_block_avx2<BITS>(w, X, ldx, M, c0, c1, C, ldc);
 #endif
-      decode_block_portable<BITS>(w, X, ldx, M, c0, c1, C, w.N);
-    }
-  });
+  decode_block_portable<BITS>(w, X, ldx, M, c0, c1, C, ldc);
 }
 
 }  // namespace
 
-void trellis_decode_gemm(const TrellisPlan& plan, const TrellisGemmArgs& a, float* C) {
+at::Tensor trellis_decode_activations(const at::Tensor& A, const at::Tensor& su, int64_t K) {
+  // Padded rows multiply the tile's padding indices by zero (the grid is finite), so the tile
+  // loop needs no bound on K.
+  at::Tensor X = at::zeros({A.size(0), (K + kTile - 1) / kTile * kTile}, A.options().dtype(at::kFloat));
+  X.narrow(1, 0, K).copy_(A.to(at::kFloat) * su);
+  return X;
+}
+
+void trellis_decode_columns(bool avx2, int64_t bits, const TView& w, const float* X, int64_t ldx, int64_t M,
+                            int64_t c0, int64_t c1, float* C, int64_t ldc) {
 #if !defined(TM_TRELLIS_AVX2)
-  TORCH_CHECK(!plan.cpu_avx2, "gemm_trellis: the plan names ", plan.main.kernel, " but this build has no AVX2 kernels");
+  TORCH_CHECK(!avx2, "torch_marlin: the plan names the AVX2 trellis decode kernel but this build has none");
 #endif
+  TORCH_CHECK(c0 % kTile == 0 && M <= kDecodeMaxM, "trellis decode: columns must start on a tile, rows <= 16");
+  switch (bits) {
+    case 2: decode_columns<2>(avx2, w, X, ldx, M, c0, c1, C, ldc); break;
+    case 3: decode_columns<3>(avx2, w, X, ldx, M, c0, c1, C, ldc); break;
+    default: decode_columns<4>(avx2, w, X, ldx, M, c0, c1, C, ldc); break;
+  }
+}
+
+void trellis_decode_gemm(const TrellisPlan& plan, const TrellisGemmArgs& a, float* C) {
   TORCH_CHECK(plan.params.tile_n % kTile == 0, "gemm_trellis: plan tile_n ", plan.params.tile_n,
               " is not a multiple of 16");
   const TView w = make_view(a.w, a.K, a.N, a.bits, a.group_size, 0);
-  // X = A * su in fp32, K padded with zeros to whole tiles, so the tile loop reads no row past K
-  // (padded indices multiply zeros; the grid is finite).
-  at::Tensor X = at::zeros({a.M, w.tiles_k * kTile}, a.A.options().dtype(at::kFloat));
-  X.narrow(1, 0, a.K).copy_(a.A.to(at::kFloat) * a.w.su);
+  const at::Tensor X = trellis_decode_activations(a.A, a.w.su, a.K);
   const float* Xp = X.data_ptr<float>();
-  switch (a.bits) {
-    case 2: decode_gemm<2>(plan, w, Xp, X.size(1), a.M, C); break;
-    case 3: decode_gemm<3>(plan, w, Xp, X.size(1), a.M, C); break;
-    default: decode_gemm<4>(plan, w, Xp, X.size(1), a.M, C); break;
-  }
+  const int64_t tile_n = plan.params.tile_n;
+  at::parallel_for(0, plan.params.n_tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t c0 = t * tile_n;
+      trellis_decode_columns(plan.cpu_avx2, a.bits, w, Xp, X.size(1), a.M, c0, std::min(c0 + tile_n, a.N), C + c0,
+                             a.N);
+    }
+  });
 }
 
 }  // namespace torch_marlin

@@ -250,6 +250,7 @@ TrellisPlan plan_trellis_moe(int64_t tokens, int64_t hidden, int64_t intermediat
     }
     case Backend::CPU: {
       set_tiles(p.params, kDecodeMaxM, intermediate, uint32_t(kDecodeMaxM), kCpuMoeTileN);
+      p.cpu_avx2 = caps.avx2 != 0;  // the decode stages' kernel, as for the GEMM
       p.main.kernel = "cpu_trellis_moe_gate_up";
       p.main.grid[0] = p.params.n_tiles;
       p.main.grid[1] = E;
