@@ -7,7 +7,8 @@
 //
 // Files: plan.cpp (entry, validation, the policy's choice of family, names), plan_common.cpp
 // (tiles, K slices, reductions), plan_cpu.cpp, plan_metal.cpp, plan_cuda.cpp (each backend's
-// geometry and tuning constants), trellis_plan.cpp (the trellis op family).
+// geometry and tuning constants), trellis_plan.cpp (the trellis op family), plan_cache.cpp (the
+// ops' cache of plans).
 #pragma once
 
 #include <cstddef>
