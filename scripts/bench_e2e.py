@@ -216,6 +216,8 @@ def main(argv=None):
                                                            run_mode, args.seed)
                         floor = batch * bandwidth / nbytes
                         rows.append((label, run_mode, batch, prefill_s * 1e3, tok_s, floor, nbytes))
+                        bar.write(f"{label} {run_mode} batch {batch}: prefill {prefill_s * 1e3:.1f} ms, "
+                                  f"{tok_s:.1f} tok/s (floor {floor:.1f})")
                     except Exception as e:  # a mode that fails on this backend is a result too
                         notes.append(f"{fmt} batch {batch} {run_mode}: failed ({type(e).__name__}: "
                                      f"{str(e).splitlines()[0][:120]})")
