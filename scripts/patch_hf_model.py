@@ -87,6 +87,8 @@ def build_parser():
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="activation dtype; auto: float32 on cpu, float16 on mps/cuda")
     p.add_argument("--skip", nargs="*", default=["lm_head"], help="Linear layers kept in float")
+    p.add_argument("--fuse", action="store_true",
+                   help="run q/k/v and gate/up projections as one quantized GEMM each (patch_model(fuse=True))")
     p.add_argument("--save", metavar="DIR", default=None,
                    help="write the quantized checkpoint there and check it reloads identically; None: not saved")
     p.add_argument("--prompt", default=None,
@@ -112,6 +114,8 @@ def parse_args(argv=None):
         fail("--bits applies to --format trellis only (fp4, u4 and affine are 4-bit)", p)
     if args.format == "trellis" and args.group_size % 16 != 0:
         fail(f"--group-size: trellis needs a positive multiple of 16, got {args.group_size}", p)
+    if args.fuse and args.save:
+        fail("--fuse and --save: checkpoints are saved unfused (fuse after load_quantized); drop one of them", p)
     if args.calibration is None:
         args.calibration = CALIBRATION
     if args.method == "gptq" and not os.path.isfile(args.calibration):
@@ -347,7 +351,7 @@ def run(args, dev, path, dtype, progress, t_start):
         opts["method"], opts["calibration"] = "gptq", evaluation.calibration_batches(tok, lines)
         print(f"calibration: {len(lines)} samples from {args.calibration}")
     report = torch_marlin.patch_model(qm, format=args.format, group_size=args.group_size, skip=args.skip, device=dev,
-                                      progress=progress, **opts)
+                                      progress=progress, fuse=args.fuse, **opts)
     print(report)
     print(f"quantized in {time.perf_counter() - t0:.1f} s")
     if not report.replaced:
@@ -358,7 +362,8 @@ def run(args, dev, path, dtype, progress, t_start):
         print(f"warning: {len(not_divisible)} layers kept in float because --group-size {args.group_size} does not "
               "divide their in_features; a smaller group size (e.g. 64) quantizes them")
 
-    label = f"{args.format}{args.bits or ''} g{args.group_size}" + (" gptq" if args.method == "gptq" else "")
+    label = (f"{args.format}{args.bits or ''} g{args.group_size}" + (" gptq" if args.method == "gptq" else "") +
+             (" fused" if args.fuse else ""))
     rows = [["weights of the quantized layers (MiB)", f"{report.float_bytes / 2**20:.1f}",
              f"{report.quantized_bytes / 2**20:.1f}"]]
     lat = Latency(args.repeats)

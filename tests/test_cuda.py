@@ -170,7 +170,9 @@ def test_cluster_reduction_chosen_on_sm90(K, k_parallel):
     sm90 = torch.cuda.get_device_capability()[0] >= 9
     expect_cluster = sm90 and k_parallel == 2
     assert plan["reduce"] == ("cluster" if expect_cluster else "last_block")
-    assert plan["workspace_bytes"] == (0 if expect_cluster else k_parallel * M * N * 4)
+    # Global-memory sums: the fp32 partials, then one int32 arrival counter per output tile.
+    assert plan["workspace_bytes"] == (0 if expect_cluster else
+                                       k_parallel * M * N * 4 + plan["m_tiles"] * plan["n_tiles"] * 4)
     B, s, _ = make_weights("fp4", K, N, 128, torch.float16)
     A = torch.randn(M, K, device="cuda", dtype=torch.float16)
     names = launched(lambda: torch.ops.marlin.gemm_fp4(A, B, s, 128), "decode_kernel<")
@@ -269,10 +271,10 @@ def test_wgmma_ws(fmt, dtype, M, K, N, group_size, k_parallel, tile_m, tile_n):
     if on_sm90a_build():  # elsewhere the same shapes run other kernels (still checked)
         assert plan["kernel"].startswith("wgmma_ws_"), plan
         assert plan["threads"][0] == 128 * (plan["tile_n"] // 64 + 1)
-        # Global K slices keep whole fp32 tiles in a workspace; a cluster needs none.
+        # Global K slices keep whole fp32 tiles and a counter per tile in a workspace; a cluster needs none.
         tiles = plan["m_tiles"] * plan["n_tiles"]
-        assert plan["workspace_bytes"] == (tiles * plan["k_parallel"] * plan["tile_m"] * plan["tile_n"] * 4
-                                           if plan["reduce"] == "last_block" else 0), plan
+        partials = tiles * plan["k_parallel"] * plan["tile_m"] * plan["tile_n"] * 4
+        assert plan["workspace_bytes"] == (partials + tiles * 4 if plan["reduce"] == "last_block" else 0), plan
         if on_132_sms():
             assert (plan["k_parallel"], plan["tile_m"], plan["tile_n"]) == (k_parallel, tile_m, tile_n), plan
             expect = "last_block" if k_parallel > 2 and tile_m <= 128 else \
@@ -462,9 +464,9 @@ print("counters made under capture: ok")
 
 
 def test_k_slice_counters_made_under_capture():
-    # The per-stream arrival counters of the global K-slice sum, created inside a CUDA-graph
-    # capture (from a pool whose memory is not zero), must be zero for an eager call made before
-    # the graph is ever replayed, and for the replay (tile_counters).
+    # The arrival counters of the global K-slice sum, in a call's workspace captured from a pool
+    # whose memory is not zero, must be zeroed for the replay; an eager call on the capturing
+    # stream before any replay gets its own zeroed counters (launch.cu zeroed_tile_counters).
     import subprocess
     import sys
 

@@ -19,7 +19,7 @@ M1 = dict(compute_units=8, max_shared_memory=32768)
 
 PLAN_KEYS = {
     "family", "kernel", "format", "dtype", "reduce", "reduce_kernel", "grid", "threads", "reduce_grid",
-    "reduce_threads", "workspace_bytes", "tile_m", "tile_n", "tile_k", "m_tiles", "n_tiles", "k_parallel",
+    "reduce_threads", "workspace_bytes", "counters_offset", "tile_m", "tile_n", "tile_k", "m_tiles", "n_tiles", "k_parallel",
     "k_slice_len", "num_groups", "consumers", "vector_loads", "fold", "padded_n", "tail_n_tiles", "tail_k_parallel",
     "tail_k_slice_len",
     "dependent_launch", "backend", "compute_units", "max_shared_memory", "wgmma", "thread_block_clusters", "avx2",
@@ -199,7 +199,8 @@ def test_policy_cuda_wgmma_ws():
     for M, K in [(64, 4096), (64, 10752), (128, 4096)]:
         gw = plan(M, K=K, N=4096)
         assert (gw["grid"], gw["reduce"]) == ((1, 32, 4), "last_block"), gw
-        assert gw["workspace_bytes"] == 32 * 4 * gw["tile_m"] * 128 * 4 and gw["k_slice_len"] == K // 4
+        # + one int32 arrival counter per tile (32 tiles) after the partials
+        assert gw["workspace_bytes"] == 32 * 4 * gw["tile_m"] * 128 * 4 + 32 * 4 and gw["k_slice_len"] == K // 4
     # 256-row tiles keep at most 3 slices through clusters (4096 x 4096 at M = 256: 32 tiles x 3).
     w256 = plan(256, N=4096)
     assert (w256["grid"], w256["reduce"], w256["workspace_bytes"]) == ((1, 32, 3), "cluster", 0)
@@ -252,8 +253,10 @@ def test_policy_cuda_k_slice_reduction(clusters):
     if clusters:
         assert two["reduce"] == "cluster" and two["workspace_bytes"] == 0
     else:
-        assert two["reduce"] == "last_block" and two["workspace_bytes"] == 2 * 4 * 328 * 4
-    assert four["reduce"] == "last_block" and four["workspace_bytes"] == 4 * 4 * 328 * 4
+        # the partials, then an int32 arrival counter per output tile
+        assert two["reduce"] == "last_block" and two["workspace_bytes"] == 2 * 4 * 328 * 4 + 4 * two["n_tiles"]
+    assert four["reduce"] == "last_block" and four["workspace_bytes"] == 4 * 4 * 328 * 4 + 4 * four["n_tiles"]
+    assert four["m_tiles"] == 1 and four["n_tiles"] == (328 + four["tile_n"] - 1) // four["tile_n"]
     assert one["reduce"] == "none" and one["workspace_bytes"] == 0
     for p in (two, four, one):  # CUDA sums K slices inside the kernel: no second dispatch
         assert p["reduce_kernel"] == "" and p["reduce_grid"] == (1, 1, 1)

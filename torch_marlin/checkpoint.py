@@ -63,7 +63,12 @@ def save_quantized(model: nn.Module, directory: str, tokenizer=None) -> str:
     from safetensors.torch import save_file
 
     from . import __version__ as tm_version
+    from .fusion import FusedSlice
 
+    fused = [name for name, mod in model.named_modules() if isinstance(mod, FusedSlice)]
+    if fused:
+        raise ValueError(f"model has fused projections ({fused[0]}, ...): save it unfused (patch_model without "
+                         "fuse=True) and fuse after load_quantized with torch_marlin.fusion.fuse_projections")
     layers = {}
     for name, mod in model.named_modules():
         entry = quantized_layer_entry(mod)

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 from . import calibration as calibration_mod
+from .formats.trellis import hadamard_block
+from .fusion import GROUPS as FUSE_GROUPS, concat_out_features, fuse_projections
 from .modules import MarlinLinear, TrellisLinear
 
 DEFAULT_SKIP = ("lm_head",)
@@ -33,6 +35,10 @@ class LayerType:
     ``describe(module)`` returns that checkpoint entry (JSON-able dict).
     ``check_shapes(config, tensors)`` raises ValueError when tensors disagree with the entry.
     ``supports(linear, group_size)`` returns None or why that layer cannot take this format.
+    ``concat(modules)`` returns ``(fused module, None)``: one layer computing the members' outputs
+    side by side (torch_marlin/fusion.py), or ``(None, reason)`` when they cannot share one.
+    ``shared_options(module)`` returns the quantizer options that make a layer fusable with
+    ``module`` (patch_model(fuse=True) passes them when quantizing the rest of a fused group).
     """
     name: str
     module_class: Callable[[], type]
@@ -42,6 +48,12 @@ class LayerType:
     check_shapes: Callable
     supports: Callable          # (linear, group_size) -> None, or the reason it cannot be converted
     options: Tuple[str, ...]    # keyword options patch_model passes on to ``quantize``
+    concat: Optional[Callable] = None          # default: every buffer concatenated along out_features
+    shared_options: Callable = lambda module: {}
+
+    def __post_init__(self):
+        if self.concat is None:
+            object.__setattr__(self, "concat", lambda mods: concat_out_features(mods, self.describe, self.empty))
 
 
 def _marlin_quantize(fmt):
@@ -99,9 +111,42 @@ def _check_expected(expected: dict, tensors: dict, what: str) -> None:
 
 
 def _trellis_quantize(linear: nn.Linear, group_size: int, dtype: torch.dtype, bits: int = 3, rotate: bool = True,
-                      seed: int = 0, **calibrated):
+                      seed: int = 0, grid: Optional[torch.Tensor] = None, **calibrated):
     return TrellisLinear.from_linear(linear, bits=bits, group_size=group_size, rotate=rotate, dtype=dtype,
-                                     seed=seed, **calibrated)
+                                     seed=seed, grid=grid, **calibrated)
+
+
+def _trellis_concat(mods):
+    """Trellis layers share one codebook (``grid``) and input signs (``su``): members fuse when
+    those agree (patch_model(fuse=True) quantizes a group with its first member's codebook, and
+    one seed gives one ``su`` per K), every N is a whole number of 16-column tiles (indices are
+    packed per 16 x 16 tile) and, when rotated, the fused N has each member's Hadamard block along
+    N, so the output rotation acts on each member's columns alone."""
+    first = mods[0]
+    total = sum(m.out_features for m in mods)
+    cfg = dict(_trellis_describe(first), out_features=total)
+    if any(dict(_trellis_describe(m), out_features=total) != cfg for m in mods):
+        return None, "members differ in bits, group size, rotation, bias or dtype"
+    if len({m.grid.device for m in mods}) != 1:
+        return None, "members are on different devices"
+    for m in mods[1:]:
+        if not (torch.equal(m.grid, first.grid) and torch.equal(m.su, first.su)):
+            return None, "members have different codebooks or input signs (quantize them with fuse=True)"
+    if any(m.out_features % 16 for m in mods):
+        return None, "trellis members fuse only with out_features multiples of 16"
+    if first.rotate and any(hadamard_block(m.out_features) != hadamard_block(total) for m in mods):
+        return None, "the members' output rotations have different block sizes"
+    fused = _trellis_empty(cfg, first.grid.device)
+    with torch.no_grad():
+        fused.packed_indices.copy_(torch.cat([m.packed_indices for m in mods], dim=1))
+        fused.scales.copy_(torch.cat([m.scales for m in mods], dim=-1))
+        fused.sv.copy_(torch.cat([m.sv for m in mods], dim=-1))
+        fused.grid.copy_(first.grid)
+        fused.su.copy_(first.su)
+        if first.bias is not None:
+            fused.bias.copy_(torch.cat([m.bias for m in mods], dim=-1))
+    fused.validate()
+    return fused, None
 
 
 def _trellis_empty(cfg: dict, device):
@@ -148,7 +193,8 @@ LAYER_TYPES: Dict[str, LayerType] = {
     "affine": LayerType("affine", lambda: MarlinLinear, _marlin_quantize("affine"), _marlin_empty, _marlin_describe,
                         _marlin_check_shapes, _marlin_supports, ()),
     "trellis": LayerType("trellis", lambda: TrellisLinear, _trellis_quantize, _trellis_empty, _trellis_describe,
-                         _trellis_check_shapes, _trellis_supports, ("bits", "rotate", "seed")),
+                         _trellis_check_shapes, _trellis_supports, ("bits", "rotate", "seed"), _trellis_concat,
+                         lambda module: {"grid": module.grid}),
 }
 FORMATS = tuple(LAYER_TYPES)
 
@@ -184,6 +230,8 @@ class PatchReport:
     quantized_bytes: int = 0
     method: str = "rtn"
     uncalibrated: List[str] = field(default_factory=list)
+    fused: List[Tuple[str, Tuple[str, ...]]] = field(default_factory=list)  # (fused layer, members)
+    unfused: List[Tuple[str, str]] = field(default_factory=list)             # (group, reason)
 
     def __str__(self) -> str:
         how = "" if self.method == "rtn" else f" method={self.method}"
@@ -197,6 +245,10 @@ class PatchReport:
             lines.append(f"  skipped {name}: {reason}")
         if self.uncalibrated:
             lines.append(f"  not reached by the calibration inputs (round to nearest): {', '.join(self.uncalibrated)}")
+        if self.fused or self.unfused:
+            lines.append(f"  fused {len(self.fused)} projection groups into one GEMM each")
+        for group, reason in self.unfused:
+            lines.append(f"  not fused {group}: {reason}")
         return "\n".join(lines)
 
 
@@ -235,7 +287,7 @@ def _module_bytes(mod: nn.Module) -> int:
 def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
                 skip: Sequence[str] = DEFAULT_SKIP, device=None, dtype: Optional[torch.dtype] = None,
                 strict: bool = False, progress: bool = True, method: str = "rtn", calibration=None,
-                act_order: bool = True, damp: float = 0.01, **format_options) -> PatchReport:
+                act_order: bool = True, damp: float = 0.01, fuse: bool = False, **format_options) -> PatchReport:
     """Replaces ``model``'s ``nn.Linear`` layers with quantized ones, in place; returns a report.
 
     ``format``: ``"fp4"``, ``"u4"`` or ``"affine"`` (MarlinLinear), ``"trellis"`` (TrellisLinear).
@@ -258,6 +310,12 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
     in call order, each on the outputs of the already-quantized layers before it
     (torch_marlin/calibration.py); layers the calibration never reaches fall back to rtn and are
     listed in the report. ``act_order`` and ``damp``: GPTQ options (torch_marlin/formats/gptq_solver.py).
+
+    ``fuse``: after quantizing, sibling projections that read the same input (q/k/v, gate/up) run
+    as one quantized GEMM each, N concatenated (:func:`torch_marlin.fusion.fuse_projections`); the
+    members of a group are quantized exactly as unfused ones, except that a format whose members
+    must share state to fuse (trellis: one codebook) quantizes the rest of a group with its first
+    member's. Fused models save unfused: fuse after :func:`torch_marlin.load_quantized`.
     """
     if format not in LAYER_TYPES:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
@@ -307,6 +365,8 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
         else:
             todo.append((name, mod))
 
+    leader_of = _fuse_leaders([name for name, _ in todo]) if fuse else {}
+    quantized: Dict[str, nn.Module] = {}
     bar = None
     if progress and todo:
         from tqdm.auto import tqdm
@@ -314,7 +374,10 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
 
     def quantize(name: str, lin: nn.Linear, **calibrated) -> nn.Module:
         layer_dtype = dtype if dtype is not None else lin.weight.dtype
-        new = lt.quantize(lin, group_size, layer_dtype, **format_options, **calibrated)
+        leader = quantized.get(leader_of.get(name, name))
+        shared = lt.shared_options(leader) if leader is not None else {}
+        new = lt.quantize(lin, group_size, layer_dtype, **format_options, **shared, **calibrated)
+        quantized[name] = new
         new.train(lin.training)
         report.float_bytes += _module_bytes(lin)
         report.quantized_bytes += _module_bytes(new)
@@ -334,7 +397,7 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
             try:
                 layers = dict(todo)
                 for names, H in calibration_mod.calibrated_layers(model, layers, batches):
-                    for name in names:
+                    for name in sorted(names, key=lambda n: leader_of.get(n, n) != n):  # group leaders first
                         lin = layers[name]
                         if H is None:
                             report.uncalibrated.append(name)
@@ -353,4 +416,19 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
                 model.train(was_training)
     if bar is not None:
         bar.close()
+    if fuse:
+        report.fused, report.unfused = fuse_projections(model)
     return report
+
+
+def _fuse_leaders(names: Sequence[str]) -> Dict[str, str]:
+    """Member name -> the first member's name, for every complete fusion group among ``names``."""
+    present = set(names)
+    leaders: Dict[str, str] = {}
+    for name in names:
+        parent, _, attr = name.rpartition(".")
+        prefix = parent + "." if parent else ""
+        for members, _ in FUSE_GROUPS:
+            if attr in members and all(prefix + m in present for m in members):
+                leaders[name] = prefix + members[0]
+    return leaders

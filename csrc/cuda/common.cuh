@@ -188,18 +188,17 @@ __device__ __forceinline__ void named_barrier(u32 id, u32 nthreads) {
 }
 
 // K-parallel arrival, after a block has written its fp32 partial tile to global memory: true for
-// the last of the k_parallel blocks of output tile `tile` to arrive (a per-tile counter, which it
-// re-arms), which then sums every slice's partials in slice order, so the result is bitwise
-// reproducible whichever block comes last and no second launch is needed. Counters are per
-// (device, stream) and start at zero (launch.cu tile_counters). Threads 0 .. nthreads - 1 take part,
-// synchronized by named barrier bar_id.
+// the last of the k_parallel blocks of output tile `tile` to arrive (a per-tile counter), which
+// then sums every slice's partials in slice order, so the result is bitwise
+// reproducible whichever block comes last and no second launch is needed. Counters live in the
+// call's workspace and start at zero (launch.cu zeroed_tile_counters). Threads 0 .. nthreads - 1
+// take part, synchronized by named barrier bar_id.
 __device__ bool last_arrival(u32 k_parallel, int* counters, u32 tile, u32 tid, u32 nthreads, u32 bar_id) {
   __shared__ int is_last;
   __threadfence();  // this block's partials are visible device-wide before it is counted
   named_barrier(bar_id, nthreads);
   if (tid == 0) {
     is_last = atomicAdd(counters + tile, 1) == int(k_parallel) - 1;
-    if (is_last) counters[tile] = 0;  // every block of the tile has counted
   }
   named_barrier(bar_id, nthreads);
   if (!is_last) return false;

@@ -2,7 +2,7 @@
 //
 // Every launch executes a GemmPlan from the planner (csrc/plan/): plan.desc names the kernel family
 // and its template parameters, plan.params carries the geometry. This file checks that the plan
-// belongs to this call, pads the weights to plan.padded_n columns, provides the K-slice arrival
+// belongs to this call, pads the weights to plan.padded_n columns, zeroes the K-slice arrival
 // counters and switches on plan.desc.family; each family's file (kernels.h) instantiates the
 // kernel the descriptor names. Nothing here chooses a kernel or a geometry.
 #include <ATen/ATen.h>
@@ -11,7 +11,6 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
-#include <map>
 #include <mutex>
 #include <vector>
 
@@ -45,37 +44,21 @@ PaddedWeights padded_weights(const QuantGemmArgs& a, int64_t Np) {
           a.offsets.defined() ? pad_cols(a.offsets, Np) : at::Tensor()};
 }
 
-// Per-tile arrival counters of the in-kernel K-slice reduction. One zeroed buffer per (device,
-// stream): kernels on one stream run in order and every last block re-arms its counter, so a
-// buffer is always all-zero when the next launch on that stream starts. (Per stream, because
-// kernels on different streams may overlap.)
-//  - Made during CUDA-graph capture, the buffer's zeroing is a graph node that only replays run.
-//    Until an eager call has zeroed it, every call zeroes it again (captured calls as a node of
-//    their own graph), so neither an eager call before the first replay nor another graph finds
-//    stale counts.
-//  - Growing keeps the old buffer alive: a captured graph may still launch kernels on it.
-int* tile_counters(int64_t n, const at::Device& dev, cudaStream_t stream) {
-  struct Counters {
-    at::Tensor t;
-    bool zero_pending = false;     // made under capture, not yet zeroed by an eager call
-    std::vector<at::Tensor> kept;  // outgrown buffers
-  };
-  static std::mutex mu;
-  static std::map<std::pair<int, cudaStream_t>, Counters> cache;
-  std::lock_guard<std::mutex> lock(mu);
-  Counters& c = cache[{int(dev.index()), stream}];
-  const bool grow = !c.t.defined() || c.t.numel() < n;
-  if (!grow && !c.zero_pending) return c.t.data_ptr<int>();  // the steady state: no zeroing, no query
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  if (grow) {
-    if (c.t.defined()) c.kept.push_back(c.t);
-    c.t = at::zeros({std::max<int64_t>(n, 4096)}, at::TensorOptions().dtype(at::kInt).device(dev));
-  } else {
-    c.t.zero_();
-  }
-  c.zero_pending = capture != cudaStreamCaptureStatusNone;
-  return c.t.data_ptr<int>();
+// Per-tile arrival counters of the in-kernel K-slice reduction: the plan's slot in this call's
+// workspace (plan.counters_offset), zeroed on the stream before the launch. Per call rather than
+// one cached buffer per stream so that CUDA graphs stay correct: a buffer made during capture (or
+// during torch.compile's cudagraph warmup, which allocates from the graph's pool) would outlive
+// the call inside the graph's memory, and one buffer shared by graphs replayed on different
+// streams would mix their counts. The memset is one small node in a graph, and on eager calls
+// costs one driver call (only K-parallel plans without a cluster reach it).
+int* zeroed_tile_counters(const GemmPlan& plan, at::Tensor& ws, cudaStream_t stream) {
+  const size_t bytes = size_t(plan.params.m_tiles) * plan.params.n_tiles * sizeof(int);
+  TORCH_CHECK(ws.defined() && plan.counters_offset % sizeof(int) == 0 &&
+                  plan.counters_offset + bytes <= size_t(ws.numel()) * sizeof(float),
+              "torch_marlin: the K-parallel plan '", plan.kernel, "' has no room for its tile counters");
+  int* counters = reinterpret_cast<int*>(static_cast<char*>(ws.data_ptr()) + plan.counters_offset);
+  C10_CUDA_CHECK(cudaMemsetAsync(counters, 0, bytes, stream));
+  return counters;
 }
 
 // The fp16/bf16 families.
@@ -104,7 +87,7 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
   o.stream = stream;
   if (plan.desc.reduce == ReduceKind::LastBlock) {
     TORCH_CHECK(o.ws != nullptr, "torch_marlin: K-parallel plan without workspace");
-    o.counters = tile_counters(int64_t(plan.params.m_tiles) * plan.params.n_tiles, a.A.device(), stream);
+    o.counters = zeroed_tile_counters(plan, ws, stream);
   }
   switch (family) {
     case KernelFamily::Decode: return launch_decode<T, FMT>(plan, o);

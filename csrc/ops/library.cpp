@@ -10,6 +10,7 @@
 
 #include "ops/quant_gemm.h"
 #include "ops/trellis.h"
+#include "plan/plan_cache.h"
 #include "plan/plan_py.h"
 #include "plan/trellis_plan.h"
 
@@ -76,4 +77,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("sv"), py::arg("K"), py::arg("N"), py::arg("bits"), py::arg("group_size"),
       "gemm_trellis on the CPU planned with these caps (keys as default_caps): avx2=False runs the portable "
       "kernels on any machine.");
+  m.def(
+      "cached_plan_quant_gemm",
+      [](const std::string& format, int64_t M, int64_t K, int64_t N, int64_t group_size, const std::string& dtype,
+         const std::string& backend, const py::dict& caps, bool has_bias) {
+        const DeviceCaps c = caps_from_dict(parse_backend(backend), caps);
+        return plan_to_dict(*planned([&] {
+          return cached_plan_quant_gemm(parse_format(format), M, K, N, group_size, parse_dtype(dtype), has_bias, c);
+        }));
+      },
+      py::arg("format"), py::arg("M"), py::arg("K"), py::arg("N"), py::arg("group_size"), py::arg("dtype"),
+      py::arg("backend"), py::arg("caps"), py::arg("has_bias") = false,
+      "The plan the op runs for these arguments, from the plan cache the ops use (planned and stored on a miss).");
+  m.def(
+      "cached_plan_trellis_gemm",
+      [](int64_t M, int64_t K, int64_t N, int64_t bits, int64_t group_size, const std::string& dtype,
+         const std::string& backend, const py::dict& caps) {
+        const DeviceCaps c = caps_from_dict(parse_backend(backend), caps);
+        return trellis_plan_to_dict(
+            *planned([&] { return cached_plan_trellis_gemm(M, K, N, bits, group_size, parse_dtype(dtype), c); }));
+      },
+      py::arg("M"), py::arg("K"), py::arg("N"), py::arg("bits"), py::arg("group_size"), py::arg("dtype"),
+      py::arg("backend"), py::arg("caps"));
+  m.def("plan_cache_size", &plan_cache_size, "Plans the ops' plan cache holds (both op families).");
+  m.def("clear_plan_cache", &clear_plan_cache, "Empties the ops' plan cache.");
 }

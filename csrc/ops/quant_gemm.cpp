@@ -13,6 +13,7 @@
 
 #include "ops/quant_gemm.h"
 #include "ops/vector_aligned.h"
+#include "plan/plan_cache.h"
 
 namespace torch_marlin {
 
@@ -142,10 +143,16 @@ at::Tensor run_gemm(const QuantGemmArgs& a) {
   at::Tensor C = at::empty({a.M, a.N}, a.A.options());
   if (a.M == 0 || a.N == 0) return C;
   const DeviceCaps caps = device_caps(a.A.device());
-  const GemmPlan plan = plan_quant_gemm(a.format, a.M, a.K, a.N, a.group_size, a.dtype, a.bias.defined(), caps);
+  const std::shared_ptr<const GemmPlan> planned =
+      cached_plan_quant_gemm(a.format, a.M, a.K, a.N, a.group_size, a.dtype, a.bias.defined(), caps);
+  const GemmPlan& plan = *planned;
+  // The workspace (K-slice partials, CUDA tile arrival counters, dequantized panels) lives for
+  // this call only, from the caching allocator: under CUDA-graph capture it comes from the graph's
+  // pool and is captured with the kernels, so nothing allocated here outlives the call.
   at::Tensor workspace;
   if (plan.workspace_bytes > 0) {
-    workspace = at::empty({int64_t(plan.workspace_bytes / sizeof(float))}, a.A.options().dtype(at::kFloat));
+    workspace = at::empty({int64_t((plan.workspace_bytes + sizeof(float) - 1) / sizeof(float))},
+                          a.A.options().dtype(at::kFloat));
   }
   switch (caps.backend) {
     case Backend::CPU: quant_gemm_cpu(plan, a, C); break;

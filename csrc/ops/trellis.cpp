@@ -17,6 +17,7 @@
 #include "ops/quant_gemm.h"
 #include "ops/trellis.h"
 #include "ops/vector_aligned.h"
+#include "plan/plan_cache.h"
 
 namespace torch_marlin {
 namespace {
@@ -138,7 +139,9 @@ at::Tensor gemm_trellis_planned(const DeviceCaps* caps_given, const at::Tensor& 
   at::Tensor C = at::empty({a.M, N}, A.options());
   if (a.M == 0) return C;
   const DeviceCaps caps = caps_given != nullptr ? *caps_given : device_caps(A.device());
-  const TrellisPlan plan = plan_trellis_gemm(a.M, K, N, bits, group_size, a.dtype, caps);
+  const std::shared_ptr<const TrellisPlan> planned =
+      cached_plan_trellis_gemm(a.M, K, N, bits, group_size, a.dtype, caps);
+  const TrellisPlan& plan = *planned;
   if (debug_enabled()) {
     log_dispatch(op, plan, {{"A", a.A}, {"scales", a.w.scales}, {"grid", a.w.grid}, {"su", a.w.su}, {"sv", a.w.sv}});
   }

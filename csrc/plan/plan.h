@@ -7,7 +7,8 @@
 //
 // Files: plan.cpp (entry, validation, the policy's choice of family, names), plan_common.cpp
 // (tiles, K slices, reductions), plan_cpu.cpp, plan_metal.cpp, plan_cuda.cpp (each backend's
-// geometry and tuning constants), trellis_plan.cpp (the trellis op family).
+// geometry and tuning constants), trellis_plan.cpp (the trellis op family), plan_cache.cpp (the
+// ops' cache of plans).
 #pragma once
 
 #include <cstddef>
@@ -107,6 +108,9 @@ struct GemmPlan {
   uint32_t reduce_threads[3] = {1, 1, 1};
   size_t workspace_bytes = 0;       // fp32 partials [k_parallel][M][N] when k_parallel > 1 (CUDA
                                     // wgmma_ws: whole tiles in fragment order); dequant_blas: the panel
+  // CUDA ReduceKind::LastBlock: byte offset in the workspace of the m_tiles * n_tiles int32 arrival
+  // counters, after the partials (the launcher zeroes them before the launch). 0 otherwise.
+  size_t counters_offset = 0;
   QuantGemmParams params{};
   // CUDA fp16/bf16 kernels: N rounded up to 16, the column count of the weights, scales and zero
   // points the kernels read (the launcher pads them when it differs from N). 0 elsewhere.

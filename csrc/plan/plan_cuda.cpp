@@ -226,6 +226,10 @@ void set_in_kernel_reduction(GemmPlan& p, bool cluster, size_t slice_floats) {
   } else {
     p.desc.reduce = ReduceKind::LastBlock;
     set_partials_workspace(p, slice_floats);
+    // The counters share the call's workspace: allocated and zeroed per call, so a captured CUDA
+    // graph owns its own and no buffer outlives a call (docs/cuda.md, "CUDA graphs").
+    p.counters_offset = p.workspace_bytes;
+    p.workspace_bytes += size_t(p.params.m_tiles) * p.params.n_tiles * sizeof(int32_t);
   }
 }
 

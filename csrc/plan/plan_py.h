@@ -124,6 +124,7 @@ inline py::dict plan_to_dict(const GemmPlan& p) {
   d["reduce_grid"] = dims(p.reduce_grid);
   d["reduce_threads"] = dims(p.reduce_threads);
   d["workspace_bytes"] = p.workspace_bytes;
+  d["counters_offset"] = p.counters_offset;
   d["tile_m"] = q.tile_m;
   d["tile_n"] = q.tile_n;
   d["tile_k"] = p.desc.tile_k;

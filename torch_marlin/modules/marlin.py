@@ -12,6 +12,9 @@ from ..formats.fp4 import dequant_fp4_reference, quantize_fp4
 from ..formats.u4 import dequant_u4_reference, quantize_u4
 
 FORMATS = ("fp4", "u4", "affine")
+_GEMM_FP4 = torch.ops.marlin.gemm_fp4.default
+_GEMM_U4 = torch.ops.marlin.gemm_u4.default
+_GEMM_AFFINE = torch.ops.marlin.gemm_affine.default
 
 
 def _flatten(x: torch.Tensor, in_features: int, name: str) -> torch.Tensor:
@@ -119,20 +122,32 @@ class MarlinLinear(nn.Module):
         return w.t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = _flatten(x, self.in_features, "MarlinLinear")
-        scales = self.scales if self.scales.dtype == x.dtype else self.scales.to(x.dtype)
-        bias = self.bias
+        # Per-call host work is what a decode step pays per layer: buffers are read from _buffers
+        # directly (not through nn.Module.__getattr__), the op overload is called without the
+        # packet's resolution, and 2-D inputs skip the reshapes.
+        x2 = x if x.dim() == 2 and x.shape[1] == self.in_features else _flatten(x, self.in_features, "MarlinLinear")
+        buffers = self._buffers
+        scales = buffers["scales"]
+        if scales.dtype != x.dtype:
+            scales = scales.to(x.dtype)
+        bias = buffers.get("bias")
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
         if self.format == "fp4":
-            y = ops.gemm_fp4(x2, self.B_packed, scales, self.group_size, bias)
+            y = _GEMM_FP4(x2, buffers["B_packed"], scales, self.group_size, bias)
         elif self.format == "affine":
-            offsets = self.offsets if self.offsets.dtype == x.dtype else self.offsets.to(x.dtype)
-            y = ops.gemm_affine(x2, self.B_packed, scales, offsets, self.group_size, bias)
+            offsets = buffers["offsets"]
+            if offsets.dtype != x.dtype:
+                offsets = offsets.to(x.dtype)
+            y = _GEMM_AFFINE(x2, buffers["B_packed"], scales, offsets, self.group_size, bias)
         else:
-            y = ops.gemm_u4(x2, self.B_packed, scales, self.zeros, self.group_size, bias)
-        return ops.frozen_weight_linear(y.reshape(*x.shape[:-1], self.out_features), x, self.bias,
-                                        self._dense_weight, "MarlinLinear", self._quantized_tensors())
+            y = _GEMM_U4(x2, buffers["B_packed"], scales, buffers["zeros"], self.group_size, bias)
+        if x2 is not x:
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        if torch.is_grad_enabled():  # gradient bookkeeping only where a backward pass can follow
+            y = ops.frozen_weight_linear(y, x, buffers.get("bias"), self._dense_weight, "MarlinLinear",
+                                         self._quantized_tensors())
+        return y
 
     def _quantized_tensors(self) -> dict:
         return {"B_packed": self.B_packed, "scales": self.scales, "zeros": self.zeros,

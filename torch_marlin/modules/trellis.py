@@ -72,10 +72,13 @@ class TrellisLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int = 3, group_size: int = 128, rotate: bool = True,
                     dtype: Optional[torch.dtype] = None, seed: int = 0, hessian: Optional[torch.Tensor] = None,
-                    act_order: bool = True, damp: float = 0.01) -> "TrellisLinear":
+                    act_order: bool = True, damp: float = 0.01,
+                    grid: Optional[torch.Tensor] = None) -> "TrellisLinear":
         """Quantizes ``linear`` (:func:`torch_marlin.formats.trellis.quantize_trellis`). With
         ``hessian`` ``[in_features, in_features]`` (the second moment ``X^T X`` of the layer's
-        inputs) the indices and scales come from LDLQ error feedback under the rotated Hessian."""
+        inputs) the indices and scales come from LDLQ error feedback under the rotated Hessian.
+        ``grid``: a ``[2**bits]`` codebook to quantize with instead of fitting one (layers with one
+        codebook can run as one fused layer, torch_marlin/fusion.py)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear expects nn.Linear, got {type(linear).__name__}")
         w = linear.weight.detach()
@@ -84,7 +87,8 @@ class TrellisLinear(nn.Module):
         mod = cls(linear.in_features, linear.out_features, bits, group_size, linear.bias is not None, rotate, dtype,
                   w.device)
         gptq = {} if hessian is None else {"hessian": hessian, "act_order": act_order, "damp": damp}
-        q = fmt.quantize_trellis(w.t().to(torch.float32), bits, group_size, rotate=rotate, seed=seed, **gptq)
+        q = fmt.quantize_trellis(w.t().to(torch.float32), bits, group_size, rotate=rotate, seed=seed,
+                                 grid=None if grid is None else grid.to(device=w.device, dtype=torch.float32), **gptq)
         for p in _PARTS:
             getattr(mod, p).copy_(q[p])
         if linear.bias is not None:

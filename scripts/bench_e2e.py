@@ -1,0 +1,247 @@
+#!/usr/bin/env python
+"""End-to-end greedy decoding speed of a Llama-shaped model: float against each quantized format.
+
+  python scripts/bench_e2e.py                                  # CUDA: Llama-3-8B shape, 32 layers
+  python scripts/bench_e2e.py --batch 1,4,16 --formats float,fp4,u4
+  python scripts/bench_e2e.py --device cpu --layers 2 --hidden 256 --intermediate 512 --new-tokens 8
+
+The model is transformers' LlamaForCausalLM built from a config with random weights (no download):
+the speed of a decode step does not depend on the weights' values. For each format (``float``:
+the model as built; the quantized formats: torch_marlin.patch_model, lm_head kept in float), batch
+size and mode it prefills a random prompt and decodes --new-tokens tokens greedily over a static KV
+cache (torch_marlin.generation.StaticDecoder), after one untimed warm-up generation. Modes:
+``eager``; ``graph``, the fastest graph mode of the backend: the decode step captured once as a
+CUDA graph and replayed (CUDA), torch.compile of the model (MPS), none on the CPU.
+
+Each row stands beside the weight-read floor: the bytes a decode step must read (every weight and
+buffer the step uses, embeddings excluded but for the looked-up rows; the KV cache is left out) at
+the read bandwidth measured in this process (a large device-to-device copy, counting the bytes read
+and written). tok/s counts every sequence of the batch.
+"""
+
+import argparse
+import copy
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout without installing
+
+from torch_marlin.generation import StaticDecoder  # noqa: E402
+from torch_marlin.patching import LAYER_TYPES, patch_model, resolve_device  # noqa: E402
+
+SHAPES = {  # defaults per device type: (layers, hidden, intermediate, heads, kv heads, vocab)
+    "cuda": (32, 4096, 14336, 32, 8, 128256),  # Llama-3-8B
+    "other": (16, 2048, 8192, 32, 8, 128256),  # Llama-3.2-1B
+}
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def int_list(text):
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="auto", help="cuda, mps, cpu or auto (mps > cuda > cpu)")
+    p.add_argument("--layers", type=int, help="decoder layers (default: 32 on CUDA, 16 elsewhere)")
+    p.add_argument("--hidden", type=int, help="hidden size (default: 4096 on CUDA, 2048 elsewhere)")
+    p.add_argument("--intermediate", type=int, help="MLP size (default: 14336 on CUDA, 8192 elsewhere)")
+    p.add_argument("--heads", type=int, help="attention heads (default 32)")
+    p.add_argument("--kv-heads", type=int, help="key/value heads (default 8)")
+    p.add_argument("--vocab", type=int, help="vocabulary size (default 128256)")
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run")
+    p.add_argument("--batch", type=int_list, default=[1], help="batch sizes, comma-separated")
+    p.add_argument("--formats", default=",".join(("float",) + tuple(LAYER_TYPES)),
+                   help="comma-separated: float and any of " + ", ".join(LAYER_TYPES))
+    p.add_argument("--modes", default="eager,graph", help="comma-separated: eager, graph")
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--dtype", choices=list(DTYPES), help="activations (default: float16, float32 on the CPU)")
+    p.add_argument("--fuse", action="store_true", help="quantized models with fused q/k/v and gate/up GEMMs")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def llama_config(args):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                       num_key_value_heads=args.kv_heads, max_position_embeddings=args.prompt + args.new_tokens,
+                       tie_word_embeddings=False)
+
+
+def build_model(config, dtype, device, seed):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # initialize in the target dtype, on the device: no fp32 copy
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval().requires_grad_(False)
+
+
+def step_bytes(model: nn.Module) -> int:
+    """Bytes of weights and buffers one decode step reads (the input embedding table only when it
+    is also the output projection)."""
+    emb = model.get_input_embeddings().weight
+    out = model.get_output_embeddings()
+    tied = out is not None and out.weight.data_ptr() == emb.data_ptr()
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() in seen or (t is emb and not tied):
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def read_bandwidth(device, reps=5) -> float:
+    """Bytes per second of a large copy (bytes read + bytes written), best of ``reps``: 1 GiB on a
+    GPU, 256 MiB on the CPU (both far past the last-level cache)."""
+    n = ((1024 if device.type != "cpu" else 256) << 20) // 2
+    src = torch.ones(n, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n * 2 / best
+
+
+def format_unsupported(fmt, device, dtype, group_size):
+    """None, or why ``fmt`` cannot run on ``device`` (a tiny layer of it is tried there)."""
+    try:
+        lin = nn.Linear(group_size, 16, bias=False, device=device, dtype=dtype)
+        layer = LAYER_TYPES[fmt].quantize(lin, group_size, dtype)
+        with torch.inference_mode():
+            layer(torch.zeros(1, group_size, device=device, dtype=dtype))
+        return None
+    except (RuntimeError, NotImplementedError, ValueError, TypeError) as e:
+        return str(e).splitlines()[0][:100]
+
+
+def graph_mode(device):
+    return {"cuda": "cuda_graph", "mps": "compile"}.get(device.type)
+
+
+def time_generation(model, device, batch, prompt, new_tokens, mode, seed):
+    """(prefill seconds, decode tokens per second) of one timed run after a warm-up run."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt), device=device,
+                        generator=torch.Generator(device=device).manual_seed(seed))
+    runner = model if mode != "compile" else torch.compile(model, dynamic=False)
+    dec = StaticDecoder(runner, batch, prompt + new_tokens, cuda_graph=mode == "cuda_graph")
+    dec.generate(ids, min(new_tokens, 3))  # warm-up: kernels, plans, the graph capture
+    sync(device)
+    t0 = time.perf_counter()
+    token = dec.prefill(ids)
+    sync(device)
+    t1 = time.perf_counter()
+    for i in range(1, new_tokens):
+        token = dec.step(token, prompt + i - 1)
+    sync(device)
+    t2 = time.perf_counter()
+    return t1 - t0, batch * (new_tokens - 1) / (t2 - t1)
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    device = resolve_device(args.device)
+    shape = SHAPES["cuda" if device.type == "cuda" else "other"]
+    for name, default in zip(("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab"), shape):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.new_tokens < 2:
+        build_parser().error("--new-tokens must be at least 2 (one prefill token, then decode steps)")
+    dtype = DTYPES[args.dtype or ("float32" if device.type == "cpu" else "float16")]
+    formats = [f for f in args.formats.split(",") if f]
+    bad = [f for f in formats if f != "float" and f not in LAYER_TYPES]
+    modes = [m for m in args.modes.split(",") if m]
+    if bad or not formats or any(m not in ("eager", "graph") for m in modes) or not modes:
+        build_parser().error(f"--formats takes float and {', '.join(LAYER_TYPES)}; --modes eager and graph")
+    from tqdm.auto import tqdm
+
+    config = llama_config(args)
+    bandwidth = read_bandwidth(device)
+    rows, notes = [], []
+    runs = [(f, b, m) for f in formats for b in args.batch for m in modes]
+    bar = tqdm(total=len(runs), desc="bench_e2e", unit="run")
+    for fmt in formats:
+        why = None if fmt == "float" else format_unsupported(fmt, device, dtype, args.group_size)
+        if why is not None:
+            notes.append(f"{fmt}: not run on {device.type} ({why})")
+            bar.update(len(args.batch) * len(modes))
+            continue
+        bar.set_postfix_str(f"building {fmt}")
+        model = build_model(config, dtype, device, args.seed)
+        if fmt != "float":
+            patch_model(model, format=fmt, group_size=args.group_size, progress=False, fuse=args.fuse)
+        nbytes = step_bytes(model)
+        label = str(dtype).replace("torch.", "") if fmt == "float" else fmt
+        for batch in args.batch:
+            for mode in modes:
+                run_mode = "eager" if mode == "eager" else graph_mode(device)
+                bar.set_postfix_str(f"{fmt} batch {batch} {mode}")
+                if run_mode is None:
+                    notes.append(f"graph: no graph mode on {device.type}")
+                else:
+                    try:
+                        prefill_s, tok_s = time_generation(model, device, batch, args.prompt, args.new_tokens,
+                                                           run_mode, args.seed)
+                        floor = batch * bandwidth / nbytes
+                        rows.append((label, run_mode, batch, prefill_s * 1e3, tok_s, floor, nbytes))
+                        bar.write(f"{label} {run_mode} batch {batch}: prefill {prefill_s * 1e3:.1f} ms, "
+                                  f"{tok_s:.1f} tok/s (floor {floor:.1f})")
+                    except Exception as e:  # a mode that fails on this backend is a result too
+                        notes.append(f"{fmt} batch {batch} {run_mode}: failed ({type(e).__name__}: "
+                                     f"{str(e).splitlines()[0][:120]})")
+                bar.update(1)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    bar.close()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    print(f"\n{name}, {dtype}, {args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, "
+          f"heads {args.heads}/{args.kv_heads}, vocab {args.vocab}, prompt {args.prompt}, {args.new_tokens} new "
+          f"tokens, group size {args.group_size}{', fused projections' if args.fuse else ''}; read bandwidth "
+          f"{bandwidth / 1e9:.0f} GB/s")
+    head = f"| {'format':<8} | {'mode':<10} | {'batch':>5} | {'prefill ms':>10} | {'decode tok/s':>12} | " \
+           f"{'floor tok/s':>11} | {'of floor':>8} | {'MiB/step':>8} |"
+    print(head)
+    print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
+    for fmt, mode, batch, prefill_ms, tok_s, floor, nbytes in rows:
+        print(f"| {fmt:<8} | {mode:<10} | {batch:>5} | {prefill_ms:>10.1f} | {tok_s:>12.1f} | {floor:>11.1f} | "
+              f"{tok_s / floor:>7.1%} | {nbytes / 2**20:>8.1f} |")
+    for note in dict.fromkeys(notes):
+        print(f"note: {note}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

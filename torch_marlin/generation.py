@@ -1,0 +1,113 @@
+"""Greedy decoding of a Hugging Face causal LM over a static KV cache, optionally with the one-token
+decode step captured once as a CUDA graph and replayed for every later token.
+
+A decode step at small batch is bound by host work (Python, the dispatcher, kernel launches), not
+by the weight reads: replaying a captured graph removes all of it. The capture covers the model's
+forward (every layer, float or quantized), the cache update and the greedy choice of the next
+token; the inputs (token, position) live in static tensors that each step overwrites first.
+Works for any model whose forward takes ``past_key_values``, ``cache_position`` and
+``position_ids`` (transformers' Llama, Mistral, Qwen, SmolLM, ...). Needs ``transformers``.
+
+    dec = StaticDecoder(model, batch_size=1, max_length=256, cuda_graph=True)
+    tokens = dec.generate(input_ids, new_tokens=64)
+"""
+
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+
+class StaticDecoder:
+    """Greedy decoding of ``model`` for ``batch_size`` sequences of up to ``max_length`` tokens
+    (prompt included). ``cuda_graph``: capture the decode step (CUDA only) at its first call;
+    every later step is one graph replay. The graph holds the cache's and the model's tensors:
+    keep the model's weights where they are while the decoder lives."""
+
+    def __init__(self, model: nn.Module, batch_size: int, max_length: int, cuda_graph: bool = False):
+        from transformers import StaticCache
+
+        self.model, self.batch_size, self.max_length = model, batch_size, max_length
+        self.device = next(model.parameters()).device
+        if cuda_graph and self.device.type != "cuda":
+            raise ValueError(f"cuda_graph needs a model on a CUDA device, this one is on {self.device}")
+        self.cuda_graph = cuda_graph
+        self.cache = StaticCache(config=model.config, max_cache_len=max_length)
+        self._tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)
+        self._position = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._graph: Optional[torch.cuda.CUDAGraph] = None
+        self.logits: Optional[torch.Tensor] = None  # [batch, vocab] of the latest step
+        self._next: Optional[torch.Tensor] = None
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, past_key_values=self.cache, cache_position=positions,
+                         position_ids=positions.unsqueeze(0).expand(input_ids.shape[0], -1), use_cache=True,
+                         logits_to_keep=1)
+        return out.logits[:, -1]
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Empties the cache, runs the prompt ``[batch, P]`` (eagerly) and returns the first new
+        token of each sequence ``[batch]``."""
+        if input_ids.dim() != 2 or input_ids.shape[0] != self.batch_size:
+            raise ValueError(f"input_ids must be [batch_size={self.batch_size}, P], got {tuple(input_ids.shape)}")
+        if input_ids.shape[1] >= self.max_length:
+            raise ValueError(f"the prompt ({input_ids.shape[1]} tokens) leaves no room in max_length={self.max_length}")
+        self.cache.reset()  # in place: a captured step keeps pointing at the same cache tensors
+        positions = torch.arange(input_ids.shape[1], device=self.device)
+        self.logits = self._forward(input_ids.to(self.device), positions)
+        return self.logits.argmax(-1)
+
+    def _step_body(self) -> None:
+        self.logits = self._forward(self._tokens, self._position)
+        self._next = self.logits.argmax(-1)
+
+    def _counters(self) -> List[torch.Tensor]:
+        # Cache layers that count their own length (a tensor advanced in place by every update).
+        return [layer.cumulative_length for layer in getattr(self.cache, "layers", ())
+                if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
+
+    def _capture(self) -> None:
+        # Warm-up runs on a side stream (lazy initializations, library handles) before capture, as
+        # torch.cuda.graph requires. They write this step's keys and values once more (the same
+        # values) and advance the cache's own length counters, which are restored afterwards.
+        saved = [c.clone() for c in self._counters()]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._step_body()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        for c, s in zip(self._counters(), saved):
+            c.copy_(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._step_body()
+        self._graph = graph
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
+        """Feeds ``tokens`` ``[batch]`` at ``position`` (the number of tokens before them) and
+        returns the next token of each sequence ``[batch]``. The result is a static tensor that the
+        next step overwrites: clone it to keep it."""
+        if not 0 < position < self.max_length:
+            raise ValueError(f"position must be in [1, max_length={self.max_length}), got {position}")
+        self._tokens.copy_(tokens.view(self.batch_size, 1))
+        self._position.fill_(position)
+        if not self.cuda_graph:
+            self._step_body()
+        elif self._graph is None:
+            self._capture()
+            self._graph.replay()
+        else:
+            self._graph.replay()
+        return self._next
+
+    def generate(self, input_ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        """Greedy continuation: ``[batch, new_tokens]`` token ids."""
+        if new_tokens <= 0 or input_ids.shape[1] + new_tokens > self.max_length:
+            raise ValueError(f"new_tokens must be in 1..{self.max_length - input_ids.shape[1]}, got {new_tokens}")
+        out = [self.prefill(input_ids)]
+        for i in range(1, new_tokens):
+            out.append(self.step(out[-1], input_ids.shape[1] + i - 1).clone())
+        return torch.stack(out, dim=1)
