@@ -22,6 +22,6 @@ __version__ = "0.1.0"
 # Real models: patching, quantized checkpoints, GPTQ import (none of these imports transformers).
 from .patching import patch_model  # noqa: E402
 from .checkpoint import load_quantized, save_quantized  # noqa: E402
-from .gptq import import_gptq, marlin_linear_from_gptq  # noqa: E402
+from .loaders.gptq import import_gptq, marlin_linear_from_gptq  # noqa: E402
 
 __all__ += ["patch_model", "save_quantized", "load_quantized", "marlin_linear_from_gptq", "import_gptq"]

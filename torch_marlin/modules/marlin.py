@@ -24,16 +24,23 @@ class MarlinLinear(nn.Module):
 
     Buffers (all persistent, so ``state_dict`` round-trips): ``B_packed`` int32 ``[K/8, N]``,
     ``scales`` ``[K/group_size, N]``, ``zeros`` uint8 ``[K/group_size, N]`` (``u4`` only) and
-    ``bias`` ``[N]``. ``K = in_features``, ``N = out_features``. Any leading batch dimensions;
+    ``bias`` ``[N]``; with ``act_order=True`` also ``input_perm`` int64 ``[K]``. ``K = in_features``,
+    ``N = out_features``. Any leading batch dimensions;
     fp16, bf16 or fp32 inputs (scales and bias follow the input dtype). The op picks the decode
     kernel for small M (<= 16 rows on Metal, 8 on CPU, 16 to 128 on CUDA by GPU, shape and group
     size) and the prefill kernel above (see :func:`torch_marlin.plan_gemm`). The weights are frozen:
     the backward pass gives the input (and a bias set to require grad) their gradients, so adapters
     train on top of the layer; quantized tensors that require grad raise.
+
+    ``act_order=True`` (checkpoints whose groups are not consecutive rows of K, e.g. GPTQ with
+    ``desc_act``): the stored rows of K are the original ones in the order ``input_perm``, chosen so
+    every group is consecutive; ``forward`` gathers ``x[..., input_perm]`` before the GEMM. That
+    gather moves ``M*K`` values against the GEMM's ``M*K*N`` multiply-adds, and unlike permuting
+    the producing layer's outputs it stays correct across residual adds and norms.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, format: str = "fp4",
-                 group_size: int = 128, dtype: torch.dtype = torch.float16, device=None):
+                 group_size: int = 128, dtype: torch.dtype = torch.float16, device=None, act_order: bool = False):
         super().__init__()
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
@@ -55,6 +62,10 @@ class MarlinLinear(nn.Module):
             self.register_buffer("bias", torch.zeros(N, dtype=dtype, device=device))
         else:
             self.bias = None
+        if act_order:
+            self.register_buffer("input_perm", torch.arange(K, dtype=torch.int64, device=device))
+        else:
+            self.input_perm = None
         self.register_load_state_dict_post_hook(lambda module, keys: module.validate())
 
     def validate(self) -> None:
@@ -63,6 +74,10 @@ class MarlinLinear(nn.Module):
         if self.zeros is not None and self.zeros.numel() and int(self.zeros.max()) > 15:
             raise ValueError(f"MarlinLinear: zeros must be in 0..15 (4-bit zero points), got a maximum of "
                              f"{int(self.zeros.max())}")
+        perm = self.input_perm
+        if perm is not None and perm.device.type != "meta" and perm.numel() and not torch.equal(
+                torch.sort(perm).values, torch.arange(self.in_features, device=perm.device)):
+            raise ValueError(f"MarlinLinear: input_perm must be a permutation of 0..{self.in_features - 1}")
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, format: str = "fp4", group_size: int = 128,
@@ -98,15 +113,20 @@ class MarlinLinear(nn.Module):
         return mod
 
     def dequantized_weight(self) -> torch.Tensor:
-        """The dense fp32 weight ``[out_features, in_features]`` (for tests and debugging)."""
+        """The dense fp32 weight ``[out_features, in_features]`` in the original input order (for
+        tests and debugging)."""
         if self.format == "fp4":
             w = dequant_fp4_reference(self.B_packed, self.scales, self.group_size)
         else:
             w = dequant_u4_reference(self.B_packed, self.scales, self.zeros, self.group_size)
+        if self.input_perm is not None:
+            w = torch.empty_like(w).index_copy_(0, self.input_perm, w)
         return w.t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _flatten(x, self.in_features, "MarlinLinear")
+        if self.input_perm is not None:
+            x2 = x2.index_select(1, self.input_perm)
         scales = self.scales if self.scales.dtype == x.dtype else self.scales.to(x.dtype)
         bias = self.bias
         if bias is not None and bias.dtype != x.dtype:
@@ -129,10 +149,13 @@ class MarlinLinear(nn.Module):
             w = ops.dequant_fp4(self.B_packed, scales, self.group_size)
         else:
             w = ops.dequant_u4(self.B_packed, scales, self.zeros, self.group_size)
+        if self.input_perm is not None:
+            w = torch.empty_like(w).index_copy_(0, self.input_perm, w)
         return w.t()
 
     def extra_repr(self) -> str:
         bits = 4 * self.in_features * self.out_features + 16 * (self.in_features // self.group_size) * self.out_features
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"format={self.format}, group_size={self.group_size}, scales_dtype={self.scales.dtype}, "
+                f"format={self.format}, group_size={self.group_size}, "
+                f"{'act_order=True, ' if self.input_perm is not None else ''}scales_dtype={self.scales.dtype}, "
                 f"bits_per_weight={bits / (self.in_features * self.out_features):.3f}")
