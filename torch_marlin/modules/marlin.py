@@ -112,6 +112,49 @@ class MarlinLinear(nn.Module):
             mod.bias.copy_(linear.bias.detach().to(dtype))
         return mod
 
+    # Loaders of other tools' checkpoints (torch_marlin/loaders/; docs/formats.md says how each maps).
+    @classmethod
+    def from_mlx(cls, weight, scales, biases, group_size: int, bits: int = 4, bias=None, **kw) -> "MarlinLinear":
+        """MLX ``mx.quantize`` tensors (``weight`` uint32 viewed as int32 ``[N, K*bits/32]``, ``scales``
+        and ``biases`` ``[N, K/group_size]``); see :func:`torch_marlin.loaders.mlx.from_mlx`."""
+        from ..loaders.mlx import from_mlx
+        return from_mlx(weight, scales, biases, group_size, bits, bias, **kw)
+
+    @classmethod
+    def from_gguf(cls, data, ggml_type, shape, bias=None, **kw) -> "MarlinLinear":
+        """One GGUF tensor's raw blocks (Q4_0, Q4_1, Q4_K, MXFP4), ``shape = (N, K)``; see
+        :func:`torch_marlin.loaders.gguf.from_gguf`."""
+        from ..loaders.gguf import from_gguf
+        return from_gguf(data, ggml_type, shape, bias, **kw)
+
+    @classmethod
+    def from_gptq(cls, qweight, qzeros, scales, g_idx=None, bias=None, **kw) -> "MarlinLinear":
+        """GPTQ ``qweight``/``qzeros``/``scales`` (act-order through ``g_idx``); see
+        :func:`torch_marlin.loaders.gptq.marlin_linear_from_gptq`."""
+        from ..loaders.gptq import marlin_linear_from_gptq
+        return marlin_linear_from_gptq(qweight, qzeros, scales, g_idx, bias, **kw)
+
+    @classmethod
+    def from_awq(cls, qweight, qzeros, scales, bias=None, **kw) -> "MarlinLinear":
+        """AWQ GEMM ``qweight``/``qzeros``/``scales``; see :func:`torch_marlin.loaders.awq.from_awq`."""
+        from ..loaders.awq import from_awq
+        return from_awq(qweight, qzeros, scales, bias, **kw)
+
+    @classmethod
+    def from_compressed_tensors(cls, weight_packed, weight_scale, weight_zero_point=None, weight_shape=None,
+                                weight_g_idx=None, bias=None, **kw) -> "MarlinLinear":
+        """compressed-tensors ``pack-quantized`` W4A16 tensors; see
+        :func:`torch_marlin.loaders.compressed_tensors.from_compressed_tensors`."""
+        from ..loaders.compressed_tensors import from_compressed_tensors
+        return from_compressed_tensors(weight_packed, weight_scale, weight_zero_point, weight_shape, weight_g_idx,
+                                       bias, **kw)
+
+    @classmethod
+    def from_mxfp4(cls, blocks, scales, bias=None, **kw) -> "MarlinLinear":
+        """gpt-oss MXFP4 ``*_blocks``/``*_scales``; see :func:`torch_marlin.loaders.mxfp4.from_mxfp4`."""
+        from ..loaders.mxfp4 import from_mxfp4
+        return from_mxfp4(blocks, scales, bias, **kw)
+
     def dequantized_weight(self) -> torch.Tensor:
         """The dense fp32 weight ``[out_features, in_features]`` in the original input order (for
         tests and debugging)."""
