@@ -19,9 +19,13 @@ from .modules import TrellisLinear, TrellisMoE  # noqa: E402
 __all__ = ["MarlinLinear", "plan_gemm", "ops", "TrellisLinear", "TrellisMoE", "plan_trellis"]
 __version__ = "0.1.0"
 
-# Real models: patching, quantized checkpoints, GPTQ import (none of these imports transformers).
+# Real models: patching, quantized checkpoints, other tools' checkpoints (none of these imports transformers
+# until called).
 from .patching import patch_model  # noqa: E402
 from .checkpoint import load_quantized, save_quantized  # noqa: E402
 from .loaders.gptq import import_gptq, marlin_linear_from_gptq  # noqa: E402
 
-__all__ += ["patch_model", "save_quantized", "load_quantized", "marlin_linear_from_gptq", "import_gptq"]
+from .loaders.pretrained import from_pretrained  # noqa: E402
+
+__all__ += ["patch_model", "save_quantized", "load_quantized", "marlin_linear_from_gptq", "import_gptq",
+            "from_pretrained"]

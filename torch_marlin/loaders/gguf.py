@@ -74,7 +74,7 @@ def gguf_unpack(data, ggml_type, shape: Sequence[int], name: str = "weight"):
     per_block, nbytes = BLOCKS[t]
     if N <= 0 or K <= 0 or K % per_block != 0:
         raise CheckpointError(f"{name}: {t} needs K (shape[1]) a positive multiple of {per_block}, got shape {(N, K)}")
-    raw = torch.as_tensor(np.ascontiguousarray(data)) if not isinstance(data, torch.Tensor) else data
+    raw = torch.from_numpy(np.array(data)) if not isinstance(data, torch.Tensor) else data  # gguf-py gives a read-only memmap
     if raw.dtype != torch.uint8:
         raise CheckpointError(f"{name}: data must be the raw uint8 blocks, got {raw.dtype}")
     nb = K // per_block
