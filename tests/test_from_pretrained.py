@@ -290,3 +290,43 @@ def test_bad_checkpoints_name_the_tensor(tiny, tmp_path):
     with pytest.raises(ValueError, match="no quantization this loader reads"):
         cfg.save_pretrained(tmp_path / "plain")
         torch_marlin.from_pretrained(str(tmp_path / "plain"))
+
+
+# ---------------------------------------------------------------------------------------------- transformers integration
+
+def test_transformers_loads_saves_and_quantizes_torch_marlin_checkpoints(tiny, tmp_path):
+    import copy
+
+    import transformers
+
+    from torch_marlin import TorchMarlinConfig
+
+    model, _ = tiny
+    quantized = copy.deepcopy(model)
+    torch_marlin.patch_model(quantized, format="u4", group_size=GS, progress=False)
+    with torch.no_grad():
+        want = quantized(IDS).logits
+    torch_marlin.save_quantized(quantized, str(tmp_path / "tm"))
+
+    def logits(m):
+        with torch.no_grad():
+            return m(IDS).logits
+
+    # A torch_marlin checkpoint through transformers' own from_pretrained, and through ours.
+    auto = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "tm"))
+    assert isinstance(auto.model.layers[1].mlp.down_proj, MarlinLinear)
+    assert torch.equal(logits(auto), want)
+    assert torch.equal(logits(torch_marlin.from_pretrained(str(tmp_path / "tm"))), want)
+    # Quantizing a float checkpoint while loading gives the same layers as patch_model.
+    model.save_pretrained(tmp_path / "float")
+    on_load = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "float"), quantization_config=TorchMarlinConfig(format="u4", group_size=GS))
+    assert isinstance(on_load.model.layers[0].self_attn.q_proj, MarlinLinear)
+    assert type(on_load.lm_head) is nn.Linear  # modules_to_not_convert defaults to lm_head
+    assert torch.equal(logits(on_load), want)
+    # save_pretrained round trip.
+    on_load.save_pretrained(tmp_path / "saved")
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
+    assert isinstance(back.model.layers[0].mlp.gate_proj, MarlinLinear) and torch.equal(logits(back), want)
+    with pytest.raises(ValueError, match="format must be one of"):
+        TorchMarlinConfig(format="int3")

@@ -29,3 +29,20 @@ from .loaders.pretrained import from_pretrained  # noqa: E402
 
 __all__ += ["patch_model", "save_quantized", "load_quantized", "marlin_linear_from_gptq", "import_gptq",
             "from_pretrained"]
+
+
+def __getattr__(name):
+    # The transformers integration imports transformers: only on first use of its names.
+    if name in ("TorchMarlinConfig", "TorchMarlinHfQuantizer"):
+        from . import hf_quantizer
+        return getattr(hf_quantizer, name)
+    raise AttributeError(f"module 'torch_marlin' has no attribute {name!r}")
+
+
+import sys as _sys  # noqa: E402
+
+if "transformers" in _sys.modules:  # registered now, so AutoModel*.from_pretrained reads torch_marlin checkpoints
+    try:
+        from . import hf_quantizer  # noqa: E402,F401
+    except ImportError:  # a transformers without the quantizer registry: the integration stays off
+        pass
