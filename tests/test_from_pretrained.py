@@ -330,3 +330,41 @@ def test_transformers_loads_saves_and_quantizes_torch_marlin_checkpoints(tiny, t
     assert isinstance(back.model.layers[0].mlp.gate_proj, MarlinLinear) and torch.equal(logits(back), want)
     with pytest.raises(ValueError, match="format must be one of"):
         TorchMarlinConfig(format="int3")
+
+
+def test_cli_detects_quantized_checkpoints_and_compares_with_their_dequantized_weights(tiny, tmp_path):
+    """scripts/patch_hf_model.py's path for already-quantized checkpoints: detection (GGUF files only
+    with --keep-gguf-quantization, since a GGUF file is otherwise a float source to quantize again)
+    and the float reference holding the checkpoint's dequantized weights."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import patch_hf_model
+
+    model, cfg = tiny
+    g = torch.Generator().manual_seed(5)
+    tensors = {}
+    for name, lin in linears(model).items():
+        N, K = lin.out_features, lin.in_features
+        tensors.update({f"{name}.qweight": pack_int4(torch.randint(0, 16, (K, N), generator=g)),
+                        f"{name}.qzeros": torch.full((K // GS, N // 8), 0x77777777, dtype=torch.int32),
+                        f"{name}.scales": (torch.rand(K // GS, N, generator=g) * 0.02 + 0.005).half()})
+    write_dir(tmp_path, model, cfg, tensors, "quantization_config",
+              {"quant_method": "gptq", "bits": 4, "group_size": GS, "desc_act": False})
+    args = patch_hf_model.parse_args(["--model", str(tmp_path)])
+    assert patch_hf_model.prequantized_source(args, str(tmp_path)) == "gptq"
+    model.save_pretrained(tmp_path / "float")
+    assert patch_hf_model.prequantized_source(args, str(tmp_path / "float")) is None
+    gguf_file = tmp_path / "q.gguf"
+    require("gguf")
+    import gguf
+
+    write_gguf(gguf_file, model, gguf.GGMLQuantizationType.Q4_0)
+    assert patch_hf_model.prequantized_source(args, str(gguf_file)) is None
+    keep = patch_hf_model.parse_args(["--model", str(gguf_file), "--keep-gguf-quantization"])
+    assert patch_hf_model.prequantized_source(keep, str(gguf_file)) == "gguf"
+    qm = torch_marlin.from_pretrained(str(tmp_path), dtype=torch.float32)
+    fm = patch_hf_model.dequantized_copy(qm)
+    assert type(fm.model.layers[0].mlp.up_proj) is nn.Linear
+    with torch.no_grad():
+        torch.testing.assert_close(fm(IDS).logits, qm(IDS).logits, rtol=1e-4, atol=1e-5)
