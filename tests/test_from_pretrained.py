@@ -110,6 +110,12 @@ def test_gptq_act_order_checkpoint(tiny, tmp_path):
     loaded = torch_marlin.from_pretrained(str(tmp_path), dtype=torch.float32)
     assert loaded.get_submodule("model.layers.0.mlp.up_proj").input_perm is not None
     check(loaded, model, weights, "u4")
+    # Saved as a torch_marlin checkpoint, the permutation comes back with the layers.
+    torch_marlin.save_quantized(loaded, str(tmp_path / "tm"))
+    back = torch_marlin.from_pretrained(str(tmp_path / "tm"))
+    assert back.get_submodule("model.layers.1.self_attn.k_proj").input_perm is not None
+    with torch.no_grad():
+        assert torch.equal(back(IDS).logits, loaded(IDS).logits)
 
 
 def test_awq_checkpoint(tiny, tmp_path):

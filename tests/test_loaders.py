@@ -206,6 +206,10 @@ def test_gptq_act_order_matches_g_idx_dequant(checkpoint_format):
     # The forward gathers the inputs in the stored order: against the original-order weight.
     x = torch.randn(3, 5, K)
     assert_gemm_close(mod(x).reshape(-1, N), x.reshape(-1, K), want.t().contiguous(), bias.float())
+    # The input's gradient goes through the same permutation.
+    xg = torch.randn(4, K, requires_grad=True)
+    mod(xg).sum().backward()
+    torch.testing.assert_close(xg.grad, want.sum(0).expand_as(xg), rtol=1e-4, atol=1e-5)
     # state_dict round trip keeps the permutation.
     fresh = MarlinLinear(K, N, bias=True, format="u4", group_size=gs, act_order=True)
     fresh.load_state_dict(mod.state_dict())
