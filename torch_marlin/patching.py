@@ -65,13 +65,15 @@ def _marlin_quantize(fmt):
 
 def _marlin_empty(cfg: dict, device) -> MarlinLinear:
     return MarlinLinear(cfg["in_features"], cfg["out_features"], bias=cfg["bias"], format=cfg["format"],
-                        group_size=cfg["group_size"], dtype=getattr(torch, cfg["dtype"]), device=device)
+                        group_size=cfg["group_size"], dtype=getattr(torch, cfg["dtype"]), device=device,
+                        act_order=cfg.get("act_order", False))
 
 
 def _marlin_describe(mod: MarlinLinear) -> dict:
     return {"type": "MarlinLinear", "format": mod.format, "group_size": mod.group_size,
             "in_features": mod.in_features, "out_features": mod.out_features,
-            "bias": mod.bias is not None, "dtype": str(mod.scales.dtype).replace("torch.", "")}
+            "bias": mod.bias is not None, "dtype": str(mod.scales.dtype).replace("torch.", ""),
+            "act_order": mod.input_perm is not None}
 
 
 def _marlin_check_shapes(cfg: dict, tensors: Dict[str, Tuple[Tuple[int, ...], str]]) -> None:
@@ -87,6 +89,8 @@ def _marlin_check_shapes(cfg: dict, tensors: Dict[str, Tuple[Tuple[int, ...], st
         expected["offsets"] = ((K // g, N), cfg["dtype"])
     if cfg["bias"]:
         expected["bias"] = ((N,), cfg["dtype"])
+    if cfg.get("act_order", False):
+        expected["input_perm"] = ((K,), "int64")
     _check_expected(expected, tensors, f"format={cfg['format']}, in_features={K}, out_features={N}, "
                                        f"group_size={g}, bias={cfg['bias']}, dtype={cfg['dtype']}")
 

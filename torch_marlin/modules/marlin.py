@@ -30,16 +30,23 @@ class MarlinLinear(nn.Module):
     Buffers (all persistent, so ``state_dict`` round-trips): ``B_packed`` int32 ``[K/8, N]``,
     ``scales`` ``[K/group_size, N]``, ``zeros`` uint8 ``[K/group_size, N]`` (``u4`` only),
     ``offsets`` ``[K/group_size, N]`` in the scales' dtype (``affine`` only, ``w = scale * q +
-    offset``) and ``bias`` ``[N]``. ``K = in_features``, ``N = out_features``. Any leading batch dimensions;
+    offset``) and ``bias`` ``[N]``; with ``act_order=True`` also ``input_perm`` int64 ``[K]``.
+    ``K = in_features``, ``N = out_features``. Any leading batch dimensions;
     fp16, bf16 or fp32 inputs (scales and bias follow the input dtype). The op picks the decode
     kernel for small M (<= 16 rows on Metal, 8 on CPU, 16 to 128 on CUDA by GPU, shape and group
     size) and the prefill kernel above (see :func:`torch_marlin.plan_gemm`). The weights are frozen:
     the backward pass gives the input (and a bias set to require grad) their gradients, so adapters
     train on top of the layer; quantized tensors that require grad raise.
+
+    ``act_order=True`` (checkpoints whose groups are not consecutive rows of K, e.g. GPTQ with
+    ``desc_act``): the stored rows of K are the original ones in the order ``input_perm``, chosen so
+    every group is consecutive; ``forward`` gathers ``x[..., input_perm]`` before the GEMM. That
+    gather moves ``M*K`` values against the GEMM's ``M*K*N`` multiply-adds, and unlike permuting
+    the producing layer's outputs it stays correct across residual adds and norms.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, format: str = "fp4",
-                 group_size: int = 128, dtype: torch.dtype = torch.float16, device=None):
+                 group_size: int = 128, dtype: torch.dtype = torch.float16, device=None, act_order: bool = False):
         super().__init__()
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
@@ -65,6 +72,10 @@ class MarlinLinear(nn.Module):
             self.register_buffer("bias", torch.zeros(N, dtype=dtype, device=device))
         else:
             self.bias = None
+        if act_order:
+            self.register_buffer("input_perm", torch.arange(K, dtype=torch.int64, device=device))
+        else:
+            self.input_perm = None
         self.register_load_state_dict_post_hook(lambda module, keys: module.validate())
 
     def validate(self) -> None:
@@ -73,6 +84,10 @@ class MarlinLinear(nn.Module):
         if self.zeros is not None and self.zeros.numel() and int(self.zeros.max()) > 15:
             raise ValueError(f"MarlinLinear: zeros must be in 0..15 (4-bit zero points), got a maximum of "
                              f"{int(self.zeros.max())}")
+        perm = self.input_perm
+        if perm is not None and perm.device.type != "meta" and perm.numel() and not torch.equal(
+                torch.sort(perm).values, torch.arange(self.in_features, device=perm.device)):
+            raise ValueError(f"MarlinLinear: input_perm must be a permutation of 0..{self.in_features - 1}")
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, format: str = "fp4", group_size: int = 128,
@@ -111,14 +126,60 @@ class MarlinLinear(nn.Module):
             mod.bias.copy_(linear.bias.detach().to(dtype))
         return mod
 
+    # Loaders of other tools' checkpoints (torch_marlin/loaders/; docs/formats.md says how each maps).
+    @classmethod
+    def from_mlx(cls, weight, scales, biases, group_size: int, bits: int = 4, bias=None, **kw) -> "MarlinLinear":
+        """MLX ``mx.quantize`` tensors (``weight`` uint32 viewed as int32 ``[N, K*bits/32]``, ``scales``
+        and ``biases`` ``[N, K/group_size]``); see :func:`torch_marlin.loaders.mlx.from_mlx`."""
+        from ..loaders.mlx import from_mlx
+        return from_mlx(weight, scales, biases, group_size, bits, bias, **kw)
+
+    @classmethod
+    def from_gguf(cls, data, ggml_type, shape, bias=None, **kw) -> "MarlinLinear":
+        """One GGUF tensor's raw blocks (Q4_0, Q4_1, Q4_K, MXFP4), ``shape = (N, K)``; see
+        :func:`torch_marlin.loaders.gguf.from_gguf`."""
+        from ..loaders.gguf import from_gguf
+        return from_gguf(data, ggml_type, shape, bias, **kw)
+
+    @classmethod
+    def from_gptq(cls, qweight, qzeros, scales, g_idx=None, bias=None, **kw) -> "MarlinLinear":
+        """GPTQ ``qweight``/``qzeros``/``scales`` (act-order through ``g_idx``); see
+        :func:`torch_marlin.loaders.gptq.marlin_linear_from_gptq`."""
+        from ..loaders.gptq import marlin_linear_from_gptq
+        return marlin_linear_from_gptq(qweight, qzeros, scales, g_idx, bias, **kw)
+
+    @classmethod
+    def from_awq(cls, qweight, qzeros, scales, bias=None, **kw) -> "MarlinLinear":
+        """AWQ GEMM ``qweight``/``qzeros``/``scales``; see :func:`torch_marlin.loaders.awq.from_awq`."""
+        from ..loaders.awq import from_awq
+        return from_awq(qweight, qzeros, scales, bias, **kw)
+
+    @classmethod
+    def from_compressed_tensors(cls, weight_packed, weight_scale, weight_zero_point=None, weight_shape=None,
+                                weight_g_idx=None, bias=None, **kw) -> "MarlinLinear":
+        """compressed-tensors ``pack-quantized`` W4A16 tensors; see
+        :func:`torch_marlin.loaders.compressed_tensors.from_compressed_tensors`."""
+        from ..loaders.compressed_tensors import from_compressed_tensors
+        return from_compressed_tensors(weight_packed, weight_scale, weight_zero_point, weight_shape, weight_g_idx,
+                                       bias, **kw)
+
+    @classmethod
+    def from_mxfp4(cls, blocks, scales, bias=None, **kw) -> "MarlinLinear":
+        """gpt-oss MXFP4 ``*_blocks``/``*_scales``; see :func:`torch_marlin.loaders.mxfp4.from_mxfp4`."""
+        from ..loaders.mxfp4 import from_mxfp4
+        return from_mxfp4(blocks, scales, bias, **kw)
+
     def dequantized_weight(self) -> torch.Tensor:
-        """The dense fp32 weight ``[out_features, in_features]`` (for tests and debugging)."""
+        """The dense fp32 weight ``[out_features, in_features]`` in the original input order (for
+        tests and debugging)."""
         if self.format == "fp4":
             w = dequant_fp4_reference(self.B_packed, self.scales, self.group_size)
         elif self.format == "affine":
             w = dequant_affine_reference(self.B_packed, self.scales, self.offsets, self.group_size)
         else:
             w = dequant_u4_reference(self.B_packed, self.scales, self.zeros, self.group_size)
+        if self.input_perm is not None:
+            w = torch.empty_like(w).index_copy_(0, self.input_perm, w)
         return w.t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,6 +188,9 @@ class MarlinLinear(nn.Module):
         # packet's resolution, and 2-D inputs skip the reshapes.
         x2 = x if x.dim() == 2 and x.shape[1] == self.in_features else _flatten(x, self.in_features, "MarlinLinear")
         buffers = self._buffers
+        perm = buffers.get("input_perm")
+        if perm is not None:
+            x2 = x2.index_select(1, perm)
         scales = buffers["scales"]
         if scales.dtype != x.dtype:
             scales = scales.to(x.dtype)
@@ -163,6 +227,8 @@ class MarlinLinear(nn.Module):
             w = ops.dequant_affine(self.B_packed, scales, self.offsets.to(dtype), self.group_size)
         else:
             w = ops.dequant_u4(self.B_packed, scales, self.zeros, self.group_size)
+        if self.input_perm is not None:
+            w = torch.empty_like(w).index_copy_(0, self.input_perm, w)
         return w.t()
 
     def extra_repr(self) -> str:
@@ -170,5 +236,6 @@ class MarlinLinear(nn.Module):
         group_bits = 8 * self.scales.element_size() * (2 if self.format == "affine" else 1)
         bits = 4 * self.in_features * self.out_features + group_bits * (self.in_features // self.group_size) * self.out_features
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"format={self.format}, group_size={self.group_size}, scales_dtype={self.scales.dtype}, "
+                f"format={self.format}, group_size={self.group_size}, "
+                f"{'act_order=True, ' if self.input_perm is not None else ''}scales_dtype={self.scales.dtype}, "
                 f"bits_per_weight={bits / (self.in_features * self.out_features):.3f}")

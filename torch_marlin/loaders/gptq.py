@@ -13,8 +13,11 @@ symmetric 4-bit checkpoint has ``qzeros`` nibbles of 7 for a true zero point of 
 ``"gptq"``) and compute ``zero = (code + offset) & 15`` with offset 1 for v1 and 0 for v2; the mask
 makes a v1 zero point of 0 (stored as 15 after wrapping) come back as 0.
 
-Act-order checkpoints (``desc_act=True``) permute K through ``g_idx`` so a group is not a run of
-consecutive rows; the MarlinLinear kernels assume ``group = k // group_size`` and we reject them.
+Act-order checkpoints (``desc_act=True``) give each input row ``k`` its group through ``g_idx[k]``,
+so a group is not a run of consecutive rows. Every group still holds ``group_size`` rows, so one
+stable sort of K by ``g_idx`` makes the groups consecutive: the layer stores its rows in that order
+and gathers the activations in the same order (``MarlinLinear(act_order=True)``), which keeps
+``w[n, k] = (q[k, n] - zero[g_idx[k], n]) * scale[g_idx[k], n]`` exactly.
 """
 
 from typing import Dict, Mapping, Optional
@@ -22,16 +25,11 @@ from typing import Dict, Mapping, Optional
 import torch
 from torch import nn
 
-from .modules import MarlinLinear
+from ..formats.int4_packing import unpack_int4
+from ..modules import MarlinLinear
+from .common import build_marlin_linear, group_permutation, unpack_words
 
 CHECKPOINT_FORMATS = {"gptq": 1, "gptq_v2": 0}
-
-
-def _unpack_cols(packed: torch.Tensor) -> torch.Tensor:
-    """int32 ``[R, C/8]`` with 8 nibbles along the column axis per word -> uint8 ``[R, C]``."""
-    shifts = 4 * torch.arange(8, dtype=torch.int32, device=packed.device)
-    nib = (packed.unsqueeze(-1) >> shifts) & 15  # [R, C/8, 8]: word j, nibble i -> column 8j + i
-    return nib.reshape(packed.shape[0], packed.shape[1] * 8).to(torch.uint8)
 
 
 def gptq_zeros(qzeros: torch.Tensor, checkpoint_format: str = "gptq") -> torch.Tensor:
@@ -41,69 +39,53 @@ def gptq_zeros(qzeros: torch.Tensor, checkpoint_format: str = "gptq") -> torch.T
     if qzeros.dim() != 2 or qzeros.dtype != torch.int32:
         raise ValueError(f"qzeros must be a 2-D int32 tensor [K/group_size, N/8], got {qzeros.dtype} "
                          f"{tuple(qzeros.shape)}")
-    z = _unpack_cols(qzeros).to(torch.int32)
+    z = unpack_words(qzeros).to(torch.int32)
     return ((z + CHECKPOINT_FORMATS[checkpoint_format]) & 15).to(torch.uint8)
-
-
-def _check_g_idx(g_idx: Optional[torch.Tensor], K: int, group_size: int) -> None:
-    if g_idx is None:
-        return
-    if g_idx.dim() != 1 or g_idx.numel() != K:
-        raise ValueError(f"g_idx must be 1-D with K={K} entries, got shape {tuple(g_idx.shape)}")
-    trivial = torch.arange(K, device=g_idx.device) // group_size
-    if not torch.equal(g_idx.to(torch.int64), trivial):
-        raise ValueError("g_idx is not k // group_size: this is an act-order (desc_act=True) GPTQ checkpoint, "
-                         "which MarlinLinear does not support yet (its groups are not consecutive rows of K); "
-                         "re-quantize with desc_act=False")
 
 
 def marlin_linear_from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                             g_idx: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, *,
                             bits: int = 4, group_size: Optional[int] = None, desc_act: bool = False,
-                            checkpoint_format: str = "gptq") -> MarlinLinear:
+                            checkpoint_format: str = "gptq", name: str = "weight") -> MarlinLinear:
     """Builds a u4 :class:`MarlinLinear` from one GPTQ layer's tensors, bit for bit (no requantizing).
 
     ``qweight`` int32 ``[K/8, N]``, ``qzeros`` int32 ``[K/g, N/8]``, ``scales`` ``[K/g, N]``
-    (fp16/bf16/fp32: becomes the layer's dtype), ``g_idx`` int32 ``[K]`` (optional; must be
-    ``k // g``), ``bias`` ``[N]``. ``group_size`` defaults to ``K / scales.shape[0]`` (GPTQ's
-    ``group_size=-1``, one group over K, is ``scales.shape[0] == 1``). Symmetric and asymmetric
+    (fp16/bf16/fp32: becomes the layer's dtype), ``g_idx`` int32 ``[K]`` (the group of each input
+    row; optional when it is ``k // g``, required with ``desc_act``), ``bias`` ``[N]``.
+    ``group_size`` defaults to ``K / scales.shape[0]`` (GPTQ's ``group_size=-1``, one group over K,
+    is ``scales.shape[0] == 1``). Symmetric and asymmetric
     checkpoints load the same way: the zero points come from ``qzeros`` either way.
     ``checkpoint_format``: ``"gptq"`` (stored zero - 1, the common case) or ``"gptq_v2"``.
     """
     if bits != 4:
-        raise ValueError(f"bits must be 4 (MarlinLinear u4), got {bits}")
-    if desc_act:
-        raise ValueError("desc_act=True (act-order) GPTQ checkpoints are not supported yet: their groups are "
-                         "not consecutive rows of K; re-quantize with desc_act=False")
+        raise ValueError(f"{name}: bits must be 4 (MarlinLinear u4), got {bits}")
+    if desc_act and g_idx is None:
+        raise ValueError(f"{name}: desc_act=True (act-order) needs g_idx, the group of every input row")
     if qweight.dim() != 2 or qweight.dtype != torch.int32:
-        raise ValueError(f"qweight must be a 2-D int32 tensor [K/8, N], got {qweight.dtype} {tuple(qweight.shape)}")
+        raise ValueError(f"{name}: qweight must be a 2-D int32 tensor [K/8, N], got {qweight.dtype} {tuple(qweight.shape)}")
     K, N = qweight.shape[0] * 8, qweight.shape[1]
     if scales.dim() != 2 or not scales.is_floating_point() or scales.shape[1] != N:
-        raise ValueError(f"scales must be a 2-D float tensor [K/group_size, N={N}], got {scales.dtype} "
+        raise ValueError(f"{name}: scales must be a 2-D float tensor [K/group_size, N={N}], got {scales.dtype} "
                          f"{tuple(scales.shape)}")
     G = scales.shape[0]
     if G == 0 or K % G != 0:
-        raise ValueError(f"scales has {G} groups, which does not divide K={K}")
+        raise ValueError(f"{name}: scales has {G} groups, which does not divide K={K}")
     if group_size is None or group_size == -1:
         group_size = K // G
     if group_size * G != K:
-        raise ValueError(f"group_size={group_size} disagrees with scales: K={K} / {G} groups = {K // G}")
+        raise ValueError(f"{name}: group_size={group_size} disagrees with scales: K={K} / {G} groups = {K // G}")
     if N % 8 != 0 or qzeros.dim() != 2 or tuple(qzeros.shape) != (G, N // 8):
-        raise ValueError(f"qzeros must have shape [K/group_size, N/8] = [{G}, {N / 8:g}], got {tuple(qzeros.shape)}")
+        raise ValueError(f"{name}: qzeros must have shape [K/group_size, N/8] = [{G}, {N / 8:g}], got {tuple(qzeros.shape)}")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != N):
-        raise ValueError(f"bias must have shape [N={N}], got {tuple(bias.shape)}")
-    _check_g_idx(g_idx, K, group_size)
+        raise ValueError(f"{name}: bias must have shape [N={N}], got {tuple(bias.shape)}")
+    perm = None if g_idx is None else group_permutation(g_idx, K, G)
 
     zeros = gptq_zeros(qzeros, checkpoint_format)
-    mod = MarlinLinear(K, N, bias=bias is not None, format="u4", group_size=group_size, dtype=scales.dtype,
-                       device=qweight.device)
-    with torch.no_grad():
-        mod.B_packed.copy_(qweight)
-        mod.scales.copy_(scales)
-        mod.zeros.copy_(zeros)
-        if bias is not None:
-            mod.bias.copy_(bias)
-    return mod
+    codes = unpack_int4(qweight)
+    if perm is not None:
+        codes = codes[perm]
+    return build_marlin_linear("u4", codes.t(), scales.t(), zeros=zeros.t(), bias=bias, dtype=scales.dtype,
+                               input_perm=perm, device=qweight.device, name=name)
 
 
 def import_gptq(model: nn.Module, state_dict: Mapping[str, torch.Tensor], quantization_config: Mapping,
@@ -123,9 +105,6 @@ def import_gptq(model: nn.Module, state_dict: Mapping[str, torch.Tensor], quanti
     bits, desc_act = qc.get("bits", 4), bool(qc.get("desc_act", False))
     group_size = qc.get("group_size", None)
     fmt = qc.get("checkpoint_format", "gptq")
-    if desc_act:
-        raise ValueError("quantization_config has desc_act=True (act-order): not supported yet; "
-                         "re-quantize with desc_act=False")
 
     used = set()
     replaced = []
@@ -136,11 +115,8 @@ def import_gptq(model: nn.Module, state_dict: Mapping[str, torch.Tensor], quanti
         if t["qzeros"] is None or t["scales"] is None:
             raise ValueError(f"{name}: GPTQ layer needs qweight, qzeros and scales; found "
                              f"{sorted(k for k, v in t.items() if v is not None)}")
-        try:
-            new = marlin_linear_from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], t["bias"], bits=bits,
-                                          group_size=group_size, desc_act=desc_act, checkpoint_format=fmt)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from e
+        new = marlin_linear_from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], t["bias"], bits=bits,
+                                      group_size=group_size, desc_act=desc_act, checkpoint_format=fmt, name=name)
         if (new.in_features, new.out_features) != (mod.in_features, mod.out_features):
             raise ValueError(f"{name}: GPTQ tensors give in={new.in_features} out={new.out_features}, the model's "
                              f"Linear has in={mod.in_features} out={mod.out_features}")
