@@ -91,7 +91,7 @@ def test_members_that_differ_are_left_unfused():
     torch_marlin.patch_model(model, format="fp4", group_size=32, progress=False, skip=["v_proj"])
     fused, unfused = fuse_projections(model)
     assert not fused and len(unfused) == 1 and "not all members are quantized" in unfused[0][1]
-    a, b = Block(), Block()
+    a = Block()
     a.q_proj = torch_marlin.MarlinLinear.from_linear(a.q_proj, format="fp4", group_size=32)
     a.k_proj = torch_marlin.MarlinLinear.from_linear(a.k_proj, format="fp4", group_size=64)
     a.v_proj = torch_marlin.MarlinLinear.from_linear(a.v_proj, format="fp4", group_size=32)
