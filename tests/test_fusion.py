@@ -138,3 +138,11 @@ def test_fused_llama_equals_unfused_quantized_llama():
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         close(fused(ids).logits, unfused(ids).logits)
+
+
+def test_saving_a_fused_model_is_refused(tmp_path):
+    torch.manual_seed(0)
+    model = Block().eval()
+    torch_marlin.patch_model(model, format="fp4", group_size=32, progress=False, fuse=True)
+    with pytest.raises(ValueError, match="fused projections .*save it unfused"):
+        torch_marlin.save_quantized(model, str(tmp_path))
