@@ -20,7 +20,6 @@ and written). tok/s counts every sequence of the batch.
 """
 
 import argparse
-import copy
 import os
 import sys
 import time

@@ -10,7 +10,6 @@ step captured with torch.cuda.CUDAGraph (torch_marlin.generation.StaticDecoder),
 and with fused projections, gives the eager logits and tokens.
 """
 
-import copy
 
 import pytest
 import torch

@@ -91,7 +91,7 @@ def test_members_that_differ_are_left_unfused():
     torch_marlin.patch_model(model, format="fp4", group_size=32, progress=False, skip=["v_proj"])
     fused, unfused = fuse_projections(model)
     assert not fused and len(unfused) == 1 and "not all members are quantized" in unfused[0][1]
-    a, b = Block(), Block()
+    a = Block()
     a.q_proj = torch_marlin.MarlinLinear.from_linear(a.q_proj, format="fp4", group_size=32)
     a.k_proj = torch_marlin.MarlinLinear.from_linear(a.k_proj, format="fp4", group_size=64)
     a.v_proj = torch_marlin.MarlinLinear.from_linear(a.v_proj, format="fp4", group_size=32)
@@ -138,3 +138,11 @@ def test_fused_llama_equals_unfused_quantized_llama():
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         close(fused(ids).logits, unfused(ids).logits)
+
+
+def test_saving_a_fused_model_is_refused(tmp_path):
+    torch.manual_seed(0)
+    model = Block().eval()
+    torch_marlin.patch_model(model, format="fp4", group_size=32, progress=False, fuse=True)
+    with pytest.raises(ValueError, match="fused projections .*save it unfused"):
+        torch_marlin.save_quantized(model, str(tmp_path))
