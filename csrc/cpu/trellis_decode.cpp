@@ -32,12 +32,6 @@ namespace {
 constexpr int kTile = 16;
 constexpr int64_t kMaxRowsPerPass = 4;  // AVX2: 4 rows x 2 vectors of accumulators, + lookups, in 16 registers
 
-uint32_t load_u32(const uint8_t* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
 // Portable: the 256 grid values of one tile, row-major.
 template <int BITS>
 void decode_tile_portable(const uint8_t* tile, const float* grid, float* __restrict vals) {
@@ -80,6 +74,12 @@ void decode_block_portable(const TView& w, const float* X, int64_t ldx, int64_t 
 }
 
 #if defined(TM_TRELLIS_AVX2)
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
 // The codebook in registers. 2 bits: 4 levels in each 128-bit lane, looked up with vpermilps
 // (in-lane, reads index bits 1:0). 3 bits: 8 levels, vpermps (reads bits 2:0). 4 bits: levels
 // 0-7 and 8-15, two vpermps and a blend on bit 3. The permutes ignore the higher index bits, so
