@@ -10,7 +10,8 @@ padded N, rows past M, 2 and 4 K slices through a cluster), the wgmma_ws kernel 
 256-row tiles, 2 and 3 consumer warpgroups, 2 and 3 K slices through a cluster, 3 and 4 through
 global memory, a tail launch), the fp32 simt kernel and the dequant kernel
 (16-byte row stores and the scalar tail). Also
-checks each result against the fp32 reference so a silent wrong answer fails the run.
+checks each result against the fp32 reference so a silent wrong answer fails the run. Every u4 case
+runs again as affine (same kernels and plans, float offsets instead of zero points).
 """
 import sys
 
@@ -18,6 +19,7 @@ import torch
 
 import torch_marlin
 from torch_marlin.formats import dequant_fp4_reference, dequant_u4_reference, quantize_fp4, quantize_u4
+from torch_marlin.formats import dequant_affine_reference, quantize_affine
 
 torch.manual_seed(0)
 CASES = [  # fmt, M, K, N, group_size, dtype
@@ -46,6 +48,7 @@ CASES = [  # fmt, M, K, N, group_size, dtype
     ("fp4", 129, 8192, 1000, 256, torch.bfloat16),  # wgmma_ws: 256-row tile, 3 K slices in a cluster
     ("u4", 300, 2048, 8520, 128, torch.bfloat16),   # wgmma_ws: a tail launch (1 column tile x 3 K slices), padded N
 ]
+CASES += [("affine",) + c[1:] for c in CASES if c[0] == "u4"]
 worst = 0.0
 skip_blas = "--no-blas" in sys.argv[1:]
 for fmt, M, K, N, gs, dt in CASES:
@@ -57,19 +60,24 @@ for fmt, M, K, N, gs, dt in CASES:
         B, s = quantize_fp4(w, gs, scale_dtype=dt)
         B, s, z = B.cuda(), s.cuda(), None
         W = dequant_fp4_reference(B, s, gs)
+    elif fmt == "affine":  # z: the offsets
+        B, s, z = quantize_affine(w, gs, scale_dtype=dt)
+        B, s, z = B.cuda(), s.cuda(), z.cuda()
+        W = dequant_affine_reference(B, s, z, gs)
     else:
         B, s, z = quantize_u4(w, gs, scale_dtype=dt)
         B, s, z = B.cuda(), s.cuda(), z.cuda()
         W = dequant_u4_reference(B, s, z, gs)
     A = torch.randn(M, K, device="cuda").to(dt)
     bias = torch.randn(N, device="cuda").to(dt)
-    C = (torch.ops.marlin.gemm_fp4(A, B, s, gs, bias) if fmt == "fp4"
-         else torch.ops.marlin.gemm_u4(A, B, s, z, gs, bias))
+    gemm, dequant = getattr(torch.ops.marlin, f"gemm_{fmt}"), getattr(torch.ops.marlin, f"dequant_{fmt}")
+    operands = (B, s) if fmt == "fp4" else (B, s, z)
+    C = gemm(A, *operands, gs, bias)
     ref = A.float() @ W + bias.float()
     err = ((C.float() - ref).abs().max() / ref.abs().max()).item()
     worst = max(worst, err)
     print(f"{plan['kernel']:>22} k_parallel={plan['k_parallel']} M={M} K={K} N={N}: rel err {err:.2e}")
-    Wk = (torch.ops.marlin.dequant_fp4(B, s, gs) if fmt == "fp4" else torch.ops.marlin.dequant_u4(B, s, z, gs))
+    Wk = dequant(*operands, gs)
     assert torch.equal(Wk, W.to(dt)), "dequant mismatch"
 torch.cuda.synchronize()
 assert worst < 4e-2, worst
