@@ -491,8 +491,8 @@ def test_chain_dependent_launch(fmt, dtype, M, dims):
     layers = []
     for i, (K, N) in enumerate(zip(dims[:-1], dims[1:])):
         B, s, z = make_weights(fmt, K, N, 128, dtype, seed=i)
-        if fmt == "affine":  # offsets are weights too: scaled with the scales
-            z = (z.float() / K**0.5).to(dtype)
+        if fmt == "affine":  # back to zero-mean weights (make_weights shifts them by 0.5), scaled like s
+            z = ((z.float() - 0.5) / K**0.5).to(dtype)
         layers.append((B, (s.float() / K**0.5).to(dtype), z))  # outputs stay O(1) along the chain
         assert M > 16 or plan_for(M, K, N, dtype)["kernel"].startswith("decode_")
     x = torch.randn(M, dims[0], device="cuda", dtype=dtype)

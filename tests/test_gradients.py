@@ -71,10 +71,11 @@ def assert_close_rel(actual, expected, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", list(LAYERS))
-def test_input_gradient_matches_dense_weight(kind, dtype, device):
+@pytest.mark.parametrize("rows", [(2, 3), (5, 7)], ids=["decode", "prefill"])  # 6 and 35 rows: both kernel paths
+def test_input_gradient_matches_dense_weight(kind, dtype, device, rows):
     q = make(kind, dtype, device)
-    x = torch.randn(2, 3, 96, device=device).to(dtype).requires_grad_(True)
-    g = torch.randn(2, 3, 40, device=device).to(dtype)
+    x = torch.randn(*rows, 96, device=device).to(dtype).requires_grad_(True)
+    g = torch.randn(*rows, 40, device=device).to(dtype)
     (q(x) * g).sum().backward()
     assert x.grad is not None and x.grad.dtype == dtype and x.grad.shape == x.shape
     W = q.dequantized_weight().double().cpu()  # [N, K], plain torch

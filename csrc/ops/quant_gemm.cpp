@@ -140,6 +140,10 @@ QuantGemmArgs check_gemm(QuantFormat format, const at::Tensor& A, const at::Tens
 }
 
 at::Tensor run_gemm(const QuantGemmArgs& a) {
+  // The op has no autograd formula (its Autograd kernel falls through); the ATen calls the kernels
+  // make (BLAS on dequantized panels) must not record autograd either, or an input that requires
+  // grad makes them raise (the modules give the input its gradient, torch_marlin/ops.py).
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
   at::Tensor C = at::empty({a.M, a.N}, a.A.options());
   if (a.M == 0 || a.N == 0) return C;
   const DeviceCaps caps = device_caps(a.A.device());
@@ -168,6 +172,7 @@ at::Tensor run_gemm(const QuantGemmArgs& a) {
 }
 
 at::Tensor run_dequant(const QuantGemmArgs& a) {
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;  // as in run_gemm
   at::Tensor W = at::empty({a.K, a.N}, a.scales.options());
   if (a.N == 0) return W;
   switch (a.B.device().type()) {

@@ -123,6 +123,9 @@ TrellisWeights check_weights(const char* op, const std::string& prefix, const at
 at::Tensor gemm_trellis_planned(const DeviceCaps* caps_given, const at::Tensor& A, const at::Tensor& packed,
                                 const at::Tensor& scales, const at::Tensor& grid, const at::Tensor& su,
                                 const at::Tensor& sv, int64_t K, int64_t N, int64_t bits, int64_t group_size) {
+  // No autograd below the op (its Autograd kernel falls through): the ATen calls of the kernels
+  // (BLAS on dequantized panels) would raise for an input that requires grad.
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
   const char* op = "gemm_trellis";
   check_activation(A, op, "A");
   check_params(K, N, bits, group_size, op);
@@ -164,6 +167,9 @@ at::Tensor gemm_trellis(const at::Tensor& A, const at::Tensor& packed, const at:
 at::Tensor dequant_trellis(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& grid,
                            const at::Tensor& su, const at::Tensor& sv, int64_t K, int64_t N, int64_t bits,
                            int64_t group_size) {
+  // No autograd below the op (its Autograd kernel falls through): the ATen calls of the kernels
+  // (BLAS on dequantized panels) would raise for an input that requires grad.
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
   const char* op = "dequant_trellis";
   check_params(K, N, bits, group_size, op);
   TrellisGemmArgs a;
@@ -196,6 +202,9 @@ at::Tensor moe_trellis(const at::Tensor& x, const at::Tensor& gate_packed, const
                        const at::Tensor& down_scales, const at::Tensor& down_grid, const at::Tensor& down_su,
                        const at::Tensor& down_sv, const at::Tensor& expert_ids, const at::Tensor& expert_probs,
                        int64_t intermediate, int64_t bits, int64_t group_size) {
+  // No autograd below the op (its Autograd kernel falls through): the ATen calls of the kernels
+  // (BLAS on dequantized panels) would raise for an input that requires grad.
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
   const char* op = "moe_trellis";
   check_activation(x, op, "x");
   const int64_t T = x.size(0), H = x.size(1);
