@@ -338,6 +338,47 @@ def test_transformers_loads_saves_and_quantizes_torch_marlin_checkpoints(tiny, t
         TorchMarlinConfig(format="int3")
 
 
+def test_transformers_imported_after_torch_marlin_reads_its_checkpoints():
+    """``import torch_marlin`` does not import transformers, yet a later ``import transformers``
+    registers the integration (else from_pretrained would skip our quant_method and load floats)."""
+    require("transformers")
+    import subprocess
+    import sys
+
+    code = ("import importlib.util, sys, torch_marlin; assert 'transformers' not in sys.modules; "
+            "assert importlib.util.find_spec('transformers') is not None; import transformers; "
+            "from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING as m; assert 'torch_marlin' in m")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+    pytest.param("mps", marks=pytest.mark.skipif(not torch.backends.mps.is_available(), reason="needs an Apple GPU")),
+])
+def test_transformers_device_map_places_the_quantized_layers(tiny, tmp_path, device):
+    """``device_map=device``: every quantized buffer lands on the device and the logits match the
+    CPU model's (other kernels, so up to fp32 summation order)."""
+    require("accelerate")
+    import copy
+
+    import transformers
+
+    model, _ = tiny
+    quantized = copy.deepcopy(model)
+    torch_marlin.patch_model(quantized, format="u4", group_size=GS, progress=False)
+    with torch.no_grad():
+        want = quantized(IDS).logits
+    torch_marlin.save_quantized(quantized, str(tmp_path / "tm"))
+    auto = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "tm"), device_map=device)
+    layer = auto.model.layers[0].self_attn.q_proj
+    assert isinstance(layer, MarlinLinear)
+    assert all(t.device.type == device for t in layer.buffers())
+    with torch.no_grad():
+        got = auto(IDS.to(device)).logits.cpu()
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * float(want.abs().max()))
+
+
 def test_cli_detects_quantized_checkpoints_and_compares_with_their_dequantized_weights(tiny, tmp_path):
     """scripts/patch_hf_model.py's path for already-quantized checkpoints: detection (GGUF files only
     with --keep-gguf-quantization, since a GGUF file is otherwise a float source to quantize again)

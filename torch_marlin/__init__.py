@@ -39,10 +39,49 @@ def __getattr__(name):
     raise AttributeError(f"module 'torch_marlin' has no attribute {name!r}")
 
 
+import importlib.abc as _abc  # noqa: E402
+import importlib.util as _util  # noqa: E402
 import sys as _sys  # noqa: E402
 
-if "transformers" in _sys.modules:  # registered now, so AutoModel*.from_pretrained reads torch_marlin checkpoints
+
+def _register_with_transformers() -> None:
+    """Registers the transformers integration, so AutoModel*.from_pretrained reads torch_marlin
+    checkpoints (without it transformers skips the unknown quant_method and loads float layers)."""
     try:
-        from . import hf_quantizer  # noqa: E402,F401
+        from . import hf_quantizer  # noqa: F401
     except ImportError:  # a transformers without the quantizer registry: the integration stays off
         pass
+
+
+class _OnTransformersImport(_abc.MetaPathFinder):
+    """Registers the integration right after transformers is first imported, whichever of the two
+    packages a program imports first, without importing transformers itself. A spec looked up
+    without loading (``importlib.util.find_spec``) leaves the hook in place for the real import."""
+
+    looking_up = False
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "transformers" or self.looking_up:
+            return None
+        self.looking_up = True  # the lookup below must not come back here
+        try:
+            spec = _util.find_spec(name)
+        finally:
+            self.looking_up = False
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                if self in _sys.meta_path:
+                    _sys.meta_path.remove(self)
+                _register_with_transformers()
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+if "transformers" in _sys.modules:
+    _register_with_transformers()
+else:
+    _sys.meta_path.insert(0, _OnTransformersImport())
