@@ -2,8 +2,8 @@
 
 Importing this module registers :class:`TorchMarlinConfig` and :class:`TorchMarlinHfQuantizer`
 through transformers' public ``register_quantization_config`` / ``register_quantizer``
-(``import torch_marlin`` does it too when transformers is already imported, and so does the
-first use of ``torch_marlin.TorchMarlinConfig``). Then:
+(``import torch_marlin`` makes that happen as soon as transformers is imported, before or after
+torch_marlin, without importing it itself; so does the first use of ``torch_marlin.TorchMarlinConfig``). Then:
 
 * ``AutoModelForCausalLM.from_pretrained(dir)`` loads a checkpoint written by
   :func:`torch_marlin.save_quantized` or ``save_pretrained``: every layer named in the config's
