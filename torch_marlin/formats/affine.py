@@ -8,9 +8,9 @@ from typing import Optional
 
 import torch
 
-from .gptq_solver import gptq_quantize
+from .gptq_solver import quantize_weight
 from .group_quant import AffineQuantizer
-from .int4_packing import group_view, pack_int4, unpack_int4
+from .int4_packing import pack_int4, unpack_int4
 
 
 def quantize_affine(w: torch.Tensor, group_size: int = 128, scale_dtype: torch.dtype = torch.float16,
@@ -26,16 +26,7 @@ def quantize_affine(w: torch.Tensor, group_size: int = 128, scale_dtype: torch.d
     Returns ``(B_packed int32 [K/8, N], scales [K/group_size, N], offsets [K/group_size, N])``,
     scales and offsets in ``scale_dtype``.
     """
-    if w.dim() != 2:
-        raise ValueError(f"w must be 2-D [K, N], got shape {tuple(w.shape)}")
-    wf = w.detach().to(torch.float32)
-    g = group_view(wf, group_size)
-    quantizer = AffineQuantizer(scale_dtype, search)
-    if hessian is not None:
-        q, params = gptq_quantize(wf, hessian, group_size, quantizer, **gptq_options)
-    else:
-        params = quantizer.fit(g)
-        q = quantizer.quantize(g, params)[0].reshape_as(wf)
+    q, params = quantize_weight(w, group_size, AffineQuantizer(scale_dtype, search), hessian, **gptq_options)
     return pack_int4(q), params["scales"].to(scale_dtype), params["offsets"].to(scale_dtype)
 
 

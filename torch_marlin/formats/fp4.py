@@ -8,9 +8,9 @@ from typing import Optional
 
 import torch
 
-from .gptq_solver import gptq_quantize
+from .gptq_solver import quantize_weight
 from .group_quant import Fp4Quantizer
-from .int4_packing import group_view, pack_int4, unpack_int4
+from .int4_packing import pack_int4, unpack_int4
 
 E2M1_VALUES = torch.tensor(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32
@@ -35,17 +35,7 @@ def quantize_fp4(w: torch.Tensor, group_size: int = 128, scale_dtype: torch.dtyp
     ``gptq_options``: ``act_order``, ``damp``, ``block_size``).
     Returns ``(B_packed int32 [K/8, N], scales [K/group_size, N] of scale_dtype)``.
     """
-    if w.dim() != 2:
-        raise ValueError(f"w must be 2-D [K, N], got shape {tuple(w.shape)}")
-    wf = w.detach().to(torch.float32)
-    g = group_view(wf, group_size)
-    quantizer = Fp4Quantizer(scale_dtype, search)
-    if hessian is not None:
-        code, params = gptq_quantize(wf, hessian, group_size, quantizer, **gptq_options)
-    else:
-        # Codes against the scale as stored, so dequant(quant(w)) uses exactly what the kernel sees.
-        params = quantizer.fit(g)
-        code = quantizer.quantize(g, params)[0].reshape_as(wf)
+    code, params = quantize_weight(w, group_size, Fp4Quantizer(scale_dtype, search), hessian, **gptq_options)
     return pack_int4(code), params["scales"].to(scale_dtype)
 
 

@@ -23,9 +23,11 @@ The per-group parameters come from the format's quantizer (torch_marlin/formats/
 with the squared error weighted by ``diag(H)``.
 """
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
+
+from .int4_packing import group_view
 
 DEFAULT_DAMP = 0.01
 DEFAULT_BLOCK = 128
@@ -140,3 +142,18 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, quant
     out[perm] = codes
     stacked = {k: torch.stack([p[k] for p in params]) for k in params[0]}
     return out, stacked
+
+
+def quantize_weight(w: torch.Tensor, group_size: int, quantizer, hessian: Optional[torch.Tensor] = None,
+                    **gptq_options):
+    """Codes ``[K, N]`` and per-group parameters of a ``[K, N]`` float weight with ``quantizer``:
+    round to nearest (codes against the parameters as stored, so dequantizing uses exactly what the
+    kernels see), or GPTQ error feedback when ``hessian`` ``[K, K]`` is given."""
+    if w.dim() != 2:
+        raise ValueError(f"w must be 2-D [K, N], got shape {tuple(w.shape)}")
+    wf = w.detach().to(torch.float32)
+    if hessian is not None:
+        return gptq_quantize(wf, hessian, group_size, quantizer, **gptq_options)
+    g = group_view(wf, group_size)
+    params = quantizer.fit(g)
+    return quantizer.quantize(g, params)[0].reshape_as(wf), params

@@ -7,9 +7,9 @@ from typing import Optional
 
 import torch
 
-from .gptq_solver import gptq_quantize
+from .gptq_solver import quantize_weight
 from .group_quant import u4_quantizer
-from .int4_packing import group_view, pack_int4, unpack_int4
+from .int4_packing import pack_int4, unpack_int4
 
 U4_MAX = 15
 S4_ZERO = 8
@@ -30,16 +30,7 @@ def quantize_u4(w: torch.Tensor, group_size: int = 128, symmetric: bool = False,
     ``gptq_options``: ``act_order``, ``damp``, ``block_size``).
     Returns ``(B_packed int32 [K/8, N], scales [K/group_size, N], zeros uint8 [K/group_size, N])``.
     """
-    if w.dim() != 2:
-        raise ValueError(f"w must be 2-D [K, N], got shape {tuple(w.shape)}")
-    wf = w.detach().to(torch.float32)
-    g = group_view(wf, group_size)
-    quantizer = u4_quantizer(symmetric, scale_dtype, search)
-    if hessian is not None:
-        q, params = gptq_quantize(wf, hessian, group_size, quantizer, **gptq_options)
-    else:
-        params = quantizer.fit(g)
-        q = quantizer.quantize(g, params)[0].reshape_as(wf)
+    q, params = quantize_weight(w, group_size, u4_quantizer(symmetric, scale_dtype, search), hessian, **gptq_options)
     return pack_int4(q), params["scales"].to(scale_dtype), params["zeros"].to(torch.uint8)
 
 
