@@ -41,29 +41,6 @@ def sync(device):
         torch.mps.synchronize()
 
 
-def bench(fn, device, reps, min_time=0.2):
-    """Median wall time in seconds of fn() after a warm-up; at least `reps` runs, and more for fast
-    calls until min_time has passed (for stable medians of microsecond-scale kernels)."""
-    fn()
-    sync(device)
-    times = []
-    start = time.perf_counter()
-    while len(times) < reps or (time.perf_counter() - start < min_time and len(times) < 1000):
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(begin.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def bench_interleaved(fns, device, reps, min_time=0.2, clock=time.perf_counter):
     """Median time in seconds of each fn in fns, timed in rounds of one call each (after one
     warm-up call each); at least `reps` rounds, more for fast calls until min_time has passed.
@@ -88,6 +65,11 @@ def bench_interleaved(fns, device, reps, min_time=0.2, clock=time.perf_counter):
                 sync(device)
                 ts.append(clock() - t0)
     return [statistics.median(ts) for ts in times]
+
+
+def bench(fn, device, reps, min_time=0.2):
+    """Median wall time in seconds of fn() alone (see bench_interleaved)."""
+    return bench_interleaved([fn], device, reps, min_time)[0]
 
 
 def cpu_model_name():
