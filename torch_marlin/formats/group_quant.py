@@ -45,6 +45,19 @@ def _ls_scale(g: torch.Tensor, c: torch.Tensor, weight, fallback: torch.Tensor) 
     return torch.where(den > 0, num / den.clamp(min=1e-30), fallback)
 
 
+def _ls_affine(g: torch.Tensor, q: torch.Tensor, weight: torch.Tensor, n: torch.Tensor, sw: torch.Tensor):
+    """Least-squares ``(scale, offset, ok)`` of ``g ~ scale * q + offset`` for fixed codes ``q``,
+    rows weighted by ``weight`` (``n`` and ``sw``: its sum and the weighted sum of ``g``); ``ok``
+    where the fit is determined and the scale positive."""
+    sq, sqq, swq = (weight * q).sum(-2), (weight * q * q).sum(-2), (weight * q * g).sum(-2)
+    det = n * sqq - sq * sq
+    ok = det > 0
+    detc = torch.where(ok, det, torch.ones_like(det))
+    s = (n * swq - sq * sw) / detc
+    off = (sqq * sw - sq * swq) / detc
+    return s, off, ok & (s > 0)
+
+
 class ScaleQuantizer:
     """``w = level(code) * scale``: a fixed set of levels and one scale per group and column.
 
@@ -211,13 +224,7 @@ class AsymmetricU4Quantizer:
         for d in self.STEPS:
             inv = torch.where(rng > 0, (15.0 + d) / rng.clamp(min=1e-30), torch.zeros_like(rng))
             q = torch.round((g - lo.unsqueeze(-2)) * inv.unsqueeze(-2)).clamp(0, 15)
-            sq, sqq, swq = (ones * q).sum(-2), (ones * q * q).sum(-2), (ones * q * g).sum(-2)
-            det = n * sqq - sq * sq
-            ok = det > 0
-            detc = torch.where(ok, det, torch.ones_like(det))
-            s = (n * swq - sq * sw) / detc
-            off = (sqq * sw - sq * swq) / detc
-            ok = ok & (s > 0)
+            s, off, ok = _ls_affine(g, q, ones, n, sw)
             s = self._stored(torch.where(ok, s, best_s))
             z = torch.round(-off / _safe(s)).clamp(0, 15)
             e = _err(g, self._deq(g, s, z), wt)
@@ -273,17 +280,6 @@ class AffineQuantizer:
     def _deq(self, g, s, b):
         return self._codes(g, s, b) * s.unsqueeze(-2) + b.unsqueeze(-2)
 
-    @staticmethod
-    def _ls_fit(g, q, ones, n, sw):
-        """Least-squares ``(scale, offset, ok)`` of ``g ~ scale * q + offset``, weighted by ``ones``."""
-        sq, sqq, swq = (ones * q).sum(-2), (ones * q * q).sum(-2), (ones * q * g).sum(-2)
-        det = n * sqq - sq * sq
-        ok = det > 0
-        detc = torch.where(ok, det, torch.ones_like(det))
-        s = (n * swq - sq * sw) / detc
-        off = (sqq * sw - sq * swq) / detc
-        return s, off, ok & (s > 0)
-
     def fit(self, g: torch.Tensor, weight: Optional[torch.Tensor] = None) -> Params:
         g = g.to(torch.float32)
         wt = weight
@@ -299,7 +295,7 @@ class AffineQuantizer:
             inv = torch.where(rng > 0, (15.0 + d) / rng.clamp(min=1e-30), torch.zeros_like(rng))
             q = torch.round((g - lo.unsqueeze(-2)) * inv.unsqueeze(-2)).clamp(0, 15)
             for _ in range(2):
-                s, off, ok = self._ls_fit(g, q, ones, n, sw)
+                s, off, ok = _ls_affine(g, q, ones, n, sw)
                 s, b = self._stored(torch.where(ok, s, best_s)), self._stored(torch.where(ok, off, best_b))
                 q = self._codes(g, s, b)
                 e = _err(g, q * s.unsqueeze(-2) + b.unsqueeze(-2), wt)
