@@ -16,7 +16,6 @@ On CPU a dense fp32 baseline is printed too, whatever the activation dtype.
 """
 
 import argparse
-import platform
 import statistics
 import time
 
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 
 import torch_marlin  # noqa: F401
 from torch_marlin.formats import quantize_fp4, quantize_u4
+from torch_marlin.selfcheck import chip_name
 
 # q/k/v/o, gate/up, down, and q/k/v fused into one GEMM.
 LLAMA7B_SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 12288)]
@@ -70,18 +70,6 @@ def bench_interleaved(fns, device, reps, min_time=0.2, clock=time.perf_counter):
 def bench(fn, device, reps, min_time=0.2):
     """Median wall time in seconds of fn() alone (see bench_interleaved)."""
     return bench_interleaved([fn], device, reps, min_time)[0]
-
-
-def cpu_model_name():
-    """The CPU's model name as lscpu prints it (falls back to the architecture)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def random_trellis(K, N, bits, group_size, experts=()):
@@ -210,7 +198,7 @@ def main():
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "float16"))
     torch.manual_seed(0)
     if device.type == "cpu":
-        machine = f"{cpu_model_name()}, {torch.get_num_threads()} threads"
+        machine = f"{chip_name('cpu')}, {torch.get_num_threads()} threads"
     else:
         machine = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     print(f"# torch {torch.__version__}, device {device} ({machine}), activations {dtype}, group {args.group_size}")
