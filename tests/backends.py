@@ -18,6 +18,8 @@ import zlib
 import pytest
 import torch
 
+import torch_marlin  # noqa: F401  (registers the ops whose CUDA kernels the CUDA backend lists)
+
 INT4_OPS = ("gemm_fp4", "gemm_u4", "dequant_fp4", "dequant_u4", "gemm_affine", "dequant_affine")
 TRELLIS_OPS = ("gemm_trellis", "dequant_trellis", "moe_trellis")
 OPS = INT4_OPS + TRELLIS_OPS
@@ -81,7 +83,9 @@ class MetalEmuBackend(Backend):
 
 CPU = DeviceBackend("cpu", "cpu", exact_products=True)
 METAL_EMU = MetalEmuBackend()
-CUDA = DeviceBackend("cuda", "cuda", exact_products=False, ops=INT4_OPS)  # no CUDA trellis kernels
+# The ops this build registers for CUDA (there are no CUDA trellis kernels yet).
+CUDA = DeviceBackend("cuda", "cuda", exact_products=False,
+                     ops=tuple(op for op in OPS if torch._C._dispatch_has_kernel_for_dispatch_key(f"marlin::{op}", "CUDA")))
 MPS = DeviceBackend("mps", "mps", exact_products=False)
 
 BACKENDS = [

@@ -18,6 +18,7 @@ from torch import nn
 import torch_marlin
 from torch_marlin import MarlinLinear, TrellisLinear, _C
 
+from backends import CUDA as CUDA_BACKEND
 from optional_packages import require
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -98,10 +99,6 @@ def quantized_stack(make_layer, depth=4, features=4096):
     return nn.Sequential(*layers).eval()
 
 
-def has_cuda_kernel(op):
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"marlin::{op}", "CUDA")
-
-
 LAYERS = {
     "fp4": lambda lin: MarlinLinear.from_linear(lin, format="fp4", group_size=128),
     "u4": lambda lin: MarlinLinear.from_linear(lin, format="u4", group_size=128),
@@ -113,8 +110,8 @@ LAYERS = {
 @pytest.mark.parametrize("M", [1, 64])
 @pytest.mark.parametrize("fmt", list(LAYERS))
 def test_compile_reduce_overhead_stack(fmt, M):
-    if fmt == "trellis" and not has_cuda_kernel("gemm_trellis"):
-        pytest.skip("this build has no CUDA trellis kernels")
+    if fmt == "trellis":
+        CUDA_BACKEND.require("gemm_trellis")
     model = quantized_stack(LAYERS[fmt])
     x = torch.randn(M, 4096, device="cuda", dtype=torch.float16) / 8
     torch._dynamo.reset()
