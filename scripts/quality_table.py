@@ -47,7 +47,7 @@ import evaluation  # noqa: E402  (scripts/evaluation.py)
 from torch_marlin.formats.group_quant import AsymmetricU4Quantizer  # noqa: E402
 
 OURS = {  # name -> (format, options)
-    "fp4": ("fp4", {}), "u4": ("u4", {}), "u4 sym": ("u4", {"symmetric": True}),
+    "fp4": ("fp4", {}), "u4": ("u4", {}), "u4 sym": ("u4", {"symmetric": True}), "affine": ("affine", {}),
     "trellis4": ("trellis", {"bits": 4}), "trellis3": ("trellis", {"bits": 3}), "trellis2": ("trellis", {"bits": 2}),
 }
 REFS = ("mlx4", "mlx3", "q4_0", "q4_k", "nvfp4")
@@ -55,8 +55,8 @@ REFS = ("mlx4", "mlx3", "q4_0", "q4_k", "nvfp4")
 
 def default_rows(g):
     rows = []
-    for name in ("fp4", "u4", "u4 sym", "trellis4", "trellis3", "trellis2"):
-        sizes = (g, g // 2) if name in ("fp4", "u4") and g >= 128 else (g,)
+    for name in ("fp4", "u4", "affine", "u4 sym", "trellis4", "trellis3", "trellis2"):
+        sizes = (g, g // 2) if name in ("fp4", "u4", "affine") and g >= 128 else (g,)
         for gs in sizes:
             rows += [f"{name} g{gs}", f"{name} g{gs} gptq"]
     return rows + list(REFS)
