@@ -108,7 +108,7 @@ def nvfp4(w: torch.Tensor):
     g = float(w.abs().max()) / (6 * 448) or 1.0
     s = (x.abs().amax(-1) / 6 / g).to(torch.float8_e4m3fn).float() * g
     sd = torch.where(s > 0, s, torch.ones_like(s))[..., None]
-    mags = E2M1_VALUES[:8]
+    mags = E2M1_VALUES[:8].to(x.device)
     code = torch.bucketize((x / sd).abs().contiguous(), (mags[1:] + mags[:-1]) / 2)
     deq = torch.sign(x) * mags[code] * s[..., None]
     return deq.reshape(w.shape), 4 + 8 / 16 + 32 / w.numel()
