@@ -227,7 +227,7 @@ def bad_gemm_cases():
         (dict(offsets=w["scales"]), "offsets is only for format 'affine'"),
         (dict(format="nf4"), "format must be one of"),
         (dict(K=48), "K must be a positive multiple of 32"),
-        (dict(N=11), "word_offsets must have shape"),
+        (dict(N=13), "word_offsets must have shape"),
         (dict(group_size=48), "group_size must be a positive multiple of 32"),
         (dict(channels_per_tile=3), "word_offsets must have shape"),
         (dict(bias=torch.randn(N + 1)), "bias must have shape"),

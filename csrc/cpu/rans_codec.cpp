@@ -123,7 +123,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rans_encode_cpu(const
   return {words, offsets, states, freqs};
 }
 
-void rans_decode_to_packed(const RansCodes& codes, at::Tensor& B_packed, bool check) {
+namespace {
+
+template <bool kAvx2>
+void decode_to_packed(const RansCodes& codes, at::Tensor& B_packed, bool check) {
   const int64_t K = codes.K, N = codes.N, C = codes.channels_per_tile, T = codes.tiles;
   const int16_t* words = codes.words.data_ptr<int16_t>();
   const int32_t* offsets = codes.word_offsets.data_ptr<int32_t>();
@@ -141,7 +144,7 @@ void rans_decode_to_packed(const RansCodes& codes, at::Tensor& B_packed, bool ch
       for (int64_t c = 0; c < channels; ++c) {
         int32_t* col = B + n0 + c;
         for (int64_t j = 0; j < K / TM_RANS_LANES; ++j) {
-          dec->step(sym);
+          dec->template step_as<kAvx2>(sym);
           for (int i = 0; i < 4; ++i) {
             uint32_t w = 0;
             for (int r = 0; r < 8; ++r) w |= uint32_t(sym[8 * i + r]) << (4 * r);
@@ -163,8 +166,18 @@ void rans_decode_to_packed(const RansCodes& codes, at::Tensor& B_packed, bool ch
                     ")");
 }
 
-void rans_decode_cpu(const RansPlan&, const RansCodes& codes, at::Tensor& B_packed) {
-  rans_decode_to_packed(codes, B_packed, /*check=*/true);
+}  // namespace
+
+void rans_decode_to_packed(const RansCodes& codes, at::Tensor& B_packed, bool check, bool avx2) {
+  if (avx2) {
+    decode_to_packed<true>(codes, B_packed, check);
+  } else {
+    decode_to_packed<false>(codes, B_packed, check);
+  }
+}
+
+void rans_decode_cpu(const RansPlan& plan, const RansCodes& codes, at::Tensor& B_packed) {
+  rans_decode_to_packed(codes, B_packed, /*check=*/true, plan.cpu_avx2);
 }
 
 }  // namespace torch_marlin

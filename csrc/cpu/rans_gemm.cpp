@@ -28,7 +28,7 @@ struct FusedOperands {
   const float* asum = nullptr;    // [M, G]: sums of A per group (U4, Affine)
 };
 
-template <QuantFormat F>
+template <QuantFormat F, bool kAvx2>
 void fused_tiles(const RansGemmArgs& a, const FusedOperands& o, float* C, int64_t t0, int64_t t1) {
   const int64_t M = a.M, K = a.K, N = a.N, gs = a.group_size, G = K / gs;
   const int64_t Cw = a.codes.channels_per_tile;
@@ -50,7 +50,7 @@ void fused_tiles(const RansGemmArgs& a, const FusedOperands& o, float* C, int64_
         for (int64_t m = 0; m < M; ++m)
           for (int64_t l = 0; l < kLanes; ++l) gacc[m][l] = 0.f;
         for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += kLanes) {
-          dec->step(sym);
+          dec->template step_as<kAvx2>(sym);
           for (int64_t l = 0; l < kLanes; ++l) v[l] = lut[sym[l]];
           for (int64_t m = 0; m < M; ++m) {
             const float* __restrict am = o.A + m * K + k0;
@@ -73,6 +73,15 @@ void fused_tiles(const RansGemmArgs& a, const FusedOperands& o, float* C, int64_
       }
       for (int64_t m = 0; m < M; ++m) C[m * N + n] = acc[m] + (o.bias ? o.bias[n] : 0.f);
     }
+  }
+}
+
+template <bool kAvx2>
+void fused_format(const RansGemmArgs& a, const FusedOperands& o, float* C, int64_t t0, int64_t t1) {
+  switch (a.format) {
+    case QuantFormat::FP4: fused_tiles<QuantFormat::FP4, kAvx2>(a, o, C, t0, t1); break;
+    case QuantFormat::U4: fused_tiles<QuantFormat::U4, kAvx2>(a, o, C, t0, t1); break;
+    case QuantFormat::Affine: fused_tiles<QuantFormat::Affine, kAvx2>(a, o, C, t0, t1); break;
   }
 }
 
@@ -104,10 +113,10 @@ void fused_gemm(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) {
   at::Tensor out = direct ? C : at::empty({a.M, a.N}, C.options().dtype(at::kFloat));
   float* Cp = out.data_ptr<float>();
   at::parallel_for(0, int64_t(plan.decode.grid[0]), 1, [&](int64_t t0, int64_t t1) {
-    switch (a.format) {
-      case QuantFormat::FP4: fused_tiles<QuantFormat::FP4>(a, o, Cp, t0, t1); break;
-      case QuantFormat::U4: fused_tiles<QuantFormat::U4>(a, o, Cp, t0, t1); break;
-      case QuantFormat::Affine: fused_tiles<QuantFormat::Affine>(a, o, Cp, t0, t1); break;
+    if (plan.cpu_avx2) {
+      fused_format<true>(a, o, Cp, t0, t1);
+    } else {
+      fused_format<false>(a, o, Cp, t0, t1);
     }
   });
   if (!direct) C.copy_(out);
@@ -123,7 +132,7 @@ void staged_gemm(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) {
   q.dtype = a.dtype;
   q.A = a.A;
   q.B = at::empty({a.K / 8, a.N}, a.codes.words.options().dtype(at::kInt));
-  rans_decode_to_packed(a.codes, q.B, /*check=*/false);
+  rans_decode_to_packed(a.codes, q.B, /*check=*/false, plan.cpu_avx2);
   q.scales = a.scales;
   q.zeros = a.zeros;
   q.offsets = a.offsets;
