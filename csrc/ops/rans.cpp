@@ -136,7 +136,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rans_encode(const at:
   return rans_encode_cpu(B.contiguous(), C);
 }
 
-
 at::Tensor rans_decode_planned(const DeviceCaps* caps_given, const at::Tensor& words, const at::Tensor& word_offsets,
                                const at::Tensor& states, const at::Tensor& freqs, int64_t K, int64_t N,
                                int64_t channels_per_tile) {
