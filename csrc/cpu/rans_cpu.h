@@ -88,7 +88,9 @@ struct RansTileDecoder {
   // step() with 8 lanes per vector: table gather, state update and the renormalization test for
   // 8 lanes at once; the lanes that need a word take the next ones of the stream in lane order
   // through a permute of the 8 words at the stream pointer (index table by the need mask).
-  inline void step_avx2(uint8_t* __restrict sym) {
+  // `per_vector(v, symbols)` receives lanes [8v, 8v + 8) as 8 int32 symbols.
+  template <class PerVector>
+  inline void step_avx2(PerVector&& per_vector) {
     const __m256i slot_mask = _mm256_set1_epi32(int(TM_RANS_PROB_MASK));
     const __m256i freq_mask = _mm256_set1_epi32(int(kRansFreqMask));
     for (uint32_t v = 0; v < TM_RANS_LANES / 8; ++v) {
@@ -104,12 +106,16 @@ struct RansTileDecoder {
           _mm256_load_si256(reinterpret_cast<const __m256i*>(lane_word_index().idx[mask])));
       nx = _mm256_blendv_epi8(nx, _mm256_or_si256(_mm256_slli_epi32(nx, int(TM_RANS_WORD_BITS)), w), need);
       _mm256_store_si256(reinterpret_cast<__m256i*>(x + 8 * v), nx);
-      // Symbols (bits 25..28) to 8 bytes.
-      const __m256i s32 = _mm256_srli_epi32(e, int(kRansSymbolShift));
+      ptr += __builtin_popcount(unsigned(mask));
+      per_vector(v, _mm256_srli_epi32(e, int(kRansSymbolShift)));
+    }
+  }
+
+  inline void step_avx2(uint8_t* __restrict sym) {
+    step_avx2([sym](uint32_t v, __m256i s32) {
       const __m128i s16 = _mm_packus_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
       _mm_storel_epi64(reinterpret_cast<__m128i*>(sym + 8 * v), _mm_packus_epi16(s16, s16));
-      ptr += __builtin_popcount(unsigned(mask));
-    }
+    });
   }
 
   // The 8 words at ptr, zeros past the stream's end.
