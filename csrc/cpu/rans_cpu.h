@@ -93,6 +93,8 @@ struct RansTileDecoder {
   inline void step_avx2(PerVector&& per_vector) {
     const __m256i slot_mask = _mm256_set1_epi32(int(TM_RANS_PROB_MASK));
     const __m256i freq_mask = _mm256_set1_epi32(int(kRansFreqMask));
+    const int32_t(*const word_index)[8] = lane_word_index().idx;
+    int64_t p = ptr;  // in a register across the 4 vectors (the member would go through memory)
     for (uint32_t v = 0; v < TM_RANS_LANES / 8; ++v) {
       const __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(x + 8 * v));
       const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(table), _mm256_and_si256(xv, slot_mask), 4);
@@ -102,13 +104,13 @@ struct RansTileDecoder {
       const __m256i need = _mm256_cmpeq_epi32(_mm256_srli_epi32(nx, int(TM_RANS_WORD_BITS)), _mm256_setzero_si256());
       const int mask = _mm256_movemask_ps(_mm256_castsi256_ps(need));
       const __m256i w = _mm256_permutevar8x32_epi32(
-          _mm256_cvtepu16_epi32(next8()),
-          _mm256_load_si256(reinterpret_cast<const __m256i*>(lane_word_index().idx[mask])));
+          _mm256_cvtepu16_epi32(next8(p)), _mm256_load_si256(reinterpret_cast<const __m256i*>(word_index[mask])));
       nx = _mm256_blendv_epi8(nx, _mm256_or_si256(_mm256_slli_epi32(nx, int(TM_RANS_WORD_BITS)), w), need);
       _mm256_store_si256(reinterpret_cast<__m256i*>(x + 8 * v), nx);
-      ptr += __builtin_popcount(unsigned(mask));
+      p += __builtin_popcount(unsigned(mask));
       per_vector(v, _mm256_srli_epi32(e, int(kRansSymbolShift)));
     }
+    ptr = p;
   }
 
   inline void step_avx2(uint8_t* __restrict sym) {
@@ -118,11 +120,11 @@ struct RansTileDecoder {
     });
   }
 
-  // The 8 words at ptr, zeros past the stream's end.
-  inline __m128i next8() const {
-    if (ptr + 8 <= len) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(stream + ptr));
+  // The 8 words at p, zeros past the stream's end.
+  inline __m128i next8(int64_t p) const {
+    if (p + 8 <= len) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(stream + p));
     alignas(16) uint16_t w[8];
-    for (int i = 0; i < 8; ++i) w[i] = uint16_t(word(ptr + i));
+    for (int i = 0; i < 8; ++i) w[i] = uint16_t(word(p + i));
     return _mm_load_si128(reinterpret_cast<const __m128i*>(w));
   }
 
