@@ -47,7 +47,7 @@ import evaluation  # noqa: E402  (scripts/evaluation.py)
 from torch_marlin.formats.group_quant import AsymmetricU4Quantizer  # noqa: E402
 
 OURS = {  # name -> (format, options)
-    "fp4": ("fp4", {}), "u4": ("u4", {}), "u4 sym": ("u4", {"symmetric": True}),
+    "fp4": ("fp4", {}), "u4": ("u4", {}), "u4 sym": ("u4", {"symmetric": True}), "affine": ("affine", {}),
     "trellis4": ("trellis", {"bits": 4}), "trellis3": ("trellis", {"bits": 3}), "trellis2": ("trellis", {"bits": 2}),
 }
 REFS = ("mlx4", "mlx3", "q4_0", "q4_k", "nvfp4")
@@ -55,8 +55,8 @@ REFS = ("mlx4", "mlx3", "q4_0", "q4_k", "nvfp4")
 
 def default_rows(g):
     rows = []
-    for name in ("fp4", "u4", "u4 sym", "trellis4", "trellis3", "trellis2"):
-        sizes = (g, g // 2) if name in ("fp4", "u4") and g >= 128 else (g,)
+    for name in ("fp4", "u4", "affine", "u4 sym", "trellis4", "trellis3", "trellis2"):
+        sizes = (g, g // 2) if name in ("fp4", "u4", "affine") and g >= 128 else (g,)
         for gs in sizes:
             rows += [f"{name} g{gs}", f"{name} g{gs} gptq"]
     return rows + list(REFS)
@@ -108,7 +108,7 @@ def nvfp4(w: torch.Tensor):
     g = float(w.abs().max()) / (6 * 448) or 1.0
     s = (x.abs().amax(-1) / 6 / g).to(torch.float8_e4m3fn).float() * g
     sd = torch.where(s > 0, s, torch.ones_like(s))[..., None]
-    mags = E2M1_VALUES[:8]
+    mags = E2M1_VALUES[:8].to(x.device)
     code = torch.bucketize((x / sd).abs().contiguous(), (mags[1:] + mags[:-1]) / 2)
     deq = torch.sign(x) * mags[code] * s[..., None]
     return deq.reshape(w.shape), 4 + 8 / 16 + 32 / w.numel()
