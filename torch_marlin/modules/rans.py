@@ -12,6 +12,7 @@ from .marlin import MarlinLinear, _flatten
 
 _GEMM_RANS = torch.ops.marlin.gemm_rans.default
 _CODE_BUFFERS = ("rans_words", "rans_word_offsets", "rans_states", "rans_freqs")
+_UNCODED_BUFFERS = ("scales", "zeros", "offsets", "bias", "input_perm")  # MarlinLinear's, minus B_packed
 
 
 def coding_unsupported(in_features: int, group_size: int) -> Optional[str]:
@@ -64,9 +65,12 @@ class RansLinear(nn.Module):
         freqs = torch.zeros(T, rans_format.SYMBOLS, dtype=torch.int16, device=device)
         freqs[:, 0] = rans_format.PROB_SCALE
         self.register_buffer("rans_freqs", freqs)
-        for name, buf in template._buffers.items():
-            if name != "B_packed":
-                self.register_buffer(name, None if buf is None else torch.empty_like(buf, device=device))
+        for name in _UNCODED_BUFFERS:
+            buf = getattr(template, name)
+            if buf is None:
+                setattr(self, name, None)
+            else:
+                self.register_buffer(name, torch.empty(buf.shape, dtype=buf.dtype, device=device))
         if self.scales is not None:
             self.scales.fill_(1)
         if self.zeros is not None:
@@ -99,9 +103,9 @@ class RansLinear(nn.Module):
         with torch.no_grad():
             for name, t in zip(_CODE_BUFFERS, (words, offsets, states, freqs)):
                 mod._buffers[name] = t.to(device)
-            for name, buf in layer._buffers.items():
-                if name != "B_packed" and buf is not None:
-                    mod._buffers[name].copy_(buf)
+            for name in _UNCODED_BUFFERS:
+                if getattr(layer, name) is not None:
+                    mod._buffers[name].copy_(getattr(layer, name))
         mod.train(layer.training)
         return mod
 
@@ -118,9 +122,9 @@ class RansLinear(nn.Module):
                            act_order=self.input_perm is not None)
         with torch.no_grad():
             mod.B_packed.copy_(self.decoded_codes())
-            for name, buf in mod._buffers.items():
-                if name != "B_packed" and buf is not None:
-                    buf.copy_(self._buffers[name])
+            for name in _UNCODED_BUFFERS:
+                if getattr(mod, name) is not None:
+                    getattr(mod, name).copy_(self._buffers[name])
         mod.train(self.training)
         return mod
 
