@@ -96,6 +96,9 @@ def build_parser():
     p.add_argument("--skip", nargs="*", default=["lm_head"], help="Linear layers kept in float")
     p.add_argument("--fuse", action="store_true",
                    help="run q/k/v and gate/up projections as one quantized GEMM each (patch_model(fuse=True))")
+    p.add_argument("--entropy-coding", action="store_true",
+                   help="store the 4-bit codes rANS-coded (lossless, fewer bytes; fp4, u4 and affine; "
+                        "patch_model(entropy_coding=True))")
     p.add_argument("--save", metavar="DIR", default=None,
                    help="write the quantized checkpoint there and check it reloads identically; None: not saved")
     p.add_argument("--prompt", default=None,
@@ -124,6 +127,8 @@ def parse_args(argv=None):
         fail("--bits applies to --format trellis only (fp4, u4 and affine are 4-bit)", p)
     if args.format == "trellis" and args.group_size % 16 != 0:
         fail(f"--group-size: trellis needs a positive multiple of 16, got {args.group_size}", p)
+    if args.entropy_coding and args.format == "trellis":
+        fail("--entropy-coding applies to --format fp4, u4 or affine (trellis indices are not coded)", p)
     if args.fuse and args.save:
         fail("--fuse and --save: checkpoints are saved unfused (fuse after load_quantized); drop one of them", p)
     if args.calibration is None:
@@ -396,9 +401,16 @@ def load_prequantized(args, dev, path, dtype, source):
     print(f"loaded the {source} checkpoint as it is ({len(layers)} MarlinLinear layers, {first.format} "
           f"g{first.group_size} first) in {time.perf_counter() - t0:.1f} s; --format/--group-size/--method do not apply")
     fm = dequantized_copy(qm)
+    label = f"{source} {first.format} g{first.group_size}"
+    if args.entropy_coding:
+        report.quantized_bytes = 0
+        torch_marlin.entropy_code(qm, progress=show_progress(), report=report)
+        report.quantized_bytes = sum(_module_bytes(m) for _, m in qm.named_modules()
+                                     if isinstance(m, (torch_marlin.MarlinLinear, torch_marlin.RansLinear)))
+        label += " rans"
     qm.to(dev)
     fm.to(dev)
-    return fm, qm, tok, evaluation.CAUSAL_LM, report, f"{source} {first.format} g{first.group_size}"
+    return fm, qm, tok, evaluation.CAUSAL_LM, report, label
 
 
 def run(args, dev, path, dtype, progress, t_start):
@@ -426,7 +438,8 @@ def run(args, dev, path, dtype, progress, t_start):
         opts["method"], opts["calibration"] = "gptq", evaluation.calibration_batches(tok, lines)
         print(f"calibration: {len(lines)} samples from {args.calibration}")
     report = torch_marlin.patch_model(qm, format=args.format, group_size=args.group_size, skip=args.skip, device=dev,
-                                      progress=progress, fuse=args.fuse, **opts)
+                                      progress=progress, fuse=args.fuse, entropy_coding=args.entropy_coding,
+                                      **opts)
     print(report)
     print(f"quantized in {time.perf_counter() - t0:.1f} s")
     if not report.replaced:
@@ -438,7 +451,7 @@ def run(args, dev, path, dtype, progress, t_start):
               "divide their in_features; a smaller group size (e.g. 64) quantizes them")
 
     label = (f"{args.format}{args.bits or ''} g{args.group_size}" + (" gptq" if args.method == "gptq" else "") +
-             (" fused" if args.fuse else ""))
+             (" fused" if args.fuse else "") + (" rans" if args.entropy_coding else ""))
     compare(args, dev, dtype, fm, qm, tok, kind, report, label, t_start)
 
 

@@ -12,23 +12,24 @@ if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < _MIN_
 from . import _C  # noqa: E402,F401  (registers torch.ops.marlin.*)
 from . import ops  # noqa: E402,F401  (fake kernels for torch.compile)
 from .planner import plan_gemm  # noqa: E402
-from .modules import MarlinLinear  # noqa: E402
+from .modules import MarlinLinear, RansLinear  # noqa: E402
 from .planner import plan_trellis  # noqa: E402
 from .planner import plan_rans  # noqa: E402
 from .modules import TrellisLinear, TrellisMoE  # noqa: E402
 
-__all__ = ["MarlinLinear", "plan_gemm", "ops", "TrellisLinear", "TrellisMoE", "plan_trellis", "plan_rans"]
+__all__ = ["MarlinLinear", "RansLinear", "plan_gemm", "ops", "TrellisLinear", "TrellisMoE", "plan_trellis",
+           "plan_rans"]
 __version__ = "0.1.0"
 
 # Real models: patching, quantized checkpoints, other tools' checkpoints (none of these imports transformers
 # until called).
-from .patching import patch_model  # noqa: E402
+from .patching import entropy_code, patch_model  # noqa: E402
 from .checkpoint import load_quantized, save_quantized  # noqa: E402
 from .loaders.gptq import import_gptq, marlin_linear_from_gptq  # noqa: E402
 
 from .loaders.pretrained import from_pretrained  # noqa: E402
 
-__all__ += ["patch_model", "save_quantized", "load_quantized", "marlin_linear_from_gptq", "import_gptq",
+__all__ += ["patch_model", "entropy_code", "save_quantized", "load_quantized", "marlin_linear_from_gptq", "import_gptq",
             "from_pretrained"]
 
 

@@ -25,7 +25,7 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from .patching import LAYER_TYPES, layer_type_of, quantized_layer_entry, resolve_device
+from .patching import layer_type_for_entry, layer_type_of, quantized_layer_entry, resolve_device
 
 CONFIG_NAME = "torch_marlin.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -129,8 +129,10 @@ def _read_config(directory: str) -> dict:
         if key not in cfg:
             raise ValueError(f"{path}: missing key '{key}'")
     for name, entry in cfg["layers"].items():
-        if not isinstance(entry, dict) or entry.get("format") not in LAYER_TYPES:
-            raise ValueError(f"{path}: layer '{name}' has no valid format (one of {tuple(LAYER_TYPES)}): {entry!r}")
+        try:
+            layer_type_for_entry(entry)
+        except ValueError as e:
+            raise ValueError(f"{path}: layer '{name}' has {e}") from e
         missing = [k for k in ("in_features", "out_features", "group_size", "bias", "dtype") if k not in entry]
         if missing:
             raise ValueError(f"{path}: layer '{name}' is missing {missing}")
@@ -207,7 +209,7 @@ def load_quantized(directory: str, model: Optional[nn.Module] = None, device=Non
         prefix = name + "."
         tensors = {k[len(prefix):]: v for k, v in header.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
         try:
-            LAYER_TYPES[entry["format"]].check_shapes(entry, tensors)
+            layer_type_for_entry(entry).check_shapes(entry, tensors)
         except ValueError as e:
             raise ValueError(f"{path}: layer '{name}': {e}") from e
     for alias, target in cfg["tied"].items():
@@ -227,7 +229,7 @@ def load_quantized(directory: str, model: Optional[nn.Module] = None, device=Non
                 (in_f, out_f) != (entry["in_features"], entry["out_features"]):
             raise ValueError(f"{CONFIG_NAME}: layer '{name}' is {entry['in_features']}->{entry['out_features']}, "
                              f"the model has {type(old).__name__} {in_f}->{out_f} there")
-        new = LAYER_TYPES[entry["format"]].empty(entry, "cpu")
+        new = layer_type_for_entry(entry).empty(entry, "cpu")
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 

@@ -44,15 +44,17 @@ class TorchMarlinConfig(QuantizationConfigMixin):
         self.post_init()
 
     def post_init(self):
-        from .patching import LAYER_TYPES
+        from .patching import LAYER_TYPES, layer_type_for_entry
 
         if self.format not in LAYER_TYPES:
             raise ValueError(f"TorchMarlinConfig: format must be one of {tuple(LAYER_TYPES)}, got {self.format!r}")
         if not isinstance(self.group_size, int) or self.group_size <= 0 or self.group_size % 8 != 0:
             raise ValueError(f"TorchMarlinConfig: group_size must be a positive multiple of 8, got {self.group_size!r}")
         for name, entry in self.layers.items():
-            if not isinstance(entry, dict) or entry.get("format") not in LAYER_TYPES:
-                raise ValueError(f"TorchMarlinConfig: layers['{name}'] has no valid format: {entry!r}")
+            try:
+                layer_type_for_entry(entry)
+            except ValueError as e:
+                raise ValueError(f"TorchMarlinConfig: layers['{name}'] has {e}") from e
 
 
 class TorchMarlinHfQuantizer(HfQuantizer):
@@ -69,7 +71,7 @@ class TorchMarlinHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, **kwargs):
         if not self.pre_quantized:
             return model
-        from .patching import LAYER_TYPES
+        from .patching import layer_type_for_entry
 
         layers = self.quantization_config.layers
         if not layers:
@@ -84,7 +86,7 @@ class TorchMarlinHfQuantizer(HfQuantizer):
                     (entry.get("in_features"), entry.get("out_features")):
                 raise ValueError(f"quantization_config: layer '{name}' is {entry.get('in_features')}->"
                                  f"{entry.get('out_features')}, the model has {type(old).__name__} there")
-            model.set_submodule(name, LAYER_TYPES[entry["format"]].empty(entry, "meta"))
+            model.set_submodule(name, layer_type_for_entry(entry).empty(entry, "meta"))
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):

@@ -16,9 +16,11 @@ from torch import nn
 from . import calibration as calibration_mod
 from .formats.trellis import hadamard_block
 from .fusion import GROUPS as FUSE_GROUPS, concat_out_features, fuse_projections
-from .modules import MarlinLinear, TrellisLinear
+from .modules import MarlinLinear, RansLinear, TrellisLinear
+from .modules.rans import coding_unsupported
 
 DEFAULT_SKIP = ("lm_head",)
+MARLIN_FORMATS = ("fp4", "u4", "affine")
 METHODS = ("rtn", "gptq")
 
 
@@ -203,8 +205,69 @@ LAYER_TYPES: Dict[str, LayerType] = {
 FORMATS = tuple(LAYER_TYPES)
 
 
+def _rans_empty(cfg: dict, device) -> RansLinear:
+    return RansLinear(cfg["in_features"], cfg["out_features"], bias=cfg["bias"], format=cfg["format"],
+                      group_size=cfg["group_size"], channels_per_tile=cfg["channels_per_tile"],
+                      n_words=cfg["n_words"], dtype=getattr(torch, cfg["dtype"]), device=device,
+                      act_order=cfg.get("act_order", False))
+
+
+def _rans_describe(mod: RansLinear) -> dict:
+    return dict(_marlin_describe(mod), type="RansLinear", channels_per_tile=mod.channels_per_tile,
+                n_words=mod.rans_words.numel())
+
+
+def _rans_check_shapes(cfg: dict, tensors) -> None:
+    K, N, g = cfg["in_features"], cfg["out_features"], cfg["group_size"]
+    C, W = cfg.get("channels_per_tile"), cfg.get("n_words")
+    if not isinstance(C, int) or C <= 0 or not isinstance(W, int) or W < 0:
+        raise ValueError(f"an entropy-coded layer needs channels_per_tile > 0 and n_words >= 0, got {C!r}, {W!r}")
+    why = coding_unsupported(K, g)
+    if why is not None:
+        raise ValueError(why)
+    T = -(-N // C)
+    coded = {"rans_words": ((W,), "int16"), "rans_word_offsets": ((T + 1,), "int32"),
+             "rans_states": ((T, 32), "int32"), "rans_freqs": ((T, 16), "int16")}
+    # The uncoded layer's tensors, with the codes in place of B_packed.
+    uncoded = dict(tensors)
+    uncoded["B_packed"] = ((K // 8, N), "int32")
+    for key in coded:
+        uncoded.pop(key, None)
+    _marlin_check_shapes(cfg, uncoded)
+    _check_expected(coded, {k: tensors[k] for k in coded if k in tensors},
+                    f"entropy-coded {cfg['format']}, in_features={K}, out_features={N}, channels_per_tile={C}")
+
+
+def _rans_concat(mods):
+    """Fused rANS layers: the members decoded, concatenated as MarlinLinear, coded again."""
+    fused, why = LAYER_TYPES[mods[0].format].concat([m.to_marlin() for m in mods])
+    if fused is None:
+        return None, why
+    return RansLinear.from_marlin(fused), None
+
+
+#: Entropy-coded MarlinLinear layers (``patch_model(entropy_coding=True)``): not a format of their
+#: own, so not in LAYER_TYPES; checkpoints mark them with ``"type": "RansLinear"``.
+RANS_LAYER_TYPE = LayerType("rans", lambda: RansLinear, None, _rans_empty, _rans_describe, _rans_check_shapes,
+                            lambda linear, group_size: coding_unsupported(linear.in_features, group_size), (),
+                            _rans_concat)
+
+
+def layer_type_for_entry(entry: dict) -> LayerType:
+    """The table row that rebuilds a checkpoint's layer entry; ValueError for an unknown one."""
+    if not isinstance(entry, dict) or entry.get("format") not in LAYER_TYPES:
+        raise ValueError(f"no valid format (one of {FORMATS}): {entry!r}")
+    if entry.get("type") == "RansLinear":
+        if entry["format"] not in MARLIN_FORMATS:
+            raise ValueError(f"entropy-coded layers have a format in {MARLIN_FORMATS}, got {entry['format']!r}")
+        return RANS_LAYER_TYPE
+    return LAYER_TYPES[entry["format"]]
+
+
 def layer_type_of(module: nn.Module) -> Optional[LayerType]:
     """The table row describing an already-quantized module, or None for anything else."""
+    if isinstance(module, RansLinear):
+        return RANS_LAYER_TYPE
     if isinstance(module, MarlinLinear):
         return LAYER_TYPES[module.format]
     if isinstance(module, TrellisLinear):
@@ -236,6 +299,8 @@ class PatchReport:
     uncalibrated: List[str] = field(default_factory=list)
     fused: List[Tuple[str, Tuple[str, ...]]] = field(default_factory=list)  # (fused layer, members)
     unfused: List[Tuple[str, str]] = field(default_factory=list)             # (group, reason)
+    entropy_coded: List[Tuple[str, int, float]] = field(default_factory=list)  # (layer, weights, code bits/weight)
+    not_entropy_coded: List[Tuple[str, str]] = field(default_factory=list)     # (layer, reason)
 
     def __str__(self) -> str:
         how = "" if self.method == "rtn" else f" method={self.method}"
@@ -253,6 +318,13 @@ class PatchReport:
             lines.append(f"  fused {len(self.fused)} projection groups into one GEMM each")
         for group, reason in self.unfused:
             lines.append(f"  not fused {group}: {reason}")
+        if self.entropy_coded:
+            weights = sum(n for _, n, _ in self.entropy_coded)
+            bits = sum(n * b for _, n, b in self.entropy_coded) / weights
+            lines.append(f"  entropy-coded {len(self.entropy_coded)} layers: codes at {bits:.3f} bits per weight "
+                         "(4 uncoded)")
+        for name, reason in self.not_entropy_coded:
+            lines.append(f"  not entropy-coded {name}: {reason}")
         return "\n".join(lines)
 
 
@@ -291,7 +363,8 @@ def _module_bytes(mod: nn.Module) -> int:
 def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
                 skip: Sequence[str] = DEFAULT_SKIP, device=None, dtype: Optional[torch.dtype] = None,
                 strict: bool = False, progress: bool = True, method: str = "rtn", calibration=None,
-                act_order: bool = True, damp: float = 0.01, fuse: bool = False, **format_options) -> PatchReport:
+                act_order: bool = True, damp: float = 0.01, fuse: bool = False, entropy_coding: bool = False,
+                **format_options) -> PatchReport:
     """Replaces ``model``'s ``nn.Linear`` layers with quantized ones, in place; returns a report.
 
     ``format``: ``"fp4"``, ``"u4"`` or ``"affine"`` (MarlinLinear), ``"trellis"`` (TrellisLinear).
@@ -320,6 +393,11 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
     members of a group are quantized exactly as unfused ones, except that a format whose members
     must share state to fuse (trellis: one codebook) quantizes the rest of a group with its first
     member's. Fused models save unfused: fuse after :func:`torch_marlin.load_quantized`.
+
+    ``entropy_coding`` (fp4, u4, affine): after quantizing, each layer's 4-bit codes are stored
+    rANS-coded (:class:`torch_marlin.RansLinear`, lossless: the same outputs up to fp32 summation
+    order, fewer bytes). Layers the coding does not support (``in_features`` or ``group_size`` not a
+    multiple of 32) stay uncoded and are listed in the report.
     """
     if format not in LAYER_TYPES:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
@@ -336,6 +414,8 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
     batches = calibration_mod.as_batches(calibration) if method == "gptq" else None
     if not isinstance(damp, (int, float)) or damp < 0:
         raise ValueError(f"damp must be a number >= 0, got {damp!r}")
+    if entropy_coding and format not in MARLIN_FORMATS:
+        raise ValueError(f"entropy_coding applies to the formats {MARLIN_FORMATS}, got format={format!r}")
     lt = LAYER_TYPES[format]
     bad = sorted(set(format_options) - set(lt.options))
     if bad:
@@ -420,9 +500,42 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
                 model.train(was_training)
     if bar is not None:
         bar.close()
+    if entropy_coding:
+        _entropy_code(model, quantized, report, progress)
     if fuse:
         report.fused, report.unfused = fuse_projections(model)
     return report
+
+
+def entropy_code(model: nn.Module, progress: bool = True, report: Optional[PatchReport] = None) -> PatchReport:
+    """Replaces every ``MarlinLinear`` of ``model`` that the coding supports by its rANS-coded copy
+    (:class:`torch_marlin.RansLinear`), in place, e.g. after :func:`torch_marlin.from_pretrained`;
+    returns ``report`` (a new one when None) with ``entropy_coded`` / ``not_entropy_coded`` filled."""
+    if report is None:
+        report = PatchReport(format="", group_size=0)
+    layers = {name: mod for name, mod in model.named_modules() if type(mod) is MarlinLinear}
+    _entropy_code(model, layers, report, progress)
+    return report
+
+
+def _entropy_code(model: nn.Module, quantized: Dict[str, nn.Module], report: PatchReport, progress: bool) -> None:
+    bar = None
+    if progress and quantized:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(quantized), desc="entropy coding", unit="layer")
+    for name, mod in quantized.items():
+        why = coding_unsupported(mod.in_features, mod.group_size)
+        if why is not None:
+            report.not_entropy_coded.append((name, why))
+        else:
+            coded = RansLinear.from_marlin(mod)
+            report.quantized_bytes += _module_bytes(coded) - _module_bytes(mod)
+            report.entropy_coded.append((name, mod.in_features * mod.out_features, coded.code_bits_per_weight()))
+            _set_submodule(model, name, coded)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
 
 
 def _fuse_leaders(names: Sequence[str]) -> Dict[str, str]:
