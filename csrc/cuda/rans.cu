@@ -17,10 +17,11 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
 
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
-#include "cuda/rans_launch.h"
+#include "ops/rans.h"
 #include "torch_marlin/rans_params.h"
 
 namespace torch_marlin {
@@ -339,20 +340,21 @@ at::Tensor aligned_words(const at::Tensor& words) {
 }
 
 template <typename T, u32 FMT, int MR>
-void launch_gemm_as(const RansParams& p, const RansTensors& t, const at::Tensor& words, at::Tensor& C,
+void launch_gemm_as(const RansParams& p, const RansGemmArgs& a, const at::Tensor& words, at::Tensor& C,
                     cudaStream_t stream) {
+  const RansCodes& c = a.codes;
   gemm_rans_kernel<T, FMT, MR><<<grid_for(p), kThreads, kSmemBytes, stream>>>(
-      p, reinterpret_cast<const T*>(t.A.data_ptr()), reinterpret_cast<const uint16_t*>(words.data_ptr()),
-      u32(words.numel()), t.word_offsets.data_ptr<int>(), reinterpret_cast<const u32*>(t.states.data_ptr()),
-      reinterpret_cast<const int16_t*>(t.freqs.data_ptr()), reinterpret_cast<const T*>(t.scales.data_ptr()),
-      t.zeros.defined() ? t.zeros.data_ptr<uint8_t>() : nullptr,
-      t.offsets.defined() ? reinterpret_cast<const T*>(t.offsets.data_ptr()) : nullptr,
-      t.bias.defined() ? reinterpret_cast<const T*>(t.bias.data_ptr()) : nullptr, reinterpret_cast<T*>(C.data_ptr()));
+      p, reinterpret_cast<const T*>(a.A.data_ptr()), reinterpret_cast<const uint16_t*>(words.data_ptr()),
+      u32(words.numel()), c.word_offsets.data_ptr<int>(), reinterpret_cast<const u32*>(c.states.data_ptr()),
+      reinterpret_cast<const int16_t*>(c.freqs.data_ptr()), reinterpret_cast<const T*>(a.scales.data_ptr()),
+      a.zeros.defined() ? a.zeros.data_ptr<uint8_t>() : nullptr,
+      a.offsets.defined() ? reinterpret_cast<const T*>(a.offsets.data_ptr()) : nullptr,
+      a.bias.defined() ? reinterpret_cast<const T*>(a.bias.data_ptr()) : nullptr, reinterpret_cast<T*>(C.data_ptr()));
   cuda_backend::check_launch("gemm_rans");
 }
 
 template <typename T, u32 FMT>
-void launch_gemm_rows(const RansParams& p, u32 rows, const RansTensors& t, const at::Tensor& words, at::Tensor& C,
+void launch_gemm_rows(const RansParams& p, u32 rows, const RansGemmArgs& t, const at::Tensor& words, at::Tensor& C,
                       cudaStream_t stream) {
   switch (rows) {
     case 1: return launch_gemm_as<T, FMT, 1>(p, t, words, C, stream);
@@ -365,7 +367,7 @@ void launch_gemm_rows(const RansParams& p, u32 rows, const RansTensors& t, const
 }
 
 template <typename T>
-void launch_gemm_format(const RansParams& p, u32 rows, const RansTensors& t, const at::Tensor& words, at::Tensor& C,
+void launch_gemm_format(const RansParams& p, u32 rows, const RansGemmArgs& t, const at::Tensor& words, at::Tensor& C,
                         cudaStream_t stream) {
   switch (p.format) {
     case TM_FORMAT_FP4: return launch_gemm_rows<T, TM_FORMAT_FP4>(p, rows, t, words, C, stream);
@@ -377,35 +379,81 @@ void launch_gemm_format(const RansParams& p, u32 rows, const RansTensors& t, con
 
 }  // namespace
 
-void gemm_rans_cuda_fused(const RansParams& p, uint32_t rows, const RansTensors& t, at::Tensor& C) {
-  TORCH_CHECK(p.M >= 1u && p.M <= rows && rows <= TM_CUDA_RANS_MAX_M && p.K % 32u == 0u &&
+namespace {
+
+// Rows of A per fused kernel (the plan's tile_m): 1, 2, 4, 8 or 16.
+void gemm_fused(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) {
+  const RansParams& p = plan.params;
+  const u32 rows = plan.tile_m;
+  TORCH_CHECK(p.M >= 1u && p.M <= rows && rows <= TM_RANS_FUSED_MAX_M && p.K % 32u == 0u &&
                   p.group_size % 32u == 0u && p.n_groups * p.group_size == p.K && p.steps_per_channel * 32u == p.K &&
-                  p.channels_per_tile >= 1u && p.tiles == (p.N + p.channels_per_tile - 1u) / p.channels_per_tile,
-              "torch_marlin: bad gemm_rans plan for CUDA");
-  const c10::cuda::CUDAGuard guard(t.A.device());
+                  p.channels_per_tile >= 1u && p.tiles == (p.N + p.channels_per_tile - 1u) / p.channels_per_tile &&
+                  plan.decode.grid[0] == grid_for(p) && plan.decode.threads[0] == kThreads,
+              "torch_marlin: the CUDA plan '", plan.decode.kernel, "' does not match the gemm_rans kernel");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const at::Tensor words = aligned_words(t.words);
-  switch (t.A.scalar_type()) {
-    case at::kHalf: return launch_gemm_format<__half>(p, rows, t, words, C, stream);
-    case at::kBFloat16: return launch_gemm_format<__nv_bfloat16>(p, rows, t, words, C, stream);
-    case at::kFloat: return launch_gemm_format<float>(p, rows, t, words, C, stream);
-    default: TORCH_CHECK(false, "torch_marlin: gemm_rans: unsupported dtype ", t.A.scalar_type());
+  const at::Tensor words = aligned_words(a.codes.words);
+  switch (a.dtype) {
+    case DType::F16: return launch_gemm_format<__half>(p, rows, a, words, C, stream);
+    case DType::BF16: return launch_gemm_format<__nv_bfloat16>(p, rows, a, words, C, stream);
+    case DType::F32: return launch_gemm_format<float>(p, rows, a, words, C, stream);
   }
 }
 
-void rans_decode_cuda(const RansParams& p, const at::Tensor& words_in, const at::Tensor& word_offsets,
-                      const at::Tensor& states, const at::Tensor& freqs, at::Tensor& B) {
+void decode_to(const RansPlan& plan, const RansCodes& c, at::Tensor& B) {
+  const RansParams& p = plan.params;
   TORCH_CHECK(p.K % 32u == 0u && p.steps_per_channel * 32u == p.K && p.channels_per_tile >= 1u &&
-                  p.tiles == (p.N + p.channels_per_tile - 1u) / p.channels_per_tile,
-              "torch_marlin: bad rans_decode plan for CUDA");
-  const c10::cuda::CUDAGuard guard(B.device());
+                  p.tiles == (p.N + p.channels_per_tile - 1u) / p.channels_per_tile &&
+                  plan.decode.grid[0] == grid_for(p) && plan.decode.threads[0] == kThreads,
+              "torch_marlin: the CUDA plan '", plan.decode.kernel, "' does not match the rans_decode kernel");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const at::Tensor words = aligned_words(words_in);
+  const at::Tensor words = aligned_words(c.words);
   rans_decode_kernel<<<grid_for(p), kThreads, kSmemBytes, stream>>>(
-      p, reinterpret_cast<const uint16_t*>(words.data_ptr()), u32(words.numel()), word_offsets.data_ptr<int>(),
-      reinterpret_cast<const u32*>(states.data_ptr()), reinterpret_cast<const int16_t*>(freqs.data_ptr()),
+      p, reinterpret_cast<const uint16_t*>(words.data_ptr()), u32(words.numel()), c.word_offsets.data_ptr<int>(),
+      reinterpret_cast<const u32*>(c.states.data_ptr()), reinterpret_cast<const int16_t*>(c.freqs.data_ptr()),
       reinterpret_cast<u32*>(B.data_ptr()));
-  cuda_backend::check_launch("rans_decode");
+  cuda_backend::check_launch(plan.decode.kernel.c_str());
+}
+
+// gemm_rans: fused, or staged (decode to a temporary B_packed from the caching allocator, then the
+// format's CUDA GEMM with the plan's dense GEMM plan). No host synchronization, so it captures in
+// a CUDA graph.
+void rans_gemm_cuda(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) {
+  const c10::cuda::CUDAGuard guard(a.A.device());
+  if (plan.family == RansFamily::Fused) return gemm_fused(plan, a, C);
+  QuantGemmArgs q;
+  q.format = a.format;
+  q.M = a.M;
+  q.K = a.K;
+  q.N = a.N;
+  q.group_size = a.group_size;
+  q.dtype = a.dtype;
+  q.A = a.A;
+  q.B = at::empty({a.K / 8, a.N}, a.A.options().dtype(at::kInt));
+  decode_to(plan, a.codes, q.B);
+  q.scales = a.scales;
+  q.zeros = a.zeros;
+  q.offsets = a.offsets;
+  q.bias = a.bias;
+  at::Tensor workspace;
+  if (plan.gemm.workspace_bytes > 0) {
+    workspace = at::empty({int64_t((plan.gemm.workspace_bytes + sizeof(float) - 1) / sizeof(float))},
+                          a.A.options().dtype(at::kFloat));
+  }
+  quant_gemm_cuda(plan.gemm, q, C, workspace);
+}
+
+void rans_decode_cuda(const RansPlan& plan, const RansCodes& c, at::Tensor& B) {
+  const c10::cuda::CUDAGuard guard(B.device());
+  decode_to(plan, c, B);
+}
+
+const bool kRegistered = (set_rans_kernels(Backend::CUDA, RansKernels{&rans_gemm_cuda, &rans_decode_cuda}), true);
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(marlin, CUDA, m) {
+  m.impl("gemm_rans", &gemm_rans);
+  m.impl("rans_decode", &rans_decode);
 }
 
 }  // namespace torch_marlin

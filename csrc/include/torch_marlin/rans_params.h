@@ -20,10 +20,8 @@ TM_NAMESPACE_BEGIN
 #define TM_RANS_STREAM_ALIGN_WORDS 8u            // each tile's stream starts on 16 bytes
 #define TM_RANS_MIN_LANE_SYMBOLS 1024u           // default channels_per_tile = ceil(32 * this / K)
 
-// CUDA kernels (csrc/cuda/rans.cu): warps (= tiles) per block, and the most rows of A the fused
-// decode GEMV takes (its row counts are 1, 2, 4, 8 and 16).
+// CUDA kernels (csrc/cuda/rans.cu): warps, one per tile, per block.
 #define TM_CUDA_RANS_WARPS 4u
-#define TM_CUDA_RANS_MAX_M 16u
 
 // Launch parameters of the rANS kernels (gemm_rans decode, rans_decode to B_packed). The planner
 // (plan_rans_gemm) fills it once; every backend reads it.
