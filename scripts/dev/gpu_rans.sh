@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The CUDA rANS kernels on a GPU machine, in one go (docs/cuda.md "rANS-coded layers"):
 #   build -> tests (tests/test_rans_ops.py on CUDA, the gemm_rans graph capture) ->
-#   compute-sanitizer memcheck + racecheck on scripts/dev/cuda_rans_subset.py -> benchmark
-#   (scripts/dev/bench_cuda_rans.py) -> ncu --set full of one fused launch at M = 1 on 4096 x 4096.
-# Logs go to $OUT (default ./cuda_results). STEPS=build,test,sanitize,bench,ncu selects steps.
+#   compute-sanitizer memcheck + racecheck on scripts/dev/cuda_rans_subset.py -> ncu --set full
+#   of one fused launch at M = 1 on 4096 x 4096 -> benchmark (scripts/dev/bench_cuda_rans.py).
+# Logs go to $OUT (default ./cuda_results). STEPS=build,test,sanitize,ncu,bench selects steps.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/cuda_results}"; mkdir -p "$OUT"
-STEPS="${STEPS:-build,test,sanitize,bench,ncu}"
+STEPS="${STEPS:-build,test,sanitize,ncu,bench}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 if command -v g++-12 >/dev/null 2>&1 && [ -z "${CXX:-}" ]; then  # as scripts/dev/run_cuda_checks.sh
@@ -31,10 +31,6 @@ if has sanitize; then
     echo "compute-sanitizer $tool: exit $?"; tail -4 "$OUT/sanitize_rans_$tool.log"
   done
 fi
-if has bench; then
-  timeout 400 python scripts/dev/bench_cuda_rans.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_cuda_rans.log" \
-    | grep -v '^|'
-fi
 if has ncu; then
   # One fused launch at M = 1 with the format's default width (C = 0) and with one channel per tile,
   # and the uncoded FP4 decode kernel on the same shape for comparison.
@@ -55,4 +51,8 @@ if has ncu; then
     python scripts/dev/cuda_profile_one.py fp4 1 4096 4096 > "$OUT/ncu_decode_fp4_m1.txt" 2>&1
   echo "== gemm_fp4 decode M=1 4096x4096"
   grep -E "Duration|DRAM Throughput|Executed Ipc A|Achieved Occupancy" "$OUT/ncu_decode_fp4_m1.txt" | head -8
+fi
+if has bench; then
+  timeout 400 python scripts/dev/bench_cuda_rans.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_cuda_rans.log" \
+    | grep -v '^|'
 fi
