@@ -21,7 +21,7 @@ if has build; then
   grep -A2 "rans" "$OUT/build.log" | grep -E "registers|spill" | sort | uniq -c | head -20
 fi
 if has test; then
-  timeout 300 python -m pytest tests/test_rans_ops.py tests/test_cuda_graphs.py -k "cuda and not metal_emu" -q --maxfail=20 \
+  timeout 300 python -m pytest tests/test_rans_ops.py tests/test_cuda_graphs.py::test_captured_gemm_rans_equals_eager -k cuda -q --maxfail=20 \
     2>&1 | tee "$OUT/test_rans.log" | tail -25
 fi
 if has sanitize; then
