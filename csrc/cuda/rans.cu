@@ -113,16 +113,19 @@ struct TileDecoder {
 
   // Slot -> symbol bytes and the symbol entries. Frequencies are read as unsigned 16-bit values and
   // each symbol's slot range is clamped to the table, so any table leaves every slot a symbol in
-  // 0..15 (zero first: slots a corrupted table leaves uncovered decode as symbol 0).
+  // 0..15: the ranges of frequencies summing to 4096 cover it exactly; otherwise it is zeroed
+  // first, and slots a corrupted table leaves uncovered decode as symbol 0.
   __device__ void build_tables(const int16_t* f16) {
     u32* sym_words = reinterpret_cast<u32*>(sm.sym);
-    for (u32 i = lane; i < TM_RANS_PROB_SCALE / 4u; i += 32u) sym_words[i] = 0u;
     const u32 f = lane < 16u ? u32(uint16_t(f16[lane])) : 0u;
     u32 incl = f;  // inclusive prefix sum over lanes 0..15
 #pragma unroll
     for (int o = 1; o < 16; o <<= 1) {
       const u32 v = __shfl_up_sync(0xffffffffu, incl, o);
       if (lane >= u32(o)) incl += v;
+    }
+    if (__shfl_sync(0xffffffffu, incl, 15) != TM_RANS_PROB_SCALE) {  // warp-uniform
+      for (u32 i = lane; i < TM_RANS_PROB_SCALE / 4u; i += 32u) sym_words[i] = 0u;
     }
     const u32 cum = incl - f;
     if (lane < 16u) {
