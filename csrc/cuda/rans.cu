@@ -59,6 +59,24 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_byt
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
+// The decode chain's shared-memory loads, by shared-window address: a generic pointer would cost
+// an address conversion per load. volatile keeps the ring loads behind the cp.async waits.
+__device__ __forceinline__ u32 lds_u8(u32 a) {
+  u32 v;
+  asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(v) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ u32 lds_u16(u32 a) {
+  u32 v;
+  asm volatile("ld.shared.u16 %0, [%1];\n" : "=r"(v) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ uint4 lds_v4(u32 a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+  return v;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -74,12 +92,16 @@ struct TileDecoder {
   const uint16_t* stream;  // the tile's first word
   u32 len;                 // words in the tile's stream (a multiple of 8 after clamping)
   u32 base, ptr, x, lane, lt_mask;
+  u32 sym_a, info_a, ring_a;  // shared-window addresses of the tables and the ring
 
-  __device__ TileDecoder(WarpSmem& s, u32 tile, const RansParams& p, const uint16_t* words, u32 n_words,
+  __device__ __forceinline__ TileDecoder(WarpSmem& s, u32 tile, const RansParams& p, const uint16_t* words, u32 n_words,
                          const int* offsets, const u32* states, const int16_t* freqs)
       : sm(s), base(0), ptr(0) {
     lane = threadIdx.x & 31u;
     lt_mask = (1u << lane) - 1u;
+    sym_a = smem_u32(sm.sym);
+    info_a = smem_u32(sm.info);
+    ring_a = smem_u32(sm.ring);
     // Offsets are clamped into the words tensor and down to the 16-byte alignment the format
     // guarantees, so corrupted offsets cannot send a copy out of bounds.
     const u32 w_end = n_words & ~(TM_RANS_STREAM_ALIGN_WORDS - 1u);
@@ -157,7 +179,7 @@ struct TileDecoder {
   // Keeps the ring invariant: once a whole segment is consumed, wait for the older group in flight
   // and reuse the consumed segment's slot for the words 512 further on.
   __device__ __forceinline__ void refill() {
-    if (ptr - base >= kSegWords) {
+    if (ptr >= base + kSegWords) {
       cp_async_wait<1>();
       __syncwarp();  // the segment's reads and the finished copies, warp-wide
       fetch(base + kRingWords);
@@ -170,12 +192,12 @@ struct TileDecoder {
   __device__ __forceinline__ u32 step(u32& sym) {
     refill();
     const u32 slot = x & TM_RANS_PROB_MASK;
-    sym = sm.sym[slot];
-    const uint4 in = sm.info[sym];
+    sym = lds_u8(sym_a + slot);
+    const uint4 in = lds_v4(info_a + 16u * sym);
     x = in.x * (x >> TM_RANS_PROB_BITS) + slot - in.y;
     const bool need = x < TM_RANS_STATE_LOW;
     const u32 ballot = __ballot_sync(0xffffffffu, need);
-    const u32 w = sm.ring[(ptr + __popc(ballot & lt_mask)) % kRingWords];
+    const u32 w = lds_u16(ring_a + 2u * ((ptr + __popc(ballot & lt_mask)) % kRingWords));
     if (need) x = (x << TM_RANS_WORD_BITS) | w;
     ptr += __popc(ballot);
     return in.z;
@@ -218,7 +240,7 @@ __device__ __forceinline__ float weight(float v, float s, float a) {
 // ---------------------------------------------------------------------------------------------
 // gemm_rans, fused: C[m, n] = sum_k A[m, k] w[k, n] (+ bias) for M <= MR rows, one tile per warp.
 // Step j of channel c: lane l multiplies w[32 j + l, n] by A[m, 32 j + l] (coalesced row reads,
-// loaded one step ahead); fp32 sums per lane, a fixed-order warp reduction at each channel's end.
+// loaded two steps ahead); fp32 sums per lane, a fixed-order warp reduction at each channel's end.
 // Scales: lane l holds group q * 32 + l of the channel (one load per lane per 32 groups, the next
 // batch loaded one batch ahead); each group broadcasts its own by shuffle.
 // ---------------------------------------------------------------------------------------------
@@ -241,16 +263,23 @@ __global__ void __launch_bounds__(kThreads, gemm_min_blocks(MR))
   const u32 lane = dec.lane;
   const u32 n0 = tile * p.channels_per_tile;
   const u32 channels = min(p.channels_per_tile, p.N - n0);
-  const u32 steps = p.steps_per_channel;
   const u32 spg = p.group_size / 32u;  // steps per group
   const u32 batches = (p.n_groups + 31u) / 32u;
 
   const T* arow[MR];
 #pragma unroll
   for (int m = 0; m < MR; ++m) arow[m] = A + size_t(min(u32(m), p.M - 1u)) * p.K + lane;
-  float xv[MR];
+  // Activations two steps ahead, kept raw (converted at use, so no instruction waits on a load
+  // issued less than two steps earlier); k2 is the k offset of step i + 2, wrapping to the next
+  // channel's first steps.
+  T x0[MR], x1[MR];
+  const u32 k1 = 32u % p.K;
+  u32 k2 = 64u % p.K;
 #pragma unroll
-  for (int m = 0; m < MR; ++m) xv[m] = to_f(arow[m][0]);
+  for (int m = 0; m < MR; ++m) {
+    x0[m] = arow[m][0];
+    x1[m] = arow[m][k1];
+  }
 
   // Group batches in (channel, batch) order: the current one and the next.
   GroupQ<T, FMT> qcur = load_group<T, FMT>(p, lane, n0, S, Z, O);
@@ -261,7 +290,6 @@ __global__ void __launch_bounds__(kThreads, gemm_min_blocks(MR))
     float acc[MR];
 #pragma unroll
     for (int m = 0; m < MR; ++m) acc[m] = 0.f;
-    u32 i = 0;  // step of this channel
     for (u32 g = 0; g < p.n_groups; ++g) {
       if (g % 32u == 0u && (c | g) != 0u) {  // warp-uniform: the next batch of groups
         qcur = qnext;
@@ -270,18 +298,18 @@ __global__ void __launch_bounds__(kThreads, gemm_min_blocks(MR))
       }
       const float s = __shfl_sync(0xffffffffu, qcur.s, g % 32u);
       const float a = FMT == TM_FORMAT_FP4 ? 0.f : __shfl_sync(0xffffffffu, qcur.a, g % 32u);
-      for (u32 e = 0; e < spg; ++e, ++i) {
-        // The activations of the next step (the next channel starts again at k = lane).
-        const u32 inext = i + 1u < steps ? i + 1u : 0u;
-        float xn[MR];
+      for (u32 e = 0; e < spg; ++e) {
+        T x2[MR];
 #pragma unroll
-        for (int m = 0; m < MR; ++m) xn[m] = to_f(arow[m][32u * inext]);
+        for (int m = 0; m < MR; ++m) x2[m] = arow[m][k2];
+        k2 = k2 + 32u < p.K ? k2 + 32u : k2 + 32u - p.K;
         u32 sym;
         const float w = weight<FMT>(__uint_as_float(dec.step(sym)), s, a);
 #pragma unroll
         for (int m = 0; m < MR; ++m) {
-          acc[m] = fmaf(w, xv[m], acc[m]);
-          xv[m] = xn[m];
+          acc[m] = fmaf(w, to_f(x0[m]), acc[m]);
+          x0[m] = x1[m];
+          x1[m] = x2[m];
         }
       }
     }
