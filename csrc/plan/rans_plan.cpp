@@ -92,11 +92,9 @@ RansPlan plan_rans_gemm(int64_t M, int64_t K, int64_t N, int64_t group_size, int
   switch (caps.backend) {
     case Backend::CPU:
       p.cpu_avx2 = caps.avx2 != 0;
-      if (p.family == RansFamily::Fused) {
-        p.decode = tile_launch("cpu_rans_gemm", p.params, caps.backend);
-      } else {
-        p.decode = tile_launch("cpu_rans_decode", p.params, caps.backend);
-      }
+      p.decode = tile_launch(std::string(p.family == RansFamily::Fused ? "cpu_rans_gemm" : "cpu_rans_decode") +
+                                 (p.cpu_avx2 ? "_avx2" : ""),
+                             p.params, caps.backend);
       break;
     case Backend::Metal:
       // One 32-lane group per tile, as the format's lanes.
@@ -125,9 +123,12 @@ RansPlan plan_rans_decode(int64_t K, int64_t N, int64_t channels_per_tile, const
   p.params = base_params(0, K, N, 0, channels_per_tile, "plan_rans_decode");
   p.family = RansFamily::Staged;
   p.cpu_avx2 = caps.backend == Backend::CPU && caps.avx2 != 0;
-  p.decode = caps.backend == Backend::CUDA ? cuda_launch("rans_decode", p.params)
-                                            : tile_launch(caps.backend == Backend::CPU ? "cpu_rans_decode" : "rans_decode",
-                                                          p.params, caps.backend);
+  p.decode = caps.backend == Backend::CUDA
+                 ? cuda_launch("rans_decode", p.params)
+                 : tile_launch(caps.backend != Backend::CPU ? "rans_decode"
+                               : p.cpu_avx2                ? "cpu_rans_decode_avx2"
+                                                           : "cpu_rans_decode",
+                               p.params, caps.backend);
   return p;
 }
 
