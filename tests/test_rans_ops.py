@@ -257,10 +257,11 @@ def test_gemm_rans_bad_input(i):
 def test_plan_rans():
     from torch_marlin import _C, plan_rans
 
-    fused = plan_rans(16, 4096, 4096, 128, "fp4")
+    fused = plan_rans(16, 4096, 4096, 128, "fp4", caps=dict(avx2=False))
     assert fused["family"] == "decode" and fused["kernel"] == "cpu_rans_gemm" and "gemm" not in fused
+    assert plan_rans(16, 4096, 4096, 128, "fp4", caps=dict(avx2=True))["kernel"] == "cpu_rans_gemm_avx2"
     assert fused["channels_per_tile"] == 8 and fused["tiles"] == 512 and fused["grid"] == (512, 1, 1)
-    staged = plan_rans(17, 4096, 4096, 128, "u4", channels_per_tile=3, has_bias=True)
+    staged = plan_rans(17, 4096, 4096, 128, "u4", channels_per_tile=3, has_bias=True, caps=dict(avx2=False))
     assert staged["family"] == "staged" and staged["kernel"] == "cpu_rans_decode"
     assert staged["tiles"] == 1366 and staged["gemm"]["format"] == "u4" and staged["has_bias"]
     metal = plan_rans(1, 4096, 11008, 64, "affine", device="metal")
@@ -280,7 +281,7 @@ def test_plan_rans():
     with pytest.raises(ValueError, match="group_size must be a positive multiple of 32"):
         plan_rans(1, 4096, 4096, 48)
     with pytest.raises(ValueError, match="K must be a positive multiple of 32"):
-        plan_rans(1, 4000, 4096, 32)
+        plan_rans(1, 4020, 4096, 32)
 
 
 @pytest.mark.parametrize("avx2, fmt, M", list(itertools.product([False, True], FORMATS, [3, 17])))
