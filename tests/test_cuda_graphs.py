@@ -7,7 +7,8 @@ their tile counters inside the call's workspace (no buffer outlives a call).
 CUDA (skipped without a device): torch.compile(mode="reduce-overhead", fullgraph=True) over a stack
 of quantized layers at decode (M = 1) and prefill (M = 64) sizes equals eager; a tiny Llama's decode
 step captured with torch.cuda.CUDAGraph (torch_marlin.generation.StaticDecoder), float, quantized
-and with fused projections, gives the eager logits and tokens.
+and with fused projections, gives the eager logits and tokens; gemm_rans (fused and staged) captured
+in a CUDA graph replays the eager result.
 """
 
 
@@ -161,3 +162,36 @@ def test_captured_llama_decode_step_equals_eager(fmt, fuse):
         assert torch.equal(tok_e, tok_g)
     # A second generation reuses the captured graph over the reset cache.
     assert torch.equal(graphed.generate(ids, 6), eager.generate(ids, 6))
+
+
+@CUDA
+@pytest.mark.parametrize("M", [1, 24])  # the fused decode GEMV; the staged decode + dense GEMM
+def test_captured_gemm_rans_equals_eager(M):
+    import numpy as np
+
+    from torch_marlin.formats import rans
+
+    K, N, gs, C = 256, 200, 64, 3
+    g = torch.Generator().manual_seed(M)
+    codes = (torch.randn(K, N, generator=g) * 1.5 + 7.5).round().clamp(0, 15).to(torch.uint8)
+    e = rans.encode(codes.numpy(), C)
+    coded = [torch.from_numpy(np.ascontiguousarray(e[k])).cuda() for k in ("words", "word_offsets", "states", "freqs")]
+    scales = (torch.rand(K // gs, N, generator=g) * 0.02 + 0.001).half().cuda()
+    zeros = torch.randint(0, 16, (K // gs, N), generator=g, dtype=torch.uint8).cuda()
+    x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+
+    def call():
+        return torch.ops.marlin.gemm_rans(x, *coded, scales, zeros, None, "u4", K, N, gs, C, None)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    x.copy_(torch.randn(M, K, device="cuda", dtype=torch.float16))  # a replay on new input values
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, call())

@@ -266,6 +266,15 @@ def test_plan_rans():
     assert staged["tiles"] == 1366 and staged["gemm"]["format"] == "u4" and staged["has_bias"]
     metal = plan_rans(1, 4096, 11008, 64, "affine", device="metal")
     assert metal["threads"] == (32, 1, 1) and metal["kernel"] == "gemm_rans_affine_half"
+    # CUDA: 4 tiles (warps) per block; the fused kernel's row count is M rounded up to a power of two.
+    h100 = dict(compute_units=132, wgmma=True, thread_block_clusters=True)
+    cuda = plan_rans(3, 4096, 4096, 128, "fp4", device="cuda", caps=h100)
+    assert cuda["kernel"] == "gemm_rans_fp4_half_m4" and cuda["tile_m"] == 4
+    assert cuda["grid"] == (128, 1, 1) and cuda["threads"] == (128, 1, 1)
+    assert plan_rans(1, 4096, 4096, 128, "u4", 1, torch.bfloat16, device="cuda", caps=h100)["grid"] == (1024, 1, 1)
+    cuda_staged = plan_rans(17, 4096, 4096, 128, "u4", dtype=torch.float32, device="cuda", caps=h100)
+    assert cuda_staged["kernel"] == "rans_decode" and cuda_staged["grid"] == (128, 1, 1)
+    assert cuda_staged["gemm"]["kernel"].startswith("simt")
     caps = _C.device_caps("cpu")
     assert _C.cached_plan_rans_gemm(3, 256, 100, 64, "fp4", 0, "float32", "cpu", caps) == \
         _C.plan_rans_gemm(3, 256, 100, 64, "fp4", 0, "float32", "cpu", caps)

@@ -193,6 +193,7 @@ inline py::dict rans_plan_to_dict(const RansPlan& p) {
   d["format"] = format_name(QuantFormat(p.params.format));
   d["has_bias"] = p.params.has_bias != 0;
   d["fused_max_m"] = TM_RANS_FUSED_MAX_M;
+  d["tile_m"] = p.tile_m;
   if (p.family == RansFamily::Staged) d["gemm"] = plan_to_dict(p.gemm);
   add_caps(d, p.caps);
   return d;

@@ -47,6 +47,23 @@ RansLaunch tile_launch(const std::string& kernel, const RansParams& p, Backend b
   return l;
 }
 
+// CUDA: TM_CUDA_RANS_WARPS warps per block, one tile each (csrc/cuda/rans.cu).
+RansLaunch cuda_launch(const std::string& kernel, const RansParams& p) {
+  RansLaunch l;
+  l.kernel = kernel;
+  l.grid[0] = (p.tiles + TM_CUDA_RANS_WARPS - 1u) / TM_CUDA_RANS_WARPS;
+  l.threads[0] = TM_CUDA_RANS_WARPS * TM_RANS_LANES;
+  return l;
+}
+
+// The fused CUDA kernel's row count: M rounded up to 1, 2, 4, 8 or 16 (fp32 sums per row in
+// registers; the rows past M repeat row M - 1 and are not stored).
+uint32_t fused_rows(int64_t M) {
+  uint32_t rows = 1;
+  while (int64_t(rows) < M) rows *= 2;
+  return rows;
+}
+
 }  // namespace
 
 const char* rans_family_name(RansFamily f) { return f == RansFamily::Fused ? "decode" : "staged"; }
@@ -80,12 +97,20 @@ RansPlan plan_rans_gemm(int64_t M, int64_t K, int64_t N, int64_t group_size, int
                              p.params, caps.backend);
       break;
     case Backend::Metal:
-    case Backend::CUDA:
-      // The GPU kernels: one 32-lane group per tile, as the format's lanes.
+      // One 32-lane group per tile, as the format's lanes.
       if (p.family == RansFamily::Fused) {
         p.decode = tile_launch("gemm_rans_" + fmt + "_" + dtype_name(dtype), p.params, caps.backend);
       } else {
         p.decode = tile_launch("rans_decode", p.params, caps.backend);
+      }
+      break;
+    case Backend::CUDA:
+      if (p.family == RansFamily::Fused) {
+        p.tile_m = fused_rows(M);
+        p.decode = cuda_launch("gemm_rans_" + fmt + "_" + dtype_name(dtype) + "_m" + std::to_string(p.tile_m),
+                               p.params);
+      } else {
+        p.decode = cuda_launch("rans_decode", p.params);
       }
       break;
   }
@@ -98,8 +123,12 @@ RansPlan plan_rans_decode(int64_t K, int64_t N, int64_t channels_per_tile, const
   p.params = base_params(0, K, N, 0, channels_per_tile, "plan_rans_decode");
   p.family = RansFamily::Staged;
   p.cpu_avx2 = caps.backend == Backend::CPU && caps.avx2 != 0;
-  p.decode = tile_launch(caps.backend != Backend::CPU ? "rans_decode" : p.cpu_avx2 ? "cpu_rans_decode_avx2" : "cpu_rans_decode",
-                         p.params, caps.backend);
+  p.decode = caps.backend == Backend::CUDA
+                 ? cuda_launch("rans_decode", p.params)
+                 : tile_launch(caps.backend != Backend::CPU ? "rans_decode"
+                               : p.cpu_avx2                ? "cpu_rans_decode_avx2"
+                                                           : "cpu_rans_decode",
+                               p.params, caps.backend);
   return p;
 }
 

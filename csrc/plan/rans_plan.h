@@ -29,6 +29,7 @@ struct RansPlan {
   bool cpu_avx2 = false;  // CPU: the AVX2 lane kernel (caps.avx2), else the portable one
   GemmPlan gemm;       // Staged: the dense GEMM on the decoded B_packed (empty kernel otherwise)
   RansParams params{};
+  uint32_t tile_m = 0;  // CUDA fused: rows of A per kernel (1, 2, 4, 8, 16; M rounded up)
 };
 
 // C = channels_per_tile <= 0: the format's default, ceil(32 * 1024 / K).

@@ -24,6 +24,9 @@ TM_NAMESPACE_BEGIN
 // layer is decoded to B_packed once and multiplied by the dense GEMM of its format.
 #define TM_RANS_FUSED_MAX_M 16u
 
+// CUDA kernels (csrc/cuda/rans.cu): warps, one per tile, per block.
+#define TM_CUDA_RANS_WARPS 4u
+
 // Launch parameters of the rANS kernels (gemm_rans decode, rans_decode to B_packed). The planner
 // (plan_rans_gemm) fills it once; every backend reads it.
 struct RansParams {
