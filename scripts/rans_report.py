@@ -89,7 +89,7 @@ def main(argv=None):
         layers = model_layers(model)
         print(f"\n{model}: {len(layers)} layers, {sum(l.weight.numel() for _, l in layers) / 1e6:.1f}M weights")
         print(header)
-        print("|" + "|".join("-" * (len(c) + 2) for c in header.strip("|").split("|")[:-1]) + "|-------|")
+        print("|" + "|".join("-" * len(c) for c in header.split("|")[1:-1]) + "|")
         per_layer = []
         for scheme in args.schemes:
             for g in args.group_sizes:
