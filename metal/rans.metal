@@ -1,0 +1,220 @@
+// rANS-coded 4-bit codes (docs/formats.md, "rANS-coded 4-bit codes"): rans_gemv_m<R>_<fmt>_<dtype>,
+// the fused decode + GEMV for M <= 16 (R = 1, 2, 4, 8, 16 rows), and rans_decode_packed, the
+// decode of the codes back into B_packed [K/8, N] (the prefill path then runs the FP4 / INT4
+// prefill GEMM on it).
+//
+// One threadgroup = one simdgroup = one tile: the format gives a tile exactly 32 interleaved lane
+// states, so lane l decodes code[32 j + l, n] at step j of channel n. Per step each lane updates its
+// state from a per-tile slot table, the lanes that must renormalize vote (simd_ballot) and take the
+// next words of the tile's stream in lane order (popcount of the lower lanes' votes). The stream is
+// staged into a threadgroup ring with 16-byte loads, 256 words (512 bytes: one uint4 per lane)
+// whenever fewer than 257 staged words are left, so the ring always holds the next step's words
+// (at most 32) and is refilled once per 8 or more steps.
+//
+// Bounds: every device read of the stream is a whole uint4 inside the tile's stream (offsets taken
+// down to 8 words and clamped to the word count), and every ring and table index is masked, so a
+// corrupted stream, state or frequency table gives wrong numbers, never a read outside the tile.
+#include "torch_marlin/quant_gemm_msl.h"
+#include "torch_marlin/rans_params.h"
+
+using namespace metal;
+using namespace torch_marlin;
+
+constant constexpr uint kRansRingWords = TM_METAL_RANS_RING_WORDS;  // 512: two refills
+constant constexpr uint kRansRefillWords = kRansRingWords / 2u;    // one uint4 per lane
+constant constexpr uint kRansSlotsPerLane = TM_RANS_PROB_SCALE / TM_RANS_LANES;
+
+// The decoder of one tile, held by the 32 lanes of a simdgroup.
+//  table: 4096 slots, entry = (slot - cum[s]) << 4 | s (12 + 4 bits); freq[s] comes from lane s
+//         by a shuffle, so the table is 8 KiB (a 32-bit entry with the frequency would be 16).
+//  ring:  kRansRingWords stream words; `staged` words of the stream have been stored, `ptr` taken.
+struct RansLane {
+  uint x;          // this lane's state
+  uint freq;       // freq[lane & 15]
+  uint ptr;        // stream words taken by the simdgroup
+  uint staged;     // stream words stored into the ring (zeros past the stream's end)
+  uint begin, end; // the tile's stream, in words, 8-aligned, inside the words buffer
+};
+
+// Stores stream words [staged, staged + 256) into the ring: one 16-byte load per lane, zeros past
+// the end of the stream (never read there).
+inline void rans_refill(device const uint4* words, threadgroup uint4* ring4, thread RansLane& d, uint lane) {
+  const uint at = d.begin + d.staged + lane * 8u;
+  const uint4 v = at + 8u <= d.end ? words[at / 8u] : uint4(0u, 0u, 0u, 0u);  // at is a multiple of 8
+  ring4[((d.staged / 8u) + lane) & (kRansRingWords / 8u - 1u)] = v;
+  d.staged += kRansRefillWords;
+}
+
+// Tile start: the lane's state and frequency, the slot table (lane l writes slots [128 l, 128 l +
+// 128); symbol 15 takes every slot past cum[15], so each slot is written even when the table does
+// not sum to 4096) and the first two refills of the ring.
+inline RansLane rans_begin(device const uint4* words, device const uint* word_offsets, device const uint* states,
+                           device const ushort* freqs, constant RansParams& p, threadgroup ushort* table,
+                           threadgroup uint4* ring4, uint tile, uint lane) {
+  RansLane d;
+  const uint n_words = p.n_words & ~7u;
+  d.end = min(word_offsets[tile + 1u] & ~7u, n_words);
+  d.begin = min(word_offsets[tile] & ~7u, d.end);
+  d.x = states[tile * TM_RANS_LANES + lane];
+  d.freq = freqs[tile * TM_RANS_SYMBOLS + (lane & 15u)];
+  d.ptr = 0u;
+  d.staged = 0u;
+
+  device const uint4* f4 = (device const uint4*)(freqs + tile * TM_RANS_SYMBOLS);  // 32 bytes per tile
+  const uint4 f0 = f4[0], f1 = f4[1];
+  const uint packed[8] = {f0.x, f0.y, f0.z, f0.w, f1.x, f1.y, f1.z, f1.w};
+  const uint lo = lane * kRansSlotsPerLane, hi = lo + kRansSlotsPerLane;
+  uint cum = 0u;
+  for (uint s = 0; s < TM_RANS_SYMBOLS; ++s) {
+    const uint f = (packed[s / 2u] >> (16u * (s & 1u))) & 0xFFFFu;
+    const uint next = s + 1u == TM_RANS_SYMBOLS ? TM_RANS_PROB_SCALE : cum + f;
+    for (uint slot = max(cum, lo); slot < min(next, hi); ++slot) table[slot] = ushort(((slot - cum) << 4) | s);
+    cum = next;
+  }
+  rans_refill(words, ring4, d, lane);
+  rans_refill(words, ring4, d, lane);
+  simdgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:rans_tile_ready]
+  return d;
+}
+
+// One decode step: the lane's symbol, with the state renormalized from the ring.
+inline uint rans_step(threadgroup const ushort* table, threadgroup const ushort* ring, threadgroup uint4* ring4,
+                      device const uint4* words, thread RansLane& d, uint lane) {
+  const uint slot = d.x & TM_RANS_PROB_MASK;
+  const uint e = table[slot];
+  const uint s = e & 15u;
+  const uint f = simd_shuffle(d.freq, ushort(s));
+  d.x = f * (d.x >> TM_RANS_PROB_BITS) + (e >> 4);
+  const bool need = d.x < TM_RANS_STATE_LOW;
+  const uint vote = uint(static_cast<simd_vote::vote_t>(simd_ballot(need)));
+  if (need) {
+    const uint rank = popcount(vote & ((1u << lane) - 1u));
+    d.x = (d.x << TM_RANS_WORD_BITS) | uint(ring[(d.ptr + rank) & (kRansRingWords - 1u)]);
+  }
+  d.ptr += popcount(vote);
+  if (d.staged - d.ptr <= kRansRefillWords) {  // uniform: ptr and staged are the simdgroup's
+    simdgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:rans_ring_free]
+    rans_refill(words, ring4, d, lane);
+    simdgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:rans_ring_ready]
+  }
+  return s;
+}
+
+// One code as fp32 with the group's constants folded as in dequant_word_bits (quant_gemm_msl.h):
+// FP4 sign and magnitude bits into an fp16 pattern (value * 2^-14, s = scale * 2^14); INT4
+// (q - z) * s; affine q * s + b rounded once. Bitwise the reference dequantization.
+template <uint FMT>
+inline float rans_weight(uint q, float s, float zb) {
+  if (FMT == TM_FORMAT_FP4) return float(as_type<half>(ushort(((q & 7u) << 9) | ((q & 8u) << 12)))) * s;
+  if (FMT == TM_FORMAT_AFFINE) return fma(float(q), s, zb);
+  return (float(q) - zb) * s;
+}
+
+template <typename T>
+inline float rans_load(device const T* p) {
+  return float(*p);
+}
+
+template <uint FMT, typename T, uint ROWS>
+inline void rans_gemv_impl(device const T* A, device const uint4* words, device const uint* word_offsets,
+                           device const uint* states, device const ushort* freqs, device const T* scales,
+                           device const group_aux_t<FMT, T>* zeros_or_offsets, device const T* bias, device T* C,
+                           constant RansParams& p, threadgroup ushort* table, threadgroup uint4* ring4,
+                           uint3 tgid, uint lane) {
+  const uint tile = tgid.x;
+  const uint M = p.M, K = p.K, N = p.N;
+  const uint n0 = tile * p.channels_per_tile;
+  const uint channels = min(p.channels_per_tile, N - n0);
+  const uint steps_per_group = p.group_size / TM_RANS_LANES;
+  threadgroup const ushort* ring = (threadgroup const ushort*)ring4;
+  RansLane d = rans_begin(words, word_offsets, states, freqs, p, table, ring4, tile, lane);
+  for (uint c = 0; c < channels; ++c) {
+    const uint n = n0 + c;
+    float acc[ROWS];
+    for (uint m = 0; m < ROWS; ++m) acc[m] = 0.0f;
+    device const T* a = A + lane;  // A[m, 32 j + lane] = a[m * K]
+    uint g_at = n;                 // scales[g, n]
+    for (uint g = 0; g < p.n_groups; ++g, g_at += N) {
+      float s = rans_load(scales + g_at);
+      float zb = 0.0f;
+      if (FMT == TM_FORMAT_FP4) s *= kFp4BitsScale;
+      else zb = group_value(zeros_or_offsets[g_at]);
+      for (uint j = 0; j < steps_per_group; ++j, a += TM_RANS_LANES) {
+        const float w = rans_weight<FMT>(rans_step(table, ring, ring4, words, d, lane), s, zb);
+        for (uint m = 0; m < ROWS; ++m) {
+          if (ROWS == 1u || m < M) acc[m] = fma(rans_load(a + m * K), w, acc[m]);
+        }
+      }
+    }
+    for (uint m = 0; m < ROWS; ++m) {
+      if (ROWS > 1u && m >= M) break;
+      const float v = simd_sum(acc[m]);
+      if (lane == m) C[m * N + n] = T(p.has_bias != 0u ? v + float(bias[n]) : v);
+    }
+  }
+}
+
+template <uint FMT, typename T, uint ROWS, typename Z = group_aux_t<FMT, T>>
+[[kernel]] void rans_gemv(device const T* A [[buffer(0)]], device const uint4* words [[buffer(1)]],
+                          device const uint* word_offsets [[buffer(2)]], device const uint* states [[buffer(3)]],
+                          device const ushort* freqs [[buffer(4)]], device const T* scales [[buffer(5)]],
+                          device const Z* zeros_or_offsets [[buffer(6)]], device const T* bias [[buffer(7)]],
+                          device T* C [[buffer(8)]], constant RansParams& p [[buffer(9)]],
+                          uint3 tgid [[threadgroup_position_in_grid]],
+                          uint lid [[thread_index_in_threadgroup]],
+                          uint sgid [[simdgroup_index_in_threadgroup]],
+                          uint lane [[thread_index_in_simdgroup]]) {
+  TM_THREADGROUP_ARRAY(ushort, table, [TM_RANS_PROB_SCALE]);  // 8 KiB
+  TM_THREADGROUP_ARRAY(uint4, ring4, [kRansRingWords / 8u]);   // 1 KiB
+  rans_gemv_impl<FMT, T, ROWS>(A, words, word_offsets, states, freqs, scales, zeros_or_offsets, bias, C, p, table,
+                               ring4, tgid, lane);
+}
+
+// B_packed[K/8, N] from the stream: the 8 lanes of a packed word gather their nibbles with three
+// xor shuffles, and lane 8 i (i = 0..3) stores word 4 j + i of the channel (Word: uint).
+template <typename Word>
+[[kernel]] void rans_decode_packed(device const uint4* words [[buffer(0)]],
+                                   device const uint* word_offsets [[buffer(1)]],
+                                   device const uint* states [[buffer(2)]], device const ushort* freqs [[buffer(3)]],
+                                   device Word* B_packed [[buffer(4)]], constant RansParams& p [[buffer(5)]],
+                                   uint3 tgid [[threadgroup_position_in_grid]],
+                                   uint lid [[thread_index_in_threadgroup]],
+                                   uint sgid [[simdgroup_index_in_threadgroup]],
+                                   uint lane [[thread_index_in_simdgroup]]) {
+  TM_THREADGROUP_ARRAY(ushort, table, [TM_RANS_PROB_SCALE]);
+  TM_THREADGROUP_ARRAY(uint4, ring4, [kRansRingWords / 8u]);
+  const uint tile = tgid.x;
+  const uint N = p.N;
+  const uint n0 = tile * p.channels_per_tile;
+  const uint channels = min(p.channels_per_tile, N - n0);
+  threadgroup const ushort* ring = (threadgroup const ushort*)ring4;
+  RansLane d = rans_begin(words, word_offsets, states, freqs, p, table, ring4, tile, lane);
+  for (uint c = 0; c < channels; ++c) {
+    device Word* out = B_packed + (lane / 8u) * N + n0 + c;  // word 4 j + lane / 8 of the channel
+    for (uint j = 0; j < p.steps_per_channel; ++j, out += 4u * N) {
+      uint v = rans_step(table, ring, ring4, words, d, lane) << (4u * (lane & 7u));
+      v |= simd_shuffle_xor(v, ushort(1));
+      v |= simd_shuffle_xor(v, ushort(2));
+      v |= simd_shuffle_xor(v, ushort(4));
+      if ((lane & 7u) == 0u) *out = v;
+    }
+  }
+}
+
+#define TM_INSTANTIATE_RANS_GEMV(stem, ROWS, tname, T)             \
+  TM_INSTANTIATE(stem "_fp4_" #tname, rans_gemv<TM_FORMAT_FP4, T, ROWS>) \
+  TM_INSTANTIATE(stem "_u4_" #tname, rans_gemv<TM_FORMAT_U4, T, ROWS>)   \
+  TM_INSTANTIATE(stem "_affine_" #tname, rans_gemv<TM_FORMAT_AFFINE, T, ROWS>)
+#define TM_INSTANTIATE_RANS_GEMV_DTYPE(tname, T)              \
+  TM_INSTANTIATE_RANS_GEMV("rans_gemv_m1", 1, tname, T)      \
+  TM_INSTANTIATE_RANS_GEMV("rans_gemv_m2", 2, tname, T)      \
+  TM_INSTANTIATE_RANS_GEMV("rans_gemv_m4", 4, tname, T)      \
+  TM_INSTANTIATE_RANS_GEMV("rans_gemv_m8", 8, tname, T)      \
+  TM_INSTANTIATE_RANS_GEMV("rans_gemv_m16", 16, tname, T)
+
+TM_INSTANTIATE_RANS_GEMV_DTYPE(half, half)
+TM_INSTANTIATE_RANS_GEMV_DTYPE(float, float)
+#if __METAL_VERSION__ >= 310
+TM_INSTANTIATE_RANS_GEMV_DTYPE(bfloat, bfloat)
+#endif
+TM_INSTANTIATE("rans_decode_packed", rans_decode_packed<uint>)
