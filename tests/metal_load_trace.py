@@ -144,7 +144,7 @@ def _build(name, bindings, plan_sources, kernel_sources, build_dir, verbose=Fals
                   "-DTM_EMU_TRACE"]
         return cpp_extension.load(
             name=name,
-            sources=[os.path.join(metal_emu.EMU_DIR, f) for f in (bindings, "runtime.cpp", "load_trace.cpp")]
+            sources=[os.path.join(metal_emu.EMU_DIR, f) for f in (*bindings, "runtime.cpp", "load_trace.cpp")]
             + list(plan_sources),
             extra_include_paths=[os.path.join(ROOT, "csrc"), metal_emu.INCLUDE_DIR, metal_emu.EMU_DIR],
             extra_cflags=cflags,
@@ -161,13 +161,13 @@ def _build(name, bindings, plan_sources, kernel_sources, build_dir, verbose=Fals
 def load_quant(verbose=False):
     """Traced module of the FP4 / INT4 kernels (metal_emu.QUANT_SOURCES) and the probe kernels of
     tests/metal/perf_probes.metal (dispatch_raw)."""
-    return _build("tm_metal_emu_trace", "bindings.cpp", metal_emu.PLAN_SOURCES,
+    return _build("tm_metal_emu_trace", ("bindings.cpp", "rans_bindings.cpp"), metal_emu.PLAN_SOURCES,
                   metal_emu.QUANT_SOURCES + [PROBE_SOURCE], os.path.join(ROOT, "build", "metal_emu_trace"), verbose)
 
 
 def load_trellis(verbose=False):
     """Traced module of the trellis kernels (trellis_metal_emu.SOURCES)."""
-    return _build("tm_trellis_metal_emu_trace", "trellis_bindings.cpp", metal_emu.PLAN_SOURCES,
+    return _build("tm_trellis_metal_emu_trace", ("trellis_bindings.cpp",), metal_emu.PLAN_SOURCES,
                   trellis_metal_emu.SOURCES, os.path.join(ROOT, "build", "trellis_metal_emu_trace"), verbose)
 
 
