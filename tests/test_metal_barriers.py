@@ -45,6 +45,17 @@ NEEDED = {
 
 K, N, GS = 128, 64, 32
 
+# rANS (metal/rans.metal, one simdgroup per tile): tag -> schedules that must catch its loss in
+# rans_decode_packed. rans_tile_ready orders the slot table and the first ring fill before the
+# first step (lanes look up slots other lanes wrote); rans_ring_free orders a refill after the last
+# reads of the words it overwrites, which only the last lanes of a step can still be reading: the
+# orders that run high lanes first catch it. K = 1024, 2 channels per tile, uniform codes: about
+# 1000 words per tile, so the ring (512 words) is refilled several times.
+RANS_NEEDED = {
+    "rans_tile_ready": SCHEDULES,
+    "rans_ring_free": ["reverse", "random"],
+}
+
 
 @pytest.fixture(scope="module")
 def emu():
@@ -73,7 +84,7 @@ def run(emu, family, M, K, schedule):
 
 
 def test_every_tagged_barrier_is_covered():
-    assert set(NEEDED) == set(metal_emu.barrier_tags())
+    assert set(NEEDED) | set(RANS_NEEDED) == set(metal_emu.barrier_tags())
 
 
 def test_striped_needs_the_pipeline_barrier(emu):
@@ -99,6 +110,36 @@ def test_removed_barrier_is_detected(emu, tag):
     finally:
         emu.set_dropped_barrier("")
     assert set(catching) <= set(caught), f"dropping {tag}: caught only under {caught}"
+
+
+def run_rans(emu, schedule):
+    import numpy as np
+
+    from torch_marlin.formats import rans
+
+    K_R, N_R, C_R = 1024, 4, 2
+    codes = np.random.default_rng(5).integers(0, 16, (K_R, N_R))
+    enc = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in rans.encode(codes, C_R).items()
+           if k != "channels_per_tile"}
+    B = emu.rans_decode(enc["words"], enc["word_offsets"], enc["states"], enc["freqs"], K_R, N_R, C_R, schedule, 3, 1,
+                        metal_emu.BARRIER_SWITCH_PREFIX)
+    ref = torch.zeros(K_R // 8, N_R, dtype=torch.int64)
+    for i in range(8):
+        ref |= torch.from_numpy(codes[i::8]).long() << (4 * i)
+    return torch.equal(B.long() & 0xFFFFFFFF, ref)
+
+
+@pytest.mark.parametrize("tag", sorted(RANS_NEEDED))
+def test_removed_rans_barrier_is_detected(emu, tag):
+    emu.set_dropped_barrier("")
+    for sch in SCHEDULES:
+        assert run_rans(emu, sch), f"intact kernel failed under {sch}"
+    emu.set_dropped_barrier(tag)
+    try:
+        caught = [sch for sch in SCHEDULES if not run_rans(emu, sch)]
+    finally:
+        emu.set_dropped_barrier("")
+    assert set(RANS_NEEDED[tag]) <= set(caught), f"dropping {tag}: caught only under {caught}"
 
 
 # ---- the executor itself (tests/metal/emu_selftest.metal) --------------------------------------
