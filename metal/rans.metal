@@ -112,9 +112,44 @@ inline float rans_weight(uint q, float s, float zb) {
   return (float(q) - zb) * s;
 }
 
-template <typename T>
-inline float rans_load(device const T* p) {
-  return float(*p);
+// Activations: each piece of kRansPiece K rows (8 steps) of the rows in use is staged as fp32 into
+// threadgroup memory, lane l loading the 8 values at 8 l with one 16-byte load (fp32: two), and read
+// back at 32 j + lane (one bank per lane). A row starts 16-byte aligned: K is a multiple of 32.
+constant constexpr uint kRansPiece = 8u * TM_RANS_LANES;
+
+inline void rans_stage8(device const half* p, threadgroup float* d) {
+  const uint4 u = *(device const uint4*)p;
+  const half2 h0 = as_type<half2>(u.x), h1 = as_type<half2>(u.y), h2 = as_type<half2>(u.z), h3 = as_type<half2>(u.w);
+  *(threadgroup float4*)d = float4(float(h0.x), float(h0.y), float(h1.x), float(h1.y));
+  *(threadgroup float4*)(d + 4) = float4(float(h2.x), float(h2.y), float(h3.x), float(h3.y));
+}
+inline void rans_stage8(device const float* p, threadgroup float* d) {
+  *(threadgroup float4*)d = *(device const float4*)p;
+  *(threadgroup float4*)(d + 4) = *(device const float4*)(p + 4);
+}
+#if __METAL_VERSION__ >= 310
+inline void rans_stage8(device const bfloat* p, threadgroup float* d) {
+  const uint4 u = *(device const uint4*)p;  // bfloat = the high half of an fp32
+  *(threadgroup float4*)d = float4(as_type<float>(u.x << 16), as_type<float>(u.x & 0xFFFF0000u),
+                                   as_type<float>(u.y << 16), as_type<float>(u.y & 0xFFFF0000u));
+  *(threadgroup float4*)(d + 4) = float4(as_type<float>(u.z << 16), as_type<float>(u.z & 0xFFFF0000u),
+                                         as_type<float>(u.w << 16), as_type<float>(u.w & 0xFFFF0000u));
+}
+#endif
+
+// Group constants: lane l holds those of group g0 + l (one load per lane per 32 groups); a step
+// takes its group's from that lane by a shuffle.
+template <uint FMT, typename T>
+inline void rans_load_groups(device const T* scales, device const group_aux_t<FMT, T>* zeros_or_offsets,
+                             constant RansParams& p, uint g0, uint n, uint lane, thread float& s, thread float& zb) {
+  const uint g = g0 + lane;
+  s = 0.0f;
+  zb = 0.0f;
+  if (g < p.n_groups) {
+    s = float(scales[g * p.N + n]);
+    if (FMT == TM_FORMAT_FP4) s *= kFp4BitsScale;
+    else zb = group_value(zeros_or_offsets[g * p.N + n]);
+  }
 }
 
 template <uint FMT, typename T, uint ROWS>
@@ -122,7 +157,7 @@ inline void rans_gemv_impl(device const T* A, device const uint4* words, device 
                            device const uint* states, device const ushort* freqs, device const T* scales,
                            device const group_aux_t<FMT, T>* zeros_or_offsets, device const T* bias, device T* C,
                            constant RansParams& p, threadgroup ushort* table, threadgroup uint4* ring4,
-                           uint3 tgid, uint lane) {
+                           threadgroup float* a_stage, uint3 tgid, uint lane) {
   const uint tile = tgid.x;
   const uint M = p.M, K = p.K, N = p.N;
   const uint n0 = tile * p.channels_per_tile;
@@ -134,19 +169,35 @@ inline void rans_gemv_impl(device const T* A, device const uint4* words, device 
     const uint n = n0 + c;
     float acc[ROWS];
     for (uint m = 0; m < ROWS; ++m) acc[m] = 0.0f;
-    device const T* a = A + lane;  // A[m, 32 j + lane] = a[m * K]
-    uint g_at = n;                 // scales[g, n]
-    for (uint g = 0; g < p.n_groups; ++g, g_at += N) {
-      float s = rans_load(scales + g_at);
-      float zb = 0.0f;
-      if (FMT == TM_FORMAT_FP4) s *= kFp4BitsScale;
-      else zb = group_value(zeros_or_offsets[g_at]);
-      for (uint j = 0; j < steps_per_group; ++j, a += TM_RANS_LANES) {
-        const float w = rans_weight<FMT>(rans_step(table, ring, ring4, words, d, lane), s, zb);
-        for (uint m = 0; m < ROWS; ++m) {
-          if (ROWS == 1u || m < M) acc[m] = fma(rans_load(a + m * K), w, acc[m]);
+    float s_lane = 0.0f, zb_lane = 0.0f, s = 0.0f, zb = 0.0f;
+    uint g = 0u, group_left = 0u, piece_left = 0u, at = 0u;
+    for (uint k0 = 0; k0 < K; k0 += TM_RANS_LANES) {
+      if (piece_left == 0u) {  // uniform: stage A[0:M, k0 : k0 + kRansPiece)
+        simdgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:rans_a_free]
+        const uint k = k0 + lane * 8u;
+        if (k < K) {
+          for (uint m = 0; m < ROWS; ++m) {
+            if (ROWS == 1u || m < M) rans_stage8(A + m * K + k, a_stage + m * kRansPiece + lane * 8u);
+          }
         }
+        simdgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:rans_a_ready]
+        piece_left = kRansPiece / TM_RANS_LANES;
+        at = lane;
       }
+      if (group_left == 0u) {  // uniform
+        if ((g & 31u) == 0u) rans_load_groups<FMT, T>(scales, zeros_or_offsets, p, g, n, lane, s_lane, zb_lane);
+        s = simd_shuffle(s_lane, ushort(g & 31u));
+        zb = simd_shuffle(zb_lane, ushort(g & 31u));
+        ++g;
+        group_left = steps_per_group;
+      }
+      const float w = rans_weight<FMT>(rans_step(table, ring, ring4, words, d, lane), s, zb);
+      for (uint m = 0; m < ROWS; ++m) {
+        if (ROWS == 1u || m < M) acc[m] = fma(a_stage[m * kRansPiece + at], w, acc[m]);
+      }
+      at += TM_RANS_LANES;
+      --piece_left;
+      --group_left;
     }
     for (uint m = 0; m < ROWS; ++m) {
       if (ROWS > 1u && m >= M) break;
@@ -166,10 +217,11 @@ template <uint FMT, typename T, uint ROWS, typename Z = group_aux_t<FMT, T>>
                           uint lid [[thread_index_in_threadgroup]],
                           uint sgid [[simdgroup_index_in_threadgroup]],
                           uint lane [[thread_index_in_simdgroup]]) {
-  TM_THREADGROUP_ARRAY(ushort, table, [TM_RANS_PROB_SCALE]);  // 8 KiB
-  TM_THREADGROUP_ARRAY(uint4, ring4, [kRansRingWords / 8u]);   // 1 KiB
+  TM_THREADGROUP_ARRAY(ushort, table, [TM_RANS_PROB_SCALE]);     // 8 KiB
+  TM_THREADGROUP_ARRAY(uint4, ring4, [kRansRingWords / 8u]);      // 1 KiB
+  TM_THREADGROUP_ARRAY(float, a_stage, [ROWS * kRansPiece]);     // 1 KiB per row: 16 KiB at 16 rows
   rans_gemv_impl<FMT, T, ROWS>(A, words, word_offsets, states, freqs, scales, zeros_or_offsets, bias, C, p, table,
-                               ring4, tgid, lane);
+                               ring4, a_stage, tgid, lane);
 }
 
 // B_packed[K/8, N] from the stream: the 8 lanes of a packed word gather their nibbles with three

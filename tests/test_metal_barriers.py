@@ -51,9 +51,13 @@ K, N, GS = 128, 64, 32
 # reads of the words it overwrites, which only the last lanes of a step can still be reading: the
 # orders that run high lanes first catch it. K = 1024, 2 channels per tile, uniform codes: about
 # 1000 words per tile, so the ring (512 words) is refilled several times.
+# rans_a_ready / rans_a_free order the staged activations of the GEMV (gemm_rans, M = 3) after
+# their stores and before the next piece overwrites them (run with A of K = 1024: four pieces).
 RANS_NEEDED = {
     "rans_tile_ready": SCHEDULES,
     "rans_ring_free": ["reverse", "random"],
+    "rans_a_ready": SCHEDULES,
+    "rans_a_free": ["reverse", "simd_ahead_reverse"],
 }
 
 
@@ -113,20 +117,24 @@ def test_removed_barrier_is_detected(emu, tag):
 
 
 def run_rans(emu, schedule):
+    """rans_decode and the fused gemm_rans (fp4, M = 3) against the reference codes and matmul."""
     import numpy as np
 
     from torch_marlin.formats import rans
 
-    K_R, N_R, C_R = 1024, 4, 2
-    codes = np.random.default_rng(5).integers(0, 16, (K_R, N_R))
+    K_R, N_R, C_R, GS_R = 1024, 4, 2, 64
+    g = torch.Generator().manual_seed(5)
+    B, s = quantize_fp4(torch.randn(K_R, N_R, generator=g), GS_R, scale_dtype=torch.float16)
+    codes = np.stack([(B.numpy().view(np.uint32) >> (4 * i)) & 15 for i in range(8)], 1).reshape(K_R, N_R)
     enc = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in rans.encode(codes, C_R).items()
            if k != "channels_per_tile"}
-    B = emu.rans_decode(enc["words"], enc["word_offsets"], enc["states"], enc["freqs"], K_R, N_R, C_R, schedule, 3, 1,
-                        metal_emu.BARRIER_SWITCH_PREFIX)
-    ref = torch.zeros(K_R // 8, N_R, dtype=torch.int64)
-    for i in range(8):
-        ref |= torch.from_numpy(codes[i::8]).long() << (4 * i)
-    return torch.equal(B.long() & 0xFFFFFFFF, ref)
+    code = (enc["words"], enc["word_offsets"], enc["states"], enc["freqs"])
+    decoded = emu.rans_decode(*code, K_R, N_R, C_R, schedule, 3, 1, metal_emu.BARRIER_SWITCH_PREFIX)
+    A = torch.randn(3, K_R, generator=g).half()
+    C, plan = emu.gemm_rans(A, *code, s, None, None, "fp4", K_R, N_R, GS_R, C_R, None, "auto", schedule, 3, 1,
+                            metal_emu.BARRIER_SWITCH_PREFIX)
+    assert plan["family"] == "decode"
+    return torch.equal(decoded, B) and matches(C, A.float() @ dequant_fp4_reference(B, s, GS_R))
 
 
 @pytest.mark.parametrize("tag", sorted(RANS_NEEDED))
