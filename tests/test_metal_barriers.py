@@ -57,7 +57,7 @@ RANS_NEEDED = {
     "rans_tile_ready": SCHEDULES,
     "rans_ring_free": ["reverse", "random"],
     "rans_a_ready": SCHEDULES,
-    "rans_a_free": ["reverse", "simd_ahead_reverse"],
+    "rans_a_free": ["reverse", "random"],
 }
 
 

@@ -153,7 +153,7 @@ std::tuple<at::Tensor, py::dict> gemm_rans(const at::Tensor& A_in, const at::Ten
   if (ws.defined()) b.workspace = ws.data_ptr();
   code.note();
   note_buffers({{"A", &A}, {"scales", &scales}, {"zeros_or_offsets", &aux}, {"bias", &bias}, {"C", &C},
-                {"decoded", &decoded}, {"workspace", &ws}});
+                {"B", &decoded}, {"workspace", &ws}});
   run_dispatches(described([&] { return rans_gemm_dispatches(plan, b); }), RunOpts{schedule, seed, workers, prefix});
   return {C, rans_plan_to_dict(plan)};
 }
