@@ -4,6 +4,7 @@
     python scripts/bench.py --device cuda        # on a GPU (CUDA-event timing)
     python scripts/bench.py --shapes 4096x4096 --m 1,16 --formats fp4
     python scripts/bench.py --formats trellis2,trellis3,trellis4 --m 1,64 --threads 2   # trellis on CPU
+    python scripts/bench.py --rans --shapes 4096x4096 --m 1 --threads 1   # gemm_rans vs gemm_fp4 / gemm_u4
 
 The full CUDA suite of docs/benchmarks.md (L2 flushed between repetitions, cuBLAS fp16 and
 torch._weight_int4pack_mm baselines, % of measured copy bandwidth) is scripts/dev/bench_cuda.py.
@@ -166,6 +167,41 @@ def quantized_case(fmt, K, N, group_size, dtype, device):
                                                                                       z.to(device))
 
 
+def bench_rans(args, device, dtype, copies):
+    """gemm_rans against the uncoded op of the same format (gemm_fp4, gemm_u4) on the same weights,
+    interleaved. The codes come from quantizing Gaussian weights, so their entropy is a real layer's."""
+    from torch_marlin.formats import rans
+
+    print(f"\n# rANS-coded codes: gemm_rans vs the uncoded op, group {args.group_size}")
+    cols = ["format", "K", "N", "M", "code_bits/weight", "rans_us", "uncoded_us", "rans/uncoded"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    gs = args.group_size
+    for K, N in parse_shapes(args.shapes):
+        for fmt in ("fp4", "u4"):
+            uncoded, weights = quantized_case(fmt, K, N, gs, dtype, torch.device("cpu"))
+            C = rans.default_channels_per_tile(K)
+            words, offsets, states, freqs = torch.ops.marlin.rans_encode(weights[0], C)
+            bits = rans.code_bits(words.numel(), states.shape[0]) / (K * N)
+            coded = (words, offsets, states, freqs, weights[1], weights[2] if fmt == "u4" else None)
+            coded = tuple(t.to(device) if t is not None else None for t in coded)
+            weights = tuple(t.to(device) for t in weights)
+
+            def rans_op(A, words, offsets, states, freqs, scales, zeros=None, fmt=fmt, C=C, K=K, N=N):
+                return torch.ops.marlin.gemm_rans(A, words, offsets, states, freqs, scales, zeros, None, fmt, K, N,
+                                                  gs, C)
+
+            coded_fn = rotating(rans_op, tuple(t for t in coded if t is not None), copies(coded[:5]))
+            uncoded_fn = rotating(uncoded, weights, copies(weights))
+            for M in (int(m) for m in args.m.split(",")):
+                A = torch.randn(M, K, device=device).to(dtype)
+                t_rans, t_plain = bench_interleaved([lambda: coded_fn(A), lambda: uncoded_fn(A)], device, args.reps,
+                                                    clock=time.process_time if args.cpu_time else time.perf_counter)
+                row = [fmt, K, N, M, f"{bits:.3f}", f"{t_rans * 1e6:.1f}", f"{t_plain * 1e6:.1f}",
+                       f"{t_rans / t_plain:.2f}x"]
+                print("| " + " | ".join(str(c) for c in row) + " |", flush=True)
+
+
 def nbytes_of(weights):
     return sum(w.numel() * w.element_size() for w in weights)
 
@@ -179,6 +215,8 @@ def main():
     ap.add_argument("--m", default="1,16,64,256")
     ap.add_argument("--formats", default="fp4,u4,trellis2,trellis3,trellis4")
     ap.add_argument("--moe", action="store_true", help="also time moe_trellis (trellis bits 2/3/4)")
+    ap.add_argument("--rans", action="store_true",
+                    help="time gemm_rans against gemm_fp4 / gemm_u4 instead of the formats against F.linear")
     ap.add_argument("--moe-shape", default="2048x1408x8", help="hidden x intermediate x experts")
     ap.add_argument("--moe-tokens", default="1,16,64")
     ap.add_argument("--moe-top-k", type=int, default=2)
@@ -209,9 +247,12 @@ def main():
     cold_bytes = 0 if (args.hot or device.type != "cpu") else 2 * last_level_cache_bytes()
     print(f"# weights: {'hot (one copy)' if not cold_bytes else f'cold (copies rotating over {cold_bytes >> 20} MiB)'}"
           f"; {'process CPU time' if args.cpu_time else 'wall time'}, medians of interleaved calls")
+    copies = lambda weights: max(1, min(64, -(-cold_bytes // nbytes_of(weights))))  # noqa: E731
+    if args.rans:
+        bench_rans(args, device, dtype, copies)
+        return
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
-    copies = lambda weights: max(1, min(64, -(-cold_bytes // nbytes_of(weights))))  # noqa: E731
     for K, N in parse_shapes(args.shapes):
         W = ((torch.randn(N, K) * 0.02).to(device=device, dtype=dtype),)  # nn.Linear.weight: [out, in]
         dense = rotating(F.linear, W, copies(W))

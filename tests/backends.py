@@ -22,7 +22,8 @@ import torch_marlin  # noqa: F401  (registers the ops whose CUDA kernels the CUD
 
 INT4_OPS = ("gemm_fp4", "gemm_u4", "dequant_fp4", "dequant_u4", "gemm_affine", "dequant_affine")
 TRELLIS_OPS = ("gemm_trellis", "dequant_trellis", "moe_trellis")
-OPS = INT4_OPS + TRELLIS_OPS
+RANS_OPS = ("rans_decode", "gemm_rans")  # rans_encode runs on the CPU only (tests/test_rans_ops.py)
+OPS = INT4_OPS + TRELLIS_OPS + RANS_OPS
 
 # Thread orders of the harness's executor; each call gets one, picked from its arguments so a
 # test case always runs the same order and the matrix as a whole covers all of them.
@@ -68,6 +69,7 @@ class MetalEmuBackend(Backend):
     """The Metal kernels run as C++ threads on the CPU (docs/metal.md), CPU tensors in and out."""
 
     name = "metal_emu"
+    ops = INT4_OPS + TRELLIS_OPS
 
     def run(self, op, *args):
         import metal_emu
@@ -83,10 +85,15 @@ class MetalEmuBackend(Backend):
 
 CPU = DeviceBackend("cpu", "cpu", exact_products=True)
 METAL_EMU = MetalEmuBackend()
-# The ops this build registers for CUDA (there are no CUDA trellis kernels yet).
-CUDA = DeviceBackend("cuda", "cuda", exact_products=False,
-                     ops=tuple(op for op in OPS if torch._C._dispatch_has_kernel_for_dispatch_key(f"marlin::{op}", "CUDA")))
-MPS = DeviceBackend("mps", "mps", exact_products=False)
+
+
+def registered_ops(dispatch_key: str) -> tuple:
+    """The ops this build registers for a device's dispatch key (a family without kernels there is skipped)."""
+    return tuple(op for op in OPS if torch._C._dispatch_has_kernel_for_dispatch_key(f"marlin::{op}", dispatch_key))
+
+
+CUDA = DeviceBackend("cuda", "cuda", exact_products=False, ops=registered_ops("CUDA"))
+MPS = DeviceBackend("mps", "mps", exact_products=False, ops=registered_ops("MPS"))
 
 BACKENDS = [
     pytest.param(CPU, id="cpu"),

@@ -91,3 +91,34 @@ def test_outputs_never_require_grad(backend):
     A = torch.randn(3, 64, device=backend.device, requires_grad=True)
     y = torch.ops.marlin.gemm_fp4(A, w["B"].to(backend.device), w["scales"].to(backend.device), 32)
     assert not y.requires_grad and y.grad_fn is None
+
+
+def rans_layer(fmt, dtype, K=64, N=10, gs=32, C=3):
+    from torch_marlin.formats import unpack_int4
+    from torch_marlin.formats import rans
+
+    w = make_weights(fmt, K, N, gs, dtype)
+    e = rans.encode(unpack_int4(w["B"]).numpy(), C)
+    codes = tuple(torch.from_numpy(e[k].copy()) for k in ("words", "word_offsets", "states", "freqs"))
+    return w, codes
+
+
+@pytest.mark.parametrize("backend, fmt, dtype, M", device_cases(list(itertools.product(
+    ["fp4", "u4", "affine"], DTYPES, [0, 5, 20]))))
+def test_gemm_rans(backend, fmt, dtype, M):
+    K, N, gs, C = 64, 10, 32, 3
+    w, codes = rans_layer(fmt, dtype, K, N, gs, C)
+    bias = torch.randn(N).to(dtype) if M == 5 else None
+    opcheck(backend, "gemm_rans", (torch.randn(M, K).to(dtype), *codes, w["scales"], w["zeros"] if fmt == "u4" else None,
+                                   w["offsets"] if fmt == "affine" else None, fmt, K, N, gs, C, bias))
+
+
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
+def test_rans_decode(backend):
+    _, codes = rans_layer("fp4", torch.float32)
+    opcheck(backend, "rans_decode", (*codes, 64, 10, 3))
+
+
+def test_rans_encode():
+    w = make_weights("fp4", 64, 10, 32, torch.float32)
+    torch.library.opcheck(torch.ops.marlin.rans_encode.default, (w["B"], 3))

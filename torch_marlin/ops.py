@@ -18,7 +18,8 @@ import torch
 
 from . import _C  # noqa: F401  (the ops must be registered before register_fake)
 
-OPS = ("gemm_fp4", "gemm_u4", "dequant_fp4", "dequant_u4", "gemm_affine", "dequant_affine", "gemm_trellis", "dequant_trellis", "moe_trellis")
+OPS = ("gemm_fp4", "gemm_u4", "dequant_fp4", "dequant_u4", "gemm_affine", "dequant_affine", "gemm_trellis", "dequant_trellis", "moe_trellis",
+       "rans_encode", "rans_decode", "gemm_rans")
 
 _autograd = torch.library.Library("marlin", "IMPL")
 for _op in OPS:
@@ -214,3 +215,57 @@ def moe_trellis(x, gate, up, down, expert_ids, expert_probs, intermediate_size: 
     ``y[t] = sum_j expert_probs[t, j] * (silu(x_t @ G_e) * (x_t @ U_e)) @ D_e``, ``e = expert_ids[t, j]``."""
     return torch.ops.marlin.moe_trellis(x, *gate, *up, *down, expert_ids, expert_probs, intermediate_size, bits,
                                         group_size)
+
+
+# ---- rANS-coded 4-bit codes (csrc/ops/rans.cpp; docs/formats.md, "rANS-coded 4-bit codes") ---------
+
+_RANS_CODES = ("words", "word_offsets", "states", "freqs")
+
+
+def _rans_tiles(K, N, channels_per_tile):
+    C = channels_per_tile if channels_per_tile > 0 else max(1, -(-32 * 1024 // K))
+    return -(-N // C)
+
+
+@torch.library.register_fake("marlin::rans_encode")
+def _rans_encode_fake(B_packed, channels_per_tile):
+    K, N = B_packed.shape[0] * 8, B_packed.shape[1]
+    T = _rans_tiles(K, N, channels_per_tile)
+    W = torch.library.get_ctx().new_dynamic_size()  # the coded length depends on the codes
+    return (B_packed.new_empty((W,), dtype=torch.int16), B_packed.new_empty((T + 1,), dtype=torch.int32),
+            B_packed.new_empty((T, 32), dtype=torch.int32), B_packed.new_empty((T, 16), dtype=torch.int16))
+
+
+@torch.library.register_fake("marlin::rans_decode")
+def _rans_decode_fake(words, word_offsets, states, freqs, K, N, channels_per_tile):
+    check_same_device("rans_decode", "words", words, word_offsets=word_offsets, states=states, freqs=freqs)
+    return words.new_empty((K // 8, N), dtype=torch.int32)
+
+
+@torch.library.register_fake("marlin::gemm_rans")
+def _gemm_rans_fake(A, words, word_offsets, states, freqs, scales, zeros, offsets, format, K, N, group_size,
+                    channels_per_tile, bias=None):
+    check_same_device("gemm_rans", "A", A, words=words, word_offsets=word_offsets, states=states, freqs=freqs,
+                      scales=scales, zeros=zeros, offsets=offsets, bias=bias)
+    return A.new_empty((A.shape[0], N))
+
+
+def rans_encode(B_packed: torch.Tensor, channels_per_tile: Optional[int] = None):
+    """``(words, word_offsets, states, freqs)`` of the codes of ``B_packed`` int32 ``[K/8, N]`` (CPU),
+    bit for bit :func:`torch_marlin.formats.rans.encode`; ``None``: the default tile width."""
+    return torch.ops.marlin.rans_encode(B_packed, 0 if channels_per_tile is None else channels_per_tile)
+
+
+def rans_decode(words, word_offsets, states, freqs, K: int, N: int, channels_per_tile: int) -> torch.Tensor:
+    """``B_packed`` int32 ``[K/8, N]`` from a coded layer. On the CPU every stream is checked: a corrupted
+    one raises ValueError naming its tile."""
+    return torch.ops.marlin.rans_decode(words, word_offsets, states, freqs, K, N, channels_per_tile)
+
+
+def gemm_rans(A, words, word_offsets, states, freqs, scales, zeros, offsets, format: str, K: int, N: int,
+              group_size: int, channels_per_tile: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``A[M, K] @ W[K, N] (+ bias)`` with ``W`` the ``format`` (``"fp4"``, ``"u4"`` with ``zeros``,
+    ``"affine"`` with ``offsets``) dequantization of the decoded codes: the values of ``gemm_fp4`` /
+    ``gemm_u4`` / ``gemm_affine`` on ``rans_decode``'s ``B_packed``, up to fp32 summation order."""
+    return torch.ops.marlin.gemm_rans(A, words, word_offsets, states, freqs, scales, zeros, offsets, format, K, N,
+                                      group_size, channels_per_tile, bias)

@@ -93,3 +93,18 @@ def plan_trellis(M: int, K: int, N: int, bits: int = 3, group_size: int = 128, d
         raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")
     backend, caps = _backend_and_caps(device, caps)
     return _C.plan_trellis_gemm(M, K, N, bits, group_size, _DTYPES[dtype], backend, caps, family)
+
+
+def plan_rans(M: int, K: int, N: int, group_size: int = 128, format: str = "fp4", channels_per_tile: int = 0,
+              dtype=torch.float16, device="cpu", has_bias: bool = False, caps=None) -> dict:
+    """The plan ``gemm_rans`` would execute: ``family`` ``"decode"`` for M <= ``fused_max_m`` (16: each
+    tile's codes decoded and multiplied in one pass, kernel ``cpu_rans_gemm`` on the CPU), else
+    ``"staged"`` (the layer decoded to ``B_packed`` by ``kernel``, then the dense GEMM of ``format``,
+    whose own plan is under ``"gemm"``). Keys: ``family, kernel, grid, threads, cpu_avx2,
+    channels_per_tile, tiles, steps_per_channel, n_groups, format, has_bias, fused_max_m`` and the caps.
+    ``channels_per_tile <= 0``: the format's default. ``device`` and ``caps`` as for :func:`plan_gemm`."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")
+    backend, caps = _backend_and_caps(device, caps)
+    return _C.plan_rans_gemm(M, K, N, group_size, format, channels_per_tile, _DTYPES[dtype], backend, caps,
+                             has_bias)

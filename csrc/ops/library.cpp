@@ -12,6 +12,7 @@
 #include "ops/trellis.h"
 #include "plan/plan_cache.h"
 #include "plan/plan_py.h"
+#include "plan/rans_plan.h"
 #include "plan/trellis_plan.h"
 
 TORCH_LIBRARY(marlin, m) {}
@@ -99,6 +100,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("M"), py::arg("K"), py::arg("N"), py::arg("bits"), py::arg("group_size"), py::arg("dtype"),
       py::arg("backend"), py::arg("caps"));
-  m.def("plan_cache_size", &plan_cache_size, "Plans the ops' plan cache holds (both op families).");
+  m.def(
+      "plan_rans_gemm",
+      [](int64_t M, int64_t K, int64_t N, int64_t group_size, const std::string& format, int64_t channels_per_tile,
+         const std::string& dtype, const std::string& backend, const py::dict& caps, bool has_bias) {
+        const DeviceCaps c = caps_from_dict(parse_backend(backend), caps);
+        return rans_plan_to_dict(planned([&] {
+          return plan_rans_gemm(M, K, N, group_size, channels_per_tile, parse_format(format), parse_dtype(dtype),
+                                has_bias, c);
+        }));
+      },
+      py::arg("M"), py::arg("K"), py::arg("N"), py::arg("group_size"), py::arg("format"),
+      py::arg("channels_per_tile"), py::arg("dtype"), py::arg("backend"), py::arg("caps"),
+      py::arg("has_bias") = false);
+  m.def(
+      "cached_plan_rans_gemm",
+      [](int64_t M, int64_t K, int64_t N, int64_t group_size, const std::string& format, int64_t channels_per_tile,
+         const std::string& dtype, const std::string& backend, const py::dict& caps, bool has_bias) {
+        const DeviceCaps c = caps_from_dict(parse_backend(backend), caps);
+        return rans_plan_to_dict(*planned([&] {
+          return cached_plan_rans_gemm(M, K, N, group_size, channels_per_tile, parse_format(format),
+                                       parse_dtype(dtype), has_bias, c);
+        }));
+      },
+      py::arg("M"), py::arg("K"), py::arg("N"), py::arg("group_size"), py::arg("format"),
+      py::arg("channels_per_tile"), py::arg("dtype"), py::arg("backend"), py::arg("caps"),
+      py::arg("has_bias") = false);
+  m.def("plan_cache_size", &plan_cache_size, "Plans the ops' plan cache holds (every op family).");
   m.def("clear_plan_cache", &clear_plan_cache, "Empties the ops' plan cache.");
 }

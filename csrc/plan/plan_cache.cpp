@@ -7,7 +7,7 @@
 namespace torch_marlin {
 namespace {
 
-enum class PlanOp : int64_t { QuantGemm = 0, TrellisGemm = 1 };
+enum class PlanOp : int64_t { QuantGemm = 0, TrellisGemm = 1, RansGemm = 2 };
 
 // (op, format or bits, dtype, bias, M, K, N, group_size, caps fields): every planner input.
 using PlanKey = std::array<int64_t, 14>;
@@ -59,6 +59,16 @@ std::shared_ptr<const TrellisPlan> cached_plan_trellis_gemm(int64_t M, int64_t K
                                                             int64_t group_size, DType dtype, const DeviceCaps& caps) {
   return lookup<TrellisPlan>(make_key(PlanOp::TrellisGemm, bits, dtype, false, M, K, N, group_size, caps),
                              [&] { return plan_trellis_gemm(M, K, N, bits, group_size, dtype, caps); });
+}
+
+std::shared_ptr<const RansPlan> cached_plan_rans_gemm(int64_t M, int64_t K, int64_t N, int64_t group_size,
+                                                      int64_t channels_per_tile, QuantFormat format, DType dtype,
+                                                      bool has_bias, const DeviceCaps& caps) {
+  // The variant packs the format and the tile width (below 2^30, checked by the op).
+  const int64_t variant = int64_t(format) | (channels_per_tile << 8);
+  return lookup<RansPlan>(make_key(PlanOp::RansGemm, variant, dtype, has_bias, M, K, N, group_size, caps), [&] {
+    return plan_rans_gemm(M, K, N, group_size, channels_per_tile, format, dtype, has_bias, caps);
+  });
 }
 
 size_t plan_cache_size() {

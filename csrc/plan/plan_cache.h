@@ -9,6 +9,7 @@
 #include <memory>
 
 #include "plan/plan.h"
+#include "plan/rans_plan.h"
 #include "plan/trellis_plan.h"
 
 namespace torch_marlin {
@@ -20,7 +21,11 @@ std::shared_ptr<const GemmPlan> cached_plan_quant_gemm(QuantFormat format, int64
 std::shared_ptr<const TrellisPlan> cached_plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits,
                                                             int64_t group_size, DType dtype, const DeviceCaps& caps);
 
-// Plans held (both op families). The cache empties itself when it reaches kPlanCacheCapacity
+std::shared_ptr<const RansPlan> cached_plan_rans_gemm(int64_t M, int64_t K, int64_t N, int64_t group_size,
+                                                      int64_t channels_per_tile, QuantFormat format, DType dtype,
+                                                      bool has_bias, const DeviceCaps& caps);
+
+// Plans held (every op family). The cache empties itself when it reaches kPlanCacheCapacity
 // entries: a workload of more distinct shapes than that (prefill over every prompt length) plans
 // again rather than growing without bound.
 size_t plan_cache_size();

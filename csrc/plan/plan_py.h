@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "plan/plan.h"
+#include "plan/rans_plan.h"
 #include "plan/trellis_plan.h"
 
 namespace torch_marlin {
@@ -172,6 +173,27 @@ inline py::dict trellis_plan_to_dict(const TrellisPlan& p) {
   for (const auto& s : stages) {
     if (!s.second->kernel.empty()) d[s.first] = launch_to_dict(*s.second);
   }
+  add_caps(d, p.caps);
+  return d;
+}
+
+// Every field of a RansPlan a backend branches on: the family, the per-tile launch, the layer
+// geometry and, for the staged family, the dense GEMM's own plan under "gemm".
+inline py::dict rans_plan_to_dict(const RansPlan& p) {
+  py::dict d;
+  d["family"] = rans_family_name(p.family);
+  d["kernel"] = p.decode.kernel;
+  d["grid"] = dims(p.decode.grid);
+  d["threads"] = dims(p.decode.threads);
+  d["cpu_avx2"] = p.cpu_avx2;
+  d["channels_per_tile"] = p.params.channels_per_tile;
+  d["tiles"] = p.params.tiles;
+  d["steps_per_channel"] = p.params.steps_per_channel;
+  d["n_groups"] = p.params.n_groups;
+  d["format"] = format_name(QuantFormat(p.params.format));
+  d["has_bias"] = p.params.has_bias != 0;
+  d["fused_max_m"] = TM_RANS_FUSED_MAX_M;
+  if (p.family == RansFamily::Staged) d["gemm"] = plan_to_dict(p.gemm);
   add_caps(d, p.caps);
   return d;
 }

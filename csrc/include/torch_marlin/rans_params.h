@@ -19,6 +19,10 @@ TM_NAMESPACE_BEGIN
 #define TM_RANS_SYMBOLS 16u                      // 4-bit codes
 #define TM_RANS_STREAM_ALIGN_WORDS 8u            // each tile's stream starts on 16 bytes
 #define TM_RANS_MIN_LANE_SYMBOLS 1024u           // default channels_per_tile = ceil(32 * this / K)
+// gemm_rans: up to this many rows of A, each tile's codes are decoded and multiplied in one pass
+// (the dense weight never exists); above it, decoding is amortized over enough rows that the
+// layer is decoded to B_packed once and multiplied by the dense GEMM of its format.
+#define TM_RANS_FUSED_MAX_M 16u
 
 // Metal (metal/rans.metal): one simdgroup per tile, its stream staged into a threadgroup ring of
 // this many 16-bit words (a power of two, refilled 256 words = one 16-byte load per lane at a time).
