@@ -9,7 +9,7 @@ own), links the executor and the planner (csrc/plan/*.cpp), and exposes:
        schedule="forward", seed=0, workers=0, prefix="", swap_buffers=[]) -> (C, plan dict)
   dequant(format, B_packed, scales, zeros_or_offsets, group_size, ...) -> W
   gemm_rans(A, words, word_offsets, states, freqs, scales, zeros, offsets, format, K, N, group_size,
-            channels_per_tile, bias=None, family="auto", ...) -> (C, plan dict)
+            channels_per_tile, bias=None, ...) -> (C, plan dict)
   rans_decode(words, word_offsets, states, freqs, K, N, channels_per_tile, ...) -> B_packed
   describe_gemm(format, M, K, N, group_size, ...), describe_dequant(...), describe_gemm_rans(...),
   describe_rans_decode(...) -> the dispatch list
@@ -218,9 +218,9 @@ def dequant_affine(B_packed, scales, offsets, group_size, *, schedule="forward",
 
 
 def gemm_rans(A, words, word_offsets, states, freqs, scales, zeros, offsets, format, K, N, group_size,
-              channels_per_tile, bias=None, *, family="auto", schedule="forward", seed=0, return_plan=False):
+              channels_per_tile, bias=None, *, schedule="forward", seed=0, return_plan=False):
     C, plan = load().gemm_rans(A, words, word_offsets, states, freqs, scales, zeros, offsets, format, K, N, group_size,
-                               channels_per_tile, bias, family, schedule, seed)
+                               channels_per_tile, bias, schedule, seed)
     return (C, plan) if return_plan else C
 
 

@@ -51,12 +51,12 @@ K, N, GS = 128, 64, 32
 # reads of the words it overwrites, which only the last lanes of a step can still be reading: the
 # orders that run high lanes first catch it. K = 1024, 2 channels per tile, uniform codes: about
 # 1000 words per tile, so the ring (512 words) is refilled several times.
-# rans_a_ready / rans_a_free order the staged activations of the GEMV (gemm_rans, M = 3) after
-# their stores and before the next piece overwrites them (run with A of K = 1024: four pieces).
+# rans_a_free orders the GEMV's reads of staged activations (gemm_rans, M = 3) before the next
+# piece overwrites them (K = 1024: four pieces); the last lanes of a piece's last step are the
+# late readers, so the orders that run high lanes first catch it.
 RANS_NEEDED = {
     "rans_tile_ready": SCHEDULES,
     "rans_ring_free": ["reverse", "random"],
-    "rans_a_ready": SCHEDULES,
     "rans_a_free": ["reverse", "random"],
 }
 
@@ -131,7 +131,7 @@ def run_rans(emu, schedule):
     code = (enc["words"], enc["word_offsets"], enc["states"], enc["freqs"])
     decoded = emu.rans_decode(*code, K_R, N_R, C_R, schedule, 3, 1, metal_emu.BARRIER_SWITCH_PREFIX)
     A = torch.randn(3, K_R, generator=g).half()
-    C, plan = emu.gemm_rans(A, *code, s, None, None, "fp4", K_R, N_R, GS_R, C_R, None, "auto", schedule, 3, 1,
+    C, plan = emu.gemm_rans(A, *code, s, None, None, "fp4", K_R, N_R, GS_R, C_R, None, schedule, 3, 1,
                             metal_emu.BARRIER_SWITCH_PREFIX)
     assert plan["family"] == "decode"
     return torch.equal(decoded, B) and matches(C, A.float() @ dequant_fp4_reference(B, s, GS_R))

@@ -1,6 +1,6 @@
 // Metal-on-CPU harness of the rANS kernels (metal/rans.metal), part of the FP4 / INT4 harness
-// module (the prefill path runs rans_decode_packed, then that module's prefill GEMM). Plans as the
-// MPS backend does (plan_rans_gemm_metal), binds the tensors to the same dispatch description
+// module (the staged family runs rans_decode_packed, then that module's prefill GEMM). Plans as the
+// MPS backend does (plan_rans_gemm with Backend::Metal), binds the tensors to the same dispatch description
 // (csrc/mps/metal_dispatch.h) and runs it on the CPU executor.
 //
 // Bounds: the kernels must never read outside a tile's stream, even when the stream, the states,
@@ -19,7 +19,7 @@
 #include "emu_common.h"
 #include "ops/vector_aligned.h"
 #include "plan/plan_py.h"
-#include "plan/rans_plan_metal.h"
+#include "plan/rans_plan.h"
 #include "runtime.h"
 
 namespace torch_marlin {
@@ -92,26 +92,10 @@ CodeTensors code_tensors(const at::Tensor& words, const at::Tensor& word_offsets
   return c;
 }
 
-py::dict rans_plan_to_dict(const RansMetalPlan& p) {
-  py::dict d;
-  d["kernel"] = p.decode.kernel;
-  d["grid"] = dims(p.decode.grid);
-  d["threads"] = dims(p.decode.threads);
-  d["family"] = family_name(p.family);
-  d["rows"] = p.rows;
-  d["tiles"] = p.params.tiles;
-  d["channels_per_tile"] = p.params.channels_per_tile;
-  d["decoded_bytes"] = p.decoded_bytes;
-  if (p.family != KernelFamily::Decode && p.family != KernelFamily::Auto) d["gemm"] = plan_to_dict(p.gemm);
-  return d;
-}
-
-RansMetalPlan plan_gemm(int64_t M, int64_t K, int64_t N, int64_t group_size, QuantFormat f, DType dtype,
-                        int64_t channels_per_tile, bool has_bias, int64_t n_words, const std::string& family) {
-  const KernelFamily force = parse_family(family);
+RansPlan plan_gemm(int64_t M, int64_t K, int64_t N, int64_t group_size, QuantFormat f, DType dtype,
+                   int64_t channels_per_tile, bool has_bias) {
   return described([&] {
-    return plan_rans_gemm_metal(M, K, N, group_size, f, dtype, channels_per_tile, has_bias, n_words,
-                                default_metal_caps(), force);
+    return plan_rans_gemm(M, K, N, group_size, channels_per_tile, f, dtype, has_bias, default_metal_caps());
   });
 }
 
@@ -121,15 +105,14 @@ std::tuple<at::Tensor, py::dict> gemm_rans(const at::Tensor& A_in, const at::Ten
                                            const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& offsets,
                                            const std::string& format, int64_t K, int64_t N, int64_t group_size,
                                            int64_t channels_per_tile, const c10::optional<at::Tensor>& bias_in,
-                                           const std::string& family, const std::string& schedule, uint64_t seed,
+                                           const std::string& schedule, uint64_t seed,
                                            int workers, const std::string& prefix) {
   const QuantFormat f = parse_format(format);
   TORCH_CHECK_VALUE(A_in.device().is_cpu() && A_in.dim() == 2 && A_in.size(1) == K, "metal_emu: A must be CPU [M, K]");
   TORCH_CHECK_VALUE(f != QuantFormat::U4 || zeros.has_value(), "metal_emu: u4 needs zeros");
   TORCH_CHECK_VALUE(f != QuantFormat::Affine || offsets.has_value(), "metal_emu: affine needs offsets");
   const at::Tensor A = contiguous_aligned(A_in), scales = contiguous_aligned(scales_in);
-  const RansMetalPlan plan = plan_gemm(A.size(0), K, N, group_size, f, dtype_of(A), channels_per_tile,
-                                       bias_in.has_value(), words.numel(), family);
+  const RansPlan plan = plan_gemm(A.size(0), K, N, group_size, f, dtype_of(A), channels_per_tile, bias_in.has_value());
   const CodeTensors code = code_tensors(words, word_offsets, states, freqs, plan.params.tiles);
   const float nan = std::numeric_limits<float>::quiet_NaN();
   at::Tensor C = at::full({A.size(0), N}, nan, A.options());
@@ -138,8 +121,9 @@ std::tuple<at::Tensor, py::dict> gemm_rans(const at::Tensor& A_in, const at::Ten
   if (f == QuantFormat::Affine) aux = contiguous_aligned(*offsets);
   const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
   at::Tensor decoded, ws;
-  if (plan.decoded_bytes > 0) decoded = at::full({K / 8, N}, -1, A.options().dtype(at::kInt));
-  if (plan.family != KernelFamily::Decode && plan.gemm.workspace_bytes > 0) {
+  const bool staged = plan.family == RansFamily::Staged;
+  if (staged) decoded = at::full({K / 8, N}, -1, A.options().dtype(at::kInt));
+  if (staged && plan.gemm.workspace_bytes > 0) {
     ws = at::full({int64_t(plan.gemm.workspace_bytes / sizeof(float))}, nan, A.options().dtype(at::kFloat));
   }
   RansGemmBuffers<void*> b;
@@ -154,7 +138,8 @@ std::tuple<at::Tensor, py::dict> gemm_rans(const at::Tensor& A_in, const at::Ten
   code.note();
   note_buffers({{"A", &A}, {"scales", &scales}, {"zeros_or_offsets", &aux}, {"bias", &bias}, {"C", &C},
                 {"B", &decoded}, {"workspace", &ws}});
-  run_dispatches(described([&] { return rans_gemm_dispatches(plan, b); }), RunOpts{schedule, seed, workers, prefix});
+  run_dispatches(described([&] { return rans_gemm_dispatches(plan, b, uint32_t(words.numel())); }),
+                 RunOpts{schedule, seed, workers, prefix});
   return {C, rans_plan_to_dict(plan)};
 }
 
@@ -162,13 +147,14 @@ std::tuple<at::Tensor, py::dict> gemm_rans(const at::Tensor& A_in, const at::Ten
 at::Tensor rans_decode(const at::Tensor& words, const at::Tensor& word_offsets, const at::Tensor& states,
                        const at::Tensor& freqs, int64_t K, int64_t N, int64_t channels_per_tile,
                        const std::string& schedule, uint64_t seed, int workers, const std::string& prefix) {
-  const RansMetalPlan plan = described([&] { return plan_rans_decode_metal(K, N, channels_per_tile, words.numel()); });
+  const RansPlan plan = described([&] { return plan_rans_decode(K, N, channels_per_tile, default_metal_caps()); });
   const CodeTensors code = code_tensors(words, word_offsets, states, freqs, plan.params.tiles);
   at::Tensor B = at::full({K / 8, N}, -1, word_offsets.options().dtype(at::kInt));
   code.note();
   note_buffers({{"B_packed", &B}});
   const RansDecodeBuffers<void*> b{code.buffers(), B.data_ptr()};
-  run_dispatches(described([&] { return rans_decode_dispatches(plan, b); }), RunOpts{schedule, seed, workers, prefix});
+  run_dispatches(described([&] { return rans_decode_dispatches(plan, b, uint32_t(words.numel())); }),
+                 RunOpts{schedule, seed, workers, prefix});
   return B;
 }
 
@@ -176,9 +162,9 @@ RansCodeBuffers<std::string> code_names() { return {"words", "word_offsets", "st
 
 py::list describe_gemm_rans(const std::string& format, int64_t M, int64_t K, int64_t N, int64_t group_size,
                             int64_t channels_per_tile, const std::string& dtype, bool has_bias,
-                            bool has_zeros_or_offsets, const std::string& family) {
-  const RansMetalPlan plan = plan_gemm(M, K, N, group_size, parse_format(format), parse_dtype(dtype),
-                                       channels_per_tile, has_bias, 0, family);
+                            bool has_zeros_or_offsets) {
+  const RansPlan plan =
+      plan_gemm(M, K, N, group_size, parse_format(format), parse_dtype(dtype), channels_per_tile, has_bias);
   RansGemmBuffers<std::string> b;
   b.A = "A";
   b.code = code_names();
@@ -186,15 +172,16 @@ py::list describe_gemm_rans(const std::string& format, int64_t M, int64_t K, int
   if (has_zeros_or_offsets) b.zeros_or_offsets = "zeros_or_offsets";
   if (has_bias) b.bias = "bias";
   b.C = "C";
-  if (plan.decoded_bytes > 0) b.decoded = "B";
-  if (plan.family != KernelFamily::Decode && plan.gemm.workspace_bytes > 0) b.workspace = "workspace";
-  return dispatches_to_py(described([&] { return rans_gemm_dispatches(plan, b); }));
+  const bool staged = plan.family == RansFamily::Staged;
+  if (staged) b.decoded = "B";
+  if (staged && plan.gemm.workspace_bytes > 0) b.workspace = "workspace";
+  return dispatches_to_py(described([&] { return rans_gemm_dispatches(plan, b, 0u); }));
 }
 
 py::list describe_rans_decode(int64_t K, int64_t N, int64_t channels_per_tile) {
-  const RansMetalPlan plan = described([&] { return plan_rans_decode_metal(K, N, channels_per_tile, 0); });
+  const RansPlan plan = described([&] { return plan_rans_decode(K, N, channels_per_tile, default_metal_caps()); });
   const RansDecodeBuffers<std::string> b{code_names(), "B_packed"};
-  return dispatches_to_py(described([&] { return rans_decode_dispatches(plan, b); }));
+  return dispatches_to_py(described([&] { return rans_decode_dispatches(plan, b, 0u); }));
 }
 
 }  // namespace
@@ -203,14 +190,14 @@ void def_rans_functions(py::module_& m) {
   m.def("gemm_rans", &gemm_rans, py::arg("A"), py::arg("words"), py::arg("word_offsets"), py::arg("states"),
         py::arg("freqs"), py::arg("scales"), py::arg("zeros"), py::arg("offsets"), py::arg("format"), py::arg("K"),
         py::arg("N"), py::arg("group_size"), py::arg("channels_per_tile"), py::arg("bias") = py::none(),
-        py::arg("family") = "auto", py::arg("schedule") = "forward", py::arg("seed") = 0, py::arg("workers") = 0,
+        py::arg("schedule") = "forward", py::arg("seed") = 0, py::arg("workers") = 0,
         py::arg("prefix") = "");
   m.def("rans_decode", &rans_decode, py::arg("words"), py::arg("word_offsets"), py::arg("states"), py::arg("freqs"),
         py::arg("K"), py::arg("N"), py::arg("channels_per_tile"), py::arg("schedule") = "forward",
         py::arg("seed") = 0, py::arg("workers") = 0, py::arg("prefix") = "");
   m.def("describe_gemm_rans", &describe_gemm_rans, py::arg("format"), py::arg("M"), py::arg("K"), py::arg("N"),
         py::arg("group_size"), py::arg("channels_per_tile"), py::arg("dtype") = "float16", py::arg("has_bias") = true,
-        py::arg("has_zeros_or_offsets") = true, py::arg("family") = "auto");
+        py::arg("has_zeros_or_offsets") = true);
   m.def("describe_rans_decode", &describe_rans_decode, py::arg("K"), py::arg("N"), py::arg("channels_per_tile"));
 }
 

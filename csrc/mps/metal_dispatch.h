@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "plan/plan.h"
-#include "plan/rans_plan_metal.h"
+#include "plan/rans_plan.h"
 #include "plan/trellis_plan.h"
 #include "torch_marlin/quant_gemm_params.h"
 #include "torch_marlin/trellis_params.h"
@@ -116,8 +116,8 @@ struct RansGemmBuffers {
   std::optional<Buffer> zeros_or_offsets;  // as in QuantGemmBuffers
   std::optional<Buffer> bias;              // [N]; absent: C stands in
   Buffer C;                                // [M, N]
-  std::optional<Buffer> decoded;           // int32 [K/8, N] scratch of the prefill path (decoded_bytes)
-  std::optional<Buffer> workspace;         // the prefill GEMM's K-parallel partials, as in QuantGemmBuffers
+  std::optional<Buffer> decoded;           // int32 [K/8, N] scratch of the staged family
+  std::optional<Buffer> workspace;         // the staged GEMM's K-parallel partials, as in QuantGemmBuffers
 };
 
 template <class Buffer>
@@ -150,9 +150,13 @@ MetalDispatch<Buffer> make(const TrellisLaunch& l, std::vector<Buffer> buffers, 
   return make<Buffer>(l.kernel, l.grid, l.threads, std::move(buffers), "TrellisParams", p);
 }
 
+// The params of a rANS plan with the word count of the call: every kernel clamps the tiles'
+// streams to it (the planner does not see the data).
 template <class Buffer>
-MetalDispatch<Buffer> make(const RansLaunch& l, std::vector<Buffer> buffers, const RansParams& p) {
-  return make<Buffer>(l.kernel, l.grid, l.threads, std::move(buffers), "RansParams", p);
+MetalDispatch<Buffer> make(const RansPlan& plan, std::vector<Buffer> buffers, uint32_t n_words) {
+  RansParams p = plan.params;
+  p.n_words = n_words;
+  return make<Buffer>(plan.decode.kernel, plan.decode.grid, plan.decode.threads, std::move(buffers), "RansParams", p);
 }
 
 }  // namespace metal_dispatch_detail
@@ -232,33 +236,34 @@ MetalDispatches<Buffer> trellis_moe_dispatches(const TrellisPlan& plan, const Tr
   return out;
 }
 
-// C = A @ dequant(decode(words)) (+ bias) (plan_rans_gemm_metal). Decode: rans_gemv_*, the decode
-// fused with the GEMV. Otherwise rans_decode_packed into the scratch B_packed, then the prefill
-// GEMM's dispatches on it (same serial encoder: the GEMM sees every decoded word).
+// C = A @ dequant(decode(words)) (+ bias) (plan_rans_gemm). Fused: rans_gemv_*, the decode fused
+// with the GEMV. Staged: rans_decode_packed into the scratch B_packed, then the dispatches of the
+// plan's FP4 / INT4 GEMM on it (same serial encoder: the GEMM sees every decoded word).
+// n_words = len(words).
 template <class Buffer>
-MetalDispatches<Buffer> rans_gemm_dispatches(const RansMetalPlan& plan, const RansGemmBuffers<Buffer>& b) {
+MetalDispatches<Buffer> rans_gemm_dispatches(const RansPlan& plan, const RansGemmBuffers<Buffer>& b, uint32_t n_words) {
   using metal_dispatch_detail::make;
   const RansCodeBuffers<Buffer>& c = b.code;
   const Buffer zeros_or_offsets = b.zeros_or_offsets ? *b.zeros_or_offsets : b.scales;
   const Buffer bias = b.bias ? *b.bias : b.C;
-  if (plan.family == KernelFamily::Decode) {
-    return {make<Buffer>(plan.decode, {b.A, c.words, c.word_offsets, c.states, c.freqs, b.scales, zeros_or_offsets, bias, b.C},
-                         plan.params)};
+  if (plan.family == RansFamily::Fused) {
+    return {make<Buffer>(plan, {b.A, c.words, c.word_offsets, c.states, c.freqs, b.scales, zeros_or_offsets, bias, b.C},
+                         n_words)};
   }
-  if (!b.decoded) throw std::logic_error("Metal dispatch: rANS prefill plan without the decoded scratch buffer");
+  if (!b.decoded) throw std::logic_error("Metal dispatch: staged rANS plan without the decoded scratch buffer");
   MetalDispatches<Buffer> out;
-  out.push_back(make<Buffer>(plan.decode, {c.words, c.word_offsets, c.states, c.freqs, *b.decoded}, plan.params));
+  out.push_back(make<Buffer>(plan, {c.words, c.word_offsets, c.states, c.freqs, *b.decoded}, n_words));
   QuantGemmBuffers<Buffer> q{b.A, *b.decoded, b.scales, b.zeros_or_offsets, b.bias, b.C, b.workspace};
   for (MetalDispatch<Buffer>& d : quant_gemm_dispatches(plan.gemm, q)) out.push_back(std::move(d));
   return out;
 }
 
-// B_packed = decode(words) (plan_rans_decode_metal): rans_decode_packed.
+// B_packed = decode(words) (plan_rans_decode): rans_decode_packed.
 template <class Buffer>
-MetalDispatches<Buffer> rans_decode_dispatches(const RansMetalPlan& plan, const RansDecodeBuffers<Buffer>& b) {
+MetalDispatches<Buffer> rans_decode_dispatches(const RansPlan& plan, const RansDecodeBuffers<Buffer>& b, uint32_t n_words) {
   using metal_dispatch_detail::make;
   const RansCodeBuffers<Buffer>& c = b.code;
-  return {make<Buffer>(plan.decode, {c.words, c.word_offsets, c.states, c.freqs, b.B_packed}, plan.params)};
+  return {make<Buffer>(plan, {c.words, c.word_offsets, c.states, c.freqs, b.B_packed}, n_words)};
 }
 
 }  // namespace torch_marlin

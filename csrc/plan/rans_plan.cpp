@@ -47,6 +47,20 @@ RansLaunch tile_launch(const std::string& kernel, const RansParams& p, Backend b
   return l;
 }
 
+// The Metal kernels index A, C, B_packed and the scales with 32-bit unsigned arithmetic.
+void check_metal_indices(int64_t M, int64_t K, int64_t N) {
+  const int64_t lim = int64_t(1) << 32;
+  if (M * K >= lim || M * N >= lim || (K / 8) * N >= lim) {
+    fail("plan_rans_gemm", "problem too large for the Metal kernels' 32-bit indices");
+  }
+}
+
+uint32_t metal_gemv_rows(int64_t M) {
+  uint32_t r = 1;
+  while (int64_t(r) < M) r *= 2u;
+  return r;
+}
+
 }  // namespace
 
 const char* rans_family_name(RansFamily f) { return f == RansFamily::Fused ? "decode" : "staged"; }
@@ -82,6 +96,17 @@ RansPlan plan_rans_gemm(int64_t M, int64_t K, int64_t N, int64_t group_size, int
       }
       break;
     case Backend::Metal:
+      // metal/rans.metal, one simdgroup per tile. The fused GEMV keeps R fp32 accumulators per lane,
+      // R the power of two >= M (1, 2, 4, 8, 16), as the FP4 / INT4 decode kernels do: a fixed count
+      // stays in registers, and M = 1 does not pay for 16.
+      check_metal_indices(M, K, N);
+      if (p.family == RansFamily::Fused) {
+        p.decode = tile_launch("rans_gemv_m" + std::to_string(metal_gemv_rows(M)) + "_" + fmt + "_" + dtype_name(dtype),
+                               p.params, caps.backend);
+      } else {
+        p.decode = tile_launch("rans_decode_packed", p.params, caps.backend);
+      }
+      break;
     case Backend::CUDA:
       // The GPU kernels: one 32-lane group per tile, as the format's lanes.
       if (p.family == RansFamily::Fused) {
@@ -100,7 +125,11 @@ RansPlan plan_rans_decode(int64_t K, int64_t N, int64_t channels_per_tile, const
   p.params = base_params(0, K, N, 0, channels_per_tile, "plan_rans_decode");
   p.family = RansFamily::Staged;
   p.cpu_avx2 = caps.backend == Backend::CPU && caps.avx2 != 0;
-  p.decode = tile_launch(caps.backend == Backend::CPU ? "cpu_rans_decode" : "rans_decode", p.params, caps.backend);
+  if (caps.backend == Backend::Metal) check_metal_indices(0, K, N);
+  const char* kernel = caps.backend == Backend::CPU     ? "cpu_rans_decode"
+                       : caps.backend == Backend::Metal ? "rans_decode_packed"
+                                                        : "rans_decode";
+  p.decode = tile_launch(kernel, p.params, caps.backend);
   return p;
 }
 
