@@ -264,7 +264,7 @@ def test_plan_rans():
     assert staged["family"] == "staged" and staged["kernel"] == "cpu_rans_decode"
     assert staged["tiles"] == 1366 and staged["gemm"]["format"] == "u4" and staged["has_bias"]
     metal = plan_rans(1, 4096, 11008, 64, "affine", device="metal")
-    assert metal["threads"] == (32, 1, 1) and metal["kernel"] == "gemm_rans_affine_half"
+    assert metal["threads"] == (32, 1, 1) and metal["kernel"] == "rans_gemv_m1_affine_half"
     caps = _C.device_caps("cpu")
     assert _C.cached_plan_rans_gemm(3, 256, 100, 64, "fp4", 0, "float32", "cpu", caps) == \
         _C.plan_rans_gemm(3, 256, 100, 64, "fp4", 0, "float32", "cpu", caps)

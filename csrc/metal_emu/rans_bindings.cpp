@@ -116,6 +116,7 @@ std::tuple<at::Tensor, py::dict> gemm_rans(const at::Tensor& A_in, const at::Ten
   const CodeTensors code = code_tensors(words, word_offsets, states, freqs, plan.params.tiles);
   const float nan = std::numeric_limits<float>::quiet_NaN();
   at::Tensor C = at::full({A.size(0), N}, nan, A.options());
+  if (A.size(0) == 0) return {C, rans_plan_to_dict(plan)};  // as the op: nothing to launch
   at::Tensor aux;
   if (f == QuantFormat::U4) aux = contiguous_aligned(*zeros);
   if (f == QuantFormat::Affine) aux = contiguous_aligned(*offsets);
