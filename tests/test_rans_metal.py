@@ -144,5 +144,5 @@ def test_bad_arguments(emu):
         metal_emu.gemm_rans(A, *code, s, None, None, "fp4", 512, 7, 48, C)
     with pytest.raises(ValueError, match="K must be a positive multiple of 32"):
         metal_emu.rans_decode(*code, 500, 7, C)
-    with pytest.raises(ValueError, match="channels_per_tile must be positive"):
-        metal_emu.rans_decode(*code, 512, 7, 0)
+    with pytest.raises(ValueError, match=r"word_offsets \[T\+1\], states \[T, 32\]"):
+        metal_emu.rans_decode(*code, 512, 7, C + 1)  # tables of another tile count
