@@ -257,16 +257,17 @@ template <typename Word>
   }
 }
 
-#define TM_INSTANTIATE_RANS_GEMV(stem, ROWS, tname, T)             \
-  TM_INSTANTIATE(stem "_fp4_" #tname, rans_gemv<TM_FORMAT_FP4, T, ROWS>) \
-  TM_INSTANTIATE(stem "_u4_" #tname, rans_gemv<TM_FORMAT_U4, T, ROWS>)   \
-  TM_INSTANTIATE(stem "_affine_" #tname, rans_gemv<TM_FORMAT_AFFINE, T, ROWS>)
-#define TM_INSTANTIATE_RANS_GEMV_DTYPE(tname, T)              \
-  TM_INSTANTIATE_RANS_GEMV("rans_gemv_m1", 1, tname, T)      \
-  TM_INSTANTIATE_RANS_GEMV("rans_gemv_m2", 2, tname, T)      \
-  TM_INSTANTIATE_RANS_GEMV("rans_gemv_m4", 4, tname, T)      \
-  TM_INSTANTIATE_RANS_GEMV("rans_gemv_m8", 8, tname, T)      \
-  TM_INSTANTIATE_RANS_GEMV("rans_gemv_m16", 16, tname, T)
+// Host names: rans_gemv_m<ROWS>_<fmt>_<dtype>.
+#define TM_INSTANTIATE_RANS_GEMV(stem, fn, ROWS, tname, T)          \
+  TM_INSTANTIATE(stem "_fp4_" #tname, fn<TM_FORMAT_FP4, T, ROWS>) \
+  TM_INSTANTIATE(stem "_u4_" #tname, fn<TM_FORMAT_U4, T, ROWS>)   \
+  TM_INSTANTIATE(stem "_affine_" #tname, fn<TM_FORMAT_AFFINE, T, ROWS>)
+#define TM_INSTANTIATE_RANS_GEMV_DTYPE(tname, T)                   \
+  TM_INSTANTIATE_RANS_GEMV("rans_gemv_m1", rans_gemv, 1, tname, T)   \
+  TM_INSTANTIATE_RANS_GEMV("rans_gemv_m2", rans_gemv, 2, tname, T)   \
+  TM_INSTANTIATE_RANS_GEMV("rans_gemv_m4", rans_gemv, 4, tname, T)   \
+  TM_INSTANTIATE_RANS_GEMV("rans_gemv_m8", rans_gemv, 8, tname, T)   \
+  TM_INSTANTIATE_RANS_GEMV("rans_gemv_m16", rans_gemv, 16, tname, T)
 
 TM_INSTANTIATE_RANS_GEMV_DTYPE(half, half)
 TM_INSTANTIATE_RANS_GEMV_DTYPE(float, float)
