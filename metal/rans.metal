@@ -23,6 +23,9 @@ using namespace torch_marlin;
 constant constexpr uint kRansRingWords = TM_METAL_RANS_RING_WORDS;  // 512: two refills
 constant constexpr uint kRansRefillWords = kRansRingWords / 2u;    // one uint4 per lane
 constant constexpr uint kRansSlotsPerLane = TM_RANS_PROB_SCALE / TM_RANS_LANES;
+// The ring's element: 8 stream words. A name of its own because the load-tracing build spells
+// MSL's vector constructors as function-like macros, which a declarator `uint4(&ring)` would call.
+typedef uint4 RansChunk;
 
 // The decoder of one tile, held by the 32 lanes of a simdgroup.
 //  table: 4096 slots, entry = (slot - cum[s]) << 4 | s (12 + 4 bits); freq[s] comes from lane s
@@ -220,7 +223,7 @@ template <uint FMT, typename T, uint ROWS, typename Z = group_aux_t<FMT, T>>
                           uint sgid [[simdgroup_index_in_threadgroup]],
                           uint lane [[thread_index_in_simdgroup]]) {
   TM_THREADGROUP_ARRAY(ushort, table, [TM_RANS_PROB_SCALE]);     // 8 KiB
-  TM_THREADGROUP_ARRAY(uint4, ring4, [kRansRingWords / 8u]);      // 1 KiB
+  TM_THREADGROUP_ARRAY(RansChunk, ring4, [kRansRingWords / 8u]);      // 1 KiB
   TM_THREADGROUP_ARRAY(float, a_stage, [ROWS * kRansPiece]);     // 1 KiB per row: 16 KiB at 16 rows
   rans_gemv_impl<FMT, T, ROWS>(A, words, word_offsets, states, freqs, scales, zeros_or_offsets, bias, C, p, table,
                                ring4, a_stage, tgid, lane);
@@ -238,7 +241,7 @@ template <typename Word>
                                    uint sgid [[simdgroup_index_in_threadgroup]],
                                    uint lane [[thread_index_in_simdgroup]]) {
   TM_THREADGROUP_ARRAY(ushort, table, [TM_RANS_PROB_SCALE]);
-  TM_THREADGROUP_ARRAY(uint4, ring4, [kRansRingWords / 8u]);
+  TM_THREADGROUP_ARRAY(RansChunk, ring4, [kRansRingWords / 8u]);
   const uint tile = tgid.x;
   const uint N = p.N;
   const uint n0 = tile * p.channels_per_tile;
