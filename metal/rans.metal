@@ -7,9 +7,9 @@
 // states, so lane l decodes code[32 j + l, n] at step j of channel n. Per step each lane updates its
 // state from a per-tile slot table, the lanes that must renormalize vote (simd_ballot) and take the
 // next words of the tile's stream in lane order (popcount of the lower lanes' votes). The stream is
-// staged into a threadgroup ring with 16-byte loads, 256 words (512 bytes: one uint4 per lane)
-// whenever fewer than 257 staged words are left, so the ring always holds the next step's words
-// (at most 32) and is refilled once per 8 or more steps.
+// staged into a threadgroup ring with 16-byte loads, 256 words (512 bytes on whole 64-byte
+// segments: one uint4 per lane) whenever fewer than 257 staged words are left, so the ring always
+// holds the next step's words (at most 32) and is refilled once per 8 or more steps.
 //
 // Bounds: every device read of the stream is a whole uint4 inside the tile's stream (offsets taken
 // down to 8 words and clamped to the word count), and every ring and table index is masked, so a
@@ -34,16 +34,18 @@ typedef uint4 RansChunk;
 struct RansLane {
   uint x;          // this lane's state
   uint freq;       // freq[lane & 15]
-  uint ptr;        // stream words taken by the simdgroup
-  uint staged;     // stream words stored into the ring (zeros past the stream's end)
+  uint ptr;        // stream words taken by the simdgroup, counted from `base`
+  uint staged;     // words from `base` stored into the ring (zeros outside the stream)
+  uint base;       // begin taken down to 32 words: every refill is 8 whole 64-byte segments
   uint begin, end; // the tile's stream, in words, 8-aligned, inside the words buffer
 };
 
-// Stores stream words [staged, staged + 256) into the ring: one 16-byte load per lane, zeros past
-// the end of the stream (never read there).
+// Stores words [base + staged, base + staged + 256) into the ring: one 16-byte load per lane,
+// zeros outside the tile's stream (the words before `begin` are skipped by ptr, those past `end`
+// are never read).
 inline void rans_refill(device const uint4* words, threadgroup uint4* ring4, thread RansLane& d, uint lane) {
-  const uint at = d.begin + d.staged + lane * 8u;
-  const uint4 v = at + 8u <= d.end ? words[at / 8u] : uint4(0u, 0u, 0u, 0u);  // at is a multiple of 8
+  const uint at = d.base + d.staged + lane * 8u;  // a multiple of 8
+  const uint4 v = at >= d.begin && at + 8u <= d.end ? words[at / 8u] : uint4(0u, 0u, 0u, 0u);
   ring4[((d.staged / 8u) + lane) & (kRansRingWords / 8u - 1u)] = v;
   d.staged += kRansRefillWords;
 }
@@ -60,7 +62,8 @@ inline RansLane rans_begin(device const uint4* words, device const uint* word_of
   d.begin = min(word_offsets[tile] & ~7u, d.end);
   d.x = states[tile * TM_RANS_LANES + lane];
   d.freq = freqs[tile * TM_RANS_SYMBOLS + (lane & 15u)];
-  d.ptr = 0u;
+  d.base = d.begin & ~31u;
+  d.ptr = d.begin - d.base;
   d.staged = 0u;
 
   device const uint4* f4 = (device const uint4*)(freqs + tile * TM_RANS_SYMBOLS);  // 32 bytes per tile
