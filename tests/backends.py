@@ -47,7 +47,11 @@ class Backend:
     def __getattr__(self, op):
         if op not in OPS:
             raise AttributeError(op)
-        return lambda *args: self.run(op, *args)
+        def call(*args):
+            self.require(op)
+            return self.run(op, *args)
+
+        return call
 
     def __repr__(self):
         return self.name

@@ -227,7 +227,7 @@ def bad_gemm_cases():
         (dict(offsets=w["scales"]), "offsets is only for format 'affine'"),
         (dict(format="nf4"), "format must be one of"),
         (dict(K=48), "K must be a positive multiple of 32"),
-        (dict(N=11), "word_offsets must have shape"),
+        (dict(N=13), "word_offsets must have shape"),
         (dict(group_size=48), "group_size must be a positive multiple of 32"),
         (dict(channels_per_tile=3), "word_offsets must have shape"),
         (dict(bias=torch.randn(N + 1)), "bias must have shape"),
@@ -257,10 +257,11 @@ def test_gemm_rans_bad_input(i):
 def test_plan_rans():
     from torch_marlin import _C, plan_rans
 
-    fused = plan_rans(16, 4096, 4096, 128, "fp4")
+    fused = plan_rans(16, 4096, 4096, 128, "fp4", caps=dict(avx2=False))
     assert fused["family"] == "decode" and fused["kernel"] == "cpu_rans_gemm" and "gemm" not in fused
+    assert plan_rans(16, 4096, 4096, 128, "fp4", caps=dict(avx2=True))["kernel"] == "cpu_rans_gemm_avx2"
     assert fused["channels_per_tile"] == 8 and fused["tiles"] == 512 and fused["grid"] == (512, 1, 1)
-    staged = plan_rans(17, 4096, 4096, 128, "u4", channels_per_tile=3, has_bias=True)
+    staged = plan_rans(17, 4096, 4096, 128, "u4", channels_per_tile=3, has_bias=True, caps=dict(avx2=False))
     assert staged["family"] == "staged" and staged["kernel"] == "cpu_rans_decode"
     assert staged["tiles"] == 1366 and staged["gemm"]["format"] == "u4" and staged["has_bias"]
     metal = plan_rans(1, 4096, 11008, 64, "affine", device="metal")
@@ -271,4 +272,23 @@ def test_plan_rans():
     with pytest.raises(ValueError, match="group_size must be a positive multiple of 32"):
         plan_rans(1, 4096, 4096, 48)
     with pytest.raises(ValueError, match="K must be a positive multiple of 32"):
-        plan_rans(1, 4000, 4096, 32)
+        plan_rans(1, 4020, 4096, 32)
+
+
+@pytest.mark.parametrize("avx2, fmt, M", list(itertools.product([False, True], FORMATS, [3, 17])))
+def test_cpu_lane_kernels(avx2, fmt, M):
+    """The portable and the AVX2 lane decoders (the plan's cpu_avx2), through the same op checks."""
+    from torch_marlin import _C
+
+    if avx2 and not _C.device_caps("cpu")["avx2"]:
+        pytest.skip("this build or CPU has no AVX2 kernels")
+    caps = dict(avx2=avx2, compute_units=2)
+    K, N, gs, C = 96, 37, 32, 5
+    w, t, W = coded_weights(fmt, K, N, gs, torch.float32, C)
+    assert torch.equal(_C.rans_decode_cpu_with_caps(caps, *t, K, N, C), pack_int4(unpack_int4(w["B"])))
+    A = torch.randn(M, K)
+    out = _C.gemm_rans_cpu_with_caps(caps, A, *t, w["scales"], w["zeros"] if fmt == "u4" else None,
+                                     w["offsets"] if fmt == "affine" else None, fmt, K, N, gs, C, None)
+    assert_gemm_close(out, A, W, None, True, W_mag=w.get("mag"))
+    with pytest.raises(ValueError, match="tile 2 is corrupted"):
+        _C.rans_decode_cpu_with_caps(caps, *corrupted(t, 2), K, N, C)

@@ -14,12 +14,16 @@
 namespace torch_marlin {
 namespace {
 
+constexpr int64_t kPrefetchRows = 8;
+
 // Codes of one tile in decode order: sym[c * K + k] = code[k, n0 + c] (step c * K/32 + k / 32,
 // lane k % 32). Returns the tile's symbol counts.
 void gather_tile_codes(const int32_t* B, int64_t K, int64_t N, int64_t n0, int64_t channels, uint8_t* sym,
                        int64_t* counts) {
   for (int64_t kw = 0; kw < K / 8; ++kw) {
     const int32_t* row = B + kw * N + n0;
+    // Rows are N words apart: too far for the hardware prefetchers, fetch a few rows ahead.
+    __builtin_prefetch(row + kPrefetchRows * N);
     for (int64_t c = 0; c < channels; ++c) {
       const uint32_t w = uint32_t(row[c]);
       uint8_t* dst = sym + c * K + kw * 8;
@@ -49,10 +53,14 @@ void tile_frequencies(const int64_t* counts, int64_t* freq) {
 }
 
 // Encodes symbols [0, n) (n a multiple of 32, lane = index % 32) in reverse decode order; returns
-// the words in decode order and the final lane states.
+// the words in decode order and the final lane states. Branch-free: the emitted word is stored
+// unconditionally and kept when the lane emits. x / freq is floor(x * (1 / freq) + 2^-14) in
+// double: after emission x / freq < 2^20, so the product is within 2^-31 of the quotient, whose
+// fractional part is 0 or in [2^-12, 1 - 2^-12]; the offset makes the floor exact.
 void encode_tile(const uint8_t* sym, int64_t n, const int64_t* freq, std::vector<uint16_t>& out, uint32_t* states) {
   uint32_t f32[TM_RANS_SYMBOLS], cum[TM_RANS_SYMBOLS];
   uint64_t emit_at[TM_RANS_SYMBOLS];
+  double inv[TM_RANS_SYMBOLS];
   uint32_t c = 0;
   for (uint32_t s = 0; s < TM_RANS_SYMBOLS; ++s) {
     f32[s] = uint32_t(freq[s]);
@@ -60,23 +68,26 @@ void encode_tile(const uint8_t* sym, int64_t n, const int64_t* freq, std::vector
     c += f32[s];
     // x >= 2^20 * freq: after encoding, x would leave [L, 2^32).
     emit_at[s] = uint64_t(f32[s]) << (32 - TM_RANS_PROB_BITS);
+    inv[s] = f32[s] > 0 ? 1.0 / double(f32[s]) : 0.0;
   }
   uint32_t x[TM_RANS_LANES];
   for (uint32_t l = 0; l < TM_RANS_LANES; ++l) x[l] = TM_RANS_STATE_LOW;
-  out.clear();
-  out.reserve(size_t(n / 4));
-  for (int64_t i = n - 1; i >= 0; i -= TM_RANS_LANES) {
+  out.resize(size_t(n));  // at most one word per symbol
+  uint16_t* o = out.data();
+  size_t emitted = 0;
+  for (int64_t i = n - int64_t(TM_RANS_LANES); i >= 0; i -= TM_RANS_LANES) {
     for (int l = int(TM_RANS_LANES) - 1; l >= 0; --l) {
-      const uint32_t s = sym[i - (TM_RANS_LANES - 1) + l];
+      const uint32_t s = sym[i + l];
       uint32_t v = x[l];
-      if (v >= emit_at[s]) {
-        out.push_back(uint16_t(v));
-        v >>= TM_RANS_WORD_BITS;
-      }
-      const uint32_t f = f32[s], q = v / f;
+      const bool emit = v >= emit_at[s];
+      o[emitted] = uint16_t(v);
+      emitted += emit ? 1 : 0;
+      v >>= uint32_t(emit) * TM_RANS_WORD_BITS;  // a shift, not a branch the predictor would miss
+      const uint32_t f = f32[s], q = uint32_t(double(v) * inv[s] + 0x1p-14);
       x[l] = (q << TM_RANS_PROB_BITS) + (v - q * f) + cum[s];
     }
   }
+  out.resize(emitted);
   std::reverse(out.begin(), out.end());
   for (uint32_t l = 0; l < TM_RANS_LANES; ++l) states[l] = x[l];
 }
@@ -123,7 +134,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rans_encode_cpu(const
   return {words, offsets, states, freqs};
 }
 
-void rans_decode_to_packed(const RansCodes& codes, at::Tensor& B_packed, bool check) {
+namespace {
+
+template <bool kAvx2>
+void decode_to_packed(const RansCodes& codes, at::Tensor& B_packed, bool check) {
   const int64_t K = codes.K, N = codes.N, C = codes.channels_per_tile, T = codes.tiles;
   const int16_t* words = codes.words.data_ptr<int16_t>();
   const int32_t* offsets = codes.word_offsets.data_ptr<int32_t>();
@@ -141,7 +155,7 @@ void rans_decode_to_packed(const RansCodes& codes, at::Tensor& B_packed, bool ch
       for (int64_t c = 0; c < channels; ++c) {
         int32_t* col = B + n0 + c;
         for (int64_t j = 0; j < K / TM_RANS_LANES; ++j) {
-          dec->step(sym);
+          dec->template step_as<kAvx2>(sym);
           for (int i = 0; i < 4; ++i) {
             uint32_t w = 0;
             for (int r = 0; r < 8; ++r) w |= uint32_t(sym[8 * i + r]) << (4 * r);
@@ -163,8 +177,18 @@ void rans_decode_to_packed(const RansCodes& codes, at::Tensor& B_packed, bool ch
                     ")");
 }
 
-void rans_decode_cpu(const RansPlan&, const RansCodes& codes, at::Tensor& B_packed) {
-  rans_decode_to_packed(codes, B_packed, /*check=*/true);
+}  // namespace
+
+void rans_decode_to_packed(const RansCodes& codes, at::Tensor& B_packed, bool check, bool avx2) {
+  if (avx2) {
+    decode_to_packed<true>(codes, B_packed, check);
+  } else {
+    decode_to_packed<false>(codes, B_packed, check);
+  }
+}
+
+void rans_decode_cpu(const RansPlan& plan, const RansCodes& codes, at::Tensor& B_packed) {
+  rans_decode_to_packed(codes, B_packed, /*check=*/true, plan.cpu_avx2);
 }
 
 }  // namespace torch_marlin

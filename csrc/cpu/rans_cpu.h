@@ -10,6 +10,10 @@
 #include <algorithm>
 #include <cstdint>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "torch_marlin/rans_params.h"
 
 namespace torch_marlin {
@@ -68,6 +72,77 @@ struct RansTileDecoder {
     }
   }
 
+  // The step of the plan's kernel: step_avx2 where the build has it and the plan names it.
+  template <bool kAvx2>
+  inline void step_as(uint8_t* __restrict sym) {
+#if defined(__AVX2__)
+    if constexpr (kAvx2) {
+      step_avx2(sym);
+      return;
+    }
+#endif
+    step(sym);
+  }
+
+#if defined(__AVX2__)
+  // step() with 8 lanes per vector: table gather, state update and the renormalization test for
+  // 8 lanes at once; the lanes that need a word take the next ones of the stream in lane order
+  // through a permute of the 8 words at the stream pointer (index table by the need mask).
+  // `per_vector(v, symbols)` receives lanes [8v, 8v + 8) as 8 int32 symbols.
+  template <class PerVector>
+  inline void step_avx2(PerVector&& per_vector) {
+    const __m256i slot_mask = _mm256_set1_epi32(int(TM_RANS_PROB_MASK));
+    const __m256i freq_mask = _mm256_set1_epi32(int(kRansFreqMask));
+    const int32_t(*const word_index)[8] = lane_word_index().idx;
+    int64_t p = ptr;  // in a register across the 4 vectors (the member would go through memory)
+    for (uint32_t v = 0; v < TM_RANS_LANES / 8; ++v) {
+      const __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(x + 8 * v));
+      const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(table), _mm256_and_si256(xv, slot_mask), 4);
+      const __m256i bias = _mm256_and_si256(_mm256_srli_epi32(e, int(kRansBiasShift)), slot_mask);
+      __m256i nx = _mm256_add_epi32(
+          _mm256_mullo_epi32(_mm256_and_si256(e, freq_mask), _mm256_srli_epi32(xv, int(TM_RANS_PROB_BITS))), bias);
+      const __m256i need = _mm256_cmpeq_epi32(_mm256_srli_epi32(nx, int(TM_RANS_WORD_BITS)), _mm256_setzero_si256());
+      const int mask = _mm256_movemask_ps(_mm256_castsi256_ps(need));
+      const __m256i w = _mm256_permutevar8x32_epi32(
+          _mm256_cvtepu16_epi32(next8(p)), _mm256_load_si256(reinterpret_cast<const __m256i*>(word_index[mask])));
+      nx = _mm256_blendv_epi8(nx, _mm256_or_si256(_mm256_slli_epi32(nx, int(TM_RANS_WORD_BITS)), w), need);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(x + 8 * v), nx);
+      p += __builtin_popcount(unsigned(mask));
+      per_vector(v, _mm256_srli_epi32(e, int(kRansSymbolShift)));
+    }
+    ptr = p;
+  }
+
+  inline void step_avx2(uint8_t* __restrict sym) {
+    step_avx2([sym](uint32_t v, __m256i s32) {
+      const __m128i s16 = _mm_packus_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(sym + 8 * v), _mm_packus_epi16(s16, s16));
+    });
+  }
+
+  // The 8 words at p, zeros past the stream's end.
+  inline __m128i next8(int64_t p) const {
+    if (p + 8 <= len) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(stream + p));
+    alignas(16) uint16_t w[8];
+    for (int i = 0; i < 8; ++i) w[i] = uint16_t(word(p + i));
+    return _mm_load_si128(reinterpret_cast<const __m128i*>(w));
+  }
+
+  // idx[mask][l]: the rank of lane l among the set bits of mask (the word lane l takes).
+  struct LaneWordIndex {
+    alignas(32) int32_t idx[256][8];
+  };
+  static const LaneWordIndex& lane_word_index() {
+    static const LaneWordIndex t = [] {
+      LaneWordIndex r{};
+      for (int m = 0; m < 256; ++m)
+        for (int l = 0; l < 8; ++l) r.idx[m][l] = __builtin_popcount(unsigned(m) & ((1u << l) - 1u));
+      return r;
+    }();
+    return t;
+  }
+#endif
+
   // A valid stream ends with every lane at L, read at most len words and left only zero padding
   // (fewer than 8 words).
   bool ended_cleanly() const {
@@ -86,8 +161,9 @@ namespace torch_marlin {
 
 struct RansCodes;
 
-// Decodes every tile of `codes` into B_packed int32 [K/8, N] (contiguous). With `check`, raises
-// ValueError naming the first corrupted tile; without, a corrupted stream decodes to some codes.
-void rans_decode_to_packed(const RansCodes& codes, at::Tensor& B_packed, bool check);
+// Decodes every tile of `codes` into B_packed int32 [K/8, N] (contiguous), with the AVX2 lane step
+// when `avx2` (the plan's cpu_avx2). With `check`, raises ValueError naming the first corrupted
+// tile; without, a corrupted stream decodes to some codes.
+void rans_decode_to_packed(const RansCodes& codes, at::Tensor& B_packed, bool check, bool avx2);
 
 }  // namespace torch_marlin

@@ -28,7 +28,21 @@ struct FusedOperands {
   const float* asum = nullptr;    // [M, G]: sums of A per group (U4, Affine)
 };
 
+#if defined(__AVX2__)
+// 8 symbols (int32 lanes) as weights: FP4 -> E2M1 value (vpermps reads the 3 magnitude bits, the
+// sign bit is moved to bit 31), U4 and Affine -> the unsigned code.
 template <QuantFormat F>
+inline __m256 values8(__m256i s) {
+  if (F == QuantFormat::FP4) {
+    const __m256 mags = _mm256_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+    const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(s, 28), _mm256_set1_epi32(int32_t(0x80000000u)));
+    return _mm256_xor_ps(_mm256_permutevar8x32_ps(mags, s), _mm256_castsi256_ps(sign));
+  }
+  return _mm256_cvtepi32_ps(s);
+}
+#endif
+
+template <QuantFormat F, bool kAvx2>
 void fused_tiles(const RansGemmArgs& a, const FusedOperands& o, float* C, int64_t t0, int64_t t1) {
   const int64_t M = a.M, K = a.K, N = a.N, gs = a.group_size, G = K / gs;
   const int64_t Cw = a.codes.channels_per_tile;
@@ -50,6 +64,19 @@ void fused_tiles(const RansGemmArgs& a, const FusedOperands& o, float* C, int64_
         for (int64_t m = 0; m < M; ++m)
           for (int64_t l = 0; l < kLanes; ++l) gacc[m][l] = 0.f;
         for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += kLanes) {
+#if defined(__AVX2__)
+          if constexpr (kAvx2) {
+            // Each 8-lane vector of symbols becomes 8 weights in a register and meets A there.
+            dec->step_avx2([&](uint32_t v8, __m256i s32) {
+              const __m256 w = values8<F>(s32);
+              for (int64_t m = 0; m < M; ++m) {
+                float* ga = gacc[m] + 8 * v8;
+                _mm256_store_ps(ga, _mm256_fmadd_ps(_mm256_loadu_ps(o.A + m * K + k0 + 8 * v8), w, _mm256_load_ps(ga)));
+              }
+            });
+            continue;
+          }
+#endif
           dec->step(sym);
           for (int64_t l = 0; l < kLanes; ++l) v[l] = lut[sym[l]];
           for (int64_t m = 0; m < M; ++m) {
@@ -73,6 +100,15 @@ void fused_tiles(const RansGemmArgs& a, const FusedOperands& o, float* C, int64_
       }
       for (int64_t m = 0; m < M; ++m) C[m * N + n] = acc[m] + (o.bias ? o.bias[n] : 0.f);
     }
+  }
+}
+
+template <bool kAvx2>
+void fused_format(const RansGemmArgs& a, const FusedOperands& o, float* C, int64_t t0, int64_t t1) {
+  switch (a.format) {
+    case QuantFormat::FP4: fused_tiles<QuantFormat::FP4, kAvx2>(a, o, C, t0, t1); break;
+    case QuantFormat::U4: fused_tiles<QuantFormat::U4, kAvx2>(a, o, C, t0, t1); break;
+    case QuantFormat::Affine: fused_tiles<QuantFormat::Affine, kAvx2>(a, o, C, t0, t1); break;
   }
 }
 
@@ -104,10 +140,10 @@ void fused_gemm(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) {
   at::Tensor out = direct ? C : at::empty({a.M, a.N}, C.options().dtype(at::kFloat));
   float* Cp = out.data_ptr<float>();
   at::parallel_for(0, int64_t(plan.decode.grid[0]), 1, [&](int64_t t0, int64_t t1) {
-    switch (a.format) {
-      case QuantFormat::FP4: fused_tiles<QuantFormat::FP4>(a, o, Cp, t0, t1); break;
-      case QuantFormat::U4: fused_tiles<QuantFormat::U4>(a, o, Cp, t0, t1); break;
-      case QuantFormat::Affine: fused_tiles<QuantFormat::Affine>(a, o, Cp, t0, t1); break;
+    if (plan.cpu_avx2) {
+      fused_format<true>(a, o, Cp, t0, t1);
+    } else {
+      fused_format<false>(a, o, Cp, t0, t1);
     }
   });
   if (!direct) C.copy_(out);
@@ -123,7 +159,7 @@ void staged_gemm(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) {
   q.dtype = a.dtype;
   q.A = a.A;
   q.B = at::empty({a.K / 8, a.N}, a.codes.words.options().dtype(at::kInt));
-  rans_decode_to_packed(a.codes, q.B, /*check=*/false);
+  rans_decode_to_packed(a.codes, q.B, /*check=*/false, plan.cpu_avx2);
   q.scales = a.scales;
   q.zeros = a.zeros;
   q.offsets = a.offsets;

@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "ops/quant_gemm.h"
+#include "ops/rans.h"
 #include "ops/trellis.h"
 #include "plan/plan_cache.h"
 #include "plan/plan_py.h"
@@ -126,6 +127,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("M"), py::arg("K"), py::arg("N"), py::arg("group_size"), py::arg("format"),
       py::arg("channels_per_tile"), py::arg("dtype"), py::arg("backend"), py::arg("caps"),
       py::arg("has_bias") = false);
+  m.def(
+      "gemm_rans_cpu_with_caps",
+      [](const py::dict& caps, const at::Tensor& A, const at::Tensor& words, const at::Tensor& word_offsets,
+         const at::Tensor& states, const at::Tensor& freqs, const at::Tensor& scales,
+         const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& offsets, const std::string& format,
+         int64_t K, int64_t N, int64_t group_size, int64_t channels_per_tile, const c10::optional<at::Tensor>& bias) {
+        return gemm_rans_cpu_with_caps(caps_from_dict(Backend::CPU, caps), A, words, word_offsets, states, freqs,
+                                       scales, zeros, offsets, format, K, N, group_size, channels_per_tile, bias);
+      },
+      py::arg("caps"), py::arg("A"), py::arg("words"), py::arg("word_offsets"), py::arg("states"), py::arg("freqs"),
+      py::arg("scales"), py::arg("zeros"), py::arg("offsets"), py::arg("format"), py::arg("K"), py::arg("N"),
+      py::arg("group_size"), py::arg("channels_per_tile"), py::arg("bias") = py::none(),
+      "gemm_rans on the CPU planned with these caps: avx2=False runs the portable lane decoder.");
+  m.def(
+      "rans_decode_cpu_with_caps",
+      [](const py::dict& caps, const at::Tensor& words, const at::Tensor& word_offsets, const at::Tensor& states,
+         const at::Tensor& freqs, int64_t K, int64_t N, int64_t channels_per_tile) {
+        return rans_decode_cpu_with_caps(caps_from_dict(Backend::CPU, caps), words, word_offsets, states, freqs, K, N,
+                                         channels_per_tile);
+      },
+      py::arg("caps"), py::arg("words"), py::arg("word_offsets"), py::arg("states"), py::arg("freqs"), py::arg("K"),
+      py::arg("N"), py::arg("channels_per_tile"),
+      "rans_decode on the CPU planned with these caps: avx2=False runs the portable lane decoder.");
   m.def("plan_cache_size", &plan_cache_size, "Plans the ops' plan cache holds (every op family).");
   m.def("clear_plan_cache", &clear_plan_cache, "Empties the ops' plan cache.");
 }

@@ -136,16 +136,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rans_encode(const at:
   return rans_encode_cpu(B.contiguous(), C);
 }
 
-}  // namespace
-
-void set_rans_kernels(Backend backend, RansKernels kernels) { kernels_for(backend) = kernels; }
-
-at::Tensor rans_decode(const at::Tensor& words, const at::Tensor& word_offsets, const at::Tensor& states,
-                       const at::Tensor& freqs, int64_t K, int64_t N, int64_t channels_per_tile) {
+at::Tensor rans_decode_planned(const DeviceCaps* caps_given, const at::Tensor& words, const at::Tensor& word_offsets,
+                               const at::Tensor& states, const at::Tensor& freqs, int64_t K, int64_t N,
+                               int64_t channels_per_tile) {
   const char* op = "rans_decode";
   const RansCodes c =
       check_codes(words, word_offsets, states, freqs, K, N, channels_per_tile, words.device(), "words", op);
-  const DeviceCaps caps = device_caps(words.device());
+  const DeviceCaps caps = caps_given != nullptr ? *caps_given : device_caps(words.device());
   const RansPlan plan = planned([&] { return plan_rans_decode(K, N, c.channels_per_tile, caps); });
   const RansKernels& k = kernels_or_fail(caps.backend, op);
   at::Tensor B = at::empty({K / 8, N}, words.options().dtype(at::kInt));
@@ -153,11 +150,11 @@ at::Tensor rans_decode(const at::Tensor& words, const at::Tensor& word_offsets, 
   return B;
 }
 
-at::Tensor gemm_rans(const at::Tensor& A, const at::Tensor& words, const at::Tensor& word_offsets,
-                     const at::Tensor& states, const at::Tensor& freqs, const at::Tensor& scales,
-                     const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& offsets,
-                     c10::string_view format, int64_t K, int64_t N, int64_t group_size, int64_t channels_per_tile,
-                     const c10::optional<at::Tensor>& bias) {
+at::Tensor gemm_rans_planned(const DeviceCaps* caps_given, const at::Tensor& A, const at::Tensor& words,
+                             const at::Tensor& word_offsets, const at::Tensor& states, const at::Tensor& freqs,
+                             const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
+                             const c10::optional<at::Tensor>& offsets, c10::string_view format, int64_t K, int64_t N,
+                             int64_t group_size, int64_t channels_per_tile, const c10::optional<at::Tensor>& bias) {
   // No autograd below the op (its Autograd kernel falls through): the staged family's BLAS call
   // would raise for an input that requires grad.
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -209,13 +206,56 @@ at::Tensor gemm_rans(const at::Tensor& A, const at::Tensor& words, const at::Ten
   a.scales = contiguous_aligned(scales);
   at::Tensor C = at::empty({a.M, N}, A.options());
   if (a.M == 0) return C;
-  const DeviceCaps caps = device_caps(dev);
+  const DeviceCaps caps = caps_given != nullptr ? *caps_given : device_caps(dev);
   const std::shared_ptr<const RansPlan> plan = planned([&] {
     return cached_plan_rans_gemm(a.M, K, N, group_size, a.codes.channels_per_tile, a.format, a.dtype,
                                  a.bias.defined(), caps);
   });
   kernels_or_fail(caps.backend, op).gemm(*plan, a, C);
   return C;
+}
+
+void check_cpu_caps(const DeviceCaps& caps, const at::Tensor& t, const char* who) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), who, ": the tensors must be on the CPU, got ", t.device());
+  TORCH_CHECK_VALUE(caps.backend == Backend::CPU, who, ": caps must be CPU caps");
+  TORCH_CHECK_VALUE(caps.avx2 == 0 || device_caps(t.device()).avx2 != 0, who,
+                    ": caps['avx2'] is set but this build or CPU has no AVX2 kernels");
+}
+
+}  // namespace
+
+void set_rans_kernels(Backend backend, RansKernels kernels) { kernels_for(backend) = kernels; }
+
+at::Tensor rans_decode(const at::Tensor& words, const at::Tensor& word_offsets, const at::Tensor& states,
+                       const at::Tensor& freqs, int64_t K, int64_t N, int64_t channels_per_tile) {
+  return rans_decode_planned(nullptr, words, word_offsets, states, freqs, K, N, channels_per_tile);
+}
+
+at::Tensor gemm_rans(const at::Tensor& A, const at::Tensor& words, const at::Tensor& word_offsets,
+                     const at::Tensor& states, const at::Tensor& freqs, const at::Tensor& scales,
+                     const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& offsets,
+                     c10::string_view format, int64_t K, int64_t N, int64_t group_size, int64_t channels_per_tile,
+                     const c10::optional<at::Tensor>& bias) {
+  return gemm_rans_planned(nullptr, A, words, word_offsets, states, freqs, scales, zeros, offsets, format, K, N,
+                           group_size, channels_per_tile, bias);
+}
+
+at::Tensor gemm_rans_cpu_with_caps(const DeviceCaps& caps, const at::Tensor& A, const at::Tensor& words,
+                                   const at::Tensor& word_offsets, const at::Tensor& states, const at::Tensor& freqs,
+                                   const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
+                                   const c10::optional<at::Tensor>& offsets, c10::string_view format, int64_t K,
+                                   int64_t N, int64_t group_size, int64_t channels_per_tile,
+                                   const c10::optional<at::Tensor>& bias) {
+  check_cpu_caps(caps, A, "gemm_rans_cpu_with_caps");
+  return gemm_rans_planned(&caps, A, words, word_offsets, states, freqs, scales, zeros, offsets, format, K, N,
+                           group_size, channels_per_tile, bias);
+}
+
+at::Tensor rans_decode_cpu_with_caps(const DeviceCaps& caps, const at::Tensor& words, const at::Tensor& word_offsets,
+                                     const at::Tensor& states, const at::Tensor& freqs, int64_t K, int64_t N,
+                                     int64_t channels_per_tile) {
+  check_cpu_caps(caps, words, "rans_decode_cpu_with_caps");
+  return rans_decode_planned(&caps, words, word_offsets, states, freqs, K, N, channels_per_tile);
 }
 
 TORCH_LIBRARY_FRAGMENT(marlin, m) {

@@ -47,6 +47,19 @@ at::Tensor gemm_rans(const at::Tensor& A, const at::Tensor& words, const at::Ten
 at::Tensor rans_decode(const at::Tensor& words, const at::Tensor& word_offsets, const at::Tensor& states,
                        const at::Tensor& freqs, int64_t K, int64_t N, int64_t channels_per_tile);
 
+// gemm_rans / rans_decode on the CPU planned with `caps` instead of the device's: the same checks,
+// plan and kernels (caps.avx2 = 0 runs the portable lane decoder on any machine; 1 is refused where
+// the build or the CPU lacks AVX2). Bound as torch_marlin._C.*_cpu_with_caps for tests.
+at::Tensor gemm_rans_cpu_with_caps(const DeviceCaps& caps, const at::Tensor& A, const at::Tensor& words,
+                                   const at::Tensor& word_offsets, const at::Tensor& states, const at::Tensor& freqs,
+                                   const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
+                                   const c10::optional<at::Tensor>& offsets, c10::string_view format, int64_t K,
+                                   int64_t N, int64_t group_size, int64_t channels_per_tile,
+                                   const c10::optional<at::Tensor>& bias);
+at::Tensor rans_decode_cpu_with_caps(const DeviceCaps& caps, const at::Tensor& words, const at::Tensor& word_offsets,
+                                     const at::Tensor& states, const at::Tensor& freqs, int64_t K, int64_t N,
+                                     int64_t channels_per_tile);
+
 // A backend's kernels. gemm: C [M, N] (A's dtype, allocated) from the plan of plan_rans_gemm;
 // the staged family's dense GEMM (plan.gemm) is the backend's quant GEMM on the decoded B_packed.
 // decode: B_packed int32 [K/8, N] (allocated). Kernels never read outside a tile's stream.

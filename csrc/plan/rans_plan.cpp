@@ -89,11 +89,9 @@ RansPlan plan_rans_gemm(int64_t M, int64_t K, int64_t N, int64_t group_size, int
   switch (caps.backend) {
     case Backend::CPU:
       p.cpu_avx2 = caps.avx2 != 0;
-      if (p.family == RansFamily::Fused) {
-        p.decode = tile_launch("cpu_rans_gemm", p.params, caps.backend);
-      } else {
-        p.decode = tile_launch("cpu_rans_decode", p.params, caps.backend);
-      }
+      p.decode = tile_launch(std::string(p.family == RansFamily::Fused ? "cpu_rans_gemm" : "cpu_rans_decode") +
+                                 (p.cpu_avx2 ? "_avx2" : ""),
+                             p.params, caps.backend);
       break;
     case Backend::Metal:
       // metal/rans.metal, one simdgroup per tile. The fused GEMV keeps R fp32 accumulators per lane,
@@ -126,7 +124,7 @@ RansPlan plan_rans_decode(int64_t K, int64_t N, int64_t channels_per_tile, const
   p.family = RansFamily::Staged;
   p.cpu_avx2 = caps.backend == Backend::CPU && caps.avx2 != 0;
   if (caps.backend == Backend::Metal) check_metal_indices(0, K, N);
-  const char* kernel = caps.backend == Backend::CPU     ? "cpu_rans_decode"
+  const char* kernel = caps.backend == Backend::CPU     ? (p.cpu_avx2 ? "cpu_rans_decode_avx2" : "cpu_rans_decode")
                        : caps.backend == Backend::Metal ? "rans_decode_packed"
                                                         : "rans_decode";
   p.decode = tile_launch(kernel, p.params, caps.backend);
