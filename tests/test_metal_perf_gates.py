@@ -48,6 +48,22 @@ TG_LIMIT = 28 * KIB
 
 # ---- today's failures: (kernel, gate) -> reason. Remove an entry when its kernel is fixed. -----
 EXPECTED_FAILURES = {
+    # The rANS GEMV refills its ring with 512 bytes on whole 64-byte segments, but lanes whose
+    # 16 bytes lie before the tile's stream (which starts 16-byte aligned) skip the first refill's
+    # load; the tracer groups each lane's n-th execution of a load site, so those lanes' loads are
+    # grouped one refill late for the rest of the tile: 9 segments per 512 bytes (0.89) in the
+    # trace, where the GPU issues 8 per refill. Which kernels show it depends on where their traced
+    # problem's tile streams start (seeded data: the same every run).
+    **{(k, "weight_coalescing"): "lanes skipping the first refill shift the tracer's per-lane grouping of the "
+       "refill loads" for k in (
+           "rans_gemv_m16_affine_bfloat", "rans_gemv_m16_affine_half", "rans_gemv_m16_fp4_bfloat",
+           "rans_gemv_m16_fp4_float", "rans_gemv_m16_fp4_half", "rans_gemv_m16_u4_bfloat", "rans_gemv_m16_u4_float",
+           "rans_gemv_m16_u4_half", "rans_gemv_m1_affine_bfloat", "rans_gemv_m1_affine_float",
+           "rans_gemv_m1_affine_half", "rans_gemv_m1_fp4_float", "rans_gemv_m1_fp4_half")},
+    # fp32 activations: 8 values are two 16-byte loads, and the format walks all of K once per
+    # channel of the tile, so A is re-read per channel (0.61 to 0.66 loads per code byte at M = 1).
+    **{(f"rans_gemv_m1_{fmt}_float", "loads_per_weight_byte"): "fp32 activations re-read per channel, two 16-byte "
+       "loads per 8 values" for fmt in ("fp4", "u4", "affine")},
 }
 
 
