@@ -68,6 +68,9 @@ def slot_matches(buffer, param, buffers):
     # description names the set it binds (g_ gate, u_ up, d_ down).
     if buffer == param or buffer in ("g_" + param, "u_" + param, "d_" + param):
         return True
+    # The staged rANS GEMM decodes into the scratch that the following GEMM reads as its B.
+    if (param, buffer) == ("B_packed", "B"):
+        return True
     return STAND_INS.get(param) == buffer and param not in buffers
 
 
