@@ -4,8 +4,8 @@ Every backend takes CPU tensors, runs one ``torch.ops.marlin`` op where it lives
 result on the CPU, so one test body checks them all against the same reference:
 
 * ``cpu``: ``torch.ops.marlin`` on CPU tensors;
-* ``metal_emu``: the Metal kernels in the Metal-on-CPU harness (tests/metal_emu.py,
-  tests/trellis_metal_emu.py), planned by the same planner the MPS backend uses; runs everywhere;
+* ``metal_emu``: the Metal kernels in the Metal-on-CPU harness (tests/metal_emu.py: FP4 / INT4 and
+  rANS; tests/trellis_metal_emu.py), planned by the same planner the MPS backend uses; runs everywhere;
 * ``cuda``: ``torch.ops.marlin`` on CUDA tensors (skipped without a CUDA device);
 * ``mps``: ``torch.ops.marlin`` on MPS tensors (skipped without an Apple GPU).
 
@@ -73,13 +73,12 @@ class MetalEmuBackend(Backend):
     """The Metal kernels run as C++ threads on the CPU (docs/metal.md), CPU tensors in and out."""
 
     name = "metal_emu"
-    ops = INT4_OPS + TRELLIS_OPS
 
     def run(self, op, *args):
         import metal_emu
         import trellis_metal_emu
 
-        module = metal_emu if op in INT4_OPS else trellis_metal_emu
+        module = metal_emu if op in INT4_OPS + RANS_OPS else trellis_metal_emu
         key = repr([(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args])
         crc = zlib.crc32(f"{op}{key}".encode())
         if op == "moe_trellis":  # the harness takes gate, up and down as lists, like torch_marlin.ops

@@ -52,8 +52,9 @@ class TraceUnavailable(RuntimeError):
 
 def is_weight(buffer_name):
     """The quantized weight tensors: B (FP4 / INT4), packed / g_packed / u_packed / d_packed
-    (trellis). Their bytes are the denominator of "load instructions per weight byte"."""
-    return buffer_name == "B" or buffer_name.endswith("packed")
+    (trellis), words (the rANS word stream). Their bytes are the denominator of "load instructions
+    per weight byte"."""
+    return buffer_name in ("B", "words") or buffer_name.endswith("packed")
 
 
 def find_clang():
@@ -144,7 +145,7 @@ def _build(name, bindings, plan_sources, kernel_sources, build_dir, verbose=Fals
                   "-DTM_EMU_TRACE"]
         return cpp_extension.load(
             name=name,
-            sources=[os.path.join(metal_emu.EMU_DIR, f) for f in (bindings, "runtime.cpp", "load_trace.cpp")]
+            sources=[os.path.join(metal_emu.EMU_DIR, f) for f in (*bindings, "runtime.cpp", "load_trace.cpp")]
             + list(plan_sources),
             extra_include_paths=[os.path.join(ROOT, "csrc"), metal_emu.INCLUDE_DIR, metal_emu.EMU_DIR],
             extra_cflags=cflags,
@@ -161,13 +162,13 @@ def _build(name, bindings, plan_sources, kernel_sources, build_dir, verbose=Fals
 def load_quant(verbose=False):
     """Traced module of the FP4 / INT4 kernels (metal_emu.QUANT_SOURCES) and the probe kernels of
     tests/metal/perf_probes.metal (dispatch_raw)."""
-    return _build("tm_metal_emu_trace", "bindings.cpp", metal_emu.PLAN_SOURCES,
+    return _build("tm_metal_emu_trace", ("bindings.cpp", "rans_bindings.cpp"), metal_emu.PLAN_SOURCES,
                   metal_emu.QUANT_SOURCES + [PROBE_SOURCE], os.path.join(ROOT, "build", "metal_emu_trace"), verbose)
 
 
 def load_trellis(verbose=False):
     """Traced module of the trellis kernels (trellis_metal_emu.SOURCES)."""
-    return _build("tm_trellis_metal_emu_trace", "trellis_bindings.cpp", metal_emu.PLAN_SOURCES,
+    return _build("tm_trellis_metal_emu_trace", ("trellis_bindings.cpp",), metal_emu.PLAN_SOURCES,
                   trellis_metal_emu.SOURCES, os.path.join(ROOT, "build", "trellis_metal_emu_trace"), verbose)
 
 
@@ -301,6 +302,31 @@ def trace_quant_gemm(fmt, M, K, N, group_size=128, dtype="half", max_threadgroup
     elif fmt == "affine":
         aux = (torch.rand(K // group_size, N, generator=g) - 0.5).to(_dtype(dtype))
     return trace(mod, lambda: mod.gemm(fmt, A, B, scales, aux, None, group_size), max_threadgroups)
+
+
+def trace_rans_gemm(fmt, M, K, N, group_size=128, dtype="half", max_threadgroups=0, seed=0):
+    """C = A @ dequant(decode(words)) through the planner's kernels, traced. The codes are those of
+    a Gaussian weight quantized to the format (about 3.5 bits each after coding), the default
+    channels per tile."""
+    import numpy as np
+    import torch
+
+    from torch_marlin.formats import quantize_affine, quantize_fp4, quantize_u4, rans, unpack_int4
+    g = torch.Generator().manual_seed(seed)
+    mod = load_quant()
+    w = torch.randn(K, N, generator=g)
+    aux = zeros = offsets = None
+    if fmt == "fp4":
+        B, scales = quantize_fp4(w, group_size, scale_dtype=_dtype(dtype), search=False)
+    elif fmt == "u4":
+        B, scales, zeros = quantize_u4(w, group_size, scale_dtype=_dtype(dtype), search=False)
+    else:
+        B, scales, offsets = quantize_affine(w, group_size, scale_dtype=_dtype(dtype), search=False)
+    enc = rans.encode(unpack_int4(B).numpy())
+    code = [torch.from_numpy(np.ascontiguousarray(enc[k])) for k in ("words", "word_offsets", "states", "freqs")]
+    A = torch.randn(M, K, generator=g).to(_dtype(dtype))
+    return trace(mod, lambda: mod.gemm_rans(A, *code, scales, zeros, offsets, fmt, K, N, group_size,
+                                            enc["channels_per_tile"]), max_threadgroups)
 
 
 def _trellis_weights(K, N, bits, group_size, g, experts=None):

@@ -45,6 +45,21 @@ NEEDED = {
 
 K, N, GS = 128, 64, 32
 
+# rANS (metal/rans.metal, one simdgroup per tile): tag -> schedules that must catch its loss in
+# rans_decode_packed. rans_tile_ready orders the slot table and the first ring fill before the
+# first step (lanes look up slots other lanes wrote); rans_ring_free orders a refill after the last
+# reads of the words it overwrites, which only the last lanes of a step can still be reading: the
+# orders that run high lanes first catch it. K = 1024, 2 channels per tile, uniform codes: about
+# 1000 words per tile, so the ring (512 words) is refilled several times.
+# rans_a_free orders the GEMV's reads of staged activations (gemm_rans, M = 3) before the next
+# piece overwrites them (K = 1024: four pieces); the last lanes of a piece's last step are the
+# late readers, so the orders that run high lanes first catch it.
+RANS_NEEDED = {
+    "rans_tile_ready": SCHEDULES,
+    "rans_ring_free": ["reverse", "random"],
+    "rans_a_free": ["reverse", "random"],
+}
+
 
 @pytest.fixture(scope="module")
 def emu():
@@ -73,7 +88,7 @@ def run(emu, family, M, K, schedule):
 
 
 def test_every_tagged_barrier_is_covered():
-    assert set(NEEDED) == set(metal_emu.barrier_tags())
+    assert set(NEEDED) | set(RANS_NEEDED) == set(metal_emu.barrier_tags())
 
 
 def test_striped_needs_the_pipeline_barrier(emu):
@@ -99,6 +114,40 @@ def test_removed_barrier_is_detected(emu, tag):
     finally:
         emu.set_dropped_barrier("")
     assert set(catching) <= set(caught), f"dropping {tag}: caught only under {caught}"
+
+
+def run_rans(emu, schedule):
+    """rans_decode and the fused gemm_rans (fp4, M = 3) against the reference codes and matmul."""
+    import numpy as np
+
+    from torch_marlin.formats import rans
+
+    K_R, N_R, C_R, GS_R = 1024, 4, 2, 64
+    g = torch.Generator().manual_seed(5)
+    B, s = quantize_fp4(torch.randn(K_R, N_R, generator=g), GS_R, scale_dtype=torch.float16)
+    codes = np.stack([(B.numpy().view(np.uint32) >> (4 * i)) & 15 for i in range(8)], 1).reshape(K_R, N_R)
+    enc = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in rans.encode(codes, C_R).items()
+           if k != "channels_per_tile"}
+    code = (enc["words"], enc["word_offsets"], enc["states"], enc["freqs"])
+    decoded = emu.rans_decode(*code, K_R, N_R, C_R, schedule, 3, 1, metal_emu.BARRIER_SWITCH_PREFIX)
+    A = torch.randn(3, K_R, generator=g).half()
+    C, plan = emu.gemm_rans(A, *code, s, None, None, "fp4", K_R, N_R, GS_R, C_R, None, schedule, 3, 1,
+                            metal_emu.BARRIER_SWITCH_PREFIX)
+    assert plan["family"] == "decode"
+    return torch.equal(decoded, B) and matches(C, A.float() @ dequant_fp4_reference(B, s, GS_R))
+
+
+@pytest.mark.parametrize("tag", sorted(RANS_NEEDED))
+def test_removed_rans_barrier_is_detected(emu, tag):
+    emu.set_dropped_barrier("")
+    for sch in SCHEDULES:
+        assert run_rans(emu, sch), f"intact kernel failed under {sch}"
+    emu.set_dropped_barrier(tag)
+    try:
+        caught = [sch for sch in SCHEDULES if not run_rans(emu, sch)]
+    finally:
+        emu.set_dropped_barrier("")
+    assert set(RANS_NEEDED[tag]) <= set(caught), f"dropping {tag}: caught only under {caught}"
 
 
 # ---- the executor itself (tests/metal/emu_selftest.metal) --------------------------------------

@@ -68,6 +68,9 @@ def slot_matches(buffer, param, buffers):
     # description names the set it binds (g_ gate, u_ up, d_ down).
     if buffer == param or buffer in ("g_" + param, "u_" + param, "d_" + param):
         return True
+    # The staged rANS GEMM decodes into the scratch that the following GEMM reads as its B.
+    if (param, buffer) == ("B_packed", "B"):
+        return True
     return STAND_INS.get(param) == buffer and param not in buffers
 
 
@@ -81,7 +84,7 @@ def assert_matches_declaration(dispatch):
     params_type, _ = decl[-1]
     assert params_type == f"constant {dispatch['params_type']}&", (dispatch["kernel"], params_type)
     assert dispatch["params_bytes"] == {"QuantGemmParams": 48, "QuantReduceParams": 16,
-                                        "TrellisParams": 92}[dispatch["params_type"]]
+                                        "TrellisParams": 92, "RansParams": 44}[dispatch["params_type"]]
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +108,7 @@ def test_parser_sees_every_kernel():
     assert {"marlin_gemv", "marlin_gemm_fused", "marlin_gemm", "marlin_gemm_striped", "marlin_reduce_partials",
             "dequant_kernel", "gemm_trellis_packed_decode", "gemm_trellis_packed", "dequant_trellis_kernel",
             "moe_trellis_gate_up", "moe_trellis_down", "moe_trellis_combine", "moe_trellis_tiled_gate",
-            "moe_trellis_tiled_up", "moe_trellis_tiled_down"} <= set(DECLS)
+            "moe_trellis_tiled_up", "moe_trellis_tiled_down", "rans_gemv", "rans_decode_packed"} <= set(DECLS)
     assert declaration_of("marlin_gemm_fused_u4_bfloat")[0] == ("device const T*", "A")
     assert declaration_of("marlin_gemm_u4_half") is DECLS["marlin_gemm"]
     assert declaration_of("dequant_fp4_float") is DECLS["dequant_kernel"]
@@ -178,6 +181,25 @@ def test_trellis_descriptions_match_kernels(trellis_emu, dtype):
             assert by_stem["moe_trellis_tiled_down"]["buffers"][3] == "d_packed"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rans_descriptions_match_kernels(emu, dtype):
+    # M <= 16: the fused GEMV alone; M > 16: the decode into B, then gemm_<fmt>'s own dispatches
+    # on it (K = 8192, N = 256, M = 64: the striped plan with its K-slice reduction).
+    for M, K, N in ((1, 512, 77), (5, 512, 77), (16, 512, 77), (17, 512, 77), (64, 8192, 256)):
+        for fmt in ("fp4", "u4", "affine"):
+            ds = emu.describe_gemm_rans(fmt, M, K, N, 128, 3, dtype, True, fmt != "fp4")
+            for d in ds:
+                assert_matches_declaration(d)
+            if M <= 16:
+                assert len(ds) == 1 and ds[0]["kernel"].startswith("rans_gemv_m")
+            else:
+                assert ds[0]["kernel"] == "rans_decode_packed" and ds[0]["buffers"][-1] == "B"
+                assert ds[1:] == emu.describe_gemm(fmt, M, K, N, 128, dtype, True, fmt != "fp4")
+    (d,) = emu.describe_rans_decode(512, 77, 3)
+    assert_matches_declaration(d)
+    assert d["buffers"] == ["words", "word_offsets", "states", "freqs", "B_packed"] and d["grid"] == (26, 1, 1)
+
+
 def test_declaration_check_catches_a_swap(emu, trellis_emu):
     for d in (emu.describe_gemm("u4", 64, 8192, 256, 128, "float16", True, True, "striped", 0)[1],
               trellis_emu.describe_moe(40, 72, 112, 6, 2, 3, 32, "float16")[2]):
@@ -209,13 +231,16 @@ def test_mps_units_and_harness_use_the_description():
             return f.read()
 
     quant_mm, trellis_mm = read("csrc", "mps", "quant_gemm_mps.mm"), read("csrc", "mps", "trellis_mps.mm")
+    rans_mm, rans_emu = read("csrc", "mps", "rans_mps.mm"), read("csrc", "metal_emu", "rans_bindings.cpp")
     quant_emu, trellis_emu_src = read("csrc", "metal_emu", "bindings.cpp"), read("csrc", "metal_emu",
                                                                                    "trellis_bindings.cpp")
     for fn in ("quant_gemm_dispatches(", "quant_dequant_dispatches("):
         assert fn in quant_mm and fn in quant_emu, fn
     for fn in ("trellis_gemm_dispatches(", "trellis_dequant_dispatches(", "trellis_moe_dispatches("):
         assert fn in trellis_mm and fn in trellis_emu_src, fn
+    for fn in ("rans_gemm_dispatches(", "rans_decode_dispatches("):
+        assert fn in rans_mm and fn in rans_emu, fn
     # Only the shared encoder binds buffers; the op units hand it the description's list.
-    for src in (quant_mm, trellis_mm):
+    for src in (quant_mm, trellis_mm, rans_mm):
         assert "setBuffer" not in src and "mps_encode(" in src
     assert "setBuffer" in read("csrc", "mps", "mps_encoder.mm")

@@ -15,8 +15,8 @@ Gates (each a test per kernel):
                          (traced)
 
 Which kernels: the planner's (the harness's describe_* functions, i.e. the dispatch description
-the MPS backend encodes). Decode kernels are those planned at M = 1 and M = 16 (FP4 / INT4 / affine INT4 and
-trellis GEMM; the MoE at one token) that read a weight buffer; default-path kernels are every
+the MPS backend encodes). Decode kernels are those planned at M = 1 and M = 16 (FP4 / INT4 / affine INT4,
+rANS-coded and trellis GEMM; the MoE at one token) that read a weight buffer; default-path kernels are every
 kernel any plan over the shape sweep below picks (GEMM, dequant, the MoE's dispatches, K-slice
 reductions).
 
@@ -48,6 +48,22 @@ TG_LIMIT = 28 * KIB
 
 # ---- today's failures: (kernel, gate) -> reason. Remove an entry when its kernel is fixed. -----
 EXPECTED_FAILURES = {
+    # The rANS GEMV refills its ring with 512 bytes on whole 64-byte segments, but lanes whose
+    # 16 bytes lie before the tile's stream (which starts 16-byte aligned) skip the first refill's
+    # load; the tracer groups each lane's n-th execution of a load site, so those lanes' loads are
+    # grouped one refill late for the rest of the tile: 9 segments per 512 bytes (0.89) in the
+    # trace, where the GPU issues 8 per refill. Which kernels show it depends on where their traced
+    # problem's tile streams start (seeded data: the same every run).
+    **{(k, "weight_coalescing"): "lanes skipping the first refill shift the tracer's per-lane grouping of the "
+       "refill loads" for k in (
+           "rans_gemv_m16_affine_bfloat", "rans_gemv_m16_affine_half", "rans_gemv_m16_fp4_bfloat",
+           "rans_gemv_m16_fp4_float", "rans_gemv_m16_fp4_half", "rans_gemv_m16_u4_bfloat", "rans_gemv_m16_u4_float",
+           "rans_gemv_m16_u4_half", "rans_gemv_m1_affine_bfloat", "rans_gemv_m1_affine_float",
+           "rans_gemv_m1_affine_half", "rans_gemv_m1_fp4_float", "rans_gemv_m1_fp4_half")},
+    # fp32 activations: 8 values are two 16-byte loads, and the format walks all of K once per
+    # channel of the tile, so A is re-read per channel (0.61 to 0.66 loads per code byte at M = 1).
+    **{(f"rans_gemv_m1_{fmt}_float", "loads_per_weight_byte"): "fp32 activations re-read per channel, two 16-byte "
+       "loads per 8 values" for fmt in ("fp4", "u4", "affine")},
 }
 
 
@@ -78,6 +94,11 @@ def planned_kernels():
                     for bias in (False, True):
                         default |= {d["kernel"] for d in q.describe_gemm(fmt, M, K, N, 128, dtype, bias)}
             default |= {d["kernel"] for d in q.describe_dequant(fmt, 4096, 4096, 128, dtype)}
+            for M in (1, 16):
+                for k in _weight_dispatches(q.describe_gemm_rans(fmt, M, 4096, 4096, 128, 8, dtype)):
+                    decode.setdefault(k, []).append(("rans", short, fmt, M))
+            for M in GEMM_M:
+                default |= {d["kernel"] for d in q.describe_gemm_rans(fmt, M, 4096, 4096, 128, 8, dtype)}
         for M in (1, 16):
             for k in _weight_dispatches(t.describe_gemm(M, 4096, 4096, 3, 128, dtype)):
                 decode.setdefault(k, []).append(("trellis", short, None, M))
@@ -125,6 +146,10 @@ def _trace(op, dtype, fmt, M):
             if M == 1:
                 return lt.trace_quant_gemm(fmt, 1, 2048, 2048, dtype=dtype)
             return lt.trace_quant_gemm(fmt, M, 1024, 1024, dtype=dtype, max_threadgroups=8)
+        if op == "rans":  # the stream of a 512 x 64 tile is ~14 ring refills
+            if M == 1:
+                return lt.trace_rans_gemm(fmt, 1, 512, 256, dtype=dtype)
+            return lt.trace_rans_gemm(fmt, M, 512, 128, dtype=dtype)
         if op == "trellis":
             if M == 1:
                 return lt.trace_trellis_gemm(1, 1024, 1024, dtype=dtype)
@@ -224,10 +249,11 @@ def test_expected_failures_name_planned_kernels():
 def test_planner_sets():
     decode, default = planned_kernels()
     for stem in ("marlin_gemv_m1_fp4_", "marlin_gemv_m1_u4_", "marlin_gemv_m16_fp4_", "marlin_gemv_m16_u4_",
-                 "gemm_trellis_packed_decode_", "moe_trellis_gate_up_", "moe_trellis_down_"):
+                 "gemm_trellis_packed_decode_", "moe_trellis_gate_up_", "moe_trellis_down_", "rans_gemv_m1_fp4_",
+                 "rans_gemv_m16_affine_"):
         assert {stem + d for d in DTYPES.values()} <= set(decode), stem
     for k in ("marlin_gemm_fused_fp4_half", "marlin_reduce_partials_float", "gemm_trellis_packed_float",
-              "moe_trellis_tiled_down_half", "moe_trellis_combine_half", "dequant_trellis"):
+              "moe_trellis_tiled_down_half", "moe_trellis_combine_half", "dequant_trellis", "rans_decode_packed"):
         assert k in default, k
 
 

@@ -265,7 +265,7 @@ def test_plan_rans():
     assert staged["family"] == "staged" and staged["kernel"] == "cpu_rans_decode"
     assert staged["tiles"] == 1366 and staged["gemm"]["format"] == "u4" and staged["has_bias"]
     metal = plan_rans(1, 4096, 11008, 64, "affine", device="metal")
-    assert metal["threads"] == (32, 1, 1) and metal["kernel"] == "gemm_rans_affine_half"
+    assert metal["threads"] == (32, 1, 1) and metal["kernel"] == "rans_gemv_m1_affine_half"
     # CUDA: 4 tiles (warps) per block; the fused kernel's row count is M rounded up to a power of two.
     h100 = dict(compute_units=132, wgmma=True, thread_block_clusters=True)
     cuda = plan_rans(3, 4096, 4096, 128, "fp4", device="cuda", caps=h100)

@@ -1,4 +1,5 @@
-// Metal-on-CPU harness of the FP4 / INT4 / affine INT4 kernels: the torch side. Plans exactly as the MPS
+// Metal-on-CPU harness of the FP4 / INT4 / affine INT4 kernels (and, through rans_bindings.cpp, the rANS
+// kernels): the torch side. Plans exactly as the MPS
 // backend does (plan_quant_gemm with Backend::Metal), binds the tensors to the same dispatch
 // description (csrc/mps/metal_dispatch.h) the MPS encoder encodes, and runs that list on the CPU
 // executor (runtime.cpp). Test-time only: built JIT by tests/metal_emu.py, never part of
@@ -12,6 +13,10 @@
 #include "ops/vector_aligned.h"
 #include "plan/plan_py.h"
 #include "runtime.h"
+
+namespace torch_marlin {
+void def_rans_functions(py::module_& m);  // rans_bindings.cpp
+}  // namespace torch_marlin
 
 namespace {
 
@@ -178,6 +183,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dispatch_raw", &dispatch_raw, py::arg("kernel"), py::arg("grid"), py::arg("threads"), py::arg("buffers"),
         py::arg("schedule") = "forward", py::arg("seed") = 0, py::arg("workers") = 0,
         py::arg("names") = std::vector<std::string>{});
+  def_rans_functions(m);
   m.def("kernel_names", &metal_emu::kernel_names);
   m.def("set_dropped_barrier", &metal_emu::set_dropped_barrier, py::arg("name"));
   m.def("last_stats", &last_stats);

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "plan/plan.h"
+#include "plan/rans_plan.h"
 #include "plan/trellis_plan.h"
 #include "torch_marlin/quant_gemm_params.h"
 #include "torch_marlin/trellis_params.h"
@@ -97,6 +98,34 @@ struct TrellisMoeBuffers {
   Buffer y;                                       // [T, hidden] output
 };
 
+// ---- rANS-coded 4-bit codes ----------------------------------------------------------------------
+
+template <class Buffer>
+struct RansCodeBuffers {
+  Buffer words;         // int16 [W] (read as 16-byte vectors: starts 16-byte aligned)
+  Buffer word_offsets;  // int32 [T + 1]
+  Buffer states;        // int32 [T, 32]
+  Buffer freqs;         // int16 [T, 16] (32 bytes per tile, read as two 16-byte vectors)
+};
+
+template <class Buffer>
+struct RansGemmBuffers {
+  Buffer A;                                // [M, K]
+  RansCodeBuffers<Buffer> code;
+  Buffer scales;                           // [K/group_size, N]
+  std::optional<Buffer> zeros_or_offsets;  // as in QuantGemmBuffers
+  std::optional<Buffer> bias;              // [N]; absent: C stands in
+  Buffer C;                                // [M, N]
+  std::optional<Buffer> decoded;           // int32 [K/8, N] scratch of the staged family
+  std::optional<Buffer> workspace;         // the staged GEMM's K-parallel partials, as in QuantGemmBuffers
+};
+
+template <class Buffer>
+struct RansDecodeBuffers {
+  RansCodeBuffers<Buffer> code;
+  Buffer B_packed;  // int32 [K/8, N] output
+};
+
 namespace metal_dispatch_detail {
 
 template <class Buffer, class Params>
@@ -119,6 +148,15 @@ MetalDispatch<Buffer> make(const std::string& kernel, const uint32_t grid[3], co
 template <class Buffer>
 MetalDispatch<Buffer> make(const TrellisLaunch& l, std::vector<Buffer> buffers, const TrellisParams& p) {
   return make<Buffer>(l.kernel, l.grid, l.threads, std::move(buffers), "TrellisParams", p);
+}
+
+// The params of a rANS plan with the word count of the call: every kernel clamps the tiles'
+// streams to it (the planner does not see the data).
+template <class Buffer>
+MetalDispatch<Buffer> make(const RansPlan& plan, std::vector<Buffer> buffers, uint32_t n_words) {
+  RansParams p = plan.params;
+  p.n_words = n_words;
+  return make<Buffer>(plan.decode.kernel, plan.decode.grid, plan.decode.threads, std::move(buffers), "RansParams", p);
 }
 
 }  // namespace metal_dispatch_detail
@@ -196,6 +234,36 @@ MetalDispatches<Buffer> trellis_moe_dispatches(const TrellisPlan& plan, const Tr
   tiled(plan.tiled_down, b.rows_h, d, b.rows_y);
   out.push_back(make<Buffer>(plan.combine, {b.rows_y, b.slot_row, b.probs, b.y}, p));
   return out;
+}
+
+// C = A @ dequant(decode(words)) (+ bias) (plan_rans_gemm). Fused: rans_gemv_*, the decode fused
+// with the GEMV. Staged: rans_decode_packed into the scratch B_packed, then the dispatches of the
+// plan's FP4 / INT4 GEMM on it (same serial encoder: the GEMM sees every decoded word).
+// n_words = len(words).
+template <class Buffer>
+MetalDispatches<Buffer> rans_gemm_dispatches(const RansPlan& plan, const RansGemmBuffers<Buffer>& b, uint32_t n_words) {
+  using metal_dispatch_detail::make;
+  const RansCodeBuffers<Buffer>& c = b.code;
+  const Buffer zeros_or_offsets = b.zeros_or_offsets ? *b.zeros_or_offsets : b.scales;
+  const Buffer bias = b.bias ? *b.bias : b.C;
+  if (plan.family == RansFamily::Fused) {
+    return {make<Buffer>(plan, {b.A, c.words, c.word_offsets, c.states, c.freqs, b.scales, zeros_or_offsets, bias, b.C},
+                         n_words)};
+  }
+  if (!b.decoded) throw std::logic_error("Metal dispatch: staged rANS plan without the decoded scratch buffer");
+  MetalDispatches<Buffer> out;
+  out.push_back(make<Buffer>(plan, {c.words, c.word_offsets, c.states, c.freqs, *b.decoded}, n_words));
+  QuantGemmBuffers<Buffer> q{b.A, *b.decoded, b.scales, b.zeros_or_offsets, b.bias, b.C, b.workspace};
+  for (MetalDispatch<Buffer>& d : quant_gemm_dispatches(plan.gemm, q)) out.push_back(std::move(d));
+  return out;
+}
+
+// B_packed = decode(words) (plan_rans_decode): rans_decode_packed.
+template <class Buffer>
+MetalDispatches<Buffer> rans_decode_dispatches(const RansPlan& plan, const RansDecodeBuffers<Buffer>& b, uint32_t n_words) {
+  using metal_dispatch_detail::make;
+  const RansCodeBuffers<Buffer>& c = b.code;
+  return {make<Buffer>(plan, {c.words, c.word_offsets, c.states, c.freqs, b.B_packed}, n_words)};
 }
 
 }  // namespace torch_marlin

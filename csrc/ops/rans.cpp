@@ -274,4 +274,12 @@ TORCH_LIBRARY_IMPL(marlin, CPU, m) {
   m.impl("gemm_rans", &gemm_rans);
 }
 
+#ifdef TM_WITH_MPS
+// The Metal kernels (csrc/mps/rans_mps.mm) add themselves through set_rans_kernels(Backend::Metal).
+TORCH_LIBRARY_IMPL(marlin, MPS, m) {
+  m.impl("rans_decode", &rans_decode);
+  m.impl("gemm_rans", &gemm_rans);
+}
+#endif
+
 }  // namespace torch_marlin

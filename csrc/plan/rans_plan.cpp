@@ -56,12 +56,20 @@ RansLaunch cuda_launch(const std::string& kernel, const RansParams& p) {
   return l;
 }
 
-// The fused CUDA kernel's row count: M rounded up to 1, 2, 4, 8 or 16 (fp32 sums per row in
+// The fused kernels' row count (CUDA and Metal): M rounded up to 1, 2, 4, 8 or 16 (fp32 sums per row in
 // registers; the rows past M repeat row M - 1 and are not stored).
 uint32_t fused_rows(int64_t M) {
   uint32_t rows = 1;
   while (int64_t(rows) < M) rows *= 2;
   return rows;
+}
+
+// The Metal kernels index A, C, B_packed and the scales with 32-bit unsigned arithmetic.
+void check_metal_indices(int64_t M, int64_t K, int64_t N) {
+  const int64_t lim = int64_t(1) << 32;
+  if (M * K >= lim || M * N >= lim || (K / 8) * N >= lim) {
+    fail("plan_rans_gemm", "problem too large for the Metal kernels' 32-bit indices");
+  }
 }
 
 }  // namespace
@@ -97,11 +105,16 @@ RansPlan plan_rans_gemm(int64_t M, int64_t K, int64_t N, int64_t group_size, int
                              p.params, caps.backend);
       break;
     case Backend::Metal:
-      // One 32-lane group per tile, as the format's lanes.
+      // metal/rans.metal, one simdgroup per tile. The fused GEMV keeps R fp32 accumulators per lane,
+      // R the power of two >= M (1, 2, 4, 8, 16), as the FP4 / INT4 decode kernels do: a fixed count
+      // stays in registers, and M = 1 does not pay for 16.
+      check_metal_indices(M, K, N);
       if (p.family == RansFamily::Fused) {
-        p.decode = tile_launch("gemm_rans_" + fmt + "_" + dtype_name(dtype), p.params, caps.backend);
+        p.tile_m = fused_rows(M);
+        p.decode = tile_launch("rans_gemv_m" + std::to_string(p.tile_m) + "_" + fmt + "_" + dtype_name(dtype),
+                               p.params, caps.backend);
       } else {
-        p.decode = tile_launch("rans_decode", p.params, caps.backend);
+        p.decode = tile_launch("rans_decode_packed", p.params, caps.backend);
       }
       break;
     case Backend::CUDA:
@@ -123,12 +136,18 @@ RansPlan plan_rans_decode(int64_t K, int64_t N, int64_t channels_per_tile, const
   p.params = base_params(0, K, N, 0, channels_per_tile, "plan_rans_decode");
   p.family = RansFamily::Staged;
   p.cpu_avx2 = caps.backend == Backend::CPU && caps.avx2 != 0;
-  p.decode = caps.backend == Backend::CUDA
-                 ? cuda_launch("rans_decode", p.params)
-                 : tile_launch(caps.backend != Backend::CPU ? "rans_decode"
-                               : p.cpu_avx2                ? "cpu_rans_decode_avx2"
-                                                           : "cpu_rans_decode",
-                               p.params, caps.backend);
+  switch (caps.backend) {
+    case Backend::CPU:
+      p.decode = tile_launch(p.cpu_avx2 ? "cpu_rans_decode_avx2" : "cpu_rans_decode", p.params, caps.backend);
+      break;
+    case Backend::Metal:
+      check_metal_indices(0, K, N);
+      p.decode = tile_launch("rans_decode_packed", p.params, caps.backend);
+      break;
+    case Backend::CUDA:
+      p.decode = cuda_launch("rans_decode", p.params);
+      break;
+  }
   return p;
 }
 

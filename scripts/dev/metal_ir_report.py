@@ -26,8 +26,8 @@ Per instantiated kernel (every format / dtype):
   barriers/step  threadgroup_barrier + simdgroup_barrier calls in the body of the main loop (the
                  one with the most; "tg+sg")
 
-The weight buffer is the kernel parameter named `B` (FP4 / INT4: packed words) or ending in
-`packed` (trellis: packed, g_packed, u_packed, d_packed); a load belongs to it when its address
+The weight buffer is the kernel parameter named `B` (FP4 / INT4: packed words), `words` (the
+rANS word stream) or ending in `packed` (trellis: packed, g_packed, u_packed, d_packed); a load belongs to it when its address
 derives (getelementptr / bitcast / phi / select) from that parameter.
 
 Main loops. Loops are the natural loops of the optimized IR (back edges to a dominating block;
@@ -70,7 +70,7 @@ CLANG_FLAGS = [
 
 
 def is_weight(param):
-    return param == "B" or param.endswith("packed")
+    return param in ("B", "words") or param.endswith("packed")
 
 
 def find_clang():

@@ -27,6 +27,11 @@ TM_NAMESPACE_BEGIN
 // CUDA kernels (csrc/cuda/rans.cu): warps, one per tile, per block.
 #define TM_CUDA_RANS_WARPS 4u
 
+// Metal (metal/rans.metal): one simdgroup per tile, its stream staged into a threadgroup ring of
+// this many 16-bit words (a power of two, refilled 256 words = one 16-byte load per lane at a time).
+#define TM_METAL_RANS_THREADS 32u
+#define TM_METAL_RANS_RING_WORDS 512u
+
 // Launch parameters of the rANS kernels (gemm_rans decode, rans_decode to B_packed). The planner
 // (plan_rans_gemm) fills it once; every backend reads it.
 struct RansParams {
@@ -40,6 +45,7 @@ struct RansParams {
   tm_u32 tiles;              // T = ceil(N / C)
   tm_u32 steps_per_channel;  // K / 32
   tm_u32 has_bias;           // 1 when a bias is added
+  tm_u32 n_words;            // W = len(words): GPU kernels clamp every tile's stream to it
 };
 
 TM_NAMESPACE_END
