@@ -150,6 +150,8 @@ inline py::dict launch_to_dict(const TrellisLaunch& l) {
   d["kernel"] = l.kernel;
   d["grid"] = dims(l.grid);
   d["threads"] = dims(l.threads);
+  d["k_parallel"] = l.k_parallel;
+  d["k_slice_tiles"] = l.k_slice_tiles;
   return d;
 }
 
