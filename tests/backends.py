@@ -83,7 +83,7 @@ class MetalEmuBackend(Backend):
 
 CPU = DeviceBackend("cpu", "cpu", exact_products=True)
 METAL_EMU = MetalEmuBackend()
-# The ops this build registers for CUDA (there are no CUDA trellis kernels yet).
+# The ops this build registers for CUDA (the dispatcher says; a CPU-only build has none).
 CUDA = DeviceBackend("cuda", "cuda", exact_products=False,
                      ops=tuple(op for op in OPS if torch._C._dispatch_has_kernel_for_dispatch_key(f"marlin::{op}", "CUDA")))
 MPS = DeviceBackend("mps", "mps", exact_products=False)

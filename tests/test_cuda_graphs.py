@@ -42,7 +42,7 @@ def test_cached_plan_equals_fresh_plan(backend, caps, fmt, M, K, N, group_size, 
     assert _C.cached_plan_quant_gemm(fmt, M, K, N, group_size, dtype, backend, caps, True) == fresh  # a hit
 
 
-@pytest.mark.parametrize("backend", ["cpu", "metal"])
+@pytest.mark.parametrize("backend", ["cpu", "metal", "cuda"])
 @pytest.mark.parametrize("M", [1, 16, 40])
 def test_cached_trellis_plan_equals_fresh_plan(backend, M):
     fresh = _C.plan_trellis_gemm(M, 512, 384, 3, 128, "float16", backend, {})

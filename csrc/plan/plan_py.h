@@ -169,7 +169,7 @@ inline py::dict trellis_plan_to_dict(const TrellisPlan& p) {
   d["cpu_avx2"] = p.cpu_avx2;
   if (p.params.num_experts != 0) d["down_k_vec4"] = p.params.down_k_vec4 != 0;
   const std::pair<const char*, const TrellisLaunch*> stages[] = {
-      {"down", &p.down}, {"combine", &p.combine}, {"tiled_gate", &p.tiled_gate},
+      {"down", &p.down}, {"combine", &p.combine}, {"route", &p.route}, {"tiled_gate", &p.tiled_gate},
       {"tiled_up", &p.tiled_up}, {"tiled_down", &p.tiled_down}};
   for (const auto& s : stages) {
     if (!s.second->kernel.empty()) d[s.first] = launch_to_dict(*s.second);

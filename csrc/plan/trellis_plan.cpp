@@ -360,6 +360,12 @@ TrellisPlan plan_trellis_moe(int64_t tokens, int64_t hidden, int64_t intermediat
       p.combine.kernel = "moe_trellis_combine" + suffix;
       p.combine.grid[0] = cdiv(int64_t(tokens) * hidden, kCudaElemThreads);
       p.combine.threads[0] = kCudaElemThreads;
+      if (R <= TM_TRELLIS_CUDA_ROUTE_MAX_ROWS) {
+        // One block instead of a dozen ATen launches (sort, counts, scans): at decode batches the
+        // launches, not the routing work, would dominate the expert GEMVs.
+        p.route.kernel = "moe_trellis_route";
+        p.route.threads[0] = TM_TRELLIS_CUDA_ROUTE_THREADS;
+      }
       break;
     }
   }

@@ -34,6 +34,9 @@ struct TrellisPlan {
   TrellisLaunch main;     // the GEMM, or the MoE gate/up + SwiGLU stage
   TrellisLaunch down;     // MoE: down projection of the routed rows (empty kernel otherwise)
   TrellisLaunch combine;  // MoE: probability-weighted sum of the top_k rows per token
+  // CUDA MoE: the routing in one launch (tokens * top_k <= TM_TRELLIS_CUDA_ROUTE_MAX_ROWS); empty
+  // kernel name: routed with ATen ops (trellis_route in csrc/ops/trellis.h), as on every backend.
+  TrellisLaunch route;
   // Metal MoE, only when tokens * top_k > 16: 64x64-tile kernels for experts with more than 16
   // routed rows (the GEMV stages skip those). Order on the encoder: main, tiled_gate, tiled_up,
   // down, tiled_down, combine. Empty kernel names when not planned.
