@@ -563,6 +563,8 @@ def test_plan_trellis_policy_cuda():
         torch_marlin.plan_trellis(17, 64, 64, 2, 32, device="cuda", caps=H100, family="decode")
     with pytest.raises(ValueError, match="staged_tiles family does not run trellis on cuda"):
         torch_marlin.plan_trellis(20, 64, 64, 2, 32, device="cuda", caps=H100, family="staged_tiles")
+    with pytest.raises(ValueError, match="too large for the CUDA kernels' grid"):
+        torch_marlin.plan_trellis(1 << 23, 64, 64, 2, 32, device="cuda", caps=H100)
 
 
 def test_plan_trellis_metal_k_blocks_and_vector_reads():

@@ -108,3 +108,24 @@ def test_moe_trellis_bits_group_sizes(backend, bits, gs):
     y = run_moe(backend, x, gate, up, down, ids, probs, I, bits, gs)
     assert_moe_close(y, moe_reference(x, gate, up, down, ids, probs, H, I, bits, gs), torch.float16,
                      backend.exact_products)
+
+
+@pytest.mark.parametrize("backend, M, dtype", cases([(1, torch.float16), (40, torch.bfloat16)]))
+def test_gemm_trellis_is_deterministic(backend, M, dtype):
+    # K slices (CUDA decode) and thread order (harness) must not change a single bit between calls.
+    K, N, bits, gs = 1040, 200, 3, 128
+    t = random_trellis(K, N, bits, gs, seed=11)
+    A = torch.randn(M, K, generator=torch.Generator().manual_seed(5)).to(dtype)
+    assert torch.equal(backend.gemm_trellis(A, *t, K, N, bits, gs), backend.gemm_trellis(A, *t, K, N, bits, gs))
+
+
+@pytest.mark.parametrize("backend", [p for p in BACKENDS if p.id != "metal_emu"])
+def test_moe_trellis_many_routed_rows(backend):
+    # T * top_k = 1040 routed rows: above the CUDA one-block routing bound (TM_TRELLIS_CUDA_ROUTE_MAX_ROWS),
+    # so the rows are grouped by the ATen routing there; experts get ~260 rows each (several 64-row chunks).
+    T, H, I, E, top_k, bits, gs = 520, 48, 40, 4, 2, 2, 16
+    gate, up, down, ids, probs = moe_case(T, H, I, E, top_k, bits, gs, "random", seed=7)
+    x = (torch.randn(T, H, generator=torch.Generator().manual_seed(3)) * 0.5).half()
+    y = run_moe(backend, x, gate, up, down, ids, probs, I, bits, gs)
+    assert_moe_close(y, moe_reference(x, gate, up, down, ids, probs, H, I, bits, gs), torch.float16,
+                     backend.exact_products)

@@ -1,6 +1,7 @@
 #include "plan/trellis_plan.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -60,13 +61,26 @@ constexpr uint32_t kCudaMaxKParallel = 32;
 // tile rows, and multiplies grid[1] by the slice count.
 void cuda_k_split(TrellisLaunch& l, uint32_t tiles_k, uint64_t blocks, int sms) {
   const uint32_t stages = cdiv(tiles_k, kCudaStageTiles);
-  const uint64_t want = 2 * uint64_t(std::max(sms, 1));
+  static const uint64_t per_sm = [] {  // TEMPORARY tuning switch, removed after the GPU sweep
+    const char* v = std::getenv("TORCH_MARLIN_TRELLIS_BLOCKS_PER_SM");
+    return v != nullptr ? uint64_t(std::max(1, std::atoi(v))) : uint64_t(2);
+  }();
+  const uint64_t want = per_sm * uint64_t(std::max(sms, 1));
   uint64_t kp = blocks >= want ? 1 : (want + blocks - 1) / std::max<uint64_t>(blocks, 1);
   kp = std::min<uint64_t>({kp, stages, kCudaMaxKParallel});
   const uint32_t slice_stages = cdiv(stages, int64_t(kp));
   l.k_slice_tiles = slice_stages * kCudaStageTiles;
   l.k_parallel = cdiv(stages, slice_stages);
   l.grid[1] *= l.k_parallel;
+}
+
+// CUDA grids allow 65535 blocks along y and z: refuse (clearly) what would exceed them.
+void check_cuda_grid(const TrellisLaunch& l, const char* who) {
+  if (l.grid[1] > 65535u || l.grid[2] > 65535u) {
+    throw std::invalid_argument(std::string(who) + ": problem too large for the CUDA kernels' grid (" +
+                                std::to_string(l.grid[1]) + " row blocks, " + std::to_string(l.grid[2]) +
+                                " expert blocks; at most 65535 each)");
+  }
 }
 
 // The op's own checks (csrc/ops/trellis.cpp), in its words, for callers of the planner alone.
@@ -195,6 +209,7 @@ TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int
         p.main.grid[0] = p.params.n_tiles;
         p.main.grid[1] = p.params.m_tiles;
         p.main.threads[0] = kCudaSimtThreads;
+        check_cuda_grid(p.main, "plan_trellis_gemm");
         break;
       }
       set_tiles(p.params, M, N, decode ? TM_TRELLIS_CUDA_DECODE_M : TM_TRELLIS_CUDA_PREFILL_M, kCudaTileN);
@@ -210,6 +225,7 @@ TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int
         p.combine.grid[0] = cdiv(int64_t(M) * N, kCudaElemThreads);
         p.combine.threads[0] = kCudaElemThreads;
       }
+      check_cuda_grid(p.main, "plan_trellis_gemm");
       break;
     }
   }
@@ -366,6 +382,8 @@ TrellisPlan plan_trellis_moe(int64_t tokens, int64_t hidden, int64_t intermediat
         p.route.kernel = "moe_trellis_route";
         p.route.threads[0] = TM_TRELLIS_CUDA_ROUTE_THREADS;
       }
+      check_cuda_grid(p.main, "plan_trellis_moe");
+      check_cuda_grid(p.down, "plan_trellis_moe");
       break;
     }
   }

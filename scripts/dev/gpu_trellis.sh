@@ -6,7 +6,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/cuda_results}"; mkdir -p "$OUT"
-STEPS="${STEPS:-build,test,sanitize,bench}"
+STEPS="${STEPS:-build,test,sanitize,bench,sweep}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 # g++-12 where installed: see scripts/dev/run_cuda_checks.sh (csrc/cuda/host_compiler.py).
@@ -18,8 +18,8 @@ if has build; then
   tail -3 "$OUT/build.log"
 fi
 if has test; then
-  timeout "${TEST_TIMEOUT:-240}" python -m pytest tests/test_trellis_ops.py tests/test_trellis.py tests/test_planner.py \
-    -k "cuda or trellis" -q --maxfail=20 -x ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/test_trellis_cuda.log" | tail -30
+  timeout "${TEST_TIMEOUT:-240}" python -m pytest tests/test_trellis_ops.py tests/test_opcheck.py tests/test_cuda_graphs.py \
+    -k "cuda and trellis and not metal_emu" -q --maxfail=20 ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/test_trellis_cuda.log" | tail -30
 fi
 if has sanitize; then
   python scripts/dev/cuda_sanitize_trellis.py 2>&1 | tee "$OUT/trellis_subset.log" | tail -20
@@ -33,4 +33,11 @@ if has bench; then
   timeout "${BENCH_TIMEOUT:-200}" python scripts/dev/bench_cuda.py --trellis --out "$OUT" \
     --shapes "${BENCH_SHAPES:-4096x4096,4096x14336,14336x4096}" --ms "${BENCH_MS:-1,16,1024,4096}" ${BENCH_ARGS:-} \
     2>&1 | tee "$OUT/bench_trellis.log" | grep -v '^|'
+fi
+if has sweep; then  # TEMPORARY: blocks per SM of the K-slice rule (removed with the switch)
+  for b in 1 4 8; do
+    echo "== blocks per SM $b"
+    TORCH_MARLIN_TRELLIS_BLOCKS_PER_SM=$b timeout 60 python scripts/dev/bench_cuda.py --trellis --out "$OUT/sweep$b" \
+      --shapes 4096x4096,4096x14336 --ms 1,16 --reps 11 2>&1 | grep "^K="
+  done
 fi
