@@ -12,14 +12,21 @@ namespace {
 // The block's matrix (MoE: gate for blockIdx.z < E, up above) and its expert e, offset to e.
 struct TrellisBlockOperand {
   cuda_backend::TrellisMatrixPtrs w;
-  u32 which;  // index into args.w / args.out
+  u32 which;   // index into args.w / args.out
   u32 e;
+  bool valid;  // false: an expert slot the routing left empty (the block exits)
 };
 
 __device__ __forceinline__ TrellisBlockOperand trellis_block_operand(const cuda_backend::TrellisKernelArgs& a) {
   TrellisBlockOperand o;
   o.which = blockIdx.z >= a.experts ? 1u : 0u;
   o.e = blockIdx.z - o.which * a.experts;
+  o.valid = true;
+  if (a.active_experts != nullptr) {
+    const int32_t v = a.active_experts[o.e];
+    o.valid = v >= 0;
+    o.e = o.valid ? u32(v) : 0u;
+  }
   o.w = o.which ? a.w[1] : a.w[0];
   o.w.packed += o.e * o.w.packed_stride;
   o.w.scales += o.e * o.w.scales_stride;

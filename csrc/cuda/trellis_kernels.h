@@ -39,13 +39,16 @@ struct TrellisKernelArgs {
   uint32_t lda;                // elements between rows of A (and A2)
   const int32_t* row_map;      // MoE gate/up: the token of each sorted row; nullptr: row itself
   const int32_t* offsets;      // MoE: [E + 1] expert row ranges; nullptr: rows [0, M)
+  const int32_t* active_experts;  // MoE routed in one launch: expert of each slot (-1: none), else
+                                  // nullptr and slot = expert
   void* out[2];                // C (T) or fp32 rows; out[1]: the MoE's up rows
   uint64_t out_part_stride;    // fp32 partials: elements between K slices
   uint32_t out_f32;            // 1: out holds fp32 [k_parallel][rows][ldc] (sv applied), 0: T C
   uint32_t ldc;
   uint32_t M, K, N, group_size, tiles_k, tiles_n, n_groups;
   uint32_t k_slice_tiles, k_parallel, m_tiles;
-  uint32_t experts;            // E for the MoE, 1 for the GEMM
+  uint32_t experts;            // expert slots per matrix (grid.z, halved with two matrices): E,
+                               // min(E, rows) with active_experts, 1 for the GEMM
 };
 
 // launch.grid / threads / k_parallel come from the plan; tile_m 16 or 64 selects the decode or
@@ -58,10 +61,11 @@ void launch_trellis_simt(const TrellisLaunch& launch, uint32_t bits, bool swiglu
 void launch_trellis_dequant(const TrellisLaunch& launch, const TrellisParams& p, const TrellisMatrixPtrs& w, float* W,
                             cudaStream_t stream);
 // MoE routing in one block (rows = tokens * top_k <= TM_TRELLIS_CUDA_ROUTE_MAX_ROWS): expert_offsets
-// [E + 1], sorted_token and slot_row as trellis_route (csrc/ops/trellis.h) makes them.
+// [E + 1], sorted_token and slot_row as trellis_route (csrc/ops/trellis.h) makes them, and
+// active [min(E, rows)]: the experts with rows in increasing order, then -1.
 void launch_trellis_route(const TrellisLaunch& launch, const void* ids, bool ids_int64, uint32_t rows,
                           uint32_t top_k, uint32_t experts, int32_t* offsets, int32_t* sorted_token,
-                          int32_t* slot_row, cudaStream_t stream);
+                          int32_t* slot_row, int32_t* active, cudaStream_t stream);
 // C[i] = sum over s < parts of ws[s * count + i], in s order, rounded once to T (float, __half, __nv_bfloat16).
 template <typename T>
 void launch_trellis_reduce(const TrellisLaunch& launch, const float* ws, uint32_t parts, uint64_t count, T* C,

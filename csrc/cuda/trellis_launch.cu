@@ -83,16 +83,19 @@ void moe_typed(const TrellisPlan& plan, const TrellisMoeArgs& m, at::Tensor& y, 
   at::Tensor rows_gu = at::empty({2, int64_t(plan.main.k_parallel), R, m.intermediate}, f32);
   at::Tensor rows_y = at::empty({int64_t(plan.down.k_parallel), R, m.hidden}, f32);
   const uint64_t gu_part = uint64_t(R) * uint64_t(m.intermediate);
-  at::Tensor routing;  // offsets [E + 1], sorted_token [R], slot_row [R]
-  const int32_t *offsets, *sorted_token, *slot_row;
+  at::Tensor routing;  // offsets [E + 1], sorted_token [R], slot_row [R], active [slots]
+  const int32_t *offsets, *sorted_token, *slot_row, *active = nullptr;
+  const uint32_t slots = plan.down.grid[2];
   if (!plan.route.kernel.empty()) {
-    routing = at::empty({m.E + 1 + 2 * R}, m.x.options().dtype(at::kInt));
+    routing = at::empty({m.E + 1 + 2 * R + int64_t(slots)}, m.x.options().dtype(at::kInt));
     int32_t* r = routing.data_ptr<int32_t>();
     launch_trellis_route(plan.route, m.expert_ids.data_ptr(), m.expert_ids.scalar_type() == at::kLong, uint32_t(R),
-                         uint32_t(m.top_k), uint32_t(m.E), r, r + m.E + 1, r + m.E + 1 + R, stream);
+                         uint32_t(m.top_k), uint32_t(m.E), r, r + m.E + 1, r + m.E + 1 + R, r + m.E + 1 + 2 * R,
+                         stream);
     offsets = r;
     sorted_token = r + m.E + 1;
     slot_row = r + m.E + 1 + R;
+    active = r + m.E + 1 + 2 * R;
   } else {
     offsets = m.expert_offsets.data_ptr<int32_t>();
     sorted_token = m.sorted_token.data_ptr<int32_t>();
@@ -112,7 +115,8 @@ void moe_typed(const TrellisPlan& plan, const TrellisMoeArgs& m, at::Tensor& y, 
   gu.out_part_stride = gu_part;
   gu.ldc = uint32_t(m.intermediate);
   gu.M = uint32_t(R);
-  gu.experts = uint32_t(m.E);
+  gu.experts = slots;
+  gu.active_experts = active;
 
   TrellisKernelArgs dn = base_args(p, plan.down);
   dn.K = uint32_t(m.intermediate);
@@ -132,9 +136,13 @@ void moe_typed(const TrellisPlan& plan, const TrellisMoeArgs& m, at::Tensor& y, 
   dn.out_part_stride = uint64_t(R) * uint64_t(m.hidden);
   dn.ldc = uint32_t(m.hidden);
   dn.M = uint32_t(R);
-  dn.experts = uint32_t(m.E);
+  dn.experts = slots;
+  dn.active_experts = active;
 
-  TORCH_CHECK(simt == std::is_same<T, float>::value, "torch_marlin: the MoE plan '", plan.main.kernel,
+  TORCH_CHECK(plan.main.grid[2] == 2 * slots && (active != nullptr || slots == uint32_t(m.E)),
+              "torch_marlin: the MoE plan's expert slots do not match its routing");
+  constexpr bool kFloat = std::is_same<T, float>::value;
+  TORCH_CHECK(simt == kFloat, "torch_marlin: the MoE plan '", plan.main.kernel,
               "' does not match the activation dtype");
   if (simt) {
     launch_trellis_simt(plan.main, p.bits, false, gu, stream);

@@ -75,6 +75,7 @@ __global__ void __launch_bounds__(kThreads) trellis_mma_kernel(const TrellisKern
   const float* su = op.w.su;
   const float* sv = op.w.sv;
 
+  if (!op.valid) return;  // uniform: an empty expert slot
   u32 row_begin = 0, row_end = a.M;
   if (a.offsets != nullptr) {
     row_begin = u32(a.offsets[e]);

@@ -19,6 +19,7 @@ __global__ void __launch_bounds__(kThreads) trellis_simt_kernel(const TrellisKer
   __shared__ float a_s[kRows][kChunk];
   __shared__ float grid_s[TM_TRELLIS_MAX_LEVELS];
   const TrellisBlockOperand op = trellis_block_operand(a);
+  if (!op.valid) return;  // uniform: an empty expert slot
   u32 row_begin = 0, row_end = a.M;
   if (a.offsets != nullptr) {
     row_begin = u32(a.offsets[op.e]);

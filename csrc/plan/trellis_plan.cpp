@@ -371,17 +371,21 @@ TrellisPlan plan_trellis_moe(int64_t tokens, int64_t hidden, int64_t intermediat
         cuda_k_split(p.main, p.params.tiles_k, uint64_t(p.main.grid[0]) * 2 * active, caps.compute_units);
         cuda_k_split(p.down, p.params.down_tiles_k, uint64_t(p.down.grid[0]) * active, caps.compute_units);
       }
-      p.main.grid[2] = 2 * E;
-      p.down.grid[2] = E;
-      p.combine.kernel = "moe_trellis_combine" + suffix;
-      p.combine.grid[0] = cdiv(int64_t(tokens) * hidden, kCudaElemThreads);
-      p.combine.threads[0] = kCudaElemThreads;
-      if (R <= TM_TRELLIS_CUDA_ROUTE_MAX_ROWS) {
+      // Expert slots of the GEMM grids: with the one-launch routing, only min(E, T*top_k) (the
+      // routing lists the experts that have rows; spare slots exit), else one per expert.
+      uint32_t slots = E;
+      if (R <= TM_TRELLIS_CUDA_ROUTE_MAX_ROWS && E <= TM_TRELLIS_CUDA_ROUTE_MAX_EXPERTS) {
         // One block instead of a dozen ATen launches (sort, counts, scans): at decode batches the
         // launches, not the routing work, would dominate the expert GEMVs.
         p.route.kernel = "moe_trellis_route";
         p.route.threads[0] = TM_TRELLIS_CUDA_ROUTE_THREADS;
+        slots = uint32_t(active);
       }
+      p.main.grid[2] = 2 * slots;
+      p.down.grid[2] = slots;
+      p.combine.kernel = "moe_trellis_combine" + suffix;
+      p.combine.grid[0] = cdiv(int64_t(tokens) * hidden, kCudaElemThreads);
+      p.combine.threads[0] = kCudaElemThreads;
       check_cuda_grid(p.main, "plan_trellis_moe");
       check_cuda_grid(p.down, "plan_trellis_moe");
       break;

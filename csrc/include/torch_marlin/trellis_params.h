@@ -42,6 +42,7 @@ TM_NAMESPACE_BEGIN
 #define TM_TRELLIS_CUDA_ELEMWISE_THREADS 256u  // split-K reduction and MoE combine
 #define TM_TRELLIS_CUDA_ROUTE_THREADS 256u     // MoE routing in one block ...
 #define TM_TRELLIS_CUDA_ROUTE_MAX_ROWS 1024u   // ... for tokens * top_k up to this (ATen sort above)
+#define TM_TRELLIS_CUDA_ROUTE_MAX_EXPERTS 4096u  // ... and up to this many experts
 
 // Launch parameters of every trellis kernel. For the dense GEMM: C[M,N] = A[M,K] @ W[K,N].
 // For the MoE (moe_trellis): M = tokens, K = hidden size, N = intermediate size; gate/up are
