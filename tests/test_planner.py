@@ -542,11 +542,16 @@ def test_plan_trellis_policy_cuda():
     assert dec["threads"] == (256, 1, 1) and dec["tile_k"] == 128
     assert (dec["k_parallel"], dec["k_slice_tiles"], dec["grid"]) == (8, 32, (32, 8, 1))
     assert dec["combine"]["kernel"] == "gemm_trellis_reduce_half" and dec["combine"]["grid"] == (16, 1, 1)
-    # Prefill: 64-row tiles; 16 x 32 blocks fill the GPU without slicing K.
-    pre = torch_marlin.plan_trellis(1024, 4096, 4096, 2, 128, torch.bfloat16, device="cuda", caps=H100)
+    # Prefill: 64-row tiles; 5 x 32 blocks fill the GPU without slicing K.
+    pre = torch_marlin.plan_trellis(300, 4096, 4096, 2, 128, torch.bfloat16, device="cuda", caps=H100)
     assert (pre["family"], pre["kernel"], pre["tile_m"], pre["m_tiles"]) == ("fused_tiles", "gemm_trellis_tiles_bfloat",
-                                                                             64, 16)
-    assert (pre["grid"], pre["k_parallel"], pre["k_slice_tiles"]) == ((32, 16, 1), 1, 256) and "combine" not in pre
+                                                                             64, 5)
+    assert (pre["grid"], pre["k_parallel"], pre["k_slice_tiles"]) == ((32, 5, 1), 1, 256) and "combine" not in pre
+    # Many rows: the dense weight in fp16 / bf16 (one dequant launch over the tiles), then cuBLAS.
+    blas = torch_marlin.plan_trellis(4096, 4096, 4096, 3, 128, torch.float16, device="cuda", caps=H100)
+    assert (blas["family"], blas["kernel"], blas["grid"]) == ("dequant_blas", "dequant_trellis_half", (256, 256, 1))
+    assert torch_marlin.plan_trellis(300, 4096, 4096, 3, 128, device="cuda", caps=H100,
+                                     family="dequant_blas")["family"] == "dequant_blas"
     # Every slice holds at least one stage and the slices cover K.
     for M, K, N in [(1, 200, 77), (16, 4096, 512), (3, 14336, 4096), (40, 1040, 1000)]:
         p = torch_marlin.plan_trellis(M, K, N, 4, 32, torch.float16, device="cuda", caps=H100)

@@ -53,6 +53,19 @@ def test_gemm_trellis_larger_shape(backend, bits, M):
                               backend.exact_products)
 
 
+@pytest.mark.parametrize("backend, dtype", [pytest.param(p.values[0], d, id=f"{p.id}-{d}".replace("torch.", ""),
+                                                           marks=p.marks)
+                                              for p in BACKENDS if p.id != "metal_emu"
+                                              for d in (torch.float16, torch.bfloat16)])
+def test_gemm_trellis_many_rows(backend, dtype):
+    # 600 rows: the CUDA planner's dense-weight + cuBLAS family (the CPU prefill elsewhere).
+    K, N, bits, gs = 200, 77, 3, 32
+    t = random_trellis(K, N, bits, gs, seed=2)
+    A = torch.randn(600, K, generator=torch.Generator().manual_seed(1)).to(dtype)
+    assert_trellis_gemm_close(backend.gemm_trellis(A, *t, K, N, bits, gs), A, dequant_ref(t, K, N, bits, gs),
+                              backend.exact_products)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gemm_trellis_empty_and_non_contiguous(backend):
     K, N, bits, gs = 64, 48, 3, 32

@@ -58,7 +58,9 @@ void launch_trellis_mma(const TrellisLaunch& launch, uint32_t bits, uint32_t til
                         const TrellisKernelArgs& a, cudaStream_t stream);
 void launch_trellis_simt(const TrellisLaunch& launch, uint32_t bits, bool swiglu, const TrellisKernelArgs& a,
                          cudaStream_t stream);
-void launch_trellis_dequant(const TrellisLaunch& launch, const TrellisParams& p, const TrellisMatrixPtrs& w, float* W,
+// W[K, N] in T (float: the dequant op; __half / __nv_bfloat16: the dequant_blas family's operand).
+template <typename T>
+void launch_trellis_dequant(const TrellisLaunch& launch, const TrellisParams& p, const TrellisMatrixPtrs& w, T* W,
                             cudaStream_t stream);
 // MoE routing in one block (rows = tokens * top_k <= TM_TRELLIS_CUDA_ROUTE_MAX_ROWS): expert_offsets
 // [E + 1], sorted_token and slot_row as trellis_route (csrc/ops/trellis.h) makes them, and

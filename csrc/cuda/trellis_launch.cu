@@ -50,6 +50,13 @@ TrellisKernelArgs base_args(const TrellisParams& p, const TrellisLaunch& l) {
 template <typename T>
 void gemm_typed(const TrellisPlan& plan, const TrellisGemmArgs& g, at::Tensor& C, cudaStream_t stream) {
   const TrellisParams& p = plan.params;
+  if (plan.family == KernelFamily::DequantBlas) {
+    // The dense weight in the activation dtype (this call only), then cuBLAS.
+    at::Tensor W = at::empty({g.K, g.N}, g.A.options());
+    launch_trellis_dequant<T>(plan.main, p, matrix_ptrs(g.w, false), reinterpret_cast<T*>(W.data_ptr()), stream);
+    at::mm_out(C, g.A, W);
+    return;
+  }
   TrellisKernelArgs a = base_args(p, plan.main);
   a.w[0] = a.w[1] = matrix_ptrs(g.w, false);
   a.A = g.A.data_ptr();
@@ -186,7 +193,7 @@ void trellis_gemm_cuda(const TrellisPlan& plan, const TrellisGemmArgs& a, at::Te
 
 void trellis_dequant_cuda(const TrellisPlan& plan, const TrellisGemmArgs& a, at::Tensor& W) {
   const c10::cuda::CUDAGuard guard(W.device());
-  cuda_backend::launch_trellis_dequant(plan.main, plan.params, cuda_backend::matrix_ptrs(a.w, false),
+  cuda_backend::launch_trellis_dequant<float>(plan.main, plan.params, cuda_backend::matrix_ptrs(a.w, false),
                                        W.data_ptr<float>(), c10::cuda::getCurrentCUDAStream());
 }
 

@@ -74,6 +74,14 @@ void cuda_k_split(TrellisLaunch& l, uint32_t tiles_k, uint64_t blocks, int sms) 
   l.grid[1] *= l.k_parallel;
 }
 
+int64_t cuda_blas_min_m() {
+  static const int64_t m = [] {  // TEMPORARY tuning switch, removed after the GPU sweep
+    const char* v = std::getenv("TORCH_MARLIN_TRELLIS_BLAS_MIN_M");
+    return v != nullptr ? int64_t(std::atoll(v)) : int64_t(512);
+  }();
+  return m;
+}
+
 // CUDA grids allow 65535 blocks along y and z: refuse (clearly) what would exceed them.
 void check_cuda_grid(const TrellisLaunch& l, const char* who) {
   if (l.grid[1] > 65535u || l.grid[2] > 65535u) {
@@ -147,9 +155,13 @@ TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int
   p.caps = caps;
   p.params = base_params(M, K, N, bits, group_size);
   const KernelFamily prefill = trellis_prefill_family(caps.backend);
+  // CUDA fp16/bf16: from kCudaBlasMinM rows the dense weight + cuBLAS beats the fused tiles
+  // (docs/cuda-tuning.md TRELLIS-CUDA-BLAS).
+  const bool cuda_blas = caps.backend == Backend::CUDA && dtype != DType::F32;
   if (force == KernelFamily::Auto) {
     p.family = M <= kDecodeMaxM ? KernelFamily::Decode : prefill;
-  } else if (force == KernelFamily::Decode || force == prefill) {
+    if (cuda_blas && M >= cuda_blas_min_m()) p.family = KernelFamily::DequantBlas;
+  } else if (force == KernelFamily::Decode || force == prefill || (cuda_blas && force == KernelFamily::DequantBlas)) {
     p.family = force;
   } else {
     throw std::invalid_argument(std::string("plan_trellis_gemm: the ") + family_name(force) +
@@ -212,6 +224,16 @@ TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int
         check_cuda_grid(p.main, "plan_trellis_gemm");
         break;
       }
+      if (p.family == KernelFamily::DequantBlas) {
+        // The dequant kernel writes W [K, N] in the activation dtype; at::mm then runs cuBLAS.
+        set_tiles(p.params, M, N, uint32_t(std::min<int64_t>(M, UINT32_MAX / 2)), N);
+        p.main.kernel = "dequant_trellis" + suffix;
+        p.main.grid[0] = p.params.tiles_n;
+        p.main.grid[1] = p.params.tiles_k;
+        p.main.threads[0] = TM_TRELLIS_TILE_ELEMS;
+        check_cuda_grid(p.main, "plan_trellis_gemm");
+        break;
+      }
       set_tiles(p.params, M, N, decode ? TM_TRELLIS_CUDA_DECODE_M : TM_TRELLIS_CUDA_PREFILL_M, kCudaTileN);
       p.params.tile_k = kCudaStageTiles * TM_TRELLIS_TILE;
       p.main.kernel = (decode ? "gemm_trellis_decode" : "gemm_trellis_tiles") + suffix;
@@ -257,6 +279,7 @@ TrellisPlan plan_trellis_dequant(int64_t K, int64_t N, int64_t bits, int64_t gro
       p.main.grid[0] = p.params.tiles_n;
       p.main.grid[1] = p.params.tiles_k;
       p.main.threads[0] = TM_TRELLIS_TILE_ELEMS;
+      check_cuda_grid(p.main, "plan_trellis_dequant");
       break;
   }
   return p;

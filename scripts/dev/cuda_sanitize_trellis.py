@@ -1,11 +1,12 @@
 """Runs each CUDA trellis kernel once on small shapes, for compute-sanitizer:
 
     compute-sanitizer --tool memcheck  python scripts/dev/cuda_sanitize_trellis.py
-    compute-sanitizer --tool racecheck python scripts/dev/cuda_sanitize_trellis.py
+    compute-sanitizer --tool racecheck python scripts/dev/cuda_sanitize_trellis.py --no-blas
 
 Covers: decode (one slice and K slices with the ordered reduction, partial last stage, partial
 last tile column block, K and N not multiples of 16), fused tiles (rows past M), 2 / 3 / 4 bits,
-fp16 / bf16, the fp32 kernel, dequant_trellis, and moe_trellis on the decode and tiles kernels
+fp16 / bf16, the fp32 kernel, dequant_trellis, dequant_blas (the dense fp16 weight + cuBLAS;
+racecheck skips it with --no-blas: cuBLAS's kernels are not ours), and moe_trellis on the decode and tiles kernels
 (gate/up in one launch, down with K-slice partials of gate/up) and the fp32 kernels. Each result
 is checked against the fp64 reference on the dequantized weights, so a silent wrong answer fails.
 """
@@ -24,6 +25,7 @@ GEMM_CASES = [  # M, K, N, bits, group_size, dtype
     (100, 520, 136, 3, 32, torch.bfloat16),   # fused tiles, rows past M
     (70, 4096, 64, 2, 128, torch.float16),    # fused tiles, K slices
     (9, 200, 77, 3, 32, torch.float32),       # fp32 kernel
+    (600, 200, 77, 3, 32, torch.float16),     # dequant_blas
 ]
 MOE_CASES = [  # T, H, I, E, top_k, bits, dtype
     (1, 256, 136, 8, 2, 3, torch.float16),    # decode
@@ -54,6 +56,9 @@ def main():
     ok = True
     cuda = lambda ts: [t.cuda() for t in ts]  # noqa: E731
     for M, K, N, bits, gs, dtype in GEMM_CASES:
+        if "--no-blas" in sys.argv and torch_marlin.plan_trellis(M, K, N, bits, gs, dtype,
+                                                                 device="cuda")["family"] == "dequant_blas":
+            continue
         t = rand_trellis(K, N, bits, gs)
         W = tr.dequant_trellis_reference(*t, K, N, bits, gs).double()
         A = torch.randn(M, K)

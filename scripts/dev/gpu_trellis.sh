@@ -24,20 +24,26 @@ fi
 if has sanitize; then
   python scripts/dev/cuda_sanitize_trellis.py 2>&1 | tee "$OUT/trellis_subset.log" | tail -20
   for tool in memcheck racecheck; do
+    args=(); [ "$tool" = racecheck ] && args=(--no-blas)  # racecheck flags cuBLAS's own kernels
     timeout "${SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool "$tool" --error-exitcode 9 \
-      python scripts/dev/cuda_sanitize_trellis.py > "$OUT/sanitize_trellis_$tool.log" 2>&1
+      python scripts/dev/cuda_sanitize_trellis.py "${args[@]}" > "$OUT/sanitize_trellis_$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $?"; tail -4 "$OUT/sanitize_trellis_$tool.log"
   done
 fi
 if has bench; then
   timeout "${BENCH_TIMEOUT:-200}" python scripts/dev/bench_cuda.py --trellis --out "$OUT" \
-    --shapes "${BENCH_SHAPES:-4096x4096,4096x14336,14336x4096}" --ms "${BENCH_MS:-1,16,1024,4096}" ${BENCH_ARGS:-} \
+    --shapes "${BENCH_SHAPES:-4096x4096,4096x14336,14336x4096}" --ms "${BENCH_MS:-1,16,64,256,1024,4096}" ${BENCH_ARGS:-} \
     2>&1 | tee "$OUT/bench_trellis.log" | grep -v '^|'
 fi
-if has sweep; then  # TEMPORARY: blocks per SM of the K-slice rule (removed with the switch)
+if has sweep; then  # TEMPORARY: the K-slice rule's blocks per SM and the dequant_blas threshold (removed with the switches)
   for b in 1 4 8; do
     echo "== blocks per SM $b"
-    TORCH_MARLIN_TRELLIS_BLOCKS_PER_SM=$b timeout 60 python scripts/dev/bench_cuda.py --trellis --out "$OUT/sweep$b" \
+    TORCH_MARLIN_TRELLIS_BLOCKS_PER_SM=$b timeout 60 python scripts/dev/bench_cuda.py --trellis --out "$OUT/sweep_bpsm$b" \
       --shapes 4096x4096,4096x14336 --ms 1,16 --reps 11 2>&1 | grep "^K="
+  done
+  for m in 1000000 17; do
+    echo "== dequant_blas from M = $m"
+    TORCH_MARLIN_TRELLIS_BLAS_MIN_M=$m timeout 90 python scripts/dev/bench_cuda.py --trellis --out "$OUT/sweep_blas$m" \
+      --shapes 4096x4096,4096x14336 --ms 64,256,1024,4096 --reps 11 2>&1 | grep "^K="
   done
 fi
