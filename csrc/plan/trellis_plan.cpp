@@ -1,7 +1,6 @@
 #include "plan/trellis_plan.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -46,9 +45,11 @@ constexpr uint32_t kCpuMoeTileN = 64;
 //    covers 128 columns; its rows are one m16 mma tile (decode, M <= 16: every index byte is read
 //    once for all rows) or four (prefill: 64 rows share each decoded weight). Index bytes are
 //    staged 8 tile rows at a time with 16-byte copies: for one tile row the block's 8 tiles are one
-//    contiguous run. K is sliced until the grid has two blocks per SM (each slice at least one
-//    stage, at most kCudaMaxKParallel slices): at M = 1 a 4096 x 4096 layer is only 32 column
-//    blocks, and one block per SM cannot keep enough bytes in flight to stream the weights.
+//    contiguous run. K is sliced until the grid has kCudaBlocksPerSm blocks per SM (each slice at
+//    least one stage, at most kCudaMaxKParallel slices): at M = 1 a 4096 x 4096 layer is only 32
+//    column blocks, and a few blocks per SM cannot keep enough bytes in flight.
+//  - fp16/bf16 with more than 16 rows: the dense weight in the activation dtype, then cuBLAS
+//    (dequant_blas): the fused-tile instantiation of the tensor-core kernel is far slower there.
 //  - fp32 activations: a CUDA-core kernel, one column per thread, 16 rows per pass.
 constexpr uint32_t kCudaThreads = TM_TRELLIS_CUDA_THREADS;
 constexpr uint32_t kCudaTileN = TM_TRELLIS_CUDA_TILE_N;
@@ -56,30 +57,20 @@ constexpr uint32_t kCudaStageTiles = TM_TRELLIS_CUDA_STAGE_K_TILES;
 constexpr uint32_t kCudaSimtThreads = TM_TRELLIS_CUDA_SIMT_THREADS;
 constexpr uint32_t kCudaElemThreads = TM_TRELLIS_CUDA_ELEMWISE_THREADS;
 constexpr uint32_t kCudaMaxKParallel = 32;
+constexpr uint32_t kCudaBlocksPerSm = 4;  // docs/cuda-tuning.md TRELLIS-CUDA-SLICES
+constexpr int64_t kCudaBlasMinM = kDecodeMaxM + 1;  // docs/cuda-tuning.md TRELLIS-CUDA-BLAS
 
 // Sets l.k_parallel / l.k_slice_tiles for a launch of `blocks` blocks per K slice over tiles_k
 // tile rows, and multiplies grid[1] by the slice count.
 void cuda_k_split(TrellisLaunch& l, uint32_t tiles_k, uint64_t blocks, int sms) {
   const uint32_t stages = cdiv(tiles_k, kCudaStageTiles);
-  static const uint64_t per_sm = [] {  // TEMPORARY tuning switch, removed after the GPU sweep
-    const char* v = std::getenv("TORCH_MARLIN_TRELLIS_BLOCKS_PER_SM");
-    return v != nullptr ? uint64_t(std::max(1, std::atoi(v))) : uint64_t(2);
-  }();
-  const uint64_t want = per_sm * uint64_t(std::max(sms, 1));
+  const uint64_t want = uint64_t(kCudaBlocksPerSm) * uint64_t(std::max(sms, 1));
   uint64_t kp = blocks >= want ? 1 : (want + blocks - 1) / std::max<uint64_t>(blocks, 1);
   kp = std::min<uint64_t>({kp, stages, kCudaMaxKParallel});
   const uint32_t slice_stages = cdiv(stages, int64_t(kp));
   l.k_slice_tiles = slice_stages * kCudaStageTiles;
   l.k_parallel = cdiv(stages, slice_stages);
   l.grid[1] *= l.k_parallel;
-}
-
-int64_t cuda_blas_min_m() {
-  static const int64_t m = [] {  // TEMPORARY tuning switch, removed after the GPU sweep
-    const char* v = std::getenv("TORCH_MARLIN_TRELLIS_BLAS_MIN_M");
-    return v != nullptr ? int64_t(std::atoll(v)) : int64_t(512);
-  }();
-  return m;
 }
 
 // CUDA grids allow 65535 blocks along y and z: refuse (clearly) what would exceed them.
@@ -155,12 +146,12 @@ TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int
   p.caps = caps;
   p.params = base_params(M, K, N, bits, group_size);
   const KernelFamily prefill = trellis_prefill_family(caps.backend);
-  // CUDA fp16/bf16: from kCudaBlasMinM rows the dense weight + cuBLAS beats the fused tiles
-  // (docs/cuda-tuning.md TRELLIS-CUDA-BLAS).
+  // CUDA fp16/bf16: above the decode rows the dense weight + cuBLAS beats the fused tiles
+  // (docs/cuda-tuning.md TRELLIS-CUDA-BLAS); fused_tiles runs there only when forced.
   const bool cuda_blas = caps.backend == Backend::CUDA && dtype != DType::F32;
   if (force == KernelFamily::Auto) {
     p.family = M <= kDecodeMaxM ? KernelFamily::Decode : prefill;
-    if (cuda_blas && M >= cuda_blas_min_m()) p.family = KernelFamily::DequantBlas;
+    if (cuda_blas && M >= kCudaBlasMinM) p.family = KernelFamily::DequantBlas;
   } else if (force == KernelFamily::Decode || force == prefill || (cuda_blas && force == KernelFamily::DequantBlas)) {
     p.family = force;
   } else {

@@ -6,7 +6,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/cuda_results}"; mkdir -p "$OUT"
-STEPS="${STEPS:-build,test,sanitize,bench,sweep}"
+STEPS="${STEPS:-build,test,sanitize,bench}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 # g++-12 where installed: see scripts/dev/run_cuda_checks.sh (csrc/cuda/host_compiler.py).
@@ -34,16 +34,4 @@ if has bench; then
   timeout "${BENCH_TIMEOUT:-200}" python scripts/dev/bench_cuda.py --trellis --out "$OUT" \
     --shapes "${BENCH_SHAPES:-4096x4096,4096x14336,14336x4096}" --ms "${BENCH_MS:-1,16,64,256,1024,4096}" ${BENCH_ARGS:-} \
     2>&1 | tee "$OUT/bench_trellis.log" | grep -v '^|'
-fi
-if has sweep; then  # TEMPORARY: the K-slice rule's blocks per SM and the dequant_blas threshold (removed with the switches)
-  for b in 1 4 8; do
-    echo "== blocks per SM $b"
-    TORCH_MARLIN_TRELLIS_BLOCKS_PER_SM=$b timeout 60 python scripts/dev/bench_cuda.py --trellis --out "$OUT/sweep_bpsm$b" \
-      --shapes 4096x4096,4096x14336 --ms 1,16 --reps 11 2>&1 | grep "^K="
-  done
-  for m in 1000000 17; do
-    echo "== dequant_blas from M = $m"
-    TORCH_MARLIN_TRELLIS_BLAS_MIN_M=$m timeout 90 python scripts/dev/bench_cuda.py --trellis --out "$OUT/sweep_blas$m" \
-      --shapes 4096x4096,4096x14336 --ms 64,256,1024,4096 --reps 11 2>&1 | grep "^K="
-  done
 fi
