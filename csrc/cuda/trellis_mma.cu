@@ -172,11 +172,11 @@ __global__ void __launch_bounds__(kThreads) trellis_mma_kernel(const TrellisKern
     load_scales(s_cur, gi);
     load_scales(s_next, min(gi + 1u, a.n_groups - 1u));
 
-    if (n_stages > 0) {
-      fetch_a(kb);
-      store_a(0);
+    if (n_stages > 0) {  // the index copies first: their latency overlaps the activations' loads
       copy_b(kb, 0);
       cp_async_commit();
+      fetch_a(kb);
+      store_a(0);
     }
     for (u32 st = 0; st < n_stages; ++st) {
       const u32 buf = st & 1u, tk0 = kb + st * kStageTiles;
