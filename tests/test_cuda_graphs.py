@@ -123,9 +123,13 @@ def test_compile_reduce_overhead_stack(fmt, M):
         x2 = torch.randn_like(x) / 8  # a replay on new input values
         out2 = compiled(x2).clone()
         ref2 = model(x2)
+    # Trellis layers rotate their input and output with fp32 torch ops, which inductor compiles into
+    # kernels with another summation order; rounded to fp16 that moves outputs by an ulp or two
+    # (2^-10 of the largest), so the bound is twice the other formats'.
+    rel = 2e-3 if fmt == "trellis" else 1e-3
     scale = ref.abs().max().item()
-    assert (out - ref).abs().max().item() <= 1e-3 * scale
-    assert (out2 - ref2).abs().max().item() <= 1e-3 * ref2.abs().max().item()
+    assert (out - ref).abs().max().item() <= rel * scale
+    assert (out2 - ref2).abs().max().item() <= rel * ref2.abs().max().item()
 
 
 def tiny_llama(dtype=torch.float16):
