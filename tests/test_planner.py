@@ -542,13 +542,14 @@ def test_plan_trellis_policy_cuda():
     assert dec["threads"] == (256, 1, 1) and dec["tile_k"] == 128
     assert (dec["k_parallel"], dec["k_slice_tiles"], dec["grid"]) == (16, 16, (32, 16, 1))
     assert dec["combine"]["kernel"] == "gemm_trellis_reduce_half" and dec["combine"]["grid"] == (16, 1, 1)
-    # Fused tiles (forced; more than 16 rows run dequant_blas): 64-row tiles; 5 x 32 blocks fill
-    # the GPU without slicing K.
+    # Fused tiles (forced; more than 16 rows run dequant_blas): 64-row tiles; 5 x 32 blocks are
+    # short of 4 per SM, so K goes in 4 slices.
     pre = torch_marlin.plan_trellis(300, 4096, 4096, 2, 128, torch.bfloat16, device="cuda", caps=H100,
                                     family="fused_tiles")
     assert (pre["family"], pre["kernel"], pre["tile_m"], pre["m_tiles"]) == ("fused_tiles", "gemm_trellis_tiles_bfloat",
                                                                              64, 5)
-    assert (pre["grid"], pre["k_parallel"], pre["k_slice_tiles"]) == ((32, 5, 1), 1, 256) and "combine" not in pre
+    assert (pre["grid"], pre["k_parallel"], pre["k_slice_tiles"]) == ((32, 20, 1), 4, 64)
+    assert pre["combine"]["kernel"] == "gemm_trellis_reduce_bfloat"
     # More than 16 rows: the dense weight in fp16 / bf16 (one dequant launch over the tiles), then cuBLAS.
     for M in (17, 4096):
         blas = torch_marlin.plan_trellis(M, 4096, 4096, 3, 128, torch.float16, device="cuda", caps=H100)
@@ -573,7 +574,7 @@ def test_plan_trellis_policy_cuda():
     with pytest.raises(ValueError, match="staged_tiles family does not run trellis on cuda"):
         torch_marlin.plan_trellis(20, 64, 64, 2, 32, device="cuda", caps=H100, family="staged_tiles")
     with pytest.raises(ValueError, match="too large for the CUDA kernels' grid"):
-        torch_marlin.plan_trellis(1 << 23, 64, 64, 2, 32, device="cuda", caps=H100)
+        torch_marlin.plan_trellis(1 << 23, 64, 64, 2, 32, device="cuda", caps=H100, family="fused_tiles")
 
 
 def test_plan_trellis_metal_k_blocks_and_vector_reads():
