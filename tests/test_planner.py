@@ -553,7 +553,7 @@ def test_plan_trellis_policy_cuda():
     # More than 16 rows: the dense weight in fp16 / bf16 (one dequant launch over the tiles), then cuBLAS.
     for M in (17, 4096):
         blas = torch_marlin.plan_trellis(M, 4096, 4096, 3, 128, torch.float16, device="cuda", caps=H100)
-        assert (blas["family"], blas["kernel"], blas["grid"]) == ("dequant_blas", "dequant_trellis_half", (32, 256, 1))
+        assert (blas["family"], blas["kernel"], blas["grid"]) == ("dequant_blas", "dequant_trellis_half", (256, 256, 1))
     # Every slice holds at least one stage and the slices cover K.
     for M, K, N, family in [(1, 200, 77, "auto"), (16, 4096, 512, "auto"), (3, 14336, 4096, "auto"),
                             (40, 1040, 1000, "fused_tiles")]:

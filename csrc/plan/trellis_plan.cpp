@@ -219,9 +219,9 @@ TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int
         // The dequant kernel writes W [K, N] in the activation dtype; at::mm then runs cuBLAS.
         set_tiles(p.params, M, N, uint32_t(std::min<int64_t>(M, UINT32_MAX / 2)), N);
         p.main.kernel = "dequant_trellis" + suffix;
-        p.main.grid[0] = cdiv(p.params.tiles_n, TM_TRELLIS_CUDA_WARPS);  // 8 tile columns a block
+        p.main.grid[0] = p.params.tiles_n;
         p.main.grid[1] = p.params.tiles_k;
-        p.main.threads[0] = TM_TRELLIS_CUDA_DEQUANT_THREADS;
+        p.main.threads[0] = TM_TRELLIS_TILE_ELEMS;
         check_cuda_grid(p.main, "plan_trellis_gemm");
         break;
       }

@@ -40,7 +40,6 @@ TM_NAMESPACE_BEGIN
 #define TM_TRELLIS_CUDA_SIMT_THREADS 128u   // fp32 kernel: one column per thread
 #define TM_TRELLIS_CUDA_SIMT_M 16u          // fp32 kernel: rows per pass (fp32 accumulators a thread)
 #define TM_TRELLIS_CUDA_ELEMWISE_THREADS 256u  // split-K reduction and MoE combine
-#define TM_TRELLIS_CUDA_DEQUANT_THREADS 256u   // dequant_blas operand: 16 rows x 16 groups of 8 columns
 #define TM_TRELLIS_CUDA_ROUTE_THREADS 256u     // MoE routing in one block ...
 #define TM_TRELLIS_CUDA_ROUTE_MAX_ROWS 1024u   // ... for tokens * top_k up to this (ATen sort above)
 #define TM_TRELLIS_CUDA_ROUTE_MAX_EXPERTS 4096u  // ... and up to this many experts
