@@ -43,7 +43,7 @@ def test_cached_plan_equals_fresh_plan(backend, caps, fmt, M, K, N, group_size, 
     assert _C.cached_plan_quant_gemm(fmt, M, K, N, group_size, dtype, backend, caps, True) == fresh  # a hit
 
 
-@pytest.mark.parametrize("backend", ["cpu", "metal"])
+@pytest.mark.parametrize("backend", ["cpu", "metal", "cuda"])
 @pytest.mark.parametrize("M", [1, 16, 40])
 def test_cached_trellis_plan_equals_fresh_plan(backend, M):
     fresh = _C.plan_trellis_gemm(M, 512, 384, 3, 128, "float16", backend, {})
@@ -124,9 +124,13 @@ def test_compile_reduce_overhead_stack(fmt, M):
         x2 = torch.randn_like(x) / 8  # a replay on new input values
         out2 = compiled(x2).clone()
         ref2 = model(x2)
+    # Trellis layers add fp32 rotations (torch ops that inductor compiles) and, above 16 rows, a
+    # cuBLAS GEMM on the dense weight: either may sum in another order compiled / captured than
+    # eagerly, which after the fp16 rounding moves outputs by an ulp or two of the largest (2^-10).
+    rel = 2e-3 if fmt == "trellis" else 1e-3
     scale = ref.abs().max().item()
-    assert (out - ref).abs().max().item() <= 1e-3 * scale
-    assert (out2 - ref2).abs().max().item() <= 1e-3 * ref2.abs().max().item()
+    assert (out - ref).abs().max().item() <= rel * scale
+    assert (out2 - ref2).abs().max().item() <= rel * ref2.abs().max().item()
 
 
 def tiny_llama(dtype=torch.float16):

@@ -527,13 +527,54 @@ def test_plan_trellis_forced_families_and_keys():
         torch_marlin.plan_trellis(20, 64, 64, 2, 32, device="metal", caps=M1, family="dequant_blas")
     with pytest.raises(ValueError, match="family must be one of"):
         torch_marlin.plan_trellis(20, 64, 64, 2, 32, family="tiled")
-    with pytest.raises(ValueError, match="no CUDA trellis kernels"):
-        torch_marlin.plan_trellis(1, 64, 64, 2, 32, device="cuda", caps=H100)
     p = torch_marlin.plan_trellis(20, 64, 64, 2, 32, device="metal", caps=dict(compute_units=10))
     assert set(p) == {"family", "kernel", "grid", "threads", "tile_m", "tile_n", "m_tiles", "n_tiles", "k_chunk",
-                      "tile_k", "k_vec4", "cpu_avx2", "backend", "compute_units", "max_shared_memory", "wgmma",
-                      "thread_block_clusters", "avx2"}
+                      "tile_k", "k_vec4", "cpu_avx2", "k_parallel", "k_slice_tiles", "backend", "compute_units",
+                      "max_shared_memory", "wgmma", "thread_block_clusters", "avx2"}
     assert (p["backend"], p["compute_units"], p["m_tiles"], p["n_tiles"]) == ("metal", 10, 1, 1)
+
+
+def test_plan_trellis_policy_cuda():
+    # Decode: 128-column blocks (32 here) are too few for 132 SMs, so K is cut into slices of whole
+    # 128-row stages until there are about four blocks per SM; a reduction sums the slices in order.
+    dec = torch_marlin.plan_trellis(1, 4096, 4096, 3, 128, torch.float16, device="cuda", caps=H100)
+    assert (dec["family"], dec["kernel"], dec["tile_m"], dec["tile_n"]) == ("decode", "gemm_trellis_decode_half", 16, 128)
+    assert dec["threads"] == (256, 1, 1) and dec["tile_k"] == 128
+    assert (dec["k_parallel"], dec["k_slice_tiles"], dec["grid"]) == (16, 16, (32, 16, 1))
+    assert dec["combine"]["kernel"] == "gemm_trellis_reduce_half" and dec["combine"]["grid"] == (16, 1, 1)
+    # Fused tiles (forced; more than 16 rows run dequant_blas): 64-row tiles; 5 x 32 blocks are
+    # short of 4 per SM, so K goes in 4 slices.
+    pre = torch_marlin.plan_trellis(300, 4096, 4096, 2, 128, torch.bfloat16, device="cuda", caps=H100,
+                                    family="fused_tiles")
+    assert (pre["family"], pre["kernel"], pre["tile_m"], pre["m_tiles"]) == ("fused_tiles", "gemm_trellis_tiles_bfloat",
+                                                                             64, 5)
+    assert (pre["grid"], pre["k_parallel"], pre["k_slice_tiles"]) == ((32, 20, 1), 4, 64)
+    assert pre["combine"]["kernel"] == "gemm_trellis_reduce_bfloat"
+    # More than 16 rows: the dense weight in fp16 / bf16 (one dequant launch over the tiles), then cuBLAS.
+    for M in (17, 4096):
+        blas = torch_marlin.plan_trellis(M, 4096, 4096, 3, 128, torch.float16, device="cuda", caps=H100)
+        assert (blas["family"], blas["kernel"], blas["grid"]) == ("dequant_blas", "dequant_trellis_half", (256, 256, 1))
+    # Every slice holds at least one stage and the slices cover K.
+    for M, K, N, family in [(1, 200, 77, "auto"), (16, 4096, 512, "auto"), (3, 14336, 4096, "auto"),
+                            (40, 1040, 1000, "fused_tiles")]:
+        p = torch_marlin.plan_trellis(M, K, N, 4, 32, torch.float16, device="cuda", caps=H100, family=family)
+        tiles_k = (K + 15) // 16
+        assert p["k_slice_tiles"] % 8 == 0 and (p["k_parallel"] - 1) * p["k_slice_tiles"] < tiles_k
+        assert p["k_parallel"] * p["k_slice_tiles"] >= tiles_k and p["grid"][1] == p["m_tiles"] * p["k_parallel"]
+    # fp32 activations: the CUDA-core kernel at every M.
+    f32 = torch_marlin.plan_trellis(5, 200, 77, 2, 32, torch.float32, device="cuda", caps=H100)
+    assert (f32["family"], f32["kernel"], f32["grid"], f32["threads"]) == ("simt", "gemm_trellis_simt_float", (1, 1, 1),
+                                                                           (128, 1, 1))
+    forced = torch_marlin.plan_trellis(1, 4096, 4096, 3, 128, device="cuda", caps=H100, family="fused_tiles")
+    assert forced["kernel"] == "gemm_trellis_tiles_half" and forced["tile_m"] == 64
+    with pytest.raises(ValueError, match="dequant_blas family does not run trellis on cuda"):
+        torch_marlin.plan_trellis(17, 64, 64, 2, 32, torch.float32, device="cuda", caps=H100, family="dequant_blas")
+    with pytest.raises(ValueError, match="M <= 16"):
+        torch_marlin.plan_trellis(17, 64, 64, 2, 32, device="cuda", caps=H100, family="decode")
+    with pytest.raises(ValueError, match="staged_tiles family does not run trellis on cuda"):
+        torch_marlin.plan_trellis(20, 64, 64, 2, 32, device="cuda", caps=H100, family="staged_tiles")
+    with pytest.raises(ValueError, match="too large for the CUDA kernels' grid"):
+        torch_marlin.plan_trellis(1 << 23, 64, 64, 2, 32, device="cuda", caps=H100, family="fused_tiles")
 
 
 def test_plan_trellis_metal_k_blocks_and_vector_reads():

@@ -53,6 +53,19 @@ def test_gemm_trellis_larger_shape(backend, bits, M):
                               backend.exact_products)
 
 
+@pytest.mark.parametrize("backend, dtype", [pytest.param(p.values[0], d, id=f"{p.id}-{d}".replace("torch.", ""),
+                                                           marks=p.marks)
+                                              for p in BACKENDS if p.id != "metal_emu"
+                                              for d in (torch.float16, torch.bfloat16)])
+def test_gemm_trellis_many_rows(backend, dtype):
+    # 600 rows: the CUDA planner's dense-weight + cuBLAS family (the CPU prefill elsewhere).
+    K, N, bits, gs = 200, 77, 3, 32
+    t = random_trellis(K, N, bits, gs, seed=2)
+    A = torch.randn(600, K, generator=torch.Generator().manual_seed(1)).to(dtype)
+    assert_trellis_gemm_close(backend.gemm_trellis(A, *t, K, N, bits, gs), A, dequant_ref(t, K, N, bits, gs),
+                              backend.exact_products)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gemm_trellis_empty_and_non_contiguous(backend):
     K, N, bits, gs = 64, 48, 3, 32
@@ -105,6 +118,27 @@ def test_moe_trellis_bits_group_sizes(backend, bits, gs):
     gate, up, down, ids, probs = moe_case(T, H, I, E, top_k, bits, gs, "all_to_one" if gs == 128 else "random",
                                           seed=bits * gs)
     x = (torch.randn(T, H) * 0.3).half()
+    y = run_moe(backend, x, gate, up, down, ids, probs, I, bits, gs)
+    assert_moe_close(y, moe_reference(x, gate, up, down, ids, probs, H, I, bits, gs), torch.float16,
+                     backend.exact_products)
+
+
+@pytest.mark.parametrize("backend, M, dtype", cases([(1, torch.float16), (40, torch.bfloat16)]))
+def test_gemm_trellis_is_deterministic(backend, M, dtype):
+    # K slices (CUDA decode) and thread order (harness) must not change a single bit between calls.
+    K, N, bits, gs = 1040, 200, 3, 128
+    t = random_trellis(K, N, bits, gs, seed=11)
+    A = torch.randn(M, K, generator=torch.Generator().manual_seed(5)).to(dtype)
+    assert torch.equal(backend.gemm_trellis(A, *t, K, N, bits, gs), backend.gemm_trellis(A, *t, K, N, bits, gs))
+
+
+@pytest.mark.parametrize("backend", [p for p in BACKENDS if p.id != "metal_emu"])
+def test_moe_trellis_many_routed_rows(backend):
+    # T * top_k = 1040 routed rows: above the CUDA one-block routing bound (TM_TRELLIS_CUDA_ROUTE_MAX_ROWS),
+    # so the rows are grouped by the ATen routing there; experts get ~260 rows each (several 64-row chunks).
+    T, H, I, E, top_k, bits, gs = 520, 48, 40, 4, 2, 2, 16
+    gate, up, down, ids, probs = moe_case(T, H, I, E, top_k, bits, gs, "random", seed=7)
+    x = (torch.randn(T, H, generator=torch.Generator().manual_seed(3)) * 0.5).half()
     y = run_moe(backend, x, gate, up, down, ids, probs, I, bits, gs)
     assert_moe_close(y, moe_reference(x, gate, up, down, ids, probs, H, I, bits, gs), torch.float16,
                      backend.exact_products)

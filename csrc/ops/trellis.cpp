@@ -150,6 +150,9 @@ at::Tensor gemm_trellis_planned(const DeviceCaps* caps_given, const at::Tensor& 
   }
   switch (caps.backend) {
     case Backend::CPU: trellis_gemm_cpu(plan, a, C); break;
+#ifdef TM_WITH_CUDA
+    case Backend::CUDA: trellis_gemm_cuda(plan, a, C); break;
+#endif
 #ifdef TM_WITH_MPS
     case Backend::Metal: trellis_gemm_mps(plan, a, C); break;
 #endif
@@ -187,6 +190,9 @@ at::Tensor dequant_trellis(const at::Tensor& packed, const at::Tensor& scales, c
   }
   switch (caps.backend) {
     case Backend::CPU: trellis_dequant_cpu(plan, a, W); break;
+#ifdef TM_WITH_CUDA
+    case Backend::CUDA: trellis_dequant_cuda(plan, a, W); break;
+#endif
 #ifdef TM_WITH_MPS
     case Backend::Metal: trellis_dequant_mps(plan, a, W); break;
 #endif
@@ -236,13 +242,12 @@ at::Tensor moe_trellis(const at::Tensor& x, const at::Tensor& gate_packed, const
   at::Tensor y = at::empty({T, H}, x.options());
   if (T == 0) return y;
   if (dev.is_cpu()) {
-    // Cheap on the host; on a GPU the kernels clamp bad routing instead of syncing here.
+    // Cheap on the host; on a GPU (MPS, CUDA) the routing clamps bad ids instead of syncing here.
     const at::Tensor flat = expert_ids.reshape({-1});
     const int64_t lo = flat.min().item<int64_t>(), hi = flat.max().item<int64_t>();
     TORCH_CHECK_VALUE(lo >= 0 && hi < E, op, ": expert_ids must be in [0, ", E, "), got values in [", lo, ", ", hi,
                       "]");
   }
-  trellis_route(expert_ids, E, a);
   a.T = T;
   a.hidden = H;
   a.intermediate = intermediate;
@@ -255,6 +260,8 @@ at::Tensor moe_trellis(const at::Tensor& x, const at::Tensor& gate_packed, const
   a.probs = expert_probs.to(at::kFloat).contiguous();
   const DeviceCaps caps = device_caps(dev);
   const TrellisPlan plan = plan_trellis_moe(T, H, intermediate, E, top_k, bits, group_size, a.dtype, caps);
+  if (plan.route.kernel.empty()) trellis_route(expert_ids, E, a);
+  else a.expert_ids = expert_ids.contiguous();  // the backend routes (one launch)
   if (debug_enabled()) {
     log_dispatch(op, plan, {{"x", a.x}, {"gate_scales", a.gate.scales}, {"gate_grid", a.gate.grid},
                             {"gate_su", a.gate.su}, {"gate_sv", a.gate.sv}, {"up_scales", a.up.scales},
@@ -262,6 +269,9 @@ at::Tensor moe_trellis(const at::Tensor& x, const at::Tensor& gate_packed, const
   }
   switch (caps.backend) {
     case Backend::CPU: trellis_moe_cpu(plan, a, y); break;
+#ifdef TM_WITH_CUDA
+    case Backend::CUDA: trellis_moe_cuda(plan, a, y); break;
+#endif
 #ifdef TM_WITH_MPS
     case Backend::Metal: {
       at::Tensor rows_h = at::empty({T * top_k, intermediate}, x.options().dtype(at::kFloat));
@@ -304,6 +314,14 @@ TORCH_LIBRARY_IMPL(marlin, CPU, m) {
   m.impl("dequant_trellis", &dequant_trellis);
   m.impl("moe_trellis", &moe_trellis);
 }
+
+#ifdef TM_WITH_CUDA
+TORCH_LIBRARY_IMPL(marlin, CUDA, m) {
+  m.impl("gemm_trellis", &gemm_trellis);
+  m.impl("dequant_trellis", &dequant_trellis);
+  m.impl("moe_trellis", &moe_trellis);
+}
+#endif
 
 #ifdef TM_WITH_MPS
 TORCH_LIBRARY_IMPL(marlin, MPS, m) {

@@ -33,6 +33,8 @@ struct TrellisMoeArgs {
   TrellisWeights down;       // [E, ...] of W[intermediate, hidden]
   at::Tensor probs;          // f32 [T, top_k]
   at::Tensor expert_offsets, sorted_token, slot_row;
+  at::Tensor expert_ids;     // [T, top_k] int64 / int32 when the plan has a route launch (the
+                             // backend fills the three above itself), else undefined
 };
 
 // Routing with device-generic ATen ops (the same on CPU, MPS and in the Metal-on-CPU harness):
@@ -63,6 +65,13 @@ at::Tensor gemm_trellis_cpu_with_caps(const DeviceCaps& caps, const at::Tensor& 
 void trellis_gemm_cpu(const TrellisPlan& plan, const TrellisGemmArgs& args, at::Tensor& C);
 void trellis_dequant_cpu(const TrellisPlan& plan, const TrellisGemmArgs& args, at::Tensor& W);
 void trellis_moe_cpu(const TrellisPlan& plan, const TrellisMoeArgs& args, at::Tensor& y);
+
+#ifdef TM_WITH_CUDA
+// ---- CUDA (csrc/cuda/trellis_launch.cu) ----
+void trellis_gemm_cuda(const TrellisPlan& plan, const TrellisGemmArgs& args, at::Tensor& C);
+void trellis_dequant_cuda(const TrellisPlan& plan, const TrellisGemmArgs& args, at::Tensor& W);
+void trellis_moe_cuda(const TrellisPlan& plan, const TrellisMoeArgs& args, at::Tensor& y);
+#endif
 
 #ifdef TM_WITH_MPS
 // ---- MPS (csrc/mps/trellis_mps.mm) ----

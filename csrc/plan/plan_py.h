@@ -151,6 +151,8 @@ inline py::dict launch_to_dict(const TrellisLaunch& l) {
   d["kernel"] = l.kernel;
   d["grid"] = dims(l.grid);
   d["threads"] = dims(l.threads);
+  d["k_parallel"] = l.k_parallel;
+  d["k_slice_tiles"] = l.k_slice_tiles;
   return d;
 }
 
@@ -168,7 +170,7 @@ inline py::dict trellis_plan_to_dict(const TrellisPlan& p) {
   d["cpu_avx2"] = p.cpu_avx2;
   if (p.params.num_experts != 0) d["down_k_vec4"] = p.params.down_k_vec4 != 0;
   const std::pair<const char*, const TrellisLaunch*> stages[] = {
-      {"down", &p.down}, {"combine", &p.combine}, {"tiled_gate", &p.tiled_gate},
+      {"down", &p.down}, {"combine", &p.combine}, {"route", &p.route}, {"tiled_gate", &p.tiled_gate},
       {"tiled_up", &p.tiled_up}, {"tiled_down", &p.tiled_down}};
   for (const auto& s : stages) {
     if (!s.second->kernel.empty()) d[s.first] = launch_to_dict(*s.second);

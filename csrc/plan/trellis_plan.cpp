@@ -40,6 +40,48 @@ constexpr uint32_t kCpuPrefillTileN = 128;
 constexpr uint32_t kCpuKChunk = 16384;
 constexpr uint32_t kCpuMoeTileN = 64;
 
+// CUDA geometry (csrc/cuda/trellis_mma.cu, trellis_simt.cu; the numbers live in trellis_params.h).
+//  - fp16/bf16: the tensor-core kernel. 8 warps, warp w owns one 16-column tile column, so a block
+//    covers 128 columns; its rows are one m16 mma tile (decode, M <= 16: every index byte is read
+//    once for all rows) or four (prefill: 64 rows share each decoded weight). Index bytes are
+//    staged 8 tile rows at a time with 16-byte copies: for one tile row the block's 8 tiles are one
+//    contiguous run. K is sliced until the grid has kCudaBlocksPerSm blocks per SM (each slice at
+//    least one stage, at most kCudaMaxKParallel slices): at M = 1 a 4096 x 4096 layer is only 32
+//    column blocks, and a few blocks per SM cannot keep enough bytes in flight.
+//  - fp16/bf16 with more than 16 rows: the dense weight in the activation dtype, then cuBLAS
+//    (dequant_blas): the fused-tile instantiation of the tensor-core kernel is far slower there.
+//  - fp32 activations: a CUDA-core kernel, one column per thread, 16 rows per pass.
+constexpr uint32_t kCudaThreads = TM_TRELLIS_CUDA_THREADS;
+constexpr uint32_t kCudaTileN = TM_TRELLIS_CUDA_TILE_N;
+constexpr uint32_t kCudaStageTiles = TM_TRELLIS_CUDA_STAGE_K_TILES;
+constexpr uint32_t kCudaSimtThreads = TM_TRELLIS_CUDA_SIMT_THREADS;
+constexpr uint32_t kCudaElemThreads = TM_TRELLIS_CUDA_ELEMWISE_THREADS;
+constexpr uint32_t kCudaMaxKParallel = 32;
+constexpr uint32_t kCudaBlocksPerSm = 4;  // docs/cuda-tuning.md TRELLIS-CUDA-SLICES
+constexpr int64_t kCudaBlasMinM = kDecodeMaxM + 1;  // docs/cuda-tuning.md TRELLIS-CUDA-BLAS
+
+// Sets l.k_parallel / l.k_slice_tiles for a launch of `blocks` blocks per K slice over tiles_k
+// tile rows, and multiplies grid[1] by the slice count.
+void cuda_k_split(TrellisLaunch& l, uint32_t tiles_k, uint64_t blocks, int sms) {
+  const uint32_t stages = cdiv(tiles_k, kCudaStageTiles);
+  const uint64_t want = uint64_t(kCudaBlocksPerSm) * uint64_t(std::max(sms, 1));
+  uint64_t kp = blocks >= want ? 1 : (want + blocks - 1) / std::max<uint64_t>(blocks, 1);
+  kp = std::min<uint64_t>({kp, stages, kCudaMaxKParallel});
+  const uint32_t slice_stages = cdiv(stages, int64_t(kp));
+  l.k_slice_tiles = slice_stages * kCudaStageTiles;
+  l.k_parallel = cdiv(stages, slice_stages);
+  l.grid[1] *= l.k_parallel;
+}
+
+// CUDA grids allow 65535 blocks along y and z: refuse (clearly) what would exceed them.
+void check_cuda_grid(const TrellisLaunch& l, const char* who) {
+  if (l.grid[1] > 65535u || l.grid[2] > 65535u) {
+    throw std::invalid_argument(std::string(who) + ": problem too large for the CUDA kernels' grid (" +
+                                std::to_string(l.grid[1]) + " row blocks, " + std::to_string(l.grid[2]) +
+                                " expert blocks; at most 65535 each)");
+  }
+}
+
 // The op's own checks (csrc/ops/trellis.cpp), in its words, for callers of the planner alone.
 void check_common(int64_t K, int64_t N, int64_t bits, int64_t group_size, const char* who) {
   auto fail = [who](const std::string& what) { throw std::invalid_argument(std::string(who) + ": " + what); };
@@ -87,7 +129,11 @@ void set_tiles(TrellisParams& p, int64_t M, int64_t N, uint32_t tile_m, uint32_t
 }  // namespace
 
 KernelFamily trellis_prefill_family(Backend b) {
-  return b == Backend::Metal ? KernelFamily::StagedTiles : KernelFamily::DequantBlas;
+  switch (b) {
+    case Backend::Metal: return KernelFamily::StagedTiles;
+    case Backend::CUDA: return KernelFamily::FusedTiles;
+    default: return KernelFamily::DequantBlas;
+  }
 }
 
 TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int64_t group_size, DType dtype,
@@ -100,9 +146,13 @@ TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int
   p.caps = caps;
   p.params = base_params(M, K, N, bits, group_size);
   const KernelFamily prefill = trellis_prefill_family(caps.backend);
+  // CUDA fp16/bf16: above the decode rows the dense weight + cuBLAS beats the fused tiles
+  // (docs/cuda-tuning.md TRELLIS-CUDA-BLAS); fused_tiles runs there only when forced.
+  const bool cuda_blas = caps.backend == Backend::CUDA && dtype != DType::F32;
   if (force == KernelFamily::Auto) {
     p.family = M <= kDecodeMaxM ? KernelFamily::Decode : prefill;
-  } else if (force == KernelFamily::Decode || force == prefill) {
+    if (cuda_blas && M >= kCudaBlasMinM) p.family = KernelFamily::DequantBlas;
+  } else if (force == KernelFamily::Decode || force == prefill || (cuda_blas && force == KernelFamily::DequantBlas)) {
     p.family = force;
   } else {
     throw std::invalid_argument(std::string("plan_trellis_gemm: the ") + family_name(force) +
@@ -152,8 +202,45 @@ TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int
       p.k_chunk = kCpuKChunk;
       break;
     }
-    case Backend::CUDA:
-      throw std::invalid_argument("plan_trellis_gemm: no CUDA trellis kernels");
+    case Backend::CUDA: {
+      const std::string suffix = std::string("_") + dtype_name(dtype);
+      if (dtype == DType::F32) {
+        // fp32 activations keep exact fp32 products: the CUDA-core kernel at every M.
+        p.family = KernelFamily::Simt;
+        set_tiles(p.params, M, N, TM_TRELLIS_CUDA_SIMT_M, kCudaSimtThreads);
+        p.main.kernel = "gemm_trellis_simt_float";
+        p.main.grid[0] = p.params.n_tiles;
+        p.main.grid[1] = p.params.m_tiles;
+        p.main.threads[0] = kCudaSimtThreads;
+        check_cuda_grid(p.main, "plan_trellis_gemm");
+        break;
+      }
+      if (p.family == KernelFamily::DequantBlas) {
+        // The dequant kernel writes W [K, N] in the activation dtype; at::mm then runs cuBLAS.
+        set_tiles(p.params, M, N, uint32_t(std::min<int64_t>(M, UINT32_MAX / 2)), N);
+        p.main.kernel = "dequant_trellis" + suffix;
+        p.main.grid[0] = p.params.tiles_n;
+        p.main.grid[1] = p.params.tiles_k;
+        p.main.threads[0] = TM_TRELLIS_TILE_ELEMS;
+        check_cuda_grid(p.main, "plan_trellis_gemm");
+        break;
+      }
+      set_tiles(p.params, M, N, decode ? TM_TRELLIS_CUDA_DECODE_M : TM_TRELLIS_CUDA_PREFILL_M, kCudaTileN);
+      p.params.tile_k = kCudaStageTiles * TM_TRELLIS_TILE;
+      p.main.kernel = (decode ? "gemm_trellis_decode" : "gemm_trellis_tiles") + suffix;
+      p.main.grid[0] = p.params.n_tiles;
+      p.main.grid[1] = p.params.m_tiles;
+      p.main.threads[0] = kCudaThreads;
+      cuda_k_split(p.main, p.params.tiles_k, uint64_t(p.params.n_tiles) * p.params.m_tiles, caps.compute_units);
+      if (p.main.k_parallel > 1) {
+        // The slices' fp32 partials summed in slice order (deterministic) into C.
+        p.combine.kernel = "gemm_trellis_reduce" + suffix;
+        p.combine.grid[0] = cdiv(int64_t(M) * N, kCudaElemThreads);
+        p.combine.threads[0] = kCudaElemThreads;
+      }
+      check_cuda_grid(p.main, "plan_trellis_gemm");
+      break;
+    }
   }
   return p;
 }
@@ -179,7 +266,12 @@ TrellisPlan plan_trellis_dequant(int64_t K, int64_t N, int64_t bits, int64_t gro
       p.main.grid[0] = p.params.tiles_k;
       break;
     case Backend::CUDA:
-      throw std::invalid_argument("plan_trellis_dequant: no CUDA trellis kernels");
+      p.main.kernel = "dequant_trellis";
+      p.main.grid[0] = p.params.tiles_n;
+      p.main.grid[1] = p.params.tiles_k;
+      p.main.threads[0] = TM_TRELLIS_TILE_ELEMS;
+      check_cuda_grid(p.main, "plan_trellis_dequant");
+      break;
   }
   return p;
 }
@@ -262,8 +354,56 @@ TrellisPlan plan_trellis_moe(int64_t tokens, int64_t hidden, int64_t intermediat
       p.k_chunk = kCpuKChunk;
       break;
     }
-    case Backend::CUDA:
-      throw std::invalid_argument("plan_trellis_moe: no CUDA trellis kernels");
+    case Backend::CUDA: {
+      // Grid (column blocks, K slices, experts): a block owns one expert's column block (gate
+      // and up share one launch, grid.z = 2E) and walks that expert's routed rows in chunks of
+      // tile_m, so each expert's weights stream once per chunk. Experts without rows exit at once;
+      // the slice count assumes min(E, T*top_k) active experts (the host does not see the routing).
+      const uint64_t R = uint64_t(tokens) * uint64_t(top_k);
+      const uint64_t active = std::min<uint64_t>(uint64_t(num_experts), std::max<uint64_t>(R, 1));
+      const std::string suffix = std::string("_") + dtype_name(dtype);
+      p.params.k_vec4 = hidden % 4 == 0 ? 1u : 0u;
+      p.params.down_k_vec4 = intermediate % 4 == 0 ? 1u : 0u;
+      if (dtype == DType::F32) {
+        p.family = KernelFamily::Simt;
+        set_tiles(p.params, TM_TRELLIS_CUDA_SIMT_M, intermediate, TM_TRELLIS_CUDA_SIMT_M, kCudaSimtThreads);
+        p.main.kernel = "moe_trellis_gate_up_simt_float";
+        p.down.kernel = "moe_trellis_down_simt_float";
+        p.main.threads[0] = p.down.threads[0] = kCudaSimtThreads;
+        p.main.grid[0] = cdiv(intermediate, kCudaSimtThreads);
+        p.down.grid[0] = cdiv(hidden, kCudaSimtThreads);
+      } else {
+        const bool decode = p.family == KernelFamily::Decode;
+        const uint32_t tile_m = decode ? TM_TRELLIS_CUDA_DECODE_M : TM_TRELLIS_CUDA_PREFILL_M;
+        set_tiles(p.params, tile_m, intermediate, tile_m, kCudaTileN);
+        p.params.tile_k = kCudaStageTiles * TM_TRELLIS_TILE;
+        p.main.kernel = (decode ? "moe_trellis_gate_up_decode" : "moe_trellis_gate_up_tiles") + suffix;
+        p.down.kernel = (decode ? "moe_trellis_down_decode" : "moe_trellis_down_tiles") + suffix;
+        p.main.threads[0] = p.down.threads[0] = kCudaThreads;
+        p.main.grid[0] = cdiv(intermediate, kCudaTileN);
+        p.down.grid[0] = cdiv(hidden, kCudaTileN);
+        cuda_k_split(p.main, p.params.tiles_k, uint64_t(p.main.grid[0]) * 2 * active, caps.compute_units);
+        cuda_k_split(p.down, p.params.down_tiles_k, uint64_t(p.down.grid[0]) * active, caps.compute_units);
+      }
+      // Expert slots of the GEMM grids: with the one-launch routing, only min(E, T*top_k) (the
+      // routing lists the experts that have rows; spare slots exit), else one per expert.
+      uint32_t slots = E;
+      if (R <= TM_TRELLIS_CUDA_ROUTE_MAX_ROWS && E <= TM_TRELLIS_CUDA_ROUTE_MAX_EXPERTS) {
+        // One block instead of a dozen ATen launches (sort, counts, scans): at decode batches the
+        // launches, not the routing work, would dominate the expert GEMVs.
+        p.route.kernel = "moe_trellis_route";
+        p.route.threads[0] = TM_TRELLIS_CUDA_ROUTE_THREADS;
+        slots = uint32_t(active);
+      }
+      p.main.grid[2] = 2 * slots;
+      p.down.grid[2] = slots;
+      p.combine.kernel = "moe_trellis_combine" + suffix;
+      p.combine.grid[0] = cdiv(int64_t(tokens) * hidden, kCudaElemThreads);
+      p.combine.threads[0] = kCudaElemThreads;
+      check_cuda_grid(p.main, "plan_trellis_moe");
+      check_cuda_grid(p.down, "plan_trellis_moe");
+      break;
+    }
   }
   return p;
 }

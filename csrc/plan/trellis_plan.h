@@ -16,6 +16,11 @@ struct TrellisLaunch {
   std::string kernel;
   uint32_t grid[3] = {1, 1, 1};
   uint32_t threads[3] = {1, 1, 1};
+  // CUDA tensor-core kernels: K is cut into k_parallel slices of k_slice_tiles tile rows (16 rows
+  // each, a multiple of the stage); slices write fp32 partials that the next stage sums in slice
+  // order. 1 / 0 where the launch does not slice K.
+  uint32_t k_parallel = 1;
+  uint32_t k_slice_tiles = 0;
 };
 
 struct TrellisPlan {
@@ -29,6 +34,9 @@ struct TrellisPlan {
   TrellisLaunch main;     // the GEMM, or the MoE gate/up + SwiGLU stage
   TrellisLaunch down;     // MoE: down projection of the routed rows (empty kernel otherwise)
   TrellisLaunch combine;  // MoE: probability-weighted sum of the top_k rows per token
+  // CUDA MoE: the routing in one launch (tokens * top_k <= TM_TRELLIS_CUDA_ROUTE_MAX_ROWS); empty
+  // kernel name: routed with ATen ops (trellis_route in csrc/ops/trellis.h), as on every backend.
+  TrellisLaunch route;
   // Metal MoE, only when tokens * top_k > 16: 64x64-tile kernels for experts with more than 16
   // routed rows (the GEMV stages skip those). Order on the encoder: main, tiled_gate, tiled_up,
   // down, tiled_down, combine. Empty kernel names when not planned.
@@ -38,7 +46,8 @@ struct TrellisPlan {
   TrellisParams params{};
 };
 
-// The family trellis prefill runs on a backend: Metal StagedTiles, CPU DequantBlas.
+// The family trellis prefill runs on a backend: Metal StagedTiles, CPU DequantBlas, CUDA FusedTiles
+// (fp16/bf16; fp32 activations run Simt at every M on CUDA).
 KernelFamily trellis_prefill_family(Backend b);
 
 // C[M,N] = A[M,K] @ W[K,N]. M <= 16 -> gemm_trellis_packed_decode, else gemm_trellis_packed

@@ -2,6 +2,7 @@
 
     python scripts/dev/bench_cuda.py [--reps 15] [--out DIR] [--shapes 4096x4096,...] [--ms 1,16,...] [--graph]
                                  [--rotate] [--affine]
+    python scripts/dev/bench_cuda.py --trellis [--reps 15] [--out DIR] [--shapes ...] [--ms 1,1024,4096] [--graph]
 
 Timing: CUDA events around each call, the 50 MB L2 flushed (a 256 MB memset) before every timed
 repetition, median of --reps repetitions after 3 warm-ups. With --graph every call (ours and the
@@ -17,6 +18,13 @@ with the neighbouring calls. Shapes are K x N (the weight
 [K, N] = nn.Linear(K, N)); activations are fp16 (bf16 for _weight_int4pack_mm, which only takes
 bf16 on CUDA). FP4 and INT4 (gemm_u4, asymmetric, zero points) use group size 128. --affine adds
 affine INT4 (gemm_affine: the same codes and scales with fp16 offsets) and its time over INT4's.
+
+--trellis times gemm_trellis instead (bench_trellis.md / .csv): at every M, 2, 3 and 4 bits (group
+128) against the project's FP4 GEMM (gemm_fp4, group 128) and cuBLAS fp16 on the same shape and
+activations, as time ratios (> 1: trellis is faster); then moe_trellis with 64 experts of
+hidden 2048 x intermediate 1024, 8 active per token, at 1 token, against the time to read the
+active experts' bytes (packed indices + scales + su/sv) at the measured copy bandwidth (< 1.5 is
+the goal).
 
 Reported per row: time (us), effective weight bandwidth (bytes of the stored weight: packed codes +
 scales (+ zeros) for ours, fp16 for cuBLAS, over the time), that bandwidth as % of the measured
@@ -102,6 +110,77 @@ def make_int4pack(K, N):
     return packed, sz
 
 
+def trellis_weights(K, N, bits, experts=None):
+    """Random trellis tensors on the GPU (timing only) and their bytes."""
+    from torch_marlin.formats import trellis as tr
+    lead = () if experts is None else (experts,)
+    g = tr.num_groups(K, GS)
+    packed = torch.randint(0, 256, (*lead, (K + 15) // 16, (N + 15) // 16, 32 * bits), dtype=torch.uint8, device="cuda")
+    scales = torch.rand(*lead, g, N, device="cuda") * 0.02 + 0.001
+    grid = torch.randn(*lead, 1 << bits, device="cuda")
+    su = torch.randn(*lead, K, device="cuda").sign()
+    sv = torch.randn(*lead, N, device="cuda").sign()
+    return (packed, scales, grid, su, sv), packed[0 if experts else ...].numel() + 4 * (g * N + K + N + (1 << bits))
+
+
+def bench_trellis(args, shapes, ms, bw, flush):
+    timed = (lambda fn: timer(fn, args.reps, flush, args.graph))
+    rows = []
+    for K, N in shapes:
+        torch.manual_seed(0)
+        B = pack_int4(torch.randint(0, 16, (K, N), device="cuda"))
+        s16 = (torch.rand(K // GS, N, device="cuda") * 0.02 + 0.001).half()
+        W16 = torch.randn(N, K, device="cuda", dtype=torch.float16)
+        tw = {bits: trellis_weights(K, N, bits) for bits in (2, 3, 4)}
+        for M in ms:
+            A = torch.randn(M, K, device="cuda", dtype=torch.float16)
+            t_cublas = timed(lambda: F.linear(A, W16))
+            t_fp4 = timed(lambda: torch.ops.marlin.gemm_fp4(A, B, s16, GS))
+            line = f"K={K:6d} N={N:6d} M={M:5d}  cublas {t_cublas:8.1f} us | fp4 {t_fp4:8.1f} us"
+            for bits, (w, nbytes) in tw.items():
+                t = timed(lambda w=w, bits=bits: torch.ops.marlin.gemm_trellis(A, *w, K, N, bits, GS))
+                plan = torch_marlin.plan_trellis(M, K, N, bits, GS, torch.float16, device="cuda")
+                gbs = nbytes / (t * 1e-6) / 1e9
+                rows.append(dict(K=K, N=N, M=M, bits=bits, us=round(t, 2), weight_GBps=round(gbs, 1),
+                                 pct_copy_bw=round(100 * gbs / bw, 1), vs_fp4=round(t_fp4 / t, 3),
+                                 vs_cublas=round(t_cublas / t, 3), fp4_us=round(t_fp4, 2), cublas_us=round(t_cublas, 2),
+                                 plan=f"{plan['kernel']} kp={plan['k_parallel']}"))
+                line += f" | {bits}b {t:8.1f} us ({t_fp4 / t:5.2f}x fp4, {t_cublas / t:5.2f}x cublas)"
+            print(line, flush=True)
+        del B, s16, W16, tw
+        torch.cuda.empty_cache()
+    # MoE: 64 experts, 8 active, 1 token.
+    H, I, E, top_k = 2048, 1024, 64, 8
+    moe_rows = []
+    for bits in (2, 3, 4):
+        (gate, gb), (up, ub), (down, db) = (trellis_weights(H, I, bits, E), trellis_weights(H, I, bits, E),
+                                            trellis_weights(I, H, bits, E))
+        x = torch.randn(1, H, device="cuda", dtype=torch.float16)
+        ids = torch.randperm(E, device="cuda")[:top_k].view(1, top_k)
+        probs = torch.softmax(torch.randn(1, top_k, device="cuda"), -1)
+        t = timed(lambda: torch.ops.marlin.moe_trellis(x, *gate, *up, *down, ids, probs, I, bits, GS))
+        active = top_k * (gb + ub + db)
+        t_read = active / (bw * 1e9) * 1e6
+        moe_rows.append((bits, t, t_read, active))
+        print(f"moe_trellis E={E} top_k={top_k} H={H} I={I} bits={bits}: {t:8.1f} us, active weights "
+              f"{active / 1e6:.1f} MB read at copy bandwidth {t_read:6.1f} us -> {t / t_read:5.2f}x", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_trellis.csv"), "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+    md = ["| K x N | M | bits | trellis us | GB/s (% copy) | vs FP4 (time ratio) | vs cuBLAS fp16 | plan |",
+          "|---|---:|---:|---:|---:|---:|---:|---|"]
+    md += [f"| {r['K']}x{r['N']} | {r['M']} | {r['bits']} | {r['us']} | {r['weight_GBps']} ({r['pct_copy_bw']}%) | "
+           f"{r['vs_fp4']}x | {r['vs_cublas']}x | {r['plan']} |" for r in rows]
+    md += ["", f"moe_trellis, {E} experts of {H}x{I}, top {top_k}, 1 token (fp16):", "",
+           "| bits | us | active bytes (MB) | read time at copy bandwidth (us) | ratio |", "|---:|---:|---:|---:|---:|"]
+    md += [f"| {b} | {t:.1f} | {a / 1e6:.1f} | {tr:.1f} | {t / tr:.2f} |" for b, t, tr, a in moe_rows]
+    with open(os.path.join(args.out, "bench_trellis.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=15)
@@ -112,6 +191,7 @@ def main():
     ap.add_argument("--rotate", action="store_true",
                     help="cold weights by rotating over copies totalling 4x L2, calls back to back (no flush)")
     ap.add_argument("--affine", action="store_true", help="also time gemm_affine, reported against gemm_u4")
+    ap.add_argument("--trellis", action="store_true", help="time gemm_trellis / moe_trellis (see the docstring)")
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = [int(v) for v in args.ms.split(",")]
@@ -121,6 +201,8 @@ def main():
     print(f"# {dev.name}, {dev.multi_processor_count} SMs, L2 {dev.L2_cache_size >> 20} MB, torch {torch.__version__}")
     print(f"# measured copy bandwidth (read+write): {bw:.0f} GB/s")
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    if args.trellis:
+        return bench_trellis(args, shapes, ms, bw, flush)
     rows = []
     l2 = dev.L2_cache_size
     for K, N in shapes:

@@ -28,6 +28,22 @@ TM_NAMESPACE_BEGIN
 #define TM_TRELLIS_DEQUANT_THREADS TM_TRELLIS_TILE_ELEMS  // dequant: one 16x16 tile per threadgroup
 #define TM_TRELLIS_COMBINE_THREADS 256u  // MoE combine: one output element per thread
 
+// ---- CUDA kernel geometry (csrc/cuda/trellis_*.cu; the planner reads the same numbers) ----------
+// The tensor-core kernel (trellis_mma.cu): 8 warps, warp w owns tile column tn0 + w (16 output
+// columns), so a block covers 128 columns; K is staged 8 tile rows (128 rows) at a time.
+#define TM_TRELLIS_CUDA_WARPS 8u
+#define TM_TRELLIS_CUDA_THREADS 256u
+#define TM_TRELLIS_CUDA_TILE_N 128u         // output columns per block (TM_TRELLIS_CUDA_WARPS tiles)
+#define TM_TRELLIS_CUDA_STAGE_K_TILES 8u    // tile rows of K per pipeline stage
+#define TM_TRELLIS_CUDA_DECODE_M 16u        // decode: one m16 mma tile of rows
+#define TM_TRELLIS_CUDA_PREFILL_M 64u       // prefill: four m16 mma tiles of rows
+#define TM_TRELLIS_CUDA_SIMT_THREADS 128u   // fp32 kernel: one column per thread
+#define TM_TRELLIS_CUDA_SIMT_M 16u          // fp32 kernel: rows per pass (fp32 accumulators a thread)
+#define TM_TRELLIS_CUDA_ELEMWISE_THREADS 256u  // split-K reduction and MoE combine
+#define TM_TRELLIS_CUDA_ROUTE_THREADS 256u     // MoE routing in one block ...
+#define TM_TRELLIS_CUDA_ROUTE_MAX_ROWS 1024u   // ... for tokens * top_k up to this (ATen sort above)
+#define TM_TRELLIS_CUDA_ROUTE_MAX_EXPERTS 4096u  // ... and up to this many experts
+
 // Launch parameters of every trellis kernel. For the dense GEMM: C[M,N] = A[M,K] @ W[K,N].
 // For the MoE (moe_trellis): M = tokens, K = hidden size, N = intermediate size; gate/up are
 // [K, N] per expert, down is [N, K] per expert.

@@ -1,0 +1,61 @@
+// Device pieces shared by the CUDA trellis GEMM kernels (trellis_mma.cu, trellis_simt.cu): the
+// activation read of every stage (plain rows, gathered MoE rows, or the MoE's SwiGLU of the gate
+// and up K-slice partials) and the per-block operand selection.
+#pragma once
+
+#include "cuda/common.cuh"
+#include "cuda/trellis_kernels.h"
+
+namespace torch_marlin {
+namespace {
+
+// The block's matrix (MoE: gate for blockIdx.z < E, up above) and its expert e, offset to e.
+struct TrellisBlockOperand {
+  cuda_backend::TrellisMatrixPtrs w;
+  u32 which;   // index into args.w / args.out
+  u32 e;
+  bool valid;  // false: an expert slot the routing left empty (the block exits)
+};
+
+__device__ __forceinline__ TrellisBlockOperand trellis_block_operand(const cuda_backend::TrellisKernelArgs& a) {
+  TrellisBlockOperand o;
+  o.which = blockIdx.z >= a.experts ? 1u : 0u;
+  o.e = blockIdx.z - o.which * a.experts;
+  o.valid = true;
+  if (a.active_experts != nullptr) {
+    const int32_t v = a.active_experts[o.e];
+    o.valid = v >= 0;
+    o.e = o.valid ? u32(v) : 0u;
+  }
+  o.w = o.which ? a.w[1] : a.w[0];
+  o.w.packed += o.e * o.w.packed_stride;
+  o.w.scales += o.e * o.w.scales_stride;
+  o.w.grid += o.e * o.w.grid_stride;
+  o.w.su += o.e * o.w.su_stride;
+  o.w.sv += o.e * o.w.sv_stride;
+  return o;
+}
+
+// One activation of sorted row `row` (gathered through row_map), column k, in fp32. TA is the
+// stored type of A (T or float); with SWIGLU, A and A2 are the gate and up partials.
+template <typename TA, bool SWIGLU>
+__device__ __forceinline__ float trellis_load_act(const cuda_backend::TrellisKernelArgs& a, u32 row, u32 k) {
+  const uint64_t src = a.row_map != nullptr ? uint64_t(a.row_map[row]) : uint64_t(row);
+  if constexpr (SWIGLU) {
+    const float* gp = static_cast<const float*>(a.A) + src * a.lda + k;
+    const float* up = a.A2 + src * a.lda + k;
+    float gs = 0.f, us = 0.f;
+    for (u32 p = 0; p < a.a_parts; ++p) {  // K slices in order: deterministic
+      gs += gp[p * a.a_part_stride];
+      us += up[p * a.a_part_stride];
+    }
+    return gs / (1.f + __expf(-gs)) * us;
+  } else if constexpr (std::is_same<TA, float>::value) {
+    return static_cast<const float*>(a.A)[src * a.lda + k];
+  } else {
+    return Tr<TA>::to_f(static_cast<const TA*>(a.A)[src * a.lda + k]);
+  }
+}
+
+}  // namespace
+}  // namespace torch_marlin

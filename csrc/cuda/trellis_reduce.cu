@@ -1,0 +1,83 @@
+// The ordered sums after the trellis GEMM kernels: the K slices' fp32 partials of a split GEMM,
+// and the MoE's combine (top_k rows of a token, each the sum of its K slices). Fixed order, no
+// atomics: the result does not depend on the schedule.
+#include "cuda/kernels.h"
+#include "cuda/trellis_common.cuh"
+#include "torch_marlin/trellis_params.h"
+
+namespace torch_marlin {
+namespace {
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v) {
+  if constexpr (std::is_same<T, float>::value) return v;
+  else return Tr<T>::from_f(v);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(TM_TRELLIS_CUDA_ELEMWISE_THREADS)
+    trellis_reduce_kernel(const float* __restrict__ ws, u32 parts, uint64_t count, T* __restrict__ C) {
+  const uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= count) return;
+  float s = 0.f;
+  for (u32 p = 0; p < parts; ++p) s += ws[p * count + i];
+  C[i] = from_float<T>(s);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(TM_TRELLIS_CUDA_ELEMWISE_THREADS)
+    trellis_combine_kernel(const float* __restrict__ rows_y, u32 parts, uint64_t part_stride,
+                           const float* __restrict__ probs, const int32_t* __restrict__ slot_row, u32 tokens,
+                           u32 top_k, u32 hidden, T* __restrict__ y) {
+  const uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= uint64_t(tokens) * hidden) return;
+  const u32 t = u32(i / hidden), h = u32(i % hidden);
+  float acc = 0.f;
+  for (u32 j = 0; j < top_k; ++j) {
+    const uint64_t row = uint64_t(slot_row[uint64_t(t) * top_k + j]);
+    float v = 0.f;
+    for (u32 p = 0; p < parts; ++p) v += rows_y[p * part_stride + row * hidden + h];
+    acc = fmaf(probs[uint64_t(t) * top_k + j], v, acc);
+  }
+  y[i] = from_float<T>(acc);
+}
+
+u32 blocks_for(uint64_t count) {
+  return u32((count + TM_TRELLIS_CUDA_ELEMWISE_THREADS - 1) / TM_TRELLIS_CUDA_ELEMWISE_THREADS);
+}
+
+}  // namespace
+
+namespace cuda_backend {
+
+template <typename T>
+void launch_trellis_reduce(const TrellisLaunch& l, const float* ws, uint32_t parts, uint64_t count, T* C,
+                           cudaStream_t stream) {
+  TORCH_CHECK(l.threads[0] == TM_TRELLIS_CUDA_ELEMWISE_THREADS && l.grid[0] == blocks_for(count),
+              "torch_marlin: the trellis plan '", l.kernel, "' does not match the reduction");
+  trellis_reduce_kernel<T><<<l.grid[0], TM_TRELLIS_CUDA_ELEMWISE_THREADS, 0, stream>>>(ws, parts, count, C);
+  check_launch(l.kernel.c_str());
+}
+
+template <typename T>
+void launch_trellis_combine(const TrellisLaunch& l, const float* rows_y, uint32_t parts, uint64_t part_stride,
+                            const float* probs, const int32_t* slot_row, uint32_t tokens, uint32_t top_k,
+                            uint32_t hidden, T* y, cudaStream_t stream) {
+  TORCH_CHECK(l.threads[0] == TM_TRELLIS_CUDA_ELEMWISE_THREADS && l.grid[0] == blocks_for(uint64_t(tokens) * hidden),
+              "torch_marlin: the trellis plan '", l.kernel, "' does not match the MoE combine");
+  trellis_combine_kernel<T><<<l.grid[0], TM_TRELLIS_CUDA_ELEMWISE_THREADS, 0, stream>>>(
+      rows_y, parts, part_stride, probs, slot_row, tokens, top_k, hidden, y);
+  check_launch(l.kernel.c_str());
+}
+
+#define TM_TRELLIS_INSTANTIATE(T)                                                                                  \
+  template void launch_trellis_reduce<T>(const TrellisLaunch&, const float*, uint32_t, uint64_t, T*, cudaStream_t); \
+  template void launch_trellis_combine<T>(const TrellisLaunch&, const float*, uint32_t, uint64_t, const float*,      \
+                                          const int32_t*, uint32_t, uint32_t, uint32_t, T*, cudaStream_t);
+TM_TRELLIS_INSTANTIATE(float)
+TM_TRELLIS_INSTANTIATE(__half)
+TM_TRELLIS_INSTANTIATE(__nv_bfloat16)
+#undef TM_TRELLIS_INSTANTIATE
+
+}  // namespace cuda_backend
+}  // namespace torch_marlin
