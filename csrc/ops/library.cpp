@@ -8,6 +8,7 @@
 
 #include <stdexcept>
 
+#include "ops/planned.h"
 #include "ops/quant_gemm.h"
 #include "ops/rans.h"
 #include "ops/trellis.h"
@@ -20,19 +21,6 @@ TORCH_LIBRARY(marlin, m) {}
 
 using namespace torch_marlin;
 
-namespace {
-
-// The planner's std::invalid_argument as a Python ValueError.
-template <class F>
-auto planned(F f) -> decltype(f()) {
-  try {
-    return f();
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
-}
-
-}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "torch_marlin native module: ops are registered under torch.ops.marlin";

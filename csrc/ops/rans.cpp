@@ -15,6 +15,7 @@
 
 #include "ops/quant_gemm.h"
 #include "ops/rans.h"
+#include "ops/planned.h"
 #include "ops/vector_aligned.h"
 #include "plan/plan_cache.h"
 
@@ -24,16 +25,6 @@ namespace {
 RansKernels& kernels_for(Backend b) {
   static RansKernels table[3] = {{&rans_gemm_cpu, &rans_decode_cpu}, {}, {}};
   return table[int(b)];
-}
-
-// The planner's std::invalid_argument as a ValueError.
-template <class F>
-auto planned(F f) -> decltype(f()) {
-  try {
-    return f();
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
 }
 
 void check_device(const at::Tensor& t, const at::Device& dev, const char* op, const char* name, const char* ref) {
