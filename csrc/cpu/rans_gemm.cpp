@@ -150,21 +150,9 @@ void fused_gemm(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) {
 }
 
 void staged_gemm(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) {
-  QuantGemmArgs q;
-  q.format = a.format;
-  q.M = a.M;
-  q.K = a.K;
-  q.N = a.N;
-  q.group_size = a.group_size;
-  q.dtype = a.dtype;
-  q.A = a.A;
-  q.B = at::empty({a.K / 8, a.N}, a.codes.words.options().dtype(at::kInt));
-  rans_decode_to_packed(a.codes, q.B, /*check=*/false, plan.cpu_avx2);
-  q.scales = a.scales;
-  q.zeros = a.zeros;
-  q.offsets = a.offsets;
-  q.bias = a.bias;
-  quant_gemm_cpu(plan.gemm, q, C);
+  at::Tensor B = at::empty({a.K / 8, a.N}, a.codes.words.options().dtype(at::kInt));
+  rans_decode_to_packed(a.codes, B, /*check=*/false, plan.cpu_avx2);
+  quant_gemm_cpu(plan.gemm, staged_gemm_args(a, B), C);
 }
 
 }  // namespace

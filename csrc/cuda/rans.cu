@@ -451,20 +451,9 @@ void decode_to(const RansPlan& plan, const RansCodes& c, at::Tensor& B) {
 void rans_gemm_cuda(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) {
   const c10::cuda::CUDAGuard guard(a.A.device());
   if (plan.family == RansFamily::Fused) return gemm_fused(plan, a, C);
-  QuantGemmArgs q;
-  q.format = a.format;
-  q.M = a.M;
-  q.K = a.K;
-  q.N = a.N;
-  q.group_size = a.group_size;
-  q.dtype = a.dtype;
-  q.A = a.A;
-  q.B = at::empty({a.K / 8, a.N}, a.A.options().dtype(at::kInt));
-  decode_to(plan, a.codes, q.B);
-  q.scales = a.scales;
-  q.zeros = a.zeros;
-  q.offsets = a.offsets;
-  q.bias = a.bias;
+  at::Tensor B = at::empty({a.K / 8, a.N}, a.A.options().dtype(at::kInt));
+  decode_to(plan, a.codes, B);
+  const QuantGemmArgs q = staged_gemm_args(a, B);
   at::Tensor workspace;
   if (plan.gemm.workspace_bytes > 0) {
     workspace = at::empty({int64_t((plan.gemm.workspace_bytes + sizeof(float) - 1) / sizeof(float))},

@@ -14,6 +14,7 @@
 
 #include <tuple>
 
+#include "ops/quant_gemm.h"
 #include "plan/rans_plan.h"
 
 namespace torch_marlin {
@@ -37,6 +38,24 @@ struct RansGemmArgs {
   at::Tensor bias;           // [N] or undefined
   RansCodes codes;
 };
+
+// The staged path's dense GEMM operands: a's, with B_packed the decoded codes (int32 [K/8, N]).
+inline QuantGemmArgs staged_gemm_args(const RansGemmArgs& a, const at::Tensor& B_packed) {
+  QuantGemmArgs q;
+  q.format = a.format;
+  q.M = a.M;
+  q.K = a.K;
+  q.N = a.N;
+  q.group_size = a.group_size;
+  q.dtype = a.dtype;
+  q.A = a.A;
+  q.B = B_packed;
+  q.scales = a.scales;
+  q.zeros = a.zeros;
+  q.offsets = a.offsets;
+  q.bias = a.bias;
+  return q;
+}
 
 // The op entry points (schemas in rans.cpp), for every backend's TORCH_LIBRARY_IMPL.
 at::Tensor gemm_rans(const at::Tensor& A, const at::Tensor& words, const at::Tensor& word_offsets,
