@@ -529,19 +529,25 @@ def test_plan_trellis_forced_families_and_keys():
         torch_marlin.plan_trellis(20, 64, 64, 2, 32, family="tiled")
     p = torch_marlin.plan_trellis(20, 64, 64, 2, 32, device="metal", caps=dict(compute_units=10))
     assert set(p) == {"family", "kernel", "grid", "threads", "tile_m", "tile_n", "m_tiles", "n_tiles", "k_chunk",
-                      "tile_k", "k_vec4", "cpu_avx2", "k_parallel", "k_slice_tiles", "backend", "compute_units",
+                      "tile_k", "k_vec4", "cpu_avx2", "cuda_stream_decode", "k_parallel", "k_slice_tiles", "backend", "compute_units",
                       "max_shared_memory", "wgmma", "thread_block_clusters", "avx2"}
     assert (p["backend"], p["compute_units"], p["m_tiles"], p["n_tiles"]) == ("metal", 10, 1, 1)
 
 
 def test_plan_trellis_policy_cuda():
-    # Decode: 128-column blocks (32 here) are too few for 132 SMs, so K is cut into slices of whole
-    # 128-row stages until there are about four blocks per SM; a reduction sums the slices in order.
+    # Decode with K % 8 == 0: the streaming kernel, M padded to 8 or 16 rows. 128-column blocks (32
+    # here) are too few for 132 SMs, so K is cut into slices of whole 128-row stages until there are
+    # about four blocks per SM; a reduction sums the slices in order.
     dec = torch_marlin.plan_trellis(1, 4096, 4096, 3, 128, torch.float16, device="cuda", caps=H100)
-    assert (dec["family"], dec["kernel"], dec["tile_m"], dec["tile_n"]) == ("decode", "gemm_trellis_decode_half", 16, 128)
-    assert dec["threads"] == (256, 1, 1) and dec["tile_k"] == 128
+    assert (dec["family"], dec["kernel"], dec["tile_m"], dec["tile_n"]) == ("decode", "gemm_trellis_decode_half", 8, 128)
+    assert dec["threads"] == (256, 1, 1) and dec["tile_k"] == 128 and dec["cuda_stream_decode"]
     assert (dec["k_parallel"], dec["k_slice_tiles"], dec["grid"]) == (16, 16, (32, 16, 1))
     assert dec["combine"]["kernel"] == "gemm_trellis_reduce_half" and dec["combine"]["grid"] == (16, 1, 1)
+    assert torch_marlin.plan_trellis(9, 4096, 4096, 3, 128, torch.float16, device="cuda", caps=H100)["tile_m"] == 16
+    # K % 8 != 0: the tensor-core kernel at one m16 tile, K in 128-row stages.
+    odd = torch_marlin.plan_trellis(1, 4100, 4096, 3, 128, torch.bfloat16, device="cuda", caps=H100)
+    assert (odd["kernel"], odd["tile_m"], odd["tile_k"], odd["cuda_stream_decode"]) == (
+        "gemm_trellis_decode_mma_bfloat", 16, 128, False)
     # Fused tiles (forced; more than 16 rows run dequant_blas): 64-row tiles; 5 x 32 blocks are
     # short of 4 per SM, so K goes in 4 slices.
     pre = torch_marlin.plan_trellis(300, 4096, 4096, 2, 128, torch.bfloat16, device="cuda", caps=H100,
@@ -553,13 +559,13 @@ def test_plan_trellis_policy_cuda():
     # More than 16 rows: the dense weight in fp16 / bf16 (one dequant launch over the tiles), then cuBLAS.
     for M in (17, 4096):
         blas = torch_marlin.plan_trellis(M, 4096, 4096, 3, 128, torch.float16, device="cuda", caps=H100)
-        assert (blas["family"], blas["kernel"], blas["grid"]) == ("dequant_blas", "dequant_trellis_half", (256, 256, 1))
+        assert (blas["family"], blas["kernel"], blas["grid"]) == ("dequant_blas", "dequant_trellis_half", (16, 256, 1))
     # Every slice holds at least one stage and the slices cover K.
     for M, K, N, family in [(1, 200, 77, "auto"), (16, 4096, 512, "auto"), (3, 14336, 4096, "auto"),
                             (40, 1040, 1000, "fused_tiles")]:
         p = torch_marlin.plan_trellis(M, K, N, 4, 32, torch.float16, device="cuda", caps=H100, family=family)
         tiles_k = (K + 15) // 16
-        assert p["k_slice_tiles"] % 8 == 0 and (p["k_parallel"] - 1) * p["k_slice_tiles"] < tiles_k
+        assert p["k_slice_tiles"] % (p["tile_k"] // 16) == 0 and (p["k_parallel"] - 1) * p["k_slice_tiles"] < tiles_k
         assert p["k_parallel"] * p["k_slice_tiles"] >= tiles_k and p["grid"][1] == p["m_tiles"] * p["k_parallel"]
     # fp32 activations: the CUDA-core kernel at every M.
     f32 = torch_marlin.plan_trellis(5, 200, 77, 2, 32, torch.float32, device="cuda", caps=H100)

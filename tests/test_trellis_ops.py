@@ -58,10 +58,22 @@ def test_gemm_trellis_larger_shape(backend, bits, M):
                                               for p in BACKENDS if p.id != "metal_emu"
                                               for d in (torch.float16, torch.bfloat16)])
 def test_gemm_trellis_many_rows(backend, dtype):
-    # 600 rows: the CUDA planner's dense-weight + cuBLAS family (the CPU prefill elsewhere).
-    K, N, bits, gs = 200, 77, 3, 32
-    t = random_trellis(K, N, bits, gs, seed=2)
-    A = torch.randn(600, K, generator=torch.Generator().manual_seed(1)).to(dtype)
+    # 600 rows: the CUDA planner's dense-weight + cuBLAS family (the CPU prefill elsewhere). N = 136
+    # takes the CUDA dequant's 16-byte stores on its whole tiles, N = 77 the element stores.
+    for K, N, bits in ((200, 77, 3), (144, 136, 4)):
+        gs = 32
+        t = random_trellis(K, N, bits, gs, seed=2)
+        A = torch.randn(600, K, generator=torch.Generator().manual_seed(1)).to(dtype)
+        assert_trellis_gemm_close(backend.gemm_trellis(A, *t, K, N, bits, gs), A, dequant_ref(t, K, N, bits, gs),
+                                  backend.exact_products)
+
+
+@pytest.mark.parametrize("backend, bits, M", cases(list(itertools.product(BITS, [1, 12]))))
+def test_gemm_trellis_decode_k_not_multiple_of_8(backend, bits, M):
+    # K % 8 != 0: the CUDA planner's tensor-core decode kernel instead of the streaming one.
+    K, N, gs = 203, 77, 32
+    t = random_trellis(K, N, bits, gs, seed=5)
+    A = torch.randn(M, K, generator=torch.Generator().manual_seed(2)).half()
     assert_trellis_gemm_close(backend.gemm_trellis(A, *t, K, N, bits, gs), A, dequant_ref(t, K, N, bits, gs),
                               backend.exact_products)
 

@@ -1,5 +1,6 @@
 // Host-side interface of the CUDA trellis kernels (docs/trellis.md, "CUDA"): one family per file,
-// trellis_mma.cu (fp16/bf16 tensor-core GEMM, decode and fused tiles, the MoE's expert stages),
+// trellis_decode.cu (fp16/bf16 streaming decode GEMM), trellis_mma.cu (fp16/bf16 tensor-core GEMM:
+// decode where K % 8 != 0, fused tiles, the MoE's expert stages),
 // trellis_simt.cu (fp32 activations), trellis_dequant.cu (dense W) and trellis_reduce.cu (the
 // ordered sums of K slices and of the MoE's top_k rows). trellis_launch.cu turns a TrellisPlan
 // and the op's checked arguments into TrellisKernelArgs and calls the entries below.
@@ -56,6 +57,10 @@ struct TrellisKernelArgs {
 template <typename T>
 void launch_trellis_mma(const TrellisLaunch& launch, uint32_t bits, uint32_t tile_m, bool swiglu,
                         const TrellisKernelArgs& a, cudaStream_t stream);
+// The streaming decode GEMM (trellis_decode.cu): dense only, tile_m 8 or 16 rows, K % 8 == 0.
+template <typename T>
+void launch_trellis_stream(const TrellisLaunch& launch, uint32_t bits, uint32_t tile_m, const TrellisKernelArgs& a,
+                           cudaStream_t stream);
 void launch_trellis_simt(const TrellisLaunch& launch, uint32_t bits, bool swiglu, const TrellisKernelArgs& a,
                          cudaStream_t stream);
 // W[K, N] in T (float: the dequant op; __half / __nv_bfloat16: the dequant_blas family's operand).

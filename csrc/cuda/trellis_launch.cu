@@ -71,7 +71,8 @@ void gemm_typed(const TrellisPlan& plan, const TrellisGemmArgs& g, at::Tensor& C
   } else {
     a.out[0] = C.data_ptr();
   }
-  launch_trellis_mma<T>(plan.main, p.bits, p.tile_m, false, a, stream);
+  if (plan.cuda_stream_decode) launch_trellis_stream<T>(plan.main, p.bits, p.tile_m, a, stream);
+  else launch_trellis_mma<T>(plan.main, p.bits, p.tile_m, false, a, stream);
   if (plan.main.k_parallel > 1) {
     launch_trellis_reduce<T>(plan.combine, ws.data_ptr<float>(), plan.main.k_parallel, a.out_part_stride,
                              reinterpret_cast<T*>(C.data_ptr()), stream);

@@ -50,10 +50,14 @@ constexpr uint32_t kCpuMoeTileN = 64;
 //    column blocks, and a few blocks per SM cannot keep enough bytes in flight.
 //  - fp16/bf16 with more than 16 rows: the dense weight in the activation dtype, then cuBLAS
 //    (dequant_blas): the fused-tile instantiation of the tensor-core kernel is far slower there.
+//  - fp16/bf16 decode with K % 8 == 0: the streaming kernel (trellis_decode.cu), the same 8 warps and
+//    128 columns with the indices as the mma's A operand (M padded to 8 or 16), K in stages of 8 tile
+//    rows 3 stages ahead in a shared-memory ring, sliced the same way.
 //  - fp32 activations: a CUDA-core kernel, one column per thread, 16 rows per pass.
 constexpr uint32_t kCudaThreads = TM_TRELLIS_CUDA_THREADS;
 constexpr uint32_t kCudaTileN = TM_TRELLIS_CUDA_TILE_N;
 constexpr uint32_t kCudaStageTiles = TM_TRELLIS_CUDA_STAGE_K_TILES;
+constexpr uint32_t kCudaStreamStageTiles = TM_TRELLIS_CUDA_STREAM_STAGE_TILES;
 constexpr uint32_t kCudaSimtThreads = TM_TRELLIS_CUDA_SIMT_THREADS;
 constexpr uint32_t kCudaElemThreads = TM_TRELLIS_CUDA_ELEMWISE_THREADS;
 constexpr uint32_t kCudaMaxKParallel = 32;
@@ -62,13 +66,13 @@ constexpr int64_t kCudaBlasMinM = kDecodeMaxM + 1;  // docs/cuda-tuning.md TRELL
 
 // Sets l.k_parallel / l.k_slice_tiles for a launch of `blocks` blocks per K slice over tiles_k
 // tile rows, and multiplies grid[1] by the slice count.
-void cuda_k_split(TrellisLaunch& l, uint32_t tiles_k, uint64_t blocks, int sms) {
-  const uint32_t stages = cdiv(tiles_k, kCudaStageTiles);
+void cuda_k_split(TrellisLaunch& l, uint32_t tiles_k, uint64_t blocks, int sms, uint32_t stage_tiles = kCudaStageTiles) {
+  const uint32_t stages = cdiv(tiles_k, stage_tiles);
   const uint64_t want = uint64_t(kCudaBlocksPerSm) * uint64_t(std::max(sms, 1));
   uint64_t kp = blocks >= want ? 1 : (want + blocks - 1) / std::max<uint64_t>(blocks, 1);
   kp = std::min<uint64_t>({kp, stages, kCudaMaxKParallel});
   const uint32_t slice_stages = cdiv(stages, int64_t(kp));
-  l.k_slice_tiles = slice_stages * kCudaStageTiles;
+  l.k_slice_tiles = slice_stages * stage_tiles;
   l.k_parallel = cdiv(stages, slice_stages);
   l.grid[1] *= l.k_parallel;
 }
@@ -219,19 +223,30 @@ TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int
         // The dequant kernel writes W [K, N] in the activation dtype; at::mm then runs cuBLAS.
         set_tiles(p.params, M, N, uint32_t(std::min<int64_t>(M, UINT32_MAX / 2)), N);
         p.main.kernel = "dequant_trellis" + suffix;
-        p.main.grid[0] = p.params.tiles_n;
+        p.main.grid[0] = cdiv(p.params.tiles_n, TM_TRELLIS_CUDA_DEQUANT_TILES);
         p.main.grid[1] = p.params.tiles_k;
-        p.main.threads[0] = TM_TRELLIS_TILE_ELEMS;
+        p.main.threads[0] = TM_TRELLIS_CUDA_DEQUANT_TILES * TM_TRELLIS_TILE;
         check_cuda_grid(p.main, "plan_trellis_gemm");
         break;
       }
-      set_tiles(p.params, M, N, decode ? TM_TRELLIS_CUDA_DECODE_M : TM_TRELLIS_CUDA_PREFILL_M, kCudaTileN);
-      p.params.tile_k = kCudaStageTiles * TM_TRELLIS_TILE;
-      p.main.kernel = (decode ? "gemm_trellis_decode" : "gemm_trellis_tiles") + suffix;
+      // Decode streams through trellis_decode.cu where its 16-byte activation copies fit (K % 8 == 0),
+      // with M padded to 8 or 16 rows; otherwise the tensor-core kernel at one m16 tile.
+      p.cuda_stream_decode = decode && K % 8 == 0;
+      const uint32_t stage_tiles = p.cuda_stream_decode ? kCudaStreamStageTiles : kCudaStageTiles;
+      const uint32_t tile_m = p.cuda_stream_decode ? (M <= 8 ? 8u : 16u)
+                              : decode             ? TM_TRELLIS_CUDA_DECODE_M
+                                                   : TM_TRELLIS_CUDA_PREFILL_M;
+      set_tiles(p.params, M, N, tile_m, kCudaTileN);
+      p.params.tile_k = stage_tiles * TM_TRELLIS_TILE;
+      p.main.kernel = (p.cuda_stream_decode ? "gemm_trellis_decode"
+                       : decode             ? "gemm_trellis_decode_mma"
+                                            : "gemm_trellis_tiles") +
+                      suffix;
       p.main.grid[0] = p.params.n_tiles;
       p.main.grid[1] = p.params.m_tiles;
       p.main.threads[0] = kCudaThreads;
-      cuda_k_split(p.main, p.params.tiles_k, uint64_t(p.params.n_tiles) * p.params.m_tiles, caps.compute_units);
+      cuda_k_split(p.main, p.params.tiles_k, uint64_t(p.params.n_tiles) * p.params.m_tiles, caps.compute_units,
+                   stage_tiles);
       if (p.main.k_parallel > 1) {
         // The slices' fp32 partials summed in slice order (deterministic) into C.
         p.combine.kernel = "gemm_trellis_reduce" + suffix;
@@ -267,9 +282,9 @@ TrellisPlan plan_trellis_dequant(int64_t K, int64_t N, int64_t bits, int64_t gro
       break;
     case Backend::CUDA:
       p.main.kernel = "dequant_trellis";
-      p.main.grid[0] = p.params.tiles_n;
+      p.main.grid[0] = cdiv(p.params.tiles_n, TM_TRELLIS_CUDA_DEQUANT_TILES);
       p.main.grid[1] = p.params.tiles_k;
-      p.main.threads[0] = TM_TRELLIS_TILE_ELEMS;
+      p.main.threads[0] = TM_TRELLIS_CUDA_DEQUANT_TILES * TM_TRELLIS_TILE;
       check_cuda_grid(p.main, "plan_trellis_dequant");
       break;
   }

@@ -43,6 +43,9 @@ struct TrellisPlan {
   TrellisLaunch tiled_gate, tiled_up, tiled_down;
   uint32_t k_chunk = 0;   // CPU: K rows dequantized per panel (bounded cache footprint)
   bool cpu_avx2 = false;  // CPU decode: the AVX2 kernel (caps.avx2), else the portable one
+  // CUDA fp16/bf16 decode: the streaming kernel (trellis_decode.cu; K % 8 == 0, its 16-byte
+  // activation copies), else the tensor-core kernel of the fused tiles at one m16 tile.
+  bool cuda_stream_decode = false;
   TrellisParams params{};
 };
 

@@ -22,10 +22,12 @@ GEMM_CASES = [  # M, K, N, bits, group_size, dtype
     (1, 4096, 200, 3, 128, torch.float16),    # decode, K slices, partial column block
     (5, 200, 77, 2, 32, torch.bfloat16),      # decode, one partial stage, K % 16 != 0
     (16, 1040, 1000, 4, 128, torch.float16),  # decode, partial last group
+    (12, 203, 77, 3, 32, torch.float16),      # decode where K % 8 != 0 (the tensor-core kernel)
     (100, 520, 136, 3, 32, torch.bfloat16),   # fused tiles, rows past M
     (70, 4096, 64, 2, 128, torch.float16),    # fused tiles, K slices
     (9, 200, 77, 3, 32, torch.float32),       # fp32 kernel
     (600, 200, 77, 3, 32, torch.float16),     # dequant_blas
+    (40, 144, 136, 4, 32, torch.bfloat16),    # dequant_blas, 16-byte stores
 ]
 MOE_CASES = [  # T, H, I, E, top_k, bits, dtype
     (1, 256, 136, 8, 2, 3, torch.float16),    # decode

@@ -37,6 +37,13 @@ TM_NAMESPACE_BEGIN
 #define TM_TRELLIS_CUDA_STAGE_K_TILES 8u    // tile rows of K per pipeline stage
 #define TM_TRELLIS_CUDA_DECODE_M 16u        // decode: one m16 mma tile of rows
 #define TM_TRELLIS_CUDA_PREFILL_M 64u       // prefill: four m16 mma tiles of rows
+// The streaming decode kernel (trellis_decode.cu; M <= 16, K % 8 == 0): the same 8 warps and 128
+// columns, K in stages of 8 tile rows (128 rows) through a 4-stage cp.async ring.
+#define TM_TRELLIS_CUDA_STREAM_STAGE_TILES 8u
+#define TM_TRELLIS_CUDA_STREAM_STAGES 4u
+// dequant_trellis on CUDA (trellis_dequant.cu): a block of 256 threads owns 16 tiles of one tile
+// row; a thread writes one 16-column row of one tile.
+#define TM_TRELLIS_CUDA_DEQUANT_TILES 16u
 #define TM_TRELLIS_CUDA_SIMT_THREADS 128u   // fp32 kernel: one column per thread
 #define TM_TRELLIS_CUDA_SIMT_M 16u          // fp32 kernel: rows per pass (fp32 accumulators a thread)
 #define TM_TRELLIS_CUDA_ELEMWISE_THREADS 256u  // split-K reduction and MoE combine

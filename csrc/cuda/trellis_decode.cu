@@ -1,0 +1,315 @@
+// The trellis decode GEMM (M <= 16, fp16 / bf16, K % 8 == 0): one pass over the packed indices
+// with many bytes in flight per SM, so the layer streams at memory speed.
+//
+// Block: 8 warps; warp w owns tile column tn0 + w (16 output columns). The indices are the mma's
+// A operand (m16n8k16, C^T = W^T A^T) and the activations its B operand, so M <= 8 pads to one n8
+// tile instead of a 16-row one. K runs in stages of 8 tile rows through a ring of 4 stages in
+// shared memory, filled with 16-byte cp.async copies 3 stages ahead (no register ring to hold them):
+//  - index bytes: for one tile row the block's tiles are one contiguous run, each byte copied once;
+//  - activations (raw T) and su (fp32) of the stage's 64 rows, zero past K.
+// One stage behind the copies, the block multiplies the staged activations by su once, rounds
+// them to T into a double buffer, and every warp reads its B fragments from there (8 bytes per
+// n8 tile and tile row). One barrier per stage.
+// Lane (g, t) takes tile rows 4t..4t+3 as its logical k {2t, 2t+1, 2t+8, 2t+9} and columns 2g,
+// 2g+1 as A rows g, g+8: the pair of indices of one A register (two tile rows of one column) is
+// 2 x bits bits of two row words, and its B fragment is 4 consecutive activations of row g. A
+// shared table of the 4^bits codebook pairs (packed T2) turns each pair into one register with one
+// lookup. Each thread copies the same chunks of every stage (at most two index chunks and two
+// activation or su chunks), so its source pointers are computed once and advance by a stage. Group
+// scales multiply fp32 partial sums once per group, sv each output once, as in trellis_mma.cu.
+#include <atomic>
+
+#include "cuda/kernels.h"
+#include "cuda/trellis_common.cuh"
+#include "torch_marlin/trellis_params.h"
+
+namespace torch_marlin {
+namespace {
+
+using cuda_backend::TrellisKernelArgs;
+
+constexpr u32 kWarps = TM_TRELLIS_CUDA_WARPS;
+constexpr u32 kThreads = TM_TRELLIS_CUDA_THREADS;
+constexpr u32 kStageTiles = TM_TRELLIS_CUDA_STREAM_STAGE_TILES;
+constexpr u32 kDepth = TM_TRELLIS_CUDA_STREAM_STAGES;
+constexpr u32 kStageK = kStageTiles * TM_TRELLIS_TILE;  // K rows per stage
+// Row stride of the converted activations: 80 T = 40 words, so the 8-byte B loads of rows g = 0..3
+// (one half-warp) fall in 32 distinct banks.
+constexpr u32 kXStride = kStageK + 16;
+static_assert(kDepth >= 3, "the activations are converted one stage behind the copies");
+static_assert(kThreads == kWarps * 32 && TM_TRELLIS_CUDA_TILE_N == kWarps * TM_TRELLIS_TILE, "one warp per tile column");
+
+__device__ __forceinline__ void cp_async16_zfill(u32 dst, const void* src, bool full) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(full ? 16 : 0)
+               : "memory");
+}
+
+template <typename T, u32 BITS, u32 NT>
+struct StreamLayout {
+  static constexpr u32 kRows = 8 * NT;                          // activation rows (M padded)
+  static constexpr u32 kTable = 1u << (2 * BITS);               // packed codebook pairs
+  static constexpr u32 kTileBytes = 32 * BITS;
+  static constexpr u32 kBRow = kWarps * kTileBytes;             // one tile row of the block
+  static constexpr u32 kB = kStageTiles * kBRow;
+  static constexpr u32 kA = kRows * kStageK * sizeof(T);        // raw activations of a stage
+  static constexpr u32 kSu = kStageK * 4;
+  static constexpr u32 kStage = kB + kA + kSu;
+  static constexpr u32 kX = kRows * kXStride * sizeof(T);       // one converted buffer
+  static constexpr u32 kRingOffset = kTable * 4;
+  static constexpr u32 kAChunks = kRows * kStageK / 8u;         // 16-byte copies of activations
+  static constexpr u32 kSuChunks = kStageK / 4u;                //  ... and of su, per stage
+  static constexpr u32 kXOffset = kRingOffset + kDepth * kStage;
+  // + 16: a 3-bit pair in the last word of the last tile reads one word past it.
+  static constexpr u32 kBytes = kXOffset + 2 * kX + 16;
+  static_assert(kB % 16 == 0 && kA % 16 == 0 && kStage % 16 == 0, "16-byte copies");
+  static constexpr u32 kConvert = kRows * kStageK / 2 / kThreads;  // activation pairs a thread converts
+  static constexpr u32 kBCopies = (kB / 16u + kThreads - 1) / kThreads;  // index chunks a thread copies
+  static constexpr u32 kACopies = (kAChunks + kSuChunks + kThreads - 1) / kThreads;  // activation / su chunks
+  static_assert(kRows * kStageK / 2 == kThreads * kConvert, "every thread converts the same number of pairs");
+};
+
+template <typename T, u32 BITS, u32 NT>
+__global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisKernelArgs a) {
+  using L = StreamLayout<T, BITS, NT>;
+  using T2 = typename Tr<T>::T2;
+  constexpr u32 kMask = (1u << BITS) - 1u;
+  extern __shared__ __align__(16) unsigned char smem[];
+  u32* table = reinterpret_cast<u32*>(smem);
+  unsigned char* ring = smem + L::kRingOffset;
+  T* x_s = reinterpret_cast<T*>(smem + L::kXOffset);
+
+  const u32 tid = threadIdx.x, warp = tid / 32u, lane = tid % 32u, g = lane / 4u, t = lane % 4u;
+  const cuda_backend::TrellisMatrixPtrs w = a.w[0];
+  const u32 slice = blockIdx.y;
+  const u32 tn0 = blockIdx.x * kWarps;
+  const u32 block_tiles = min(kWarps, a.tiles_n - tn0);
+  const bool active = warp < block_tiles;
+  const u32 col0 = (tn0 + warp) * TM_TRELLIS_TILE + 2u * g;  // the lane's columns col0, col0 + 1
+  const u32 kb = slice * a.k_slice_tiles, ke = min(a.tiles_k, kb + a.k_slice_tiles);
+  const u32 n_stages = ke > kb ? (ke - kb + kStageTiles - 1) / kStageTiles : 0u;
+  const u32 tiles_per_group = a.group_size / TM_TRELLIS_TILE;
+  const u32 chunks_per_row = block_tiles * L::kTileBytes / 16u;
+
+  for (u32 i = tid; i < L::kTable; i += kThreads) {
+    T2 v;
+    v.x = Tr<T>::from_f(w.grid[i & kMask]);
+    v.y = Tr<T>::from_f(w.grid[i >> BITS]);
+    table[i] = as_u32(v);
+  }
+
+  // This thread's copies, the same in every stage s (tile rows kb + 8s ..; ring slot s % kDepth):
+  // index chunks (chunk c of tile row r: the block's tiles of a tile row are one contiguous run),
+  // then activation chunks (row, 8 columns) and su chunks (4 rows). Activation rows past M read
+  // row M - 1 (their outputs are never stored); columns past K are zero-filled.
+  const u32 ring_s = static_cast<u32>(__cvta_generic_to_shared(ring));
+  const uint64_t b_step = uint64_t(kStageTiles) * a.tiles_n * L::kTileBytes;
+  const uint8_t* b_src[L::kBCopies];
+  u32 b_dst[L::kBCopies], b_row[L::kBCopies];
+  bool b_copier[L::kBCopies];
+#pragma unroll
+  for (u32 q = 0; q < L::kBCopies; ++q) {
+    const u32 i = tid + q * kThreads;
+    b_copier[q] = i < kStageTiles * chunks_per_row;
+    b_row[q] = b_copier[q] ? i / chunks_per_row : 0u;
+    const u32 c = b_copier[q] ? i - b_row[q] * chunks_per_row : 0u;
+    b_dst[q] = b_row[q] * L::kBRow + c * 16u;
+    b_src[q] = w.packed + (uint64_t(kb + b_row[q]) * a.tiles_n + tn0) * L::kTileBytes + c * 16u;
+  }
+  const void* a_src[L::kACopies];
+  u32 a_dst[L::kACopies], a_col[L::kACopies], a_kind[L::kACopies];  // kind 0 activations, 1 su, 2 none
+#pragma unroll
+  for (u32 q = 0; q < L::kACopies; ++q) {
+    const u32 i = tid + q * kThreads;
+    a_kind[q] = i < L::kAChunks ? 0u : i < L::kAChunks + L::kSuChunks ? 1u : 2u;
+    a_dst[q] = L::kB + i * 16u;  // su follows the activations in the slot
+    if (a_kind[q] == 0u) {
+      a_col[q] = kb * TM_TRELLIS_TILE + (i % (kStageK / 8u)) * 8u;
+      a_src[q] = static_cast<const T*>(a.A) + uint64_t(min(i / (kStageK / 8u), a.M - 1u)) * a.lda;
+    } else {
+      a_col[q] = kb * TM_TRELLIS_TILE + (i - L::kAChunks) * 4u;
+      a_src[q] = w.su;
+    }
+  }
+  auto copy_stage = [&](u32 s) {
+    if (s >= n_stages) return;
+    const u32 slot = ring_s + (s % kDepth) * L::kStage;
+    const u32 tk0 = kb + s * kStageTiles;
+#pragma unroll
+    for (u32 q = 0; q < L::kBCopies; ++q)
+      if (b_copier[q] && tk0 + b_row[q] < ke) cp_async16_zfill(slot + b_dst[q], b_src[q] + s * b_step, true);
+#pragma unroll
+    for (u32 q = 0; q < L::kACopies; ++q) {
+      if (a_kind[q] == 2u) continue;
+      const u32 k = a_col[q] + s * kStageK;
+      // Past K: any in-bounds address (a zero-filled copy reads nothing).
+      const void* src = a_kind[q] == 1u
+                            ? static_cast<const void*>(static_cast<const float*>(a_src[q]) + min(k, a.K - 4u))
+                            : static_cast<const void*>(static_cast<const T*>(a_src[q]) + min(k, a.K - 8u));
+      cp_async16_zfill(slot + a_dst[q], src, k < a.K);
+    }
+  };
+  // x_s[s & 1] = T(activations x su) of stage s.
+  auto convert_stage = [&](u32 s) {
+    if (s >= n_stages) return;
+    const unsigned char* slot = ring + (s % kDepth) * L::kStage;
+    const T2* raw = reinterpret_cast<const T2*>(slot + L::kB);
+    const float2* su2 = reinterpret_cast<const float2*>(slot + L::kB + L::kA);
+    T* dst = x_s + (s & 1u) * (L::kX / sizeof(T));
+#pragma unroll
+    for (u32 q = 0; q < L::kConvert; ++q) {
+      const u32 i = tid + q * kThreads;  // pair index in [kRows][kStageK / 2]
+      const u32 r = i / (kStageK / 2u), kk = i % (kStageK / 2u);
+      const T2 v = raw[i];
+      const float2 s2 = su2[kk];
+      T2 o;
+      o.x = Tr<T>::from_f(Tr<T>::to_f(v.x) * s2.x);
+      o.y = Tr<T>::from_f(Tr<T>::to_f(v.y) * s2.y);
+      *reinterpret_cast<T2*>(dst + r * kXStride + 2u * kk) = o;
+    }
+  };
+
+  // Bit position, within a tile row's words, of the lane's column pair in tile rows 4t + r.
+  u32 f_word[4], f_shift[4];
+#pragma unroll
+  for (u32 r = 0; r < 4; ++r) {
+    const u32 bit = (4u * t + r) * TM_TRELLIS_TILE * BITS + 2u * g * BITS;
+    f_word[r] = bit / 32u;
+    f_shift[r] = bit % 32u;
+  }
+  auto load_scales = [&](float2& s, u32 gi) {
+    const float* sp = w.scales + uint64_t(gi) * a.N + col0;
+    s.x = active && col0 < a.N ? sp[0] : 0.f;
+    s.y = active && col0 + 1u < a.N ? sp[1] : 0.f;
+  };
+
+  // part: the current group's unscaled sums; acc: the scaled ones. d0, d1: column col0, rows
+  // 8nt + 2t + {0, 1}; d2, d3: column col0 + 1, the same rows.
+  float acc[NT][4], part[NT][4];
+#pragma unroll
+  for (u32 nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (u32 c = 0; c < 4; ++c) acc[nt][c] = part[nt][c] = 0.f;
+  auto fold = [&](const float2& s) {
+#pragma unroll
+    for (u32 nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (u32 c = 0; c < 4; ++c) {
+        acc[nt][c] = fmaf(part[nt][c], c < 2 ? s.x : s.y, acc[nt][c]);
+        part[nt][c] = 0.f;
+      }
+  };
+  u32 gi = kb * TM_TRELLIS_TILE / a.group_size;
+  u32 group_end = (gi + 1u) * tiles_per_group;
+  float2 s_cur, s_next;
+  load_scales(s_cur, gi);
+  load_scales(s_next, min(gi + 1u, a.n_groups - 1u));
+
+#pragma unroll
+  for (u32 s = 0; s + 1u < kDepth; ++s) {
+    copy_stage(s);
+    cp_async_commit();
+  }
+  cp_async_wait<kDepth - 2>();
+  __syncthreads();  // stage 0 and the table
+  convert_stage(0);
+
+  for (u32 st = 0; st < n_stages; ++st) {
+    cp_async_wait<kDepth - 3>();  // stage st + 1 has landed (this thread's copies)
+    __syncthreads();  // ... everyone's; x_s[st & 1] is written; stage st - 1's slot and buffer are free
+    copy_stage(st + kDepth - 1u);
+    cp_async_commit();  // possibly empty: the group count stays one per stage
+    convert_stage(st + 1u);
+    if (!active) continue;
+    const u32 tk0 = kb + st * kStageTiles;
+    const u32 rows = min(kStageTiles, ke - tk0);
+    const unsigned char* bt = ring + (st % kDepth) * L::kStage + warp * L::kTileBytes;
+    const T* xt = x_s + (st & 1u) * (L::kX / sizeof(T)) + g * kXStride + 4u * t;
+#pragma unroll
+    for (u32 j = 0; j < kStageTiles; ++j) {
+      if (j >= rows) break;
+      if (tk0 + j == group_end) {
+        fold(s_cur);
+        s_cur = s_next;
+        ++gi;
+        group_end += tiles_per_group;
+        load_scales(s_next, min(gi + 1u, a.n_groups - 1u));
+      }
+      const u32* words = reinterpret_cast<const u32*>(bt + j * L::kBRow);
+      u32 f[4];
+#pragma unroll
+      for (u32 r = 0; r < 4; ++r) {
+        if constexpr (BITS == 3) f[r] = __funnelshift_r(words[f_word[r]], words[f_word[r] + 1u], f_shift[r]);
+        else f[r] = words[f_word[r]] >> f_shift[r];
+      }
+      // A rows g / g + 8 = columns col0 / col0 + 1; k-pairs (rows 4t, 4t+1) and (4t+2, 4t+3).
+      u32 af[4];
+      af[0] = table[(f[0] & kMask) | ((f[1] & kMask) << BITS)];
+      af[1] = table[((f[0] >> BITS) & kMask) | (f[1] & (kMask << BITS))];
+      af[2] = table[(f[2] & kMask) | ((f[3] & kMask) << BITS)];
+      af[3] = table[((f[2] >> BITS) & kMask) | (f[3] & (kMask << BITS))];
+#pragma unroll
+      for (u32 nt = 0; nt < NT; ++nt) {
+        const uint2 b = *reinterpret_cast<const uint2*>(xt + nt * 8u * kXStride + j * TM_TRELLIS_TILE);
+        Tr<T>::mma(part[nt], af, b.x, b.y);
+      }
+    }
+  }
+  fold(s_cur);
+  cp_async_wait<0>();  // no copy outlives the block
+
+  if (!active) return;
+  const float sv0 = col0 < a.N ? w.sv[col0] : 0.f, sv1 = col0 + 1u < a.N ? w.sv[col0 + 1u] : 0.f;
+#pragma unroll
+  for (u32 nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (u32 c = 0; c < 4; ++c) {
+      const u32 row = 8u * nt + 2u * t + (c & 1u), col = col0 + (c >> 1);
+      if (row >= a.M || col >= a.N) continue;
+      const float v = acc[nt][c] * (c < 2 ? sv0 : sv1);
+      if (a.out_f32) static_cast<float*>(a.out[0])[slice * a.out_part_stride + uint64_t(row) * a.ldc + col] = v;
+      else static_cast<T*>(a.out[0])[uint64_t(row) * a.ldc + col] = Tr<T>::from_f(v);
+    }
+}
+
+template <typename T, u32 BITS, u32 NT>
+void launch_one(const TrellisLaunch& l, const TrellisKernelArgs& a, cudaStream_t stream) {
+  static std::atomic<uint64_t> opted_in{0};
+  auto kernel = trellis_stream_kernel<T, BITS, NT>;
+  constexpr int kSmem = int(StreamLayout<T, BITS, NT>::kBytes);
+  cuda_backend::opt_in_smem(kernel, kSmem, opted_in);
+  kernel<<<dim3(l.grid[0], l.grid[1], 1), dim3(kThreads), kSmem, stream>>>(a);
+  cuda_backend::check_launch(l.kernel.c_str());
+}
+
+template <typename T, u32 BITS>
+void launch_rows(const TrellisLaunch& l, uint32_t tile_m, const TrellisKernelArgs& a, cudaStream_t stream) {
+  if (tile_m == 8u) return launch_one<T, BITS, 1>(l, a, stream);
+  return launch_one<T, BITS, 2>(l, a, stream);
+}
+
+}  // namespace
+
+namespace cuda_backend {
+
+template <typename T>
+void launch_trellis_stream(const TrellisLaunch& l, uint32_t bits, uint32_t tile_m, const TrellisKernelArgs& a,
+                           cudaStream_t stream) {
+  TORCH_CHECK(l.threads[0] == kThreads && (tile_m == 8u || tile_m == 16u) && a.M >= 1u && a.M <= tile_m &&
+                  a.K % 8u == 0 && a.k_parallel == l.k_parallel && l.grid[1] == l.k_parallel &&
+                  a.k_slice_tiles % kStageTiles == 0 && a.k_slice_tiles > 0,
+              "torch_marlin: the trellis plan '", l.kernel, "' does not match the streaming decode kernel's geometry");
+  switch (bits) {
+    case 2: return launch_rows<T, 2>(l, tile_m, a, stream);
+    case 3: return launch_rows<T, 3>(l, tile_m, a, stream);
+    case 4: return launch_rows<T, 4>(l, tile_m, a, stream);
+    default: TORCH_CHECK(false, "torch_marlin: trellis bits must be 2, 3 or 4, got ", bits);
+  }
+}
+
+template void launch_trellis_stream<__half>(const TrellisLaunch&, uint32_t, uint32_t, const TrellisKernelArgs&,
+                                            cudaStream_t);
+template void launch_trellis_stream<__nv_bfloat16>(const TrellisLaunch&, uint32_t, uint32_t,
+                                                   const TrellisKernelArgs&, cudaStream_t);
+
+}  // namespace cuda_backend
+}  // namespace torch_marlin
