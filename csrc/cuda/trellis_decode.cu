@@ -17,6 +17,7 @@
 // lookup. Each thread copies the same chunks of every stage (at most two index chunks and two
 // activation or su chunks), so its source pointers are computed once and advance by a stage. Group
 // scales multiply fp32 partial sums once per group, sv each output once, as in trellis_mma.cu.
+// Measurements behind the geometry: docs/cuda-tuning.md TRELLIS-CUDA-STREAM.
 #include <atomic>
 
 #include "cuda/kernels.h"

@@ -5,7 +5,8 @@
 // A block owns 16 tiles of one tile row (256 columns, one scale group) and a thread one
 // 16-column row of one tile: it reads that row's 2 x bits index bytes (the 16 threads of a tile
 // read its bytes in order) and writes 16 consecutive outputs with 16-byte stores, so every 32-byte
-// sector of W is written whole by one thread. The block stages its columns' scales and sv once.
+// sector of W is written whole by one thread. The block stages its columns' scales and sv once
+// (docs/cuda-tuning.md TRELLIS-CUDA-DEQUANT).
 #include "cuda/kernels.h"
 #include "cuda/trellis_common.cuh"
 #include "torch_marlin/trellis_params.h"
