@@ -13,6 +13,11 @@ cache (torch_marlin.generation.StaticDecoder), after one untimed warm-up generat
 ``eager``; ``graph``, the fastest graph mode of the backend: the decode step captured once as a
 CUDA graph and replayed (CUDA), torch.compile of the model (MPS), none on the CPU.
 
+``no_linear`` is the float model with every linear layer of its decoder layers answering with
+zeros without computing (a view of a buffer: no kernel): its step time is what the model spends
+outside those layers (norms, rotary embeddings, attention over the cache, residual adds, the
+embedding lookup and lm_head), the part no GEMM kernel can speed up.
+
 Each row stands beside the weight-read floor: the bytes a decode step must read (every weight and
 buffer the step uses, embeddings excluded but for the looked-up rows; the KV cache is left out) at
 the read bandwidth measured in this process (a large device-to-device copy, counting the bytes read
@@ -63,7 +68,7 @@ def build_parser():
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run")
     p.add_argument("--batch", type=int_list, default=[1], help="batch sizes, comma-separated")
     p.add_argument("--formats", default=",".join(("float",) + tuple(LAYER_TYPES)),
-                   help="comma-separated: float and any of " + ", ".join(LAYER_TYPES))
+                   help="comma-separated: float, no_linear and any of " + ", ".join(LAYER_TYPES))
     p.add_argument("--modes", default="eager,graph", help="comma-separated: eager, graph")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--dtype", choices=list(DTYPES), help="activations (default: float16, float32 on the CPU)")
@@ -93,6 +98,32 @@ def build_model(config, dtype, device, seed):
     finally:
         torch.set_default_dtype(default)
     return model.eval().requires_grad_(False)
+
+
+class SkippedLinear(nn.Module):
+    """Stands in for an nn.Linear in the ``no_linear`` model: returns zeros of the output's shape as
+    a view of a buffer kept for the largest row count seen, so no kernel runs for the layer."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.zeros = None
+
+    def forward(self, x):
+        rows = x.numel() // self.in_features
+        if self.zeros is None or self.zeros.shape[0] < rows or self.zeros.device != x.device:
+            self.zeros = torch.zeros(rows, self.out_features, dtype=x.dtype, device=x.device)
+        return self.zeros[:rows].view(*x.shape[:-1], self.out_features)
+
+
+def skip_linears(model: nn.Module):
+    """Replaces every nn.Linear of the decoder layers with a SkippedLinear (the ``no_linear`` model)."""
+    for layer in model.model.layers:
+        for name, child in list(layer.named_modules()):
+            if isinstance(child, nn.Linear):
+                parent = layer.get_submodule(name.rpartition(".")[0]) if "." in name else layer
+                setattr(parent, name.rpartition(".")[2], SkippedLinear(child))
+    return model
 
 
 def step_bytes(model: nn.Module) -> int:
@@ -180,10 +211,10 @@ def main(argv=None):
         build_parser().error("--new-tokens must be at least 2 (one prefill token, then decode steps)")
     dtype = DTYPES[args.dtype or ("float32" if device.type == "cpu" else "float16")]
     formats = [f for f in args.formats.split(",") if f]
-    bad = [f for f in formats if f != "float" and f not in LAYER_TYPES]
+    bad = [f for f in formats if f not in ("float", "no_linear") and f not in LAYER_TYPES]
     modes = [m for m in args.modes.split(",") if m]
     if bad or not formats or any(m not in ("eager", "graph") for m in modes) or not modes:
-        build_parser().error(f"--formats takes float and {', '.join(LAYER_TYPES)}; --modes eager and graph")
+        build_parser().error(f"--formats takes float, no_linear and {', '.join(LAYER_TYPES)}; --modes eager and graph")
     from tqdm.auto import tqdm
 
     config = llama_config(args)
@@ -192,14 +223,16 @@ def main(argv=None):
     runs = [(f, b, m) for f in formats for b in args.batch for m in modes]
     bar = tqdm(total=len(runs), desc="bench_e2e", unit="run")
     for fmt in formats:
-        why = None if fmt == "float" else format_unsupported(fmt, device, dtype, args.group_size)
+        why = None if fmt in ("float", "no_linear") else format_unsupported(fmt, device, dtype, args.group_size)
         if why is not None:
             notes.append(f"{fmt}: not run on {device.type} ({why})")
             bar.update(len(args.batch) * len(modes))
             continue
         bar.set_postfix_str(f"building {fmt}")
         model = build_model(config, dtype, device, args.seed)
-        if fmt != "float":
+        if fmt == "no_linear":
+            skip_linears(model)
+        elif fmt != "float":
             patch_model(model, format=fmt, group_size=args.group_size, progress=False, fuse=args.fuse)
         nbytes = step_bytes(model)
         label = str(dtype).replace("torch.", "") if fmt == "float" else fmt
