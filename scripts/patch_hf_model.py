@@ -270,6 +270,13 @@ def kernel_regimes(device, fmt, dtype):
 
 def why_slower(device, fmt, dtype, report):
     saved = f"{report.float_bytes / 2**20:.1f} -> {report.quantized_bytes / 2**20:.1f} MiB"
+    if report.entropy_coded:
+        # gemm_rans decodes the rANS streams on every call: the serial decode, not the GEMM, is the
+        # time (docs/benchmarks.md, "rANS-coded layers").
+        return (f"The {len(report.entropy_coded)} entropy-coded layers decode their rANS-coded 4-bit codes on "
+                "every call (one token at a time in the fused decode-and-multiply kernel, larger batches into a "
+                "temporary 4-bit weight first), and that decode costs more than the bytes it saves; what "
+                f"entropy coding buys is smaller weights ({saved}, the codes below 4 bits a weight).")
     regimes = kernel_regimes(device, fmt, dtype)
     if regimes is None:
         return f"What 4-bit weights save is weight memory ({saved})."

@@ -107,13 +107,19 @@ def test_latency_notes_say_when_and_why_the_quantized_model_is_slower(monkeypatc
     rows = []
     lat.measure(rows, "prefill latency, 100 tokens (ms, min / median)", None, None)
     assert rows == [["prefill latency, 100 tokens (ms, min / median)", "10.0 / 11.0", "30.0 / 31.0"]]
-    report = types.SimpleNamespace(float_bytes=40 * 2**20, quantized_bytes=6 * 2**20)
+    report = types.SimpleNamespace(float_bytes=40 * 2**20, quantized_bytes=6 * 2**20, entropy_coded=[])
     notes = lat.notes(torch.device("cpu"), "fp4", torch.float32, report)
     assert len(notes) == 1
     decode_rows, family = patch_hf_model.kernel_regimes(torch.device("cpu"), "fp4", torch.float32)
     assert (decode_rows, family) == (8, "dequant_blas")  # the CPU policy (torch_marlin/planner.py)
     assert notes[0].startswith("note: the quantized model is slower here (prefill latency, 100 tokens). On the CPU")
     assert "more than 8 rows" in notes[0] and "(dequant_blas)" in notes[0] and "40.0 -> 6.0 MiB" in notes[0]
+    # Entropy-coded layers: the rANS decode is named as the cost, not the dense kernels.
+    coded = types.SimpleNamespace(float_bytes=40 * 2**20, quantized_bytes=5 * 2**20,
+                                  entropy_coded=[("a", 100, 3.9), ("b", 100, 3.8)])
+    note = patch_hf_model.why_slower(torch.device("cpu"), "fp4", torch.float32, coded)
+    assert note.startswith("The 2 entropy-coded layers decode their rANS-coded") and "dequant_blas" not in note
+    assert "40.0 -> 5.0 MiB" in note
     # A noisy pair (median 3x its min) gets its own note; equal speed gets no slower-note.
     lat2 = patch_hf_model.Latency(repeats=3)
     lat2.measure([], "forward latency, 1 sentence (ms, min / median)", None, None)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import torch_marlin
-from torch_marlin import MarlinLinear
+from torch_marlin import MarlinLinear, RansLinear
 from torch_marlin.loaders.awq import AWQ_ORDER
 from torch_marlin.formats.int4_packing import pack_int4
 
@@ -336,6 +336,21 @@ def test_transformers_loads_saves_and_quantizes_torch_marlin_checkpoints(tiny, t
     assert isinstance(back.model.layers[0].mlp.gate_proj, MarlinLinear) and torch.equal(logits(back), want)
     with pytest.raises(ValueError, match="format must be one of"):
         TorchMarlinConfig(format="int3")
+
+
+def test_transformers_loads_entropy_coded_checkpoints(tiny, tmp_path):
+    import transformers
+
+    model, _ = tiny
+    report = torch_marlin.patch_model(model, format="u4", group_size=GS, progress=False, entropy_coding=True)
+    assert report.entropy_coded
+    with torch.no_grad():
+        want = model(IDS).logits
+    torch_marlin.save_quantized(model, str(tmp_path))
+    auto = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert isinstance(auto.model.layers[1].mlp.down_proj, RansLinear)
+    with torch.no_grad():
+        assert torch.equal(auto(IDS).logits, want)
 
 
 def test_transformers_imported_after_torch_marlin_reads_its_checkpoints():
