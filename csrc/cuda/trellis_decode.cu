@@ -45,6 +45,9 @@ __device__ __forceinline__ void cp_async16_zfill(u32 dst, const void* src, bool 
                : "memory");
 }
 
+// Keeps a value in a register: the compiler may not rematerialize it from its inputs.
+__device__ __forceinline__ void pin_u32(u32& v) { asm volatile("" : "+r"(v)); }
+
 template <typename T, u32 BITS, u32 NT>
 struct StreamLayout {
   static constexpr u32 kRows = 8 * NT;                          // activation rows (M padded)
@@ -98,56 +101,62 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
     table[i] = as_u32(v);
   }
 
-  // This thread's copies, the same in every stage s (tile rows kb + 8s ..; ring slot s % kDepth):
-  // index chunks (chunk c of tile row r: the block's tiles of a tile row are one contiguous run),
-  // then activation chunks (row, 8 columns) and su chunks (4 rows). Activation rows past M read
-  // row M - 1 (their outputs are never stored); columns past K are zero-filled.
+  // This thread's copies, the same in every stage (tile rows kb + 8s .. of stage s, ring slot
+  // s % kDepth): index chunks (chunk c of tile row r: the block's tiles of a tile row are one
+  // contiguous run), then activation chunks (row, 8 columns) and su chunks (4 rows). Activation rows
+  // past M read row M - 1 (their outputs are never stored); columns past K are zero-filled. The
+  // stages are copied in order, so the source pointers advance by one stage per copy.
   const u32 ring_s = static_cast<u32>(__cvta_generic_to_shared(ring));
   const uint64_t b_step = uint64_t(kStageTiles) * a.tiles_n * L::kTileBytes;
   const uint8_t* b_src[L::kBCopies];
-  u32 b_dst[L::kBCopies], b_row[L::kBCopies];
-  bool b_copier[L::kBCopies];
+  u32 b_dst[L::kBCopies], b_rows_left[L::kBCopies];  // tile rows of the slice from this chunk's row on
 #pragma unroll
   for (u32 q = 0; q < L::kBCopies; ++q) {
     const u32 i = tid + q * kThreads;
-    b_copier[q] = i < kStageTiles * chunks_per_row;
-    b_row[q] = b_copier[q] ? i / chunks_per_row : 0u;
-    const u32 c = b_copier[q] ? i - b_row[q] * chunks_per_row : 0u;
-    b_dst[q] = b_row[q] * L::kBRow + c * 16u;
-    b_src[q] = w.packed + (uint64_t(kb + b_row[q]) * a.tiles_n + tn0) * L::kTileBytes + c * 16u;
+    const bool copier = i < kStageTiles * chunks_per_row;
+    const u32 r = copier ? i / chunks_per_row : 0u, c = copier ? i - r * chunks_per_row : 0u;
+    b_rows_left[q] = copier ? ke - kb - r : 0u;
+    b_dst[q] = r * L::kBRow + c * 16u;
+    b_src[q] = w.packed + (uint64_t(kb + r) * a.tiles_n + tn0) * L::kTileBytes + c * 16u;
   }
-  const void* a_src[L::kACopies];
-  u32 a_dst[L::kACopies], a_col[L::kACopies], a_kind[L::kACopies];  // kind 0 activations, 1 su, 2 none
+  const char* a_src[L::kACopies];
+  const void* a_any[L::kACopies];  // an in-bounds address for the zero-filled copies past K
+  u32 a_dst[L::kACopies], a_col[L::kACopies], a_bytes[L::kACopies];  // a_bytes: per stage; 0: no chunk
 #pragma unroll
   for (u32 q = 0; q < L::kACopies; ++q) {
     const u32 i = tid + q * kThreads;
-    a_kind[q] = i < L::kAChunks ? 0u : i < L::kAChunks + L::kSuChunks ? 1u : 2u;
     a_dst[q] = L::kB + i * 16u;  // su follows the activations in the slot
-    if (a_kind[q] == 0u) {
+    if (i < L::kAChunks) {
       a_col[q] = kb * TM_TRELLIS_TILE + (i % (kStageK / 8u)) * 8u;
-      a_src[q] = static_cast<const T*>(a.A) + uint64_t(min(i / (kStageK / 8u), a.M - 1u)) * a.lda;
+      a_any[q] = static_cast<const T*>(a.A) + uint64_t(min(i / (kStageK / 8u), a.M - 1u)) * a.lda;
+      a_src[q] = static_cast<const char*>(a_any[q]) + uint64_t(a_col[q]) * sizeof(T);
+      a_bytes[q] = kStageK * sizeof(T);
     } else {
       a_col[q] = kb * TM_TRELLIS_TILE + (i - L::kAChunks) * 4u;
-      a_src[q] = w.su;
+      a_any[q] = w.su;
+      a_src[q] = reinterpret_cast<const char*>(w.su + a_col[q]);
+      a_bytes[q] = i < L::kAChunks + L::kSuChunks ? kStageK * 4u : 0u;
     }
   }
-  auto copy_stage = [&](u32 s) {
-    if (s >= n_stages) return;
-    const u32 slot = ring_s + (s % kDepth) * L::kStage;
-    const u32 tk0 = kb + s * kStageTiles;
+  u32 copied = 0;  // stages copied so far
+  auto copy_next_stage = [&]() {
+    if (copied >= n_stages) return;
+    const u32 slot = ring_s + (copied % kDepth) * L::kStage;
+    const u32 row0 = copied * kStageTiles;
 #pragma unroll
-    for (u32 q = 0; q < L::kBCopies; ++q)
-      if (b_copier[q] && tk0 + b_row[q] < ke) cp_async16_zfill(slot + b_dst[q], b_src[q] + s * b_step, true);
+    for (u32 q = 0; q < L::kBCopies; ++q) {
+      if (row0 < b_rows_left[q]) cp_async16_zfill(slot + b_dst[q], b_src[q], true);
+      b_src[q] += b_step;
+    }
 #pragma unroll
     for (u32 q = 0; q < L::kACopies; ++q) {
-      if (a_kind[q] == 2u) continue;
-      const u32 k = a_col[q] + s * kStageK;
-      // Past K: any in-bounds address (a zero-filled copy reads nothing).
-      const void* src = a_kind[q] == 1u
-                            ? static_cast<const void*>(static_cast<const float*>(a_src[q]) + min(k, a.K - 4u))
-                            : static_cast<const void*>(static_cast<const T*>(a_src[q]) + min(k, a.K - 8u));
-      cp_async16_zfill(slot + a_dst[q], src, k < a.K);
+      if (a_bytes[q] == 0u) continue;
+      const bool in_k = a_col[q] < a.K;
+      cp_async16_zfill(slot + a_dst[q], in_k ? static_cast<const void*>(a_src[q]) : a_any[q], in_k);
+      a_src[q] += a_bytes[q];
+      a_col[q] += kStageK;
     }
+    ++copied;
   };
   // x_s[s & 1] = T(activations x su) of stage s.
   auto convert_stage = [&](u32 s) {
@@ -169,13 +178,17 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
     }
   };
 
-  // Bit position, within a tile row's words, of the lane's column pair in tile rows 4t + r.
-  u32 f_word[4], f_shift[4];
+  // The lane's column pair in tile rows 4t + r: the byte offset, within a stage slot, of its word
+  // in the warp's tile of tile row 0, and its shift. Pinned in registers: recomputed per stage
+  // they would cost more than the stage's copies.
+  u32 f_off[4], f_shift[4];
 #pragma unroll
   for (u32 r = 0; r < 4; ++r) {
     const u32 bit = (4u * t + r) * TM_TRELLIS_TILE * BITS + 2u * g * BITS;
-    f_word[r] = bit / 32u;
+    f_off[r] = warp * L::kTileBytes + (bit / 32u) * 4u;
     f_shift[r] = bit % 32u;
+    pin_u32(f_off[r]);
+    pin_u32(f_shift[r]);
   }
   auto load_scales = [&](float2& s, u32 gi) {
     const float* sp = w.scales + uint64_t(gi) * a.N + col0;
@@ -207,7 +220,7 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
 
 #pragma unroll
   for (u32 s = 0; s + 1u < kDepth; ++s) {
-    copy_stage(s);
+    copy_next_stage();
     cp_async_commit();
   }
   cp_async_wait<kDepth - 2>();
@@ -217,13 +230,13 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
   for (u32 st = 0; st < n_stages; ++st) {
     cp_async_wait<kDepth - 3>();  // stage st + 1 has landed (this thread's copies)
     __syncthreads();  // ... everyone's; x_s[st & 1] is written; stage st - 1's slot and buffer are free
-    copy_stage(st + kDepth - 1u);
+    copy_next_stage();  // stage st + kDepth - 1
     cp_async_commit();  // possibly empty: the group count stays one per stage
     convert_stage(st + 1u);
     if (!active) continue;
     const u32 tk0 = kb + st * kStageTiles;
     const u32 rows = min(kStageTiles, ke - tk0);
-    const unsigned char* bt = ring + (st % kDepth) * L::kStage + warp * L::kTileBytes;
+    const unsigned char* bt = ring + (st % kDepth) * L::kStage;
     const T* xt = x_s + (st & 1u) * (L::kX / sizeof(T)) + g * kXStride + 4u * t;
 #pragma unroll
     for (u32 j = 0; j < kStageTiles; ++j) {
@@ -235,12 +248,12 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
         group_end += tiles_per_group;
         load_scales(s_next, min(gi + 1u, a.n_groups - 1u));
       }
-      const u32* words = reinterpret_cast<const u32*>(bt + j * L::kBRow);
       u32 f[4];
 #pragma unroll
       for (u32 r = 0; r < 4; ++r) {
-        if constexpr (BITS == 3) f[r] = __funnelshift_r(words[f_word[r]], words[f_word[r] + 1u], f_shift[r]);
-        else f[r] = words[f_word[r]] >> f_shift[r];
+        const u32* word = reinterpret_cast<const u32*>(bt + j * L::kBRow + f_off[r]);
+        if constexpr (BITS == 3) f[r] = __funnelshift_r(word[0], word[1], f_shift[r]);
+        else f[r] = word[0] >> f_shift[r];
       }
       // A rows g / g + 8 = columns col0 / col0 + 1; k-pairs (rows 4t, 4t+1) and (4t+2, 4t+3).
       u32 af[4];
