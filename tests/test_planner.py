@@ -529,7 +529,7 @@ def test_plan_trellis_forced_families_and_keys():
         torch_marlin.plan_trellis(20, 64, 64, 2, 32, family="tiled")
     p = torch_marlin.plan_trellis(20, 64, 64, 2, 32, device="metal", caps=dict(compute_units=10))
     assert set(p) == {"family", "kernel", "grid", "threads", "tile_m", "tile_n", "m_tiles", "n_tiles", "k_chunk",
-                      "tile_k", "k_vec4", "cpu_avx2", "cuda_stream_decode", "k_parallel", "k_slice_tiles", "backend", "compute_units",
+                      "tile_k", "k_vec4", "cpu_avx2", "cuda_stream_decode", "cuda_stream_stage_groups", "k_parallel", "k_slice_tiles", "backend", "compute_units",
                       "max_shared_memory", "wgmma", "thread_block_clusters", "avx2"}
     assert (p["backend"], p["compute_units"], p["m_tiles"], p["n_tiles"]) == ("metal", 10, 1, 1)
 
@@ -544,6 +544,10 @@ def test_plan_trellis_policy_cuda():
     assert (dec["k_parallel"], dec["k_slice_tiles"], dec["grid"]) == (16, 16, (32, 16, 1))
     assert dec["combine"]["kernel"] == "gemm_trellis_reduce_half" and dec["combine"]["grid"] == (16, 1, 1)
     assert torch_marlin.plan_trellis(9, 4096, 4096, 3, 128, torch.float16, device="cuda", caps=H100)["tile_m"] == 16
+    # Scale groups of whole 128-row stages fold at stage starts only; smaller groups fold per tile row.
+    assert dec["cuda_stream_stage_groups"]
+    assert not torch_marlin.plan_trellis(1, 4096, 4096, 3, 64, torch.float16, device="cuda",
+                                         caps=H100)["cuda_stream_stage_groups"]
     # K % 8 != 0: the tensor-core kernel at one m16 tile, K in 128-row stages.
     odd = torch_marlin.plan_trellis(1, 4100, 4096, 3, 128, torch.bfloat16, device="cuda", caps=H100)
     assert (odd["kernel"], odd["tile_m"], odd["tile_k"], odd["cuda_stream_decode"]) == (

@@ -238,16 +238,14 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
     const u32 rows = min(kStageTiles, ke - tk0);
     const unsigned char* bt = ring + (st % kDepth) * L::kStage;
     const T* xt = x_s + (st & 1u) * (L::kX / sizeof(T)) + g * kXStride + 4u * t;
-#pragma unroll
-    for (u32 j = 0; j < kStageTiles; ++j) {
-      if (j >= rows) break;
-      if (tk0 + j == group_end) {
-        fold(s_cur);
-        s_cur = s_next;
-        ++gi;
-        group_end += tiles_per_group;
-        load_scales(s_next, min(gi + 1u, a.n_groups - 1u));
-      }
+    auto next_group = [&]() {
+      fold(s_cur);
+      s_cur = s_next;
+      ++gi;
+      group_end += tiles_per_group;
+      load_scales(s_next, min(gi + 1u, a.n_groups - 1u));
+    };
+    auto tile = [&](u32 j) {
       u32 f[4];
 #pragma unroll
       for (u32 r = 0; r < 4; ++r) {
@@ -265,6 +263,20 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
       for (u32 nt = 0; nt < NT; ++nt) {
         const uint2 b = *reinterpret_cast<const uint2*>(xt + nt * 8u * kXStride + j * TM_TRELLIS_TILE);
         Tr<T>::mma(part[nt], af, b.x, b.y);
+      }
+    };
+    if (a.stage_groups && rows == kStageTiles) {
+      // Groups of whole stages: a group can only start at a stage's first tile row, and the
+      // stage's tiles run without a branch between them (their loads overlap).
+      if (tk0 == group_end) next_group();
+#pragma unroll
+      for (u32 j = 0; j < kStageTiles; ++j) tile(j);
+    } else {
+#pragma unroll
+      for (u32 j = 0; j < kStageTiles; ++j) {
+        if (j >= rows) break;
+        if (tk0 + j == group_end) next_group();
+        tile(j);
       }
     }
   }

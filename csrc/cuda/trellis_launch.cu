@@ -59,6 +59,7 @@ void gemm_typed(const TrellisPlan& plan, const TrellisGemmArgs& g, at::Tensor& C
   }
   TrellisKernelArgs a = base_args(p, plan.main);
   a.w[0] = a.w[1] = matrix_ptrs(g.w, false);
+  a.stage_groups = plan.cuda_stream_stage_groups ? 1u : 0u;
   a.A = g.A.data_ptr();
   a.lda = p.K;
   a.ldc = p.N;

@@ -169,6 +169,7 @@ inline py::dict trellis_plan_to_dict(const TrellisPlan& p) {
   d["k_vec4"] = p.params.k_vec4 != 0;
   d["cpu_avx2"] = p.cpu_avx2;
   d["cuda_stream_decode"] = p.cuda_stream_decode;
+  d["cuda_stream_stage_groups"] = p.cuda_stream_stage_groups;
   if (p.params.num_experts != 0) d["down_k_vec4"] = p.params.down_k_vec4 != 0;
   const std::pair<const char*, const TrellisLaunch*> stages[] = {
       {"down", &p.down}, {"combine", &p.combine}, {"route", &p.route}, {"tiled_gate", &p.tiled_gate},

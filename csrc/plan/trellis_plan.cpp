@@ -232,6 +232,8 @@ TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int
       // Decode streams through trellis_decode.cu where its 16-byte activation copies fit (K % 8 == 0),
       // with M padded to 8 or 16 rows; otherwise the tensor-core kernel at one m16 tile.
       p.cuda_stream_decode = decode && K % 8 == 0;
+      p.cuda_stream_stage_groups =
+          p.cuda_stream_decode && group_size % (kCudaStreamStageTiles * TM_TRELLIS_TILE) == 0;
       const uint32_t stage_tiles = p.cuda_stream_decode ? kCudaStreamStageTiles : kCudaStageTiles;
       const uint32_t tile_m = p.cuda_stream_decode ? (M <= 8 ? 8u : 16u)
                               : decode             ? TM_TRELLIS_CUDA_DECODE_M

@@ -46,6 +46,9 @@ struct TrellisPlan {
   // CUDA fp16/bf16 decode: the streaming kernel (trellis_decode.cu; K % 8 == 0, its 16-byte
   // activation copies), else the tensor-core kernel of the fused tiles at one m16 tile.
   bool cuda_stream_decode = false;
+  // The streaming decode's scale groups are whole stages (group_size a multiple of 128 rows): the
+  // kernel folds scales only at a stage's start and runs a stage's tiles without a branch.
+  bool cuda_stream_stage_groups = false;
   TrellisParams params{};
 };
 
