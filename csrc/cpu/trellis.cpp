@@ -210,6 +210,7 @@ void moe_impl(const TrellisPlan& plan, const TrellisMoeArgs& a, at::Tensor& y) {
     xg[e] = trellis_decode_activations(xe, a.gate.su[e], H);
     xu[e] = trellis_decode_activations(xe, a.up.su[e], H);
   }
+  const DecodeKernel kernel = decode_kernel(plan);
   const int64_t nb1 = plan.params.tile_n, blocks1 = plan.main.grid[0];
   TORCH_CHECK(nb1 <= kMaxDecodeCols && nb1 % 16 == 0, "trellis_moe_cpu: plan tile_n ", nb1,
               " is not a multiple of 16 up to ", kMaxDecodeCols);
@@ -222,8 +223,8 @@ void moe_impl(const TrellisPlan& plan, const TrellisMoeArgs& a, at::Tensor& y) {
       const TView wg = make_view(a.gate, H, I, a.bits, a.group_size, e);
       const TView wu = make_view(a.up, H, I, a.bits, a.group_size, e);
       const int64_t n1 = std::min(n0 + nb1, I), nb = n1 - n0;
-      trellis_decode_columns(plan.cpu_avx2, a.bits, wg, xg[e].data_ptr<float>(), xg[e].size(1), rows, n0, n1, g, nb);
-      trellis_decode_columns(plan.cpu_avx2, a.bits, wu, xu[e].data_ptr<float>(), xu[e].size(1), rows, n0, n1, u, nb);
+      trellis_decode_columns(kernel, a.bits, wg, xg[e].data_ptr<float>(), xg[e].size(1), rows, n0, n1, g, nb);
+      trellis_decode_columns(kernel, a.bits, wu, xu[e].data_ptr<float>(), xu[e].size(1), rows, n0, n1, u, nb);
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t n = 0; n < nb; ++n) Hp[(r0 + r) * I + n0 + n] = silu(g[r * nb + n]) * u[r * nb + n];
     }
@@ -252,7 +253,7 @@ void moe_impl(const TrellisPlan& plan, const TrellisMoeArgs& a, at::Tensor& y) {
       const int64_t r0 = off[e], rows = off[e + 1] - off[e];
       if (rows == 0 || rows > kMaxDecodeRows) continue;
       const TView wd = make_view(a.down, I, H, a.bits, a.group_size, e);
-      trellis_decode_columns(plan.cpu_avx2, a.bits, wd, xd[e].data_ptr<float>(), xd[e].size(1), rows, n0,
+      trellis_decode_columns(kernel, a.bits, wd, xd[e].data_ptr<float>(), xd[e].size(1), rows, n0,
                              std::min(n0 + nb2, H), Yp + r0 * H + n0, H);
     }
   });

@@ -1,5 +1,6 @@
 // Shared pieces of the CPU trellis kernels (csrc/cpu/trellis.cpp: prefill, dequant, MoE;
-// csrc/cpu/trellis_decode.cpp: the decode family).
+// csrc/cpu/trellis_decode.cpp: the decode family, csrc/cpu/trellis_decode_avx512.cpp: its AVX-512
+// kernel).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -7,6 +8,12 @@
 #include <cstdint>
 
 #include "ops/trellis.h"
+
+// x86-64 GCC / Clang builds carry the AVX-512 decode kernel whatever the build's -m flags (its
+// functions carry target attributes); the planner names it only where the CPU runs AVX-512.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define TM_TRELLIS_AVX512 1
+#endif
 
 namespace torch_marlin {
 
@@ -44,10 +51,25 @@ void trellis_decode_gemm(const TrellisPlan& plan, const TrellisGemmArgs& args, f
 // X = A * su in fp32 [M, tiles_k * 16], zero past K: the decode kernels' activation operand.
 at::Tensor trellis_decode_activations(const at::Tensor& A, const at::Tensor& su, int64_t K);
 
+// The decode kernel a plan names (TrellisPlan::cpu_avx512, cpu_avx2).
+enum class DecodeKernel { Portable, Avx2, Avx512 };
+inline DecodeKernel decode_kernel(const TrellisPlan& plan) {
+  return plan.cpu_avx512 ? DecodeKernel::Avx512 : plan.cpu_avx2 ? DecodeKernel::Avx2 : DecodeKernel::Portable;
+}
+
 // C[m * ldc + n - c0] = (X @ W)[m, n] for m < M <= kDecodeMaxM, n in [c0, c1), c0 a multiple of 16,
-// X from trellis_decode_activations (row stride ldx); one thread. avx2: the AVX2 kernel (only
-// where the plan says so), else the portable one.
-void trellis_decode_columns(bool avx2, int64_t bits, const TView& w, const float* X, int64_t ldx, int64_t M,
-                            int64_t c0, int64_t c1, float* C, int64_t ldc);
+// X from trellis_decode_activations (row stride ldx); one thread, the plan's `kernel` (refused
+// where this build lacks it).
+void trellis_decode_columns(DecodeKernel kernel, int64_t bits, const TView& w, const float* X, int64_t ldx,
+                            int64_t M, int64_t c0, int64_t c1, float* C, int64_t ldc);
+
+#if defined(TM_TRELLIS_AVX512)
+// The running CPU executes AVX-512 F, BW, VL and DQ (and the OS saves their registers).
+bool cpu_runs_trellis_avx512();
+
+// trellis_decode_columns with the AVX-512 kernel; only where cpu_runs_trellis_avx512().
+void trellis_decode_columns_avx512(int64_t bits, const TView& w, const float* X, int64_t ldx, int64_t M, int64_t c0,
+                                   int64_t c1, float* C, int64_t ldc);
+#endif
 
 }  // namespace torch_marlin

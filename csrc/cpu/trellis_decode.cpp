@@ -10,8 +10,8 @@
 // applied once per tile into the block's fp32 accumulators (M x tile_n floats, at most 16 KiB,
 // sized by the planner so they stay in L1), sv once per output.
 //
-// Kernels: cpu_trellis_decode_avx2 (codebook in registers, lane permutes) when the plan says so,
-// cpu_trellis_decode (portable C++) otherwise.
+// Kernels, as the plan names them: cpu_trellis_decode_avx512 (csrc/cpu/trellis_decode_avx512.cpp),
+// cpu_trellis_decode_avx2 (codebook in registers, lane permutes), cpu_trellis_decode (portable C++).
 #include <ATen/Parallel.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -222,10 +222,10 @@ void decode_block_avx2(const TView& w, const float* X, int64_t ldx, int64_t M, i
 #endif
 
 template <int BITS>
-void decode_columns(bool avx2, const TView& w, const float* X, int64_t ldx, int64_t M, int64_t c0, int64_t c1, float* C,
-                    int64_t ldc) {
+void decode_columns(DecodeKernel kernel, const TView& w, const float* X, int64_t ldx, int64_t M, int64_t c0, int64_t c1,
+                    float* C, int64_t ldc) {
 #if defined(TM_TRELLIS_AVX2)
-  if (avx2) return decode_block_avx2<BITS>(w, X, ldx, M, c0, c1, C, ldc);
+  if (kernel == DecodeKernel::Avx2) return decode_block_avx2<BITS>(w, X, ldx, M, c0, c1, C, ldc);
 #endif
   decode_block_portable<BITS>(w, X, ldx, M, c0, c1, C, ldc);
 }
@@ -240,16 +240,24 @@ at::Tensor trellis_decode_activations(const at::Tensor& A, const at::Tensor& su,
   return X;
 }
 
-void trellis_decode_columns(bool avx2, int64_t bits, const TView& w, const float* X, int64_t ldx, int64_t M,
-                            int64_t c0, int64_t c1, float* C, int64_t ldc) {
+void trellis_decode_columns(DecodeKernel kernel, int64_t bits, const TView& w, const float* X, int64_t ldx,
+                            int64_t M, int64_t c0, int64_t c1, float* C, int64_t ldc) {
 #if !defined(TM_TRELLIS_AVX2)
-  TORCH_CHECK(!avx2, "torch_marlin: the plan names the AVX2 trellis decode kernel but this build has none");
+  TORCH_CHECK(kernel != DecodeKernel::Avx2,
+              "torch_marlin: the plan names the AVX2 trellis decode kernel but this build has none");
 #endif
   TORCH_CHECK(c0 % kTile == 0 && M <= kDecodeMaxM, "trellis decode: columns must start on a tile, rows <= 16");
+  if (kernel == DecodeKernel::Avx512) {
+#if defined(TM_TRELLIS_AVX512)
+    return trellis_decode_columns_avx512(bits, w, X, ldx, M, c0, c1, C, ldc);
+#else
+    TORCH_CHECK(false, "torch_marlin: the plan names the AVX-512 trellis decode kernel but this build has none");
+#endif
+  }
   switch (bits) {
-    case 2: decode_columns<2>(avx2, w, X, ldx, M, c0, c1, C, ldc); break;
-    case 3: decode_columns<3>(avx2, w, X, ldx, M, c0, c1, C, ldc); break;
-    default: decode_columns<4>(avx2, w, X, ldx, M, c0, c1, C, ldc); break;
+    case 2: decode_columns<2>(kernel, w, X, ldx, M, c0, c1, C, ldc); break;
+    case 3: decode_columns<3>(kernel, w, X, ldx, M, c0, c1, C, ldc); break;
+    default: decode_columns<4>(kernel, w, X, ldx, M, c0, c1, C, ldc); break;
   }
 }
 
@@ -260,11 +268,11 @@ void trellis_decode_gemm(const TrellisPlan& plan, const TrellisGemmArgs& a, floa
   const at::Tensor X = trellis_decode_activations(a.A, a.w.su, a.K);
   const float* Xp = X.data_ptr<float>();
   const int64_t tile_n = plan.params.tile_n;
+  const DecodeKernel kernel = decode_kernel(plan);
   at::parallel_for(0, plan.params.n_tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t c0 = t * tile_n;
-      trellis_decode_columns(plan.cpu_avx2, a.bits, w, Xp, X.size(1), a.M, c0, std::min(c0 + tile_n, a.N), C + c0,
-                             a.N);
+      trellis_decode_columns(kernel, a.bits, w, Xp, X.size(1), a.M, c0, std::min(c0 + tile_n, a.N), C + c0, a.N);
     }
   });
 }

@@ -65,8 +65,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("caps"), py::arg("A"), py::arg("packed_indices"), py::arg("scales"), py::arg("grid"), py::arg("su"),
       py::arg("sv"), py::arg("K"), py::arg("N"), py::arg("bits"), py::arg("group_size"),
-      "gemm_trellis on the CPU planned with these caps (keys as default_caps): avx2=False runs the portable "
-      "kernels on any machine.");
+      "gemm_trellis on the CPU planned with these caps (keys as default_caps): avx2=False and avx512=False "
+      "run the portable kernels on any machine.");
   m.def(
       "cached_plan_quant_gemm",
       [](const std::string& format, int64_t M, int64_t K, int64_t N, int64_t group_size, const std::string& dtype,

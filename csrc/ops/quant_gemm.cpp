@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu/trellis_cpu.h"
 #include "ops/quant_gemm.h"
 #include "ops/vector_aligned.h"
 #include "plan/plan_cache.h"
@@ -35,6 +36,9 @@ DeviceCaps device_caps(const at::Device& dev) {
 #if defined(__AVX2__) && defined(__FMA__)
       static const bool cpu_has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
       c.avx2 = cpu_has_avx2 ? 1 : 0;
+#endif
+#if defined(TM_TRELLIS_AVX512)
+      c.avx512 = cpu_runs_trellis_avx512() ? 1 : 0;
 #endif
       return c;
     }

@@ -294,6 +294,9 @@ at::Tensor gemm_trellis_cpu_with_caps(const DeviceCaps& caps, const at::Tensor& 
   TORCH_CHECK_VALUE(caps.backend == Backend::CPU, "gemm_trellis_cpu_with_caps: caps must be CPU caps");
   TORCH_CHECK_VALUE(caps.avx2 == 0 || device_caps(A.device()).avx2 != 0,
                     "gemm_trellis_cpu_with_caps: caps['avx2'] is set but this build or CPU has no AVX2 kernels");
+  TORCH_CHECK_VALUE(caps.avx512 == 0 || device_caps(A.device()).avx512 != 0,
+                    "gemm_trellis_cpu_with_caps: caps['avx512'] is set but this build or CPU has no AVX-512 "
+                    "kernels");
   return gemm_trellis_planned(&caps, A, packed, scales, grid, su, sv, K, N, bits, group_size);
 }
 

@@ -55,8 +55,8 @@ inline void trellis_route(const at::Tensor& expert_ids, int64_t E, TrellisMoeArg
 }
 
 // gemm_trellis on the CPU planned with `caps` instead of the device's: the same checks, plan and
-// kernels (caps.avx2 = 0 runs the portable kernels on any machine; 1 is refused where the build or
-// the CPU lacks them). Bound as torch_marlin._C.gemm_trellis_cpu_with_caps for tests.
+// kernels (caps.avx2 = 0 and caps.avx512 = 0 run the portable kernels on any machine; 1 is refused
+// where the build or the CPU lacks them). Bound as torch_marlin._C.gemm_trellis_cpu_with_caps for tests.
 at::Tensor gemm_trellis_cpu_with_caps(const DeviceCaps& caps, const at::Tensor& A, const at::Tensor& packed,
                                       const at::Tensor& scales, const at::Tensor& grid, const at::Tensor& su,
                                       const at::Tensor& sv, int64_t K, int64_t N, int64_t bits, int64_t group_size);

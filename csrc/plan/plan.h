@@ -39,6 +39,9 @@ struct DeviceCaps {
   // CPU: 1 when this build has the AVX2+FMA kernels and the running CPU executes AVX2 and FMA;
   // the planner then names the AVX2 kernels (the trellis decode family), else the portable ones.
   int avx2 = 0;
+  // CPU: 1 when this build has the AVX-512 trellis decode kernel (x86-64) and the running CPU
+  // executes AVX-512 F, BW, VL and DQ; the trellis decode family then runs it (over avx2).
+  int avx512 = 0;
 };
 
 // What a backend is assumed to have where the caller names no value: CPU 1 thread; Metal

@@ -10,12 +10,12 @@ namespace {
 enum class PlanOp : int64_t { QuantGemm = 0, TrellisGemm = 1, RansGemm = 2 };
 
 // (op, format or bits, dtype, bias, M, K, N, group_size, caps fields): every planner input.
-using PlanKey = std::array<int64_t, 14>;
+using PlanKey = std::array<int64_t, 15>;
 
 PlanKey make_key(PlanOp op, int64_t variant, DType dtype, bool has_bias, int64_t M, int64_t K, int64_t N,
                  int64_t group_size, const DeviceCaps& c) {
   return {int64_t(op), variant, int64_t(dtype), has_bias ? 1 : 0, M, K, N, group_size, int64_t(c.backend),
-          c.compute_units, c.max_shared_memory, c.thread_block_clusters, c.wgmma, c.avx2};
+          c.compute_units, c.max_shared_memory, c.thread_block_clusters, c.wgmma, c.avx2, c.avx512};
 }
 
 struct PlanCache {

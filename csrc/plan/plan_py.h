@@ -70,6 +70,7 @@ inline py::dict caps_to_dict(const DeviceCaps& c) {
   d["wgmma"] = c.wgmma != 0;
   d["thread_block_clusters"] = c.thread_block_clusters != 0;
   d["avx2"] = c.avx2 != 0;
+  d["avx512"] = c.avx512 != 0;
   return d;
 }
 
@@ -96,9 +97,12 @@ inline DeviceCaps caps_from_dict(Backend backend, const py::dict& caps) {
       c.thread_block_clusters = v.cast<bool>() ? 1 : 0;
     } else if (key == "avx2") {
       c.avx2 = v.cast<bool>() ? 1 : 0;
+    } else if (key == "avx512") {
+      c.avx512 = v.cast<bool>() ? 1 : 0;
     } else {
       TORCH_CHECK_VALUE(false, "caps: unknown key '", key,
-                        "' (keys: backend, compute_units, max_shared_memory, wgmma, thread_block_clusters, avx2)");
+                        "' (keys: backend, compute_units, max_shared_memory, wgmma, thread_block_clusters, avx2, "
+                        "avx512)");
     }
   }
   return c;
@@ -168,6 +172,7 @@ inline py::dict trellis_plan_to_dict(const TrellisPlan& p) {
   d["tile_k"] = p.params.tile_k;
   d["k_vec4"] = p.params.k_vec4 != 0;
   d["cpu_avx2"] = p.cpu_avx2;
+  d["cpu_avx512"] = p.cpu_avx512;
   d["cuda_stream_decode"] = p.cuda_stream_decode;
   d["cuda_stream_stage_groups"] = p.cuda_stream_stage_groups;
   if (p.params.num_experts != 0) d["down_k_vec4"] = p.params.down_k_vec4 != 0;

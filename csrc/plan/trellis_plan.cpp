@@ -196,8 +196,11 @@ TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int
         const int64_t tasks = threads * ((N + threads * max_cols - 1) / (threads * max_cols));
         const int64_t tile_n = (N + tasks - 1) / tasks;
         set_tiles(p.params, M, N, uint32_t(kDecodeMaxM), cdiv(tile_n, TM_TRELLIS_TILE) * TM_TRELLIS_TILE);
-        p.cpu_avx2 = caps.avx2 != 0;
-        p.main.kernel = p.cpu_avx2 ? "cpu_trellis_decode_avx2" : "cpu_trellis_decode";
+        p.cpu_avx512 = caps.avx512 != 0;
+        p.cpu_avx2 = !p.cpu_avx512 && caps.avx2 != 0;
+        p.main.kernel = p.cpu_avx512 ? "cpu_trellis_decode_avx512"
+                        : p.cpu_avx2 ? "cpu_trellis_decode_avx2"
+                                     : "cpu_trellis_decode";
       } else {
         set_tiles(p.params, M, N, uint32_t(std::max<int64_t>(M, 1)), kCpuPrefillTileN);
         p.main.kernel = "cpu_trellis_prefill";
@@ -359,7 +362,9 @@ TrellisPlan plan_trellis_moe(int64_t tokens, int64_t hidden, int64_t intermediat
     }
     case Backend::CPU: {
       set_tiles(p.params, kDecodeMaxM, intermediate, uint32_t(kDecodeMaxM), kCpuMoeTileN);
-      p.cpu_avx2 = caps.avx2 != 0;  // the decode stages' kernel, as for the GEMM
+      // The decode stages' kernel, as for the GEMM.
+      p.cpu_avx512 = caps.avx512 != 0;
+      p.cpu_avx2 = !p.cpu_avx512 && caps.avx2 != 0;
       p.main.kernel = "cpu_trellis_moe_gate_up";
       p.main.grid[0] = p.params.n_tiles;
       p.main.grid[1] = E;

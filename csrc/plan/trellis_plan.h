@@ -42,7 +42,10 @@ struct TrellisPlan {
   // down, tiled_down, combine. Empty kernel names when not planned.
   TrellisLaunch tiled_gate, tiled_up, tiled_down;
   uint32_t k_chunk = 0;   // CPU: K rows dequantized per panel (bounded cache footprint)
-  bool cpu_avx2 = false;  // CPU decode: the AVX2 kernel (caps.avx2), else the portable one
+  // CPU decode: the AVX-512 kernel (caps.avx512), else the AVX2 one (caps.avx2), else the portable
+  // one; at most one of the two is set.
+  bool cpu_avx512 = false;
+  bool cpu_avx2 = false;
   // CUDA fp16/bf16 decode: the streaming kernel (trellis_decode.cu; K % 8 == 0, its 16-byte
   // activation copies), else the tensor-core kernel of the fused tiles at one m16 tile.
   bool cuda_stream_decode = false;
