@@ -23,6 +23,7 @@ PLAN_KEYS = {
     "k_slice_len", "num_groups", "consumers", "vector_loads", "fold", "padded_n", "tail_n_tiles", "tail_k_parallel",
     "tail_k_slice_len",
     "dependent_launch", "backend", "compute_units", "max_shared_memory", "wgmma", "thread_block_clusters", "avx2",
+    "avx512",
 }
 
 
@@ -427,7 +428,7 @@ def test_metal_plan_without_caps_uses_default_metal_caps():
     assert (p["backend"], p["compute_units"], p["max_shared_memory"]) == ("metal", 8, 32768)
     assert p == torch_marlin.plan_gemm("fp4", 64, 8192, 128, device="metal", caps=M1)
     assert _C.default_caps("metal") == dict(backend="metal", compute_units=8, max_shared_memory=32768, wgmma=False,
-                                            thread_block_clusters=False, avx2=False)
+                                            thread_block_clusters=False, avx2=False, avx512=False)
 
 
 def test_missing_caps_keys_take_the_backend_defaults():
@@ -485,7 +486,8 @@ def test_cpu_plan_uses_the_ops_thread_count():
             torch.set_num_threads(n)
             assert _C.device_caps("cpu") == dict(backend="cpu", compute_units=n, max_shared_memory=32768,
                                                  wgmma=False, thread_block_clusters=False,
-                                                 avx2=_C.device_caps("cpu")["avx2"])
+                                                 avx2=_C.device_caps("cpu")["avx2"],
+                                                 avx512=_C.device_caps("cpu")["avx512"])
             assert torch_marlin.plan_gemm("fp4", 1, 256, 64)["compute_units"] == n
             assert torch_marlin.plan_trellis(1, 256, 64)["compute_units"] == n
         # The decode tile width depends on it: 256 columns only when every thread gets two tiles.
@@ -529,8 +531,9 @@ def test_plan_trellis_forced_families_and_keys():
         torch_marlin.plan_trellis(20, 64, 64, 2, 32, family="tiled")
     p = torch_marlin.plan_trellis(20, 64, 64, 2, 32, device="metal", caps=dict(compute_units=10))
     assert set(p) == {"family", "kernel", "grid", "threads", "tile_m", "tile_n", "m_tiles", "n_tiles", "k_chunk",
-                      "tile_k", "k_vec4", "cpu_avx2", "cuda_stream_decode", "cuda_stream_stage_groups", "k_parallel", "k_slice_tiles", "backend", "compute_units",
-                      "max_shared_memory", "wgmma", "thread_block_clusters", "avx2"}
+                      "tile_k", "k_vec4", "cpu_avx2", "cpu_avx512", "cuda_stream_decode", "cuda_stream_stage_groups",
+                      "k_parallel", "k_slice_tiles", "backend", "compute_units", "max_shared_memory", "wgmma",
+                      "thread_block_clusters", "avx2", "avx512"}
     assert (p["backend"], p["compute_units"], p["m_tiles"], p["n_tiles"]) == ("metal", 10, 1, 1)
 
 

@@ -45,7 +45,7 @@ def test_cpu_quick_covers_every_op_and_family(cpu_quick):
             assert families == {"decode", "dequant_blas"}, (op, dtype, families)
     kernels = {r["kernel"] for r in rows}
     assert {"cpu_trellis_prefill", "cpu_dequant_blas"} <= kernels
-    assert kernels & {"cpu_trellis_decode", "cpu_trellis_decode_avx2"}
+    assert kernels & {"cpu_trellis_decode", "cpu_trellis_decode_avx2", "cpu_trellis_decode_avx512"}
 
 
 def test_cpu_quick_benchmark_tables(cpu_quick):

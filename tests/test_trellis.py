@@ -250,6 +250,14 @@ def test_sqnr_report_beats_rtn():
 
 # ---- plumbing -------------------------------------------------------------------------------------
 
+def cpu_decode_kernel():
+    """The CPU decode kernel the planner names for this machine's caps."""
+    caps = tm._C.device_caps("cpu")
+    if caps["avx512"]:
+        return "cpu_trellis_decode_avx512"
+    return "cpu_trellis_decode_avx2" if caps["avx2"] else "cpu_trellis_decode"
+
+
 def debug_log_of(code):
     """stderr of `python -c code` with TORCH_MARLIN_DEBUG=1 (the ops log every dispatch there)."""
     env = dict(os.environ, TORCH_MARLIN_DEBUG="1")
@@ -264,7 +272,7 @@ def test_debug_logging():
                        "torch_marlin.ops.gemm_trellis(torch.randn(3, 32), q['packed_indices'], q['scales'], "
                        "q['grid'], q['su'], q['sv'], 32, 32, 2, 32)\n")
     # N = 32: two tasks of one tile column each (one per thread), or one task on one thread.
-    decode = "cpu_trellis_decode_avx2" if tm._C.device_caps("cpu")["avx2"] else "cpu_trellis_decode"
+    decode = cpu_decode_kernel()
     assert f"kernel={decode} grid=(" in log
     for name in ("A:", "scales:", "grid:", "su:", "sv:"):
         assert name in log
@@ -297,5 +305,5 @@ def test_trellis_linear_dispatches_decode_then_prefill():
                        " dtype=torch.float32)\n"
                        "m(torch.randn(2, 8, 64)); m(torch.randn(3, 6, 64))\n")
     kernels = [line.split("kernel=")[1].split()[0] for line in log.splitlines() if "kernel=" in line]
-    decode = "cpu_trellis_decode_avx2" if tm._C.device_caps("cpu")["avx2"] else "cpu_trellis_decode"
+    decode = cpu_decode_kernel()
     assert kernels == [decode, "cpu_trellis_prefill"], kernels

@@ -64,12 +64,13 @@ def plan_gemm(format: str, M: int, K: int, N: int, group_size: int = 128, dtype=
     """The plan the FP4 / INT4 / affine op (``format`` ``"fp4"``, ``"u4"``, ``"affine"``) would execute
     for this problem: ``family``, ``kernel``, ``reduce``,
     ``grid``, ``threads``, tiles, K slices, ... and the caps it was made for (``backend``,
-    ``compute_units``, ``wgmma``, ``thread_block_clusters``, ``max_shared_memory``, ``avx2``).
+    ``compute_units``, ``wgmma``, ``thread_block_clusters``, ``max_shared_memory``, ``avx2``, ``avx512``).
 
     ``device``: a torch device or ``"metal"`` (Metal planned without a device, default Metal caps).
     ``caps``: a dict of the capabilities to plan for (keys ``compute_units``, ``max_shared_memory``,
-    ``wgmma``, ``thread_block_clusters``, ``avx2``: the CPU's AVX2+FMA kernels; missing keys take the
-    backend's defaults, which have no AVX2). None reads the
+    ``wgmma``, ``thread_block_clusters``, ``avx2``: the CPU's AVX2+FMA kernels, ``avx512``: the CPU's
+    AVX-512 kernel (trellis decode); missing keys take the backend's defaults, which have neither).
+    None reads the
     real device's caps, as the op does; planning for a CUDA or MPS device this machine lacks needs
     ``caps``. ``family`` forces a kernel family (tests); ``"auto"`` is the policy."""
     if dtype not in _DTYPES:
@@ -81,13 +82,14 @@ def plan_gemm(format: str, M: int, K: int, N: int, group_size: int = 128, dtype=
 def plan_trellis(M: int, K: int, N: int, bits: int = 3, group_size: int = 128, dtype=torch.float16,
                  device="cpu", family: str = "auto", caps=None) -> dict:
     """The plan ``gemm_trellis`` would execute: M <= 16 -> ``decode`` (``gemm_trellis_packed_decode``,
-    GEMV layout, on Metal; ``cpu_trellis_decode_avx2`` with caps ``avx2``, else the portable
-    ``cpu_trellis_decode``, on the CPU), else ``staged_tiles`` on Metal (``gemm_trellis_packed``, 64x64
+    GEMV layout, on Metal; ``cpu_trellis_decode_avx512`` with caps ``avx512``, else
+    ``cpu_trellis_decode_avx2`` with caps ``avx2``, else the portable ``cpu_trellis_decode``, on the
+    CPU), else ``staged_tiles`` on Metal (``gemm_trellis_packed``, 64x64
     tiles) and ``dequant_blas`` on the CPU (``cpu_trellis_prefill``).
     Keys: ``family, kernel, grid, threads, tile_m, tile_n, m_tiles, n_tiles, k_chunk, tile_k, k_vec4,
-    cpu_avx2`` and the caps (``tile_k``: K rows per block of the Metal kernel; ``k_vec4``: activation rows
+    cpu_avx2, cpu_avx512`` and the caps (``tile_k``: K rows per block of the Metal kernel; ``k_vec4``: activation rows
     read 4 elements at a time; ``tile_n``, ``n_tiles``: the CPU decode's column block and task count;
-    ``cpu_avx2``: the CPU decode runs the AVX2 kernel).
+    ``cpu_avx512``, ``cpu_avx2``: the CPU decode runs the AVX-512 or the AVX2 kernel).
     ``device``, ``caps`` and ``family`` as for :func:`plan_gemm`."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")

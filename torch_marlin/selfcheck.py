@@ -479,7 +479,8 @@ def main(argv=None) -> int:
 
     chip = chip_name(device)
     caps = {k: v for k, v in plan_gemm("fp4", 1, 128, 128, 128, torch.float16, device=device).items()
-            if k in ("backend", "compute_units", "max_shared_memory", "wgmma", "thread_block_clusters", "avx2")}
+            if k in ("backend", "compute_units", "max_shared_memory", "wgmma", "thread_block_clusters", "avx2",
+                     "avx512")}
     header = {"torch_marlin": torch_marlin.__version__, "torch": torch.__version__, "device": device,
               "chip": chip, "caps": caps}
     print(f"torch_marlin {header['torch_marlin']}  torch {header['torch']}  device {device}  chip {chip}  caps "
