@@ -73,6 +73,10 @@ def build_extension():
         # every x86-64 machine that runs LLMs. TORCH_MARLIN_CPU_BASELINE=1 builds for plain x86-64.
         if os.environ.get("TORCH_MARLIN_CPU_BASELINE") != "1":
             cxx += ["-mavx2", "-mfma", "-mf16c"]
+    # No flag for the AVX-512 trellis decode kernel (csrc/cpu/trellis_decode_avx512.cpp): its
+    # functions carry target attributes, so the rest of the build keeps the ISA above, and the file
+    # compiles to nothing except on x86-64 with GCC or Clang. It runs only where the planner saw
+    # the CPU run AVX-512 (caps avx512).
 
     ext_cls = cpp_extension.CppExtension
     if want_cuda():

@@ -13,6 +13,7 @@
 // bits, a word that starts 8 bits before the row puts columns 0-7 in the low half and 8-15 in the
 // high half, with none straddling). Partial sums and the block's accumulators stay in this order;
 // scales are permuted into it once per tile, and outputs back once per element.
+
 // GCC 12 flags the AVX-512 intrinsics' own placeholder operands (_mm512_undefined_*) as
 // maybe-uninitialized once they are inlined here; the pragma precedes the first include of them.
 #if defined(__GNUC__) && !defined(__clang__)
@@ -25,7 +26,6 @@
 
 #include <immintrin.h>
 
-#include <algorithm>
 #include <cstring>
 #include <memory>
 
@@ -121,7 +121,7 @@ TM_AVX512_TARGET void decode_block(const TView& w, const float* X, int64_t ldx, 
   // The activations of one tile row block, copied together: the FMAs then broadcast them from
   // fixed offsets of one register (M row pointers would not fit in registers at M = 16). The
   // barrier per tile keeps them in memory: without it the compiler forwards the copied vectors
-  // into lane permutes (the codebook lookups' port) or hoists 16 M values into stack spills.
+  // into lane permutes (the codebook lookups' port) or hoists all 16 M of them into stack spills.
   alignas(64) float xt[M * kTile];
   for (int64_t tk = 0; tk < w.tiles_k; ++tk) {
     const int64_t k0 = tk * kTile;
