@@ -38,6 +38,8 @@ def pytest_sessionstart(session):
             sys.stderr.flush()
 
     metal_emu.announce = announce
+    if hasattr(session.config, "workerinput"):
+        return  # a pytest-xdist worker: its controller said it once
     missing = [n for n in metal_emu.HARNESS_MODULES if metal_emu.built_module(n) is None]
     if missing:
         announce(f"tests: {len(missing)} of {len(metal_emu.HARNESS_MODULES)} Metal-on-CPU harness modules are not built "
