@@ -23,6 +23,20 @@ def pytest_configure(config):
                             r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning:torch\.jit\._script")
 
 
+# The files that take minutes (real models; the perf gates build the two load-traced harness
+# modules) run first: with the tests spread over processes one file at a time (README), the other
+# processes work through the rest meanwhile instead of waiting for them at the end.
+LONGEST_FILES = ("test_metal_perf_gates.py", "test_models.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    for name in LONGEST_FILES:
+        assert os.path.isfile(os.path.join(tests_dir, name)), f"tests/conftest.py: LONGEST_FILES names {name}, gone"
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))  # stable: the rest keep their order
+
+
 def pytest_sessionstart(session):
     # Harness build messages reach the terminal while pytest captures test output (-q included).
     import metal_emu
