@@ -2,7 +2,14 @@ import os
 import sys
 
 import pytest
-import torch
+
+# torch's OpenMP threads spin while they wait for work by default. With the tests spread over
+# processes (README: -n 2) there are more threads than cores, and a thread spinning for a peer that
+# is not running burns the core the peer needs: the CPU tests ran several times slower. Waiting
+# threads sleep instead (set before torch, and so its OpenMP runtime, is loaded; subprocesses inherit it).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 # Tests run against the installed package (pip install -e .); make a source checkout importable too.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
