@@ -2,7 +2,14 @@ import os
 import sys
 
 import pytest
-import torch
+
+# torch's OpenMP threads spin while they wait for work by default. With the tests spread over
+# processes (README: -n 2) there are more threads than cores, and a thread spinning for a peer that
+# is not running burns the core the peer needs: the CPU tests ran several times slower. Waiting
+# threads sleep instead (set before torch, and so its OpenMP runtime, is loaded; subprocesses inherit it).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 # Tests run against the installed package (pip install -e .); make a source checkout importable too.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,6 +30,20 @@ def pytest_configure(config):
                             r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning:torch\.jit\._script")
 
 
+# The files that take minutes (real models; the perf gates build the two load-traced harness
+# modules) run first: with the tests spread over processes one file at a time (README), the other
+# processes work through the rest meanwhile instead of waiting for them at the end.
+LONGEST_FILES = ("test_metal_perf_gates.py", "test_models.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    for name in LONGEST_FILES:
+        assert os.path.isfile(os.path.join(tests_dir, name)), f"tests/conftest.py: LONGEST_FILES names {name}, gone"
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))  # stable: the rest keep their order
+
+
 def pytest_sessionstart(session):
     # Harness build messages reach the terminal while pytest captures test output (-q included).
     import metal_emu
@@ -38,6 +59,8 @@ def pytest_sessionstart(session):
             sys.stderr.flush()
 
     metal_emu.announce = announce
+    if hasattr(session.config, "workerinput"):
+        return  # a pytest-xdist worker: its controller said it once
     missing = [n for n in metal_emu.HARNESS_MODULES if metal_emu.built_module(n) is None]
     if missing:
         announce(f"tests: {len(missing)} of {len(metal_emu.HARNESS_MODULES)} Metal-on-CPU harness modules are not built "

@@ -14,6 +14,9 @@ build/metal_emu/, shared with test_metal_barriers.py), then ~60-70 s of tests.
 """
 
 import itertools
+import multiprocessing
+import os
+import time
 import zlib
 
 import pytest
@@ -344,6 +347,36 @@ def test_every_planned_kernel_is_instantiated(emu):
                 assert p["reduce_kernel"] in names
     for fmt, dt in itertools.product(["fp4", "u4"], DTYPE_NAME.values()):
         assert f"dequant_{fmt}_{dt}" in names
+
+
+def test_build_lock_one_process_at_a_time(tmp_path):
+    # Test processes that need a module at once (pytest-xdist workers) build it in turn, and a
+    # lock file cpp_extension left behind (a build killed midway) does not make the next one hang.
+    build_dir = str(tmp_path / "module")
+    os.makedirs(build_dir)
+    open(os.path.join(build_dir, "lock"), "w").close()
+    fork = multiprocessing.get_context("fork")
+    held, release = fork.Event(), fork.Event()
+
+    def hold():
+        with metal_emu.build_lock(build_dir):
+            held.set()
+            release.wait(30)
+            time.sleep(0.3)  # a lock that let the parent in would be seen before this file
+            open(os.path.join(build_dir, "built"), "w").close()
+
+    child = fork.Process(target=hold)
+    child.start()
+    try:
+        assert held.wait(30)
+        release.set()
+        with metal_emu.build_lock(build_dir):
+            assert os.path.exists(os.path.join(build_dir, "built")), "the lock was shared"
+            assert not os.path.exists(os.path.join(build_dir, "lock"))
+    finally:
+        release.set()
+        child.join(30)
+    assert child.exitcode == 0
 
 
 # ---- native MPS (only on a Mac): the registered ops on the GPU over the same shapes ---------------

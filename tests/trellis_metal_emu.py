@@ -35,12 +35,14 @@ def barrier_tags():
 def load(verbose=False):
     if "mod" in _modules:
         return _modules["mod"]
-    build_dir = os.path.join(ROOT, "build", "trellis_metal_emu")
-    os.makedirs(build_dir, exist_ok=True)
-    units = metal_emu.kernel_units(SOURCES, build_dir, "tests/trellis_metal_emu.py")
-    mod = metal_emu.build_with_notice("tm_trellis_metal_emu", lambda: metal_emu.build_module(
-        "tm_trellis_metal_emu", ["trellis_bindings.cpp", "runtime.cpp"], metal_emu.PLAN_SOURCES + units, build_dir,
-        verbose))
+    build_dir = os.path.join(ROOT, metal_emu.HARNESS_MODULES["tm_trellis_metal_emu"])
+
+    def build():
+        units = metal_emu.kernel_units(SOURCES, build_dir, "tests/trellis_metal_emu.py")
+        return metal_emu.build_module("tm_trellis_metal_emu", ["trellis_bindings.cpp", "runtime.cpp"],
+                                      metal_emu.PLAN_SOURCES + units, build_dir, verbose)
+
+    mod = metal_emu.build_with_notice("tm_trellis_metal_emu", build)
     _modules["mod"] = mod
     return mod
 

@@ -4,7 +4,8 @@
 // description (csrc/mps/metal_dispatch.h) the MPS encoder encodes, and runs that list on the CPU
 // executor (runtime.cpp). Test-time only: built JIT by tests/metal_emu.py, never part of
 // torch_marlin._C.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <limits>
 #include <stdexcept>

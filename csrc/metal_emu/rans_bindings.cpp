@@ -7,7 +7,8 @@
 // the frequencies or the offsets are corrupted. The harness copies `words` so that its last byte
 // ends a page followed by an inaccessible page: a read past the buffer faults (the test process
 // dies) instead of reading a neighbour's bytes.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <sys/mman.h>
 #include <unistd.h>

@@ -3,7 +3,8 @@
 // the op's own trellis_route, binds the tensors to the same dispatch description
 // (csrc/mps/metal_dispatch.h) the MPS encoder encodes, and runs that list on the CPU executor.
 // Test-time only: built JIT by tests/trellis_metal_emu.py.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <limits>
 #include <stdexcept>

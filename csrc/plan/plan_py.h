@@ -2,7 +2,10 @@
 // Metal-on-CPU harness (csrc/metal_emu/): names <-> enums, caps <-> dicts, plans as dicts.
 #pragma once
 
-#include <torch/extension.h>
+// ATen and torch's pybind11 casters, not <torch/extension.h> (all of libtorch's C++ API): half the
+// compile time of the Metal-on-CPU harness modules, which the tests build on first use.
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <initializer_list>
 #include <string>
