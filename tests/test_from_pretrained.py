@@ -339,9 +339,11 @@ def test_transformers_loads_saves_and_quantizes_torch_marlin_checkpoints(tiny, t
 
 
 def test_transformers_loads_entropy_coded_checkpoints(tiny, tmp_path):
+    import copy
+
     import transformers
 
-    model, _ = tiny
+    model = copy.deepcopy(tiny[0])  # the fixture's float model is shared by the module's tests
     report = torch_marlin.patch_model(model, format="u4", group_size=GS, progress=False, entropy_coding=True)
     assert report.entropy_coded
     with torch.no_grad():
