@@ -31,8 +31,9 @@ def pytest_configure(config):
 
 
 # The files that take minutes (real models; the perf gates build the two load-traced harness
-# modules) run first: with the tests spread over processes one file at a time (README), the other
-# processes work through the rest meanwhile instead of waiting for them at the end.
+# modules) run first: with the tests spread over processes one file at a time in collection order
+# (README: --dist loadfile --no-loadscope-reorder), the other process works through the rest
+# meanwhile instead of both ending on one of them.
 LONGEST_FILES = ("test_metal_perf_gates.py", "test_models.py")
 
 
@@ -64,5 +65,5 @@ def pytest_sessionstart(session):
     missing = [n for n in metal_emu.HARNESS_MODULES if metal_emu.built_module(n) is None]
     if missing:
         announce(f"tests: {len(missing)} of {len(metal_emu.HARNESS_MODULES)} Metal-on-CPU harness modules are not built "
-                 "yet; the first test that needs one compiles it into build/ (about 4 minutes for the main one on "
+                 "yet; the first test that needs one compiles it into build/ (about 3 minutes for the main one on "
                  "an idle 2-core machine; a line says when each starts and ends)")
