@@ -54,11 +54,6 @@ __device__ __forceinline__ T from_f(float v) {
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return u32(__cvta_generic_to_shared(p)); }
 
-// 16 bytes global -> shared, bypassing L1; src_bytes = 0 writes zeros and reads nothing.
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-
 // The decode chain's shared-memory loads, by shared-window address: a generic pointer would cost
 // an address conversion per load. volatile keeps the ring loads behind the cp.async waits.
 __device__ __forceinline__ u32 lds_u8(u32 a) {

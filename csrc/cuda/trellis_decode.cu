@@ -40,11 +40,6 @@ constexpr u32 kXStride = kStageK + 16;
 static_assert(kDepth >= 3, "the activations are converted one stage behind the copies");
 static_assert(kThreads == kWarps * 32 && TM_TRELLIS_CUDA_TILE_N == kWarps * TM_TRELLIS_TILE, "one warp per tile column");
 
-__device__ __forceinline__ void cp_async16_zfill(u32 dst, const void* src, bool full) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(full ? 16 : 0)
-               : "memory");
-}
-
 // Keeps a value in a register: the compiler may not rematerialize it from its inputs.
 __device__ __forceinline__ void pin_u32(u32& v) { asm volatile("" : "+r"(v)); }
 
@@ -145,14 +140,14 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
     const u32 row0 = copied * kStageTiles;
 #pragma unroll
     for (u32 q = 0; q < L::kBCopies; ++q) {
-      if (row0 < b_rows_left[q]) cp_async16_zfill(slot + b_dst[q], b_src[q], true);
+      if (row0 < b_rows_left[q]) cp_async16(slot + b_dst[q], b_src[q]);
       b_src[q] += b_step;
     }
 #pragma unroll
     for (u32 q = 0; q < L::kACopies; ++q) {
       if (a_bytes[q] == 0u) continue;
       const bool in_k = a_col[q] < a.K;
-      cp_async16_zfill(slot + a_dst[q], in_k ? static_cast<const void*>(a_src[q]) : a_any[q], in_k);
+      cp_async16(slot + a_dst[q], in_k ? static_cast<const void*>(a_src[q]) : a_any[q], in_k ? 16u : 0u);
       a_src[q] += a_bytes[q];
       a_col[q] += kStageK;
     }

@@ -37,10 +37,6 @@ constexpr u32 kAStride = kBK + 16;
 static_assert(kThreads == kWarps * 32, "one warp per tile column");
 static_assert(TM_TRELLIS_CUDA_TILE_N == kWarps * TM_TRELLIS_TILE, "a block covers kWarps tile columns");
 
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-
 template <typename T, u32 BITS, u32 MT>
 struct MmaLayout {
   static constexpr u32 kRows = 16 * MT;
