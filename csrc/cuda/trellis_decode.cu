@@ -5,7 +5,8 @@
 // A operand (m16n8k16, C^T = W^T A^T) and the activations its B operand, so M <= 8 pads to one n8
 // tile instead of a 16-row one. K runs in stages of 8 tile rows through a ring of 4 stages in
 // shared memory, filled with 16-byte cp.async copies 3 stages ahead (no register ring to hold them):
-//  - index bytes: for one tile row the block's tiles are one contiguous run, each byte copied once;
+//  - index bytes, each copied once: for one tile row the block's tiles are one contiguous run; in
+//    the CUDA lane layout (LANES) the stage is one lane chunk per tile column, all one run;
 //  - activations (raw T) and su (fp32) of the stage's 64 rows, zero past K.
 // One stage behind the copies, the block multiplies the staged activations by su once, rounds
 // them to T into a double buffer, and every warp reads its B fragments from there (8 bytes per
@@ -14,7 +15,9 @@
 // 2g+1 as A rows g, g+8: the pair of indices of one A register (two tile rows of one column) is
 // 2 x bits bits of two row words, and its B fragment is 4 consecutive activations of row g. A
 // shared table of the 4^bits codebook pairs (packed T2) turns each pair into one register with one
-// lookup. Each thread copies the same chunks of every stage (at most two index chunks and two
+// lookup. In the lane layout the pair of every A register is already one field of the lane's own
+// 8 x bits bytes of the chunk: a shift and a mask give its table offset (docs/trellis.md, "CUDA lane
+// layout"). Each thread copies the same chunks of every stage (at most two index chunks and two
 // activation or su chunks), so its source pointers are computed once and advance by a stage. Group
 // scales multiply fp32 partial sums once per group, sv each output once, as in trellis_mma.cu.
 // Measurements behind the geometry: docs/cuda-tuning.md TRELLIS-CUDA-STREAM.
@@ -39,12 +42,15 @@ constexpr u32 kStageK = kStageTiles * TM_TRELLIS_TILE;  // K rows per stage
 constexpr u32 kXStride = kStageK + 16;
 static_assert(kDepth >= 3, "the activations are converted one stage behind the copies");
 static_assert(kThreads == kWarps * 32 && TM_TRELLIS_CUDA_TILE_N == kWarps * TM_TRELLIS_TILE, "one warp per tile column");
+static_assert(kStageTiles == TM_TRELLIS_LANE_CHUNK_TILES, "a stage of the lane layout is one chunk per tile column");
 
 // Keeps a value in a register: the compiler may not rematerialize it from its inputs.
 __device__ __forceinline__ void pin_u32(u32& v) { asm volatile("" : "+r"(v)); }
 
 template <typename T, u32 BITS, u32 NT>
 struct StreamLayout {
+  static constexpr u32 kChunkBytes = kStageTiles * 32 * BITS;   // a lane chunk: 8 tiles
+  static constexpr u32 kLaneBytes = kChunkBytes / 32;           // a lane's part of it
   static constexpr u32 kRows = 8 * NT;                          // activation rows (M padded)
   static constexpr u32 kTable = 1u << (2 * BITS);               // packed codebook pairs
   static constexpr u32 kTileBytes = 32 * BITS;
@@ -54,7 +60,10 @@ struct StreamLayout {
   static constexpr u32 kSu = kStageK * 4;
   static constexpr u32 kStage = kB + kA + kSu;
   static constexpr u32 kX = kRows * kXStride * sizeof(T);       // one converted buffer
-  static constexpr u32 kRingOffset = kTable * 4;
+  // The pair table starts at the first 1024-byte boundary of the dynamic shared memory, so a lane
+  // forms a table address by OR-ing a field's byte offset into its base (lane layout).
+  static constexpr u32 kTableAlign = 1024;
+  static constexpr u32 kRingOffset = kTableAlign + kTable * 4;
   static constexpr u32 kAChunks = kRows * kStageK / 8u;         // 16-byte copies of activations
   static constexpr u32 kSuChunks = kStageK / 4u;                //  ... and of su, per stage
   static constexpr u32 kXOffset = kRingOffset + kDepth * kStage;
@@ -67,13 +76,37 @@ struct StreamLayout {
   static_assert(kRows * kStageK / 2 == kThreads * kConvert, "every thread converts the same number of pairs");
 };
 
-template <typename T, u32 BITS, u32 NT>
+// The 8 x bits bits of tile row j in a lane's chunk words v (its 4 fields, lowest first).
+template <u32 BITS>
+__device__ __forceinline__ u32 lane_tile_bits(const u32 (&v)[2 * BITS], u32 j) {
+  const u32 bit = j * 8u * BITS, word = bit / 32u, shift = bit % 32u;
+  if (shift + 8u * BITS <= 32u) return v[word] >> shift;
+  return __funnelshift_r(v[word], v[word + 1u], shift);
+}
+
+__device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
+  u32 v;
+  asm("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr));
+  return v;
+}
+
+// The byte offset in the pair table of field p of a tile's lane bits x.
+template <u32 BITS>
+__device__ __forceinline__ u32 lane_field_offset(u32 x, u32 p) {
+  constexpr u32 kMask = ((1u << (2u * BITS)) - 1u) << 2;
+  const u32 s = 2u * BITS * p;
+  return (s >= 2u ? x >> (s - 2u) : x << (2u - s)) & kMask;
+}
+
+template <typename T, u32 BITS, u32 NT, bool LANES>
 __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisKernelArgs a) {
   using L = StreamLayout<T, BITS, NT>;
   using T2 = typename Tr<T>::T2;
   constexpr u32 kMask = (1u << BITS) - 1u;
   extern __shared__ __align__(16) unsigned char smem[];
-  u32* table = reinterpret_cast<u32*>(smem);
+  const u32 smem_s = static_cast<u32>(__cvta_generic_to_shared(smem));
+  const u32 table_s = (smem_s + L::kTableAlign - 1u) & ~(L::kTableAlign - 1u);
+  u32* table = reinterpret_cast<u32*>(smem + (table_s - smem_s));
   unsigned char* ring = smem + L::kRingOffset;
   T* x_s = reinterpret_cast<T*>(smem + L::kXOffset);
 
@@ -98,7 +131,8 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
 
   // This thread's copies, the same in every stage (tile rows kb + 8s .. of stage s, ring slot
   // s % kDepth): index chunks (chunk c of tile row r: the block's tiles of a tile row are one
-  // contiguous run), then activation chunks (row, 8 columns) and su chunks (4 rows). Activation rows
+  // contiguous run; in the lane layout chunk c of the stage's one run, whose tile rows past K are
+  // zero), then activation chunks (row, 8 columns) and su chunks (4 rows). Activation rows
   // past M read row M - 1 (their outputs are never stored); columns past K are zero-filled. The
   // stages are copied in order, so the source pointers advance by one stage per copy.
   const u32 ring_s = static_cast<u32>(__cvta_generic_to_shared(ring));
@@ -108,11 +142,18 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
 #pragma unroll
   for (u32 q = 0; q < L::kBCopies; ++q) {
     const u32 i = tid + q * kThreads;
-    const bool copier = i < kStageTiles * chunks_per_row;
-    const u32 r = copier ? i / chunks_per_row : 0u, c = copier ? i - r * chunks_per_row : 0u;
-    b_rows_left[q] = copier ? ke - kb - r : 0u;
-    b_dst[q] = r * L::kBRow + c * 16u;
-    b_src[q] = w.packed + (uint64_t(kb + r) * a.tiles_n + tn0) * L::kTileBytes + c * 16u;
+    if constexpr (LANES) {
+      const bool copier = i < block_tiles * L::kChunkBytes / 16u;
+      b_rows_left[q] = copier ? ke - kb : 0u;
+      b_dst[q] = i * 16u;
+      b_src[q] = w.packed + (uint64_t(kb / kStageTiles) * a.tiles_n + tn0) * L::kChunkBytes + i * 16u;
+    } else {
+      const bool copier = i < kStageTiles * chunks_per_row;
+      const u32 r = copier ? i / chunks_per_row : 0u, c = copier ? i - r * chunks_per_row : 0u;
+      b_rows_left[q] = copier ? ke - kb - r : 0u;
+      b_dst[q] = r * L::kBRow + c * 16u;
+      b_src[q] = w.packed + (uint64_t(kb + r) * a.tiles_n + tn0) * L::kTileBytes + c * 16u;
+    }
   }
   const char* a_src[L::kACopies];
   const void* a_any[L::kACopies];  // an in-bounds address for the zero-filled copies past K
@@ -182,9 +223,12 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
     const u32 bit = (4u * t + r) * TM_TRELLIS_TILE * BITS + 2u * g * BITS;
     f_off[r] = warp * L::kTileBytes + (bit / 32u) * 4u;
     f_shift[r] = bit % 32u;
-    pin_u32(f_off[r]);
-    pin_u32(f_shift[r]);
+    if constexpr (!LANES) {
+      pin_u32(f_off[r]);
+      pin_u32(f_shift[r]);
+    }
   }
+  const u32 lane_off = warp * L::kChunkBytes + lane * L::kLaneBytes;  // the lane's bytes of a chunk slot
   auto load_scales = [&](float2& s, u32 gi) {
     const float* sp = w.scales + uint64_t(gi) * a.N + col0;
     s.x = active && col0 < a.N ? sp[0] : 0.f;
@@ -230,8 +274,31 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
     convert_stage(st + 1u);
     if (!active) continue;
     const u32 tk0 = kb + st * kStageTiles;
-    const u32 rows = min(kStageTiles, ke - tk0);
+    // The lane layout pads K to whole chunks (zero indices times zero activations), so its stages
+    // are always whole.
+    const u32 rows = LANES ? kStageTiles : min(kStageTiles, ke - tk0);
     const unsigned char* bt = ring + (st % kDepth) * L::kStage;
+    u32 lv[2 * BITS];  // the lane's chunk words (lane layout)
+    if constexpr (LANES) {
+      const unsigned char* src = bt + lane_off;
+      if constexpr (BITS == 3) {
+#pragma unroll
+        for (u32 i = 0; i < 3; ++i) {
+          const uint2 q = *reinterpret_cast<const uint2*>(src + 8u * i);
+          lv[2 * i] = q.x;
+          lv[2 * i + 1] = q.y;
+        }
+      } else {
+#pragma unroll
+        for (u32 i = 0; i < BITS / 2; ++i) {
+          const uint4 q = *reinterpret_cast<const uint4*>(src + 16u * i);
+          lv[4 * i] = q.x;
+          lv[4 * i + 1] = q.y;
+          lv[4 * i + 2] = q.z;
+          lv[4 * i + 3] = q.w;
+        }
+      }
+    }
     const T* xt = x_s + (st & 1u) * (L::kX / sizeof(T)) + g * kXStride + 4u * t;
     auto next_group = [&]() {
       fold(s_cur);
@@ -241,19 +308,25 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
       load_scales(s_next, min(gi + 1u, a.n_groups - 1u));
     };
     auto tile = [&](u32 j) {
-      u32 f[4];
-#pragma unroll
-      for (u32 r = 0; r < 4; ++r) {
-        const u32* word = reinterpret_cast<const u32*>(bt + j * L::kBRow + f_off[r]);
-        if constexpr (BITS == 3) f[r] = __funnelshift_r(word[0], word[1], f_shift[r]);
-        else f[r] = word[0] >> f_shift[r];
-      }
       // A rows g / g + 8 = columns col0 / col0 + 1; k-pairs (rows 4t, 4t+1) and (4t+2, 4t+3).
       u32 af[4];
-      af[0] = table[(f[0] & kMask) | ((f[1] & kMask) << BITS)];
-      af[1] = table[((f[0] >> BITS) & kMask) | (f[1] & (kMask << BITS))];
-      af[2] = table[(f[2] & kMask) | ((f[3] & kMask) << BITS)];
-      af[3] = table[((f[2] >> BITS) & kMask) | (f[3] & (kMask << BITS))];
+      if constexpr (LANES) {
+        const u32 x = lane_tile_bits<BITS>(lv, j);
+#pragma unroll
+        for (u32 p = 0; p < 4; ++p) af[p] = ld_shared_u32(table_s | lane_field_offset<BITS>(x, p));
+      } else {
+        u32 f[4];
+#pragma unroll
+        for (u32 r = 0; r < 4; ++r) {
+          const u32* word = reinterpret_cast<const u32*>(bt + j * L::kBRow + f_off[r]);
+          if constexpr (BITS == 3) f[r] = __funnelshift_r(word[0], word[1], f_shift[r]);
+          else f[r] = word[0] >> f_shift[r];
+        }
+        af[0] = table[(f[0] & kMask) | ((f[1] & kMask) << BITS)];
+        af[1] = table[((f[0] >> BITS) & kMask) | (f[1] & (kMask << BITS))];
+        af[2] = table[(f[2] & kMask) | ((f[3] & kMask) << BITS)];
+        af[3] = table[((f[2] >> BITS) & kMask) | (f[3] & (kMask << BITS))];
+      }
 #pragma unroll
       for (u32 nt = 0; nt < NT; ++nt) {
         const uint2 b = *reinterpret_cast<const uint2*>(xt + nt * 8u * kXStride + j * TM_TRELLIS_TILE);
@@ -292,10 +365,10 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
     }
 }
 
-template <typename T, u32 BITS, u32 NT>
+template <typename T, u32 BITS, u32 NT, bool LANES>
 void launch_one(const TrellisLaunch& l, const TrellisKernelArgs& a, cudaStream_t stream) {
   static std::atomic<uint64_t> opted_in{0};
-  auto kernel = trellis_stream_kernel<T, BITS, NT>;
+  auto kernel = trellis_stream_kernel<T, BITS, NT, LANES>;
   constexpr int kSmem = int(StreamLayout<T, BITS, NT>::kBytes);
   cuda_backend::opt_in_smem(kernel, kSmem, opted_in);
   kernel<<<dim3(l.grid[0], l.grid[1], 1), dim3(kThreads), kSmem, stream>>>(a);
@@ -303,9 +376,14 @@ void launch_one(const TrellisLaunch& l, const TrellisKernelArgs& a, cudaStream_t
 }
 
 template <typename T, u32 BITS>
-void launch_rows(const TrellisLaunch& l, uint32_t tile_m, const TrellisKernelArgs& a, cudaStream_t stream) {
-  if (tile_m == 8u) return launch_one<T, BITS, 1>(l, a, stream);
-  return launch_one<T, BITS, 2>(l, a, stream);
+void launch_rows(const TrellisLaunch& l, uint32_t tile_m, bool lanes, const TrellisKernelArgs& a,
+                 cudaStream_t stream) {
+  if (lanes) {
+    if (tile_m == 8u) return launch_one<T, BITS, 1, true>(l, a, stream);
+    return launch_one<T, BITS, 2, true>(l, a, stream);
+  }
+  if (tile_m == 8u) return launch_one<T, BITS, 1, false>(l, a, stream);
+  return launch_one<T, BITS, 2, false>(l, a, stream);
 }
 
 }  // namespace
@@ -313,23 +391,23 @@ void launch_rows(const TrellisLaunch& l, uint32_t tile_m, const TrellisKernelArg
 namespace cuda_backend {
 
 template <typename T>
-void launch_trellis_stream(const TrellisLaunch& l, uint32_t bits, uint32_t tile_m, const TrellisKernelArgs& a,
-                           cudaStream_t stream) {
+void launch_trellis_stream(const TrellisLaunch& l, uint32_t bits, uint32_t tile_m, bool lanes,
+                           const TrellisKernelArgs& a, cudaStream_t stream) {
   TORCH_CHECK(l.threads[0] == kThreads && (tile_m == 8u || tile_m == 16u) && a.M >= 1u && a.M <= tile_m &&
                   a.K % 8u == 0 && a.k_parallel == l.k_parallel && l.grid[1] == l.k_parallel &&
                   a.k_slice_tiles % kStageTiles == 0 && a.k_slice_tiles > 0,
               "torch_marlin: the trellis plan '", l.kernel, "' does not match the streaming decode kernel's geometry");
   switch (bits) {
-    case 2: return launch_rows<T, 2>(l, tile_m, a, stream);
-    case 3: return launch_rows<T, 3>(l, tile_m, a, stream);
-    case 4: return launch_rows<T, 4>(l, tile_m, a, stream);
+    case 2: return launch_rows<T, 2>(l, tile_m, lanes, a, stream);
+    case 3: return launch_rows<T, 3>(l, tile_m, lanes, a, stream);
+    case 4: return launch_rows<T, 4>(l, tile_m, lanes, a, stream);
     default: TORCH_CHECK(false, "torch_marlin: trellis bits must be 2, 3 or 4, got ", bits);
   }
 }
 
-template void launch_trellis_stream<__half>(const TrellisLaunch&, uint32_t, uint32_t, const TrellisKernelArgs&,
+template void launch_trellis_stream<__half>(const TrellisLaunch&, uint32_t, uint32_t, bool, const TrellisKernelArgs&,
                                             cudaStream_t);
-template void launch_trellis_stream<__nv_bfloat16>(const TrellisLaunch&, uint32_t, uint32_t,
+template void launch_trellis_stream<__nv_bfloat16>(const TrellisLaunch&, uint32_t, uint32_t, bool,
                                                    const TrellisKernelArgs&, cudaStream_t);
 
 }  // namespace cuda_backend

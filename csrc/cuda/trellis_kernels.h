@@ -59,16 +59,21 @@ struct TrellisKernelArgs {
 template <typename T>
 void launch_trellis_mma(const TrellisLaunch& launch, uint32_t bits, uint32_t tile_m, bool swiglu,
                         const TrellisKernelArgs& a, cudaStream_t stream);
-// The streaming decode GEMM (trellis_decode.cu): dense only, tile_m 8 or 16 rows, K % 8 == 0.
+// The streaming decode GEMM (trellis_decode.cu): dense only, tile_m 8 or 16 rows, K % 8 == 0; the
+// indices in the canonical tiles or (lanes) the CUDA lane layout.
 template <typename T>
-void launch_trellis_stream(const TrellisLaunch& launch, uint32_t bits, uint32_t tile_m, const TrellisKernelArgs& a,
-                           cudaStream_t stream);
+void launch_trellis_stream(const TrellisLaunch& launch, uint32_t bits, uint32_t tile_m, bool lanes,
+                           const TrellisKernelArgs& a, cudaStream_t stream);
 void launch_trellis_simt(const TrellisLaunch& launch, uint32_t bits, bool swiglu, const TrellisKernelArgs& a,
                          cudaStream_t stream);
 // W[K, N] in T (float: the dequant op; __half / __nv_bfloat16: the dequant_blas family's operand).
 template <typename T>
 void launch_trellis_dequant(const TrellisLaunch& launch, const TrellisParams& p, const TrellisMatrixPtrs& w, T* W,
                             cudaStream_t stream);
+// The same from indices in the CUDA lane layout: a warp per lane chunk.
+template <typename T>
+void launch_trellis_dequant_lanes(const TrellisLaunch& launch, const TrellisParams& p, const TrellisMatrixPtrs& w,
+                                  T* W, cudaStream_t stream);
 // MoE routing in one block (rows = tokens * top_k <= TM_TRELLIS_CUDA_ROUTE_MAX_ROWS): expert_offsets
 // [E + 1], sorted_token and slot_row as trellis_route (csrc/ops/trellis.h) makes them, and
 // active [min(E, rows)]: the experts with rows in increasing order, then -1.

@@ -47,16 +47,20 @@ TrellisKernelArgs base_args(const TrellisParams& p, const TrellisLaunch& l) {
   return a;
 }
 
+// The dense weight in the activation dtype (this call only), then cuBLAS.
+template <typename T>
+void dequant_blas(const TrellisPlan& plan, const TrellisGemmArgs& g, at::Tensor& C, cudaStream_t stream) {
+  at::Tensor W = at::empty({g.K, g.N}, g.A.options());
+  T* w = reinterpret_cast<T*>(W.data_ptr());
+  if (plan.cuda_index_lanes) launch_trellis_dequant_lanes<T>(plan.main, plan.params, matrix_ptrs(g.w, false), w, stream);
+  else launch_trellis_dequant<T>(plan.main, plan.params, matrix_ptrs(g.w, false), w, stream);
+  at::mm_out(C, g.A, W);
+}
+
 template <typename T>
 void gemm_typed(const TrellisPlan& plan, const TrellisGemmArgs& g, at::Tensor& C, cudaStream_t stream) {
   const TrellisParams& p = plan.params;
-  if (plan.family == KernelFamily::DequantBlas) {
-    // The dense weight in the activation dtype (this call only), then cuBLAS.
-    at::Tensor W = at::empty({g.K, g.N}, g.A.options());
-    launch_trellis_dequant<T>(plan.main, p, matrix_ptrs(g.w, false), reinterpret_cast<T*>(W.data_ptr()), stream);
-    at::mm_out(C, g.A, W);
-    return;
-  }
+  if (plan.family == KernelFamily::DequantBlas) return dequant_blas<T>(plan, g, C, stream);
   TrellisKernelArgs a = base_args(p, plan.main);
   a.w[0] = a.w[1] = matrix_ptrs(g.w, false);
   a.stage_groups = plan.cuda_stream_stage_groups ? 1u : 0u;
@@ -72,7 +76,7 @@ void gemm_typed(const TrellisPlan& plan, const TrellisGemmArgs& g, at::Tensor& C
   } else {
     a.out[0] = C.data_ptr();
   }
-  if (plan.cuda_stream_decode) launch_trellis_stream<T>(plan.main, p.bits, p.tile_m, a, stream);
+  if (plan.cuda_stream_decode) launch_trellis_stream<T>(plan.main, p.bits, p.tile_m, plan.cuda_index_lanes, a, stream);
   else launch_trellis_mma<T>(plan.main, p.bits, p.tile_m, false, a, stream);
   if (plan.main.k_parallel > 1) {
     launch_trellis_reduce<T>(plan.combine, ws.data_ptr<float>(), plan.main.k_parallel, a.out_part_stride,
@@ -176,6 +180,10 @@ void trellis_gemm_cuda(const TrellisPlan& plan, const TrellisGemmArgs& a, at::Te
               "torch_marlin: the CUDA trellis plan '", plan.main.kernel, "' does not match the call");
   switch (a.dtype) {
     case DType::F32: {
+      if (plan.family == KernelFamily::DequantBlas) {
+        cuda_backend::dequant_blas<float>(plan, a, C, stream);
+        break;
+      }
       TORCH_CHECK(plan.family == KernelFamily::Simt, "torch_marlin: fp32 trellis plan has kernel '", plan.main.kernel,
                   "'");
       cuda_backend::TrellisKernelArgs k = cuda_backend::base_args(plan.params, plan.main);
@@ -195,8 +203,13 @@ void trellis_gemm_cuda(const TrellisPlan& plan, const TrellisGemmArgs& a, at::Te
 
 void trellis_dequant_cuda(const TrellisPlan& plan, const TrellisGemmArgs& a, at::Tensor& W) {
   const c10::cuda::CUDAGuard guard(W.device());
-  cuda_backend::launch_trellis_dequant<float>(plan.main, plan.params, cuda_backend::matrix_ptrs(a.w, false),
-                                       W.data_ptr<float>(), c10::cuda::getCurrentCUDAStream());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cuda_backend::TrellisMatrixPtrs w = cuda_backend::matrix_ptrs(a.w, false);
+  if (plan.cuda_index_lanes) {
+    cuda_backend::launch_trellis_dequant_lanes<float>(plan.main, plan.params, w, W.data_ptr<float>(), stream);
+  } else {
+    cuda_backend::launch_trellis_dequant<float>(plan.main, plan.params, w, W.data_ptr<float>(), stream);
+  }
 }
 
 void trellis_moe_cuda(const TrellisPlan& plan, const TrellisMoeArgs& a, at::Tensor& y) {

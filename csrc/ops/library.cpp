@@ -47,14 +47,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "plan_trellis_gemm",
       [](int64_t M, int64_t K, int64_t N, int64_t bits, int64_t group_size, const std::string& dtype,
-         const std::string& backend, const py::dict& caps, const std::string& family) {
+         const std::string& backend, const py::dict& caps, const std::string& family, const std::string& layout) {
         const DeviceCaps c = caps_from_dict(parse_backend(backend), caps);
         const DType d = parse_dtype(dtype);
         const KernelFamily force = parse_family(family);
-        return trellis_plan_to_dict(planned([&] { return plan_trellis_gemm(M, K, N, bits, group_size, d, c, force); }));
+        return trellis_plan_to_dict(planned([&] {
+          return plan_trellis_gemm(M, K, N, bits, group_size, d, c, force, parse_index_layout(layout));
+        }));
       },
       py::arg("M"), py::arg("K"), py::arg("N"), py::arg("bits"), py::arg("group_size"), py::arg("dtype"),
-      py::arg("backend"), py::arg("caps"), py::arg("family") = "auto");
+      py::arg("backend"), py::arg("caps"), py::arg("family") = "auto", py::arg("layout") = "tiles");
+  m.def(
+      "trellis_index_layout",
+      [](int64_t K, int64_t N, int64_t bits, const std::string& backend, const py::dict& caps) {
+        const DeviceCaps c = caps_from_dict(parse_backend(backend), caps);
+        return std::string(index_layout_name(planned([&] { return trellis_index_layout(K, N, bits, c); })));
+      },
+      py::arg("K"), py::arg("N"), py::arg("bits"), py::arg("backend"), py::arg("caps"),
+      "The index layout a trellis matrix is kept in on a device with these caps ('lanes' or 'tiles').");
   m.def(
       "gemm_trellis_cpu_with_caps",
       [](const py::dict& caps, const at::Tensor& A, const at::Tensor& packed, const at::Tensor& scales,
@@ -82,13 +92,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "cached_plan_trellis_gemm",
       [](int64_t M, int64_t K, int64_t N, int64_t bits, int64_t group_size, const std::string& dtype,
-         const std::string& backend, const py::dict& caps) {
+         const std::string& backend, const py::dict& caps, const std::string& layout) {
         const DeviceCaps c = caps_from_dict(parse_backend(backend), caps);
-        return trellis_plan_to_dict(
-            *planned([&] { return cached_plan_trellis_gemm(M, K, N, bits, group_size, parse_dtype(dtype), c); }));
+        return trellis_plan_to_dict(*planned([&] {
+          return cached_plan_trellis_gemm(M, K, N, bits, group_size, parse_dtype(dtype), c, parse_index_layout(layout));
+        }));
       },
       py::arg("M"), py::arg("K"), py::arg("N"), py::arg("bits"), py::arg("group_size"), py::arg("dtype"),
-      py::arg("backend"), py::arg("caps"));
+      py::arg("backend"), py::arg("caps"), py::arg("layout") = "tiles");
   m.def(
       "plan_rans_gemm",
       [](int64_t M, int64_t K, int64_t N, int64_t group_size, const std::string& format, int64_t channels_per_tile,

@@ -100,9 +100,18 @@ TrellisWeights check_weights(const char* op, const std::string& prefix, const at
   const std::string dims = experts > 0 ? "[E, " : "[";
   TORCH_CHECK_TYPE(packed.scalar_type() == at::kByte, op, ": ", prefix, "packed_indices must be uint8, got ",
                    packed.scalar_type());
-  TORCH_CHECK_VALUE(packed.sizes() == at::IntArrayRef(want_packed), op, ": ", prefix, "packed_indices must have shape ",
-                    at::IntArrayRef(want_packed), " (", dims, "ceil(K/16), ceil(N/16), 32*bits] for K=", K, ", N=", N,
-                    ", bits=", bits, "), got ", packed.sizes());
+  // A dense matrix may come in the CUDA lane layout (the modules make it at load time on CUDA).
+  const int64_t chunk = TM_TRELLIS_LANE_CHUNK_TILES;
+  const std::vector<int64_t> want_lanes = {((K + 15) / 16 + chunk - 1) / chunk, (N + 15) / 16, 256 * bits};
+  const bool lanes = experts == 0 && packed.sizes() == at::IntArrayRef(want_lanes);
+  TORCH_CHECK_VALUE(lanes || packed.sizes() == at::IntArrayRef(want_packed), op, ": ", prefix,
+                    "packed_indices must have shape ", at::IntArrayRef(want_packed), " (", dims,
+                    "ceil(K/16), ceil(N/16), 32*bits] for K=", K, ", N=", N, ", bits=", bits, ")",
+                    experts == 0 ? " or, in the CUDA lane layout, " : "",
+                    experts == 0 ? c10::str(at::IntArrayRef(want_lanes)) : std::string(), ", got ", packed.sizes());
+  TORCH_CHECK_VALUE(!lanes || dev.is_cuda(), op, ": ", prefix,
+                    "packed_indices is in the CUDA lane layout, which only the CUDA kernels read (tensors on ", dev,
+                    "); torch_marlin.formats.trellis.lanes_to_tiles gives the canonical layout");
   struct F { const at::Tensor* t; const char* name; const std::vector<int64_t>* want; const char* what; };
   const F fs[] = {{&scales, "scales", &want_scales, "ceil(K/group_size), N]"},
                   {&grid, "grid", &want_grid, "2^bits]"},
@@ -117,7 +126,7 @@ TrellisWeights check_weights(const char* op, const std::string& prefix, const at
   check_device(packed, dev, op, prefix + "packed_indices", ref);
   for (const F& f : fs) check_device(*f.t, dev, op, prefix + f.name, ref);
   return TrellisWeights{contiguous_aligned(packed), scales.contiguous(), grid.contiguous(), contiguous_aligned(su),
-                        sv.contiguous()};
+                        sv.contiguous(), lanes ? TrellisIndexLayout::Lanes : TrellisIndexLayout::Tiles};
 }
 
 at::Tensor gemm_trellis_planned(const DeviceCaps* caps_given, const at::Tensor& A, const at::Tensor& packed,
@@ -143,7 +152,7 @@ at::Tensor gemm_trellis_planned(const DeviceCaps* caps_given, const at::Tensor& 
   if (a.M == 0) return C;
   const DeviceCaps caps = caps_given != nullptr ? *caps_given : device_caps(A.device());
   const std::shared_ptr<const TrellisPlan> planned =
-      cached_plan_trellis_gemm(a.M, K, N, bits, group_size, a.dtype, caps);
+      cached_plan_trellis_gemm(a.M, K, N, bits, group_size, a.dtype, caps, a.w.layout);
   const TrellisPlan& plan = *planned;
   if (debug_enabled()) {
     log_dispatch(op, plan, {{"A", a.A}, {"scales", a.w.scales}, {"grid", a.w.grid}, {"su", a.w.su}, {"sv", a.w.sv}});
@@ -184,7 +193,7 @@ at::Tensor dequant_trellis(const at::Tensor& packed, const at::Tensor& scales, c
                       "packed_indices");
   at::Tensor W = at::empty({K, N}, scales.options());
   const DeviceCaps caps = device_caps(packed.device());
-  const TrellisPlan plan = plan_trellis_dequant(K, N, bits, group_size, caps);
+  const TrellisPlan plan = plan_trellis_dequant(K, N, bits, group_size, caps, a.w.layout);
   if (debug_enabled()) {
     log_dispatch(op, plan, {{"scales", a.w.scales}, {"grid", a.w.grid}, {"su", a.w.su}, {"sv", a.w.sv}});
   }

@@ -11,8 +11,11 @@ namespace torch_marlin {
 // One trellis-quantized matrix W[K, N] (docs/formats.md): every tensor contiguous, on the op's
 // device. packed uint8 [ceil(K/16), ceil(N/16), 32*bits]; scales f32 [ceil(K/group_size), N];
 // grid f32 [2^bits]; su f32 [K]; sv f32 [N]. For the MoE each tensor has a leading expert dim.
+// A dense matrix's packed indices may instead be in the CUDA lane layout (TM_TRELLIS_LANE_CHUNK_TILES):
+// uint8 [ceil(ceil(K/16)/8), ceil(N/16), 256*bits], on CUDA only.
 struct TrellisWeights {
   at::Tensor packed, scales, grid, su, sv;
+  TrellisIndexLayout layout = TrellisIndexLayout::Tiles;
 };
 
 struct TrellisGemmArgs {

@@ -56,9 +56,13 @@ std::shared_ptr<const GemmPlan> cached_plan_quant_gemm(QuantFormat format, int64
 }
 
 std::shared_ptr<const TrellisPlan> cached_plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits,
-                                                            int64_t group_size, DType dtype, const DeviceCaps& caps) {
-  return lookup<TrellisPlan>(make_key(PlanOp::TrellisGemm, bits, dtype, false, M, K, N, group_size, caps),
-                             [&] { return plan_trellis_gemm(M, K, N, bits, group_size, dtype, caps); });
+                                                            int64_t group_size, DType dtype, const DeviceCaps& caps,
+                                                            TrellisIndexLayout layout) {
+  // The variant packs the bit width and the index layout.
+  const int64_t variant = bits | (int64_t(layout) << 8);
+  return lookup<TrellisPlan>(make_key(PlanOp::TrellisGemm, variant, dtype, false, M, K, N, group_size, caps), [&] {
+    return plan_trellis_gemm(M, K, N, bits, group_size, dtype, caps, KernelFamily::Auto, layout);
+  });
 }
 
 std::shared_ptr<const RansPlan> cached_plan_rans_gemm(int64_t M, int64_t K, int64_t N, int64_t group_size,

@@ -19,7 +19,8 @@ std::shared_ptr<const GemmPlan> cached_plan_quant_gemm(QuantFormat format, int64
                                                        const DeviceCaps& caps);
 
 std::shared_ptr<const TrellisPlan> cached_plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits,
-                                                            int64_t group_size, DType dtype, const DeviceCaps& caps);
+                                                            int64_t group_size, DType dtype, const DeviceCaps& caps,
+                                                            TrellisIndexLayout layout = TrellisIndexLayout::Tiles);
 
 std::shared_ptr<const RansPlan> cached_plan_rans_gemm(int64_t M, int64_t K, int64_t N, int64_t group_size,
                                                       int64_t channels_per_tile, QuantFormat format, DType dtype,

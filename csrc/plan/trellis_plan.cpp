@@ -130,7 +130,88 @@ void set_tiles(TrellisParams& p, int64_t M, int64_t N, uint32_t tile_m, uint32_t
   p.n_tiles = cdiv(N, tile_n);
 }
 
+void check_lanes_backend(const DeviceCaps& caps, const char* who) {
+  if (caps.backend != Backend::CUDA) {
+    throw std::invalid_argument(std::string(who) + ": indices in the lane layout run on CUDA only, not " +
+                                backend_name(caps.backend) +
+                                " (torch_marlin.formats.trellis.lanes_to_tiles gives the canonical layout)");
+  }
+}
+
+// Launch of the lane dequant kernel: a block of 8 warps, a warp per lane chunk (8 tile rows of one
+// tile column), grid (column chunks of 8 tile columns, lane chunks along K).
+void set_lanes_dequant(TrellisPlan& p, const std::string& kernel, const char* who) {
+  p.cuda_index_lanes = true;
+  p.main.kernel = kernel;
+  p.main.grid[0] = cdiv(p.params.tiles_n, TM_TRELLIS_CUDA_WARPS);
+  p.main.grid[1] = cdiv(p.params.tiles_k, TM_TRELLIS_LANE_CHUNK_TILES);
+  p.main.threads[0] = kCudaThreads;
+  check_cuda_grid(p.main, who);
+}
+
+// CUDA with the indices in the lane layout: the streaming decode (fp16/bf16, M <= 16, K % 8 == 0,
+// the same geometry as with tiles), else the lane dequant kernel writes the dense weight in the
+// activation dtype (fp32 too) and at::mm multiplies.
+TrellisPlan plan_trellis_gemm_lanes(int64_t M, int64_t K, int64_t N, int64_t bits, int64_t group_size, DType dtype,
+                                    const DeviceCaps& caps, KernelFamily force) {
+  check_lanes_backend(caps, "plan_trellis_gemm");
+  TrellisPlan p;
+  p.caps = caps;
+  p.params = base_params(M, K, N, bits, group_size);
+  const bool can_decode = M <= kDecodeMaxM && dtype != DType::F32 && K % 8 == 0;
+  if (force == KernelFamily::Auto) {
+    p.family = can_decode ? KernelFamily::Decode : KernelFamily::DequantBlas;
+  } else if (force == KernelFamily::DequantBlas || (force == KernelFamily::Decode && can_decode)) {
+    p.family = force;
+  } else {
+    throw std::invalid_argument(std::string("plan_trellis_gemm: indices in the lane layout run decode (fp16/bf16, ") +
+                                "M <= 16, K % 8 == 0) or dequant_blas, not " + family_name(force));
+  }
+  const std::string suffix = std::string("_") + dtype_name(dtype);
+  if (p.family == KernelFamily::DequantBlas) {
+    set_tiles(p.params, M, N, uint32_t(std::min<int64_t>(M, UINT32_MAX / 2)), N);
+    set_lanes_dequant(p, "dequant_trellis_lanes" + suffix, "plan_trellis_gemm");
+    return p;
+  }
+  p.cuda_index_lanes = true;
+  p.cuda_stream_decode = true;
+  p.cuda_stream_stage_groups = group_size % (kCudaStreamStageTiles * TM_TRELLIS_TILE) == 0;
+  set_tiles(p.params, M, N, M <= 8 ? 8u : 16u, kCudaTileN);
+  p.params.tile_k = kCudaStreamStageTiles * TM_TRELLIS_TILE;
+  p.main.kernel = "gemm_trellis_decode_lanes" + suffix;
+  p.main.grid[0] = p.params.n_tiles;
+  p.main.grid[1] = p.params.m_tiles;
+  p.main.threads[0] = kCudaThreads;
+  cuda_k_split(p.main, p.params.tiles_k, uint64_t(p.params.n_tiles) * p.params.m_tiles, caps.compute_units,
+               kCudaStreamStageTiles);
+  if (p.main.k_parallel > 1) {
+    p.combine.kernel = "gemm_trellis_reduce" + suffix;
+    p.combine.grid[0] = cdiv(int64_t(M) * N, kCudaElemThreads);
+    p.combine.threads[0] = kCudaElemThreads;
+  }
+  check_cuda_grid(p.main, "plan_trellis_gemm");
+  return p;
+}
+
+static_assert(TM_TRELLIS_LANE_CHUNK_TILES == TM_TRELLIS_CUDA_STREAM_STAGE_TILES,
+              "a streaming-decode stage is one lane chunk");
+
 }  // namespace
+
+const char* index_layout_name(TrellisIndexLayout layout) {
+  return layout == TrellisIndexLayout::Lanes ? "lanes" : "tiles";
+}
+
+TrellisIndexLayout parse_index_layout(const std::string& name) {
+  if (name == "tiles") return TrellisIndexLayout::Tiles;
+  if (name == "lanes") return TrellisIndexLayout::Lanes;
+  throw std::invalid_argument("index layout must be 'tiles' or 'lanes', got '" + name + "'");
+}
+
+TrellisIndexLayout trellis_index_layout(int64_t K, int64_t N, int64_t bits, const DeviceCaps& caps) {
+  check_common(K, N, bits, TM_TRELLIS_TILE, "trellis_index_layout");
+  return caps.backend == Backend::CUDA && K % 8 == 0 ? TrellisIndexLayout::Lanes : TrellisIndexLayout::Tiles;
+}
 
 KernelFamily trellis_prefill_family(Backend b) {
   switch (b) {
@@ -141,8 +222,14 @@ KernelFamily trellis_prefill_family(Backend b) {
 }
 
 TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int64_t group_size, DType dtype,
-                              const DeviceCaps& caps, KernelFamily force) {
+                              const DeviceCaps& caps, KernelFamily force, TrellisIndexLayout layout) {
   check_common(K, N, bits, group_size, "plan_trellis_gemm");
+  if (layout == TrellisIndexLayout::Lanes) {
+    if (M < 0 || M > UINT32_MAX / 2) {
+      throw std::invalid_argument("plan_trellis_gemm: M must be in [0, 2^31), got " + std::to_string(M));
+    }
+    return plan_trellis_gemm_lanes(M, K, N, bits, group_size, dtype, caps, force);
+  }
   if (M < 0 || M > UINT32_MAX / 2) {
     throw std::invalid_argument("plan_trellis_gemm: M must be in [0, 2^31), got " + std::to_string(M));
   }
@@ -265,13 +352,19 @@ TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int
   return p;
 }
 
-TrellisPlan plan_trellis_dequant(int64_t K, int64_t N, int64_t bits, int64_t group_size, const DeviceCaps& caps) {
+TrellisPlan plan_trellis_dequant(int64_t K, int64_t N, int64_t bits, int64_t group_size, const DeviceCaps& caps,
+                                 TrellisIndexLayout layout) {
   check_common(K, N, bits, group_size, "plan_trellis_dequant");
   TrellisPlan p;
   p.caps = caps;
   p.params = base_params(0, K, N, bits, group_size);
   p.family = KernelFamily::Auto;  // no GEMM
   set_tiles(p.params, K, N, TM_TRELLIS_TILE, TM_TRELLIS_TILE);
+  if (layout == TrellisIndexLayout::Lanes) {
+    check_lanes_backend(caps, "plan_trellis_dequant");
+    set_lanes_dequant(p, "dequant_trellis_lanes", "plan_trellis_dequant");
+    return p;
+  }
   switch (caps.backend) {
     case Backend::Metal:
       check_metal_indices({uint64_t(K) * uint64_t(N), uint64_t(p.params.tiles_k) * p.params.tiles_n * p.params.packed_bytes},

@@ -52,8 +52,21 @@ struct TrellisPlan {
   // The streaming decode's scale groups are whole stages (group_size a multiple of 128 rows): the
   // kernel folds scales only at a stage's start and runs a stage's tiles without a branch.
   bool cuda_stream_stage_groups = false;
+  // CUDA: the indices are in the lane layout (TM_TRELLIS_LANE_CHUNK_TILES), read by the streaming
+  // decode and the lane dequant kernel.
+  bool cuda_index_lanes = false;
   TrellisParams params{};
 };
+
+// How a dense matrix's indices are laid out (docs/trellis.md, "CUDA lane layout"): the canonical
+// 16x16 tiles every backend and checkpoint uses, or the CUDA kernels' lane chunks made at load time.
+enum class TrellisIndexLayout { Tiles = 0, Lanes = 1 };
+const char* index_layout_name(TrellisIndexLayout layout);
+TrellisIndexLayout parse_index_layout(const std::string& name);
+
+// The layout a module should keep a K x N matrix's indices in on a device with these caps: Lanes on
+// CUDA where the streaming decode reads them (K % 8 == 0), Tiles everywhere else.
+TrellisIndexLayout trellis_index_layout(int64_t K, int64_t N, int64_t bits, const DeviceCaps& caps);
 
 // The family trellis prefill runs on a backend: Metal StagedTiles, CPU DequantBlas, CUDA FusedTiles
 // (fp16/bf16; fp32 activations run Simt at every M on CUDA).
@@ -62,11 +75,15 @@ KernelFamily trellis_prefill_family(Backend b);
 // C[M,N] = A[M,K] @ W[K,N]. M <= 16 -> gemm_trellis_packed_decode, else gemm_trellis_packed
 // (`force` Decode or trellis_prefill_family overrides the policy for tests; Decode with M > 16 is
 // rejected).
+// Indices in the lane layout plan on CUDA only: decode (fp16/bf16, M <= 16, K % 8 == 0) on the
+// streaming kernel, everything else dequant_blas through the lane dequant kernel.
 TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int64_t group_size, DType dtype,
-                              const DeviceCaps& caps, KernelFamily force = KernelFamily::Auto);
+                              const DeviceCaps& caps, KernelFamily force = KernelFamily::Auto,
+                              TrellisIndexLayout layout = TrellisIndexLayout::Tiles);
 
 // W[K,N] (f32) from the packed format: one thread per element of a 16x16 tile.
-TrellisPlan plan_trellis_dequant(int64_t K, int64_t N, int64_t bits, int64_t group_size, const DeviceCaps& caps);
+TrellisPlan plan_trellis_dequant(int64_t K, int64_t N, int64_t bits, int64_t group_size, const DeviceCaps& caps,
+                                 TrellisIndexLayout layout = TrellisIndexLayout::Tiles);
 
 // y[T,H] = sum_j p[t,j] * down_e( silu(gate_e(x_t)) * up_e(x_t) ), e = expert_ids[t,j].
 TrellisPlan plan_trellis_moe(int64_t tokens, int64_t hidden, int64_t intermediate, int64_t num_experts,

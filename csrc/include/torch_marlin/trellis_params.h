@@ -18,6 +18,14 @@ TM_NAMESPACE_BEGIN
 #define TM_TRELLIS_TILE_ELEMS 256u
 #define TM_TRELLIS_MAX_BITS 4u
 #define TM_TRELLIS_MAX_LEVELS 16u
+// The CUDA lane layout of the same indices (docs/trellis.md, "CUDA lane layout"), made at load
+// time for the CUDA kernels only: uint8 [ceil(tiles_k / 8), tiles_n, 256*bits]. Chunk (s, n) holds
+// tile rows 8s..8s+7 of tile column n (rows past tiles_k: index 0); in it lane l (g = l/4, t = l%4)
+// owns bytes [l*8*bits, (l+1)*8*bits), a little-endian stream of 32 fields of 2*bits bits: field
+// 4j + p = idx[r][c] | idx[r+1][c] << bits of tile row j, c = 2g + (p & 1), r = 4t + 2(p >> 1):
+// one field is one mma A register (two k of one column), so a lane decodes a register with a shift,
+// a mask and one table lookup.
+#define TM_TRELLIS_LANE_CHUNK_TILES 8u
 
 // ---- Metal kernel geometry (the planner and the kernels read the same numbers) ------------------
 #define TM_TRELLIS_THREADS 128u          // every GEMM / MoE threadgroup: 4 simdgroups of 32
