@@ -242,3 +242,24 @@ def test_patched_fused_model_in_lanes_matches():
         got = model(x)
     assert fused.index_layout == "tiles"
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_conversion_and_module_moves(monkeypatch):
+    K, N, bits = 200, 48, 3
+    packed = fmt.pack_indices(torch.randint(0, 8, (K, N), generator=torch.Generator().manual_seed(2)), bits)
+    lanes = fmt.tiles_to_lanes(packed.cuda(), K, N, bits)
+    assert lanes.is_cuda and torch.equal(lanes.cpu(), fmt.tiles_to_lanes(packed, K, N, bits))
+    assert torch.equal(fmt.lanes_to_tiles(lanes, K, N, bits).cpu(), packed)
+    tiles, _ = make_pair(K, N, bits)
+    # A policy asking for lanes on CUDA only: .cuda() converts there, .cpu() converts back.
+    monkeypatch.setattr(planner, "trellis_index_layout",
+                        lambda K, N, bits, device: "lanes" if torch.device(device).type == "cuda" else "tiles",
+                        raising=False)
+    m = copy.deepcopy(tiles).cuda()
+    assert m.packed_indices.is_cuda and m.index_layout == "lanes"
+    assert torch.equal(m.packed_indices.cpu(), fmt.tiles_to_lanes(tiles.packed_indices, K, N, bits))
+    assert torch.equal(m.state_dict()["packed_indices"].cpu(), tiles.packed_indices)
+    assert torch.equal(m.dequantized_weight().cpu(), tiles.dequantized_weight())
+    m.cpu()
+    assert m.index_layout == "tiles" and torch.equal(m.packed_indices, tiles.packed_indices)
