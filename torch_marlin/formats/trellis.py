@@ -36,8 +36,8 @@ import torch
 
 TILE = 16
 TILE_ELEMS = TILE * TILE
-LANE_CHUNK_TILES = 8  # tile rows per chunk of the CUDA lane layout (one warp's K step)
-LANE_COUNT = 32
+LANE_CHUNK_TILES = 8  # tile rows per chunk of the CUDA lane layout
+LANE_COUNT = 32  # lanes per chunk: one warp
 BITS = (2, 3, 4)
 MAX_HADAMARD_BLOCK = 128
 
@@ -127,8 +127,10 @@ def _check_uint8(t, name: str, shape: tuple, what: str) -> None:
 def _lane_bit_source(bits: int) -> torch.Tensor:
     """For every bit ``q`` of a lane-layout chunk, the bit of the chunk's 8 canonical tiles (tile
     ``j``'s stream at offset ``j * 256*bits``) it holds: int64 ``[2048*bits]``, a permutation."""
-    q = torch.arange(LANE_CHUNK_TILES * TILE_ELEMS * bits)
-    lane, in_lane = q // (64 * bits), q % (64 * bits)
+    chunk_bits = LANE_CHUNK_TILES * TILE_ELEMS * bits
+    lane_bits = chunk_bits // LANE_COUNT
+    q = torch.arange(chunk_bits)
+    lane, in_lane = q // lane_bits, q % lane_bits
     field, bit = in_lane // (2 * bits), in_lane % (2 * bits)
     j, p = field // 4, field % 4
     g, t = lane // 4, lane % 4
