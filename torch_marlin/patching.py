@@ -144,7 +144,7 @@ def _trellis_concat(mods):
         return None, "the members' output rotations have different block sizes"
     fused = _trellis_empty(cfg, first.grid.device)
     with torch.no_grad():
-        fused.packed_indices.copy_(torch.cat([m.packed_indices for m in mods], dim=1))
+        fused.packed_indices.copy_(torch.cat([m.canonical_indices() for m in mods], dim=1))
         fused.scales.copy_(torch.cat([m.scales for m in mods], dim=-1))
         fused.sv.copy_(torch.cat([m.sv for m in mods], dim=-1))
         fused.grid.copy_(first.grid)
@@ -152,6 +152,7 @@ def _trellis_concat(mods):
         if first.bias is not None:
             fused.bias.copy_(torch.cat([m.bias for m in mods], dim=-1))
     fused.validate()
+    fused._sync_index_layout()
     return fused, None
 
 

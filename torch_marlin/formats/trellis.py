@@ -13,12 +13,22 @@ Layout (docs/formats.md, "Trellis"), for a weight ``W[K, N]`` (the transpose of 
 
 ``w[k, n] = grid[idx[k, n]] * scales[k // group_size, n] * su[k] * sv[n]``.
 
+CUDA lane layout (:func:`tiles_to_lanes`, docs/trellis.md, "CUDA lane layout"): a bit permutation
+of ``packed_indices``, uint8 ``[ceil(tk/8), tn, 256*bits]`` (``tk, tn`` the tile counts), made at
+load time on CUDA only and never stored. Chunk ``(s, n)`` holds tile rows ``8s .. 8s+7`` (rows past
+``tk`` zero); lane ``l`` owns its bytes ``[l*8*bits, (l+1)*8*bits)``, a little-endian stream of 32
+fields of ``2*bits`` bits. Field ``f = 4*j + p`` (``j`` the tile row in the chunk), with
+``g, t = l // 4, l % 4``, column ``c = 2*g + (p & 1)`` and row ``r0 = 4*t + 2*(p >> 1)``, is
+``idx[r0][c] | idx[r0 + 1][c] << bits``: the two indices of one MMA register, so the decode kernel
+extracts a register with a shift and a mask instead of gathering bits from two tile rows.
+
 The quantizer (:func:`quantize_trellis`) adds an optional randomized Hadamard rotation for
 incoherence; the layer then computes ``y = (((x * su) @ H_K) @ W_deq) @ H_N * sv`` — see
 :func:`rotate_input` / :func:`rotate_output` and docs/formats.md for why that equals ``x @ W``.
 Everything here is plain torch: it is the independent reference the kernels are tested against.
 """
 
+import functools
 import math
 from typing import Optional
 
@@ -26,6 +36,8 @@ import torch
 
 TILE = 16
 TILE_ELEMS = TILE * TILE
+LANE_CHUNK_TILES = 8  # tile rows per chunk of the CUDA lane layout
+LANE_COUNT = 32  # lanes per chunk: one warp
 BITS = (2, 3, 4)
 MAX_HADAMARD_BLOCK = 128
 
@@ -86,6 +98,105 @@ def unpack_indices(packed: torch.Tensor, K: int, N: int, bits: int) -> torch.Ten
     bitstream = ((b.unsqueeze(-1) >> torch.arange(8, device=packed.device)) & 1).reshape(tk, tn, TILE_ELEMS, bits)
     tiles = (bitstream << torch.arange(bits, device=packed.device)).sum(-1)
     return tiles.reshape(tk, tn, TILE, TILE).permute(0, 2, 1, 3).reshape(tk * TILE, tn * TILE)[:K, :N]
+
+
+# ---- CUDA lane layout ------------------------------------------------------------------------------
+
+def lanes_shape(K: int, N: int, bits: int) -> tuple:
+    """Shape of the lane layout of a ``[K, N]`` weight: ``(ceil(ceil(K/16) / 8), ceil(N/16), 256*bits)``."""
+    check_bits(bits)
+    _check_dims(K, N)
+    tk, tn = (K + TILE - 1) // TILE, (N + TILE - 1) // TILE
+    return ((tk + LANE_CHUNK_TILES - 1) // LANE_CHUNK_TILES, tn, LANE_CHUNK_TILES * packed_bytes_per_tile(bits))
+
+
+def _check_dims(K: int, N: int) -> None:
+    for name, v in (("K", K), ("N", N)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+
+
+def _check_uint8(t, name: str, shape: tuple, what: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a uint8 tensor of shape {shape} ({what}), got {type(t).__name__}")
+    if t.dtype != torch.uint8 or tuple(t.shape) != shape:
+        raise ValueError(f"{name} must be uint8 of shape {shape} ({what}), got {t.dtype} {tuple(t.shape)}")
+
+
+@functools.lru_cache(maxsize=None)
+def _lane_bit_source(bits: int) -> torch.Tensor:
+    """For every bit ``q`` of a lane-layout chunk, the bit of the chunk's 8 canonical tiles (tile
+    ``j``'s stream at offset ``j * 256*bits``) it holds: int64 ``[2048*bits]``, a permutation."""
+    chunk_bits = LANE_CHUNK_TILES * TILE_ELEMS * bits
+    lane_bits = chunk_bits // LANE_COUNT
+    q = torch.arange(chunk_bits)
+    lane, in_lane = q // lane_bits, q % lane_bits
+    field, bit = in_lane // (2 * bits), in_lane % (2 * bits)
+    j, p = field // 4, field % 4
+    g, t = lane // 4, lane % 4
+    col = 2 * g + (p & 1)
+    row = 4 * t + 2 * (p >> 1) + bit // bits
+    return j * (TILE_ELEMS * bits) + (row * TILE + col) * bits + bit % bits
+
+
+@functools.lru_cache(maxsize=None)
+def _lane_bit_inverse(bits: int) -> torch.Tensor:
+    return torch.argsort(_lane_bit_source(bits))
+
+
+# Chunks permuted per step: bounds the bit-expanded temporaries (8 bytes per byte, twice) to ~64 MiB
+# whatever the layer size.
+_CHUNK_BYTES_PER_STEP = 4 << 20
+
+
+def _permute_chunk_bits(chunks: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """``chunks`` uint8 ``[S, tn, B]`` -> uint8 ``[S, tn, B]`` whose bit ``q`` of every chunk is its
+    bit ``source[q]``."""
+    S, tn, B = chunks.shape
+    out = torch.empty_like(chunks)
+    shifts = torch.arange(8, dtype=torch.uint8, device=chunks.device)
+    source = source.to(chunks.device)
+    step = max(1, _CHUNK_BYTES_PER_STEP // max(1, tn * B))
+    for s0 in range(0, S, step):
+        part = chunks[s0:s0 + step]
+        bitstream = ((part.unsqueeze(-1) >> shifts) & 1).reshape(*part.shape[:2], B * 8)
+        moved = bitstream[..., source].reshape(*part.shape[:2], B, 8) << shifts
+        byte = moved[..., 0]
+        for b in range(1, 8):
+            byte = byte | moved[..., b]
+        out[s0:s0 + step] = byte
+    return out
+
+
+def tiles_to_lanes(packed: torch.Tensor, K: int, N: int, bits: int) -> torch.Tensor:
+    """Canonical ``packed_indices`` ``[ceil(K/16), ceil(N/16), 32*bits]`` -> the CUDA lane layout
+    :func:`lanes_shape` (module docstring), on ``packed``'s device; tile rows past the last are zero."""
+    check_bits(bits)
+    _check_dims(K, N)
+    tk, tn = (K + TILE - 1) // TILE, (N + TILE - 1) // TILE
+    _check_uint8(packed, "packed", (tk, tn, packed_bytes_per_tile(bits)), f"canonical tiles of K={K}, N={N}, "
+                                                                           f"bits={bits}")
+    S = lanes_shape(K, N, bits)[0]
+    tiles = packed
+    if S * LANE_CHUNK_TILES != tk:
+        tiles = torch.zeros(S * LANE_CHUNK_TILES, tn, packed.shape[-1], dtype=torch.uint8, device=packed.device)
+        tiles[:tk] = packed
+    # [S, 8, tn, 32*bits] -> [S, tn, 8 * 32*bits]: a chunk's 8 tile streams one after the other.
+    chunks = tiles.reshape(S, LANE_CHUNK_TILES, tn, -1).permute(0, 2, 1, 3).reshape(S, tn, -1)
+    return _permute_chunk_bits(chunks, _lane_bit_source(bits))
+
+
+def lanes_to_tiles(lanes: torch.Tensor, K: int, N: int, bits: int) -> torch.Tensor:
+    """Inverse of :func:`tiles_to_lanes`: the canonical ``[ceil(K/16), ceil(N/16), 32*bits]`` tiles."""
+    check_bits(bits)
+    _check_dims(K, N)
+    shape = lanes_shape(K, N, bits)
+    _check_uint8(lanes, "lanes", shape, f"lane layout of K={K}, N={N}, bits={bits}")
+    tk = (K + TILE - 1) // TILE
+    S, tn, _ = shape
+    chunks = _permute_chunk_bits(lanes, _lane_bit_inverse(bits))
+    tiles = chunks.reshape(S, tn, LANE_CHUNK_TILES, -1).permute(0, 2, 1, 3).reshape(S * LANE_CHUNK_TILES, tn, -1)
+    return tiles[:tk].contiguous()
 
 
 def dequant_trellis_reference(packed: torch.Tensor, scales: torch.Tensor, grid: torch.Tensor, su: torch.Tensor,

@@ -7,6 +7,12 @@ M <= 16 rows, prefill above) is made by the op's planner (see :func:`torch_marli
 Rotation (``rotate=True``, the default): the stored matrix is the quantization of a randomized
 Hadamard transform of the weight, and the module applies the matching transforms to the
 activations, so the layer computes the original linear map (docs/formats.md, "Trellis").
+
+Index layout: ``TrellisLinear`` holds ``packed_indices`` in the layout its device's op reads
+fastest (:func:`torch_marlin.planner.trellis_index_layout`): the canonical tiles, or on CUDA the lane
+layout (docs/trellis.md, "CUDA lane layout"). It converts after ``.to()`` / ``.cuda()`` / ``.cpu()``,
+``from_linear`` and ``load_state_dict``, and in ``forward`` outside tracing and CUDA graph capture;
+``state_dict`` always holds the canonical tiles.
 """
 
 from typing import Optional, Sequence
@@ -19,6 +25,18 @@ from .. import ops
 from ..formats import trellis as fmt
 
 _PARTS = ("packed_indices", "scales", "grid", "su", "sv")
+
+
+def _index_layout_for(K: int, N: int, bits: int, device: torch.device) -> Optional[str]:
+    """The planner's index layout for a layer on ``device``; None on a device without a torch_marlin
+    backend (the meta device while loading), which keeps the layout it has."""
+    from .. import planner
+    try:
+        planner.backend_of(device)
+    except ValueError:
+        return None
+    policy = getattr(planner, "trellis_index_layout", None)
+    return "tiles" if policy is None else policy(K, N, bits, device)
 
 
 def _as_weight(w, name: str) -> torch.Tensor:
@@ -63,10 +81,69 @@ class TrellisLinear(nn.Module):
             self.register_buffer("bias", torch.zeros(N, dtype=dtype, device=device))
         else:
             self.bias = None
-        self.register_load_state_dict_post_hook(lambda module, keys: module.validate())
+        self._lanes_shape = fmt.lanes_shape(K, N, bits)
+        self._index_layouts = {}  # device -> the planner's layout for it (fixed per layer shape)
+        self.register_load_state_dict_post_hook(lambda module, keys: module._validate_and_sync())
+
+    @property
+    def index_layout(self) -> str:
+        """``"lanes"`` when ``packed_indices`` holds the CUDA lane layout, else ``"tiles"`` (canonical)."""
+        return "lanes" if tuple(self.packed_indices.shape) == self._lanes_shape else "tiles"
+
+    def canonical_indices(self) -> torch.Tensor:
+        """``packed_indices`` in the canonical tiles layout (converted when the buffer holds lanes)."""
+        if self.index_layout == "lanes":
+            return fmt.lanes_to_tiles(self.packed_indices, self.in_features, self.out_features, self.bits)
+        return self.packed_indices
+
+    def _set_index_layout(self, layout: str) -> None:
+        """Replaces ``packed_indices`` by its ``layout`` (``"tiles"`` or ``"lanes"``) form, same device."""
+        if layout not in ("tiles", "lanes"):
+            raise ValueError(f"layout must be 'tiles' or 'lanes', got {layout!r}")
+        if layout == self.index_layout:
+            return
+        convert = fmt.tiles_to_lanes if layout == "lanes" else fmt.lanes_to_tiles
+        self.packed_indices = convert(self.packed_indices, self.in_features, self.out_features, self.bits)
+
+    def _wanted_index_layout(self) -> Optional[str]:
+        device = self.packed_indices.device
+        if device not in self._index_layouts:
+            self._index_layouts[device] = _index_layout_for(self.in_features, self.out_features, self.bits, device)
+        return self._index_layouts[device]
+
+    def _sync_index_layout(self) -> None:
+        wanted = self._wanted_index_layout()
+        if wanted is None or wanted == self.index_layout:
+            return
+        # A conversion allocates, which a CUDA graph capture forbids: a captured layer keeps its layout.
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return
+        self._set_index_layout(wanted)
+
+    def _validate_and_sync(self) -> None:
+        self.validate()
+        self._sync_index_layout()
+
+    def _apply(self, fn, *args, **kwargs):
+        super()._apply(fn, *args, **kwargs)
+        self._sync_index_layout()
+        return self
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        key = prefix + "packed_indices"
+        if key in destination and self.index_layout == "lanes":
+            destination[key] = self.canonical_indices()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # State dicts hold canonical tiles: load into tiles; the post hook converts back after validating.
+        self._set_index_layout("tiles")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def validate(self) -> None:
-        fmt.validate_trellis(self.packed_indices, self.scales, self.grid, self.su, self.sv, self.in_features,
+        fmt.validate_trellis(self.canonical_indices(), self.scales, self.grid, self.su, self.sv, self.in_features,
                              self.out_features, self.bits, self.group_size, name="TrellisLinear")
 
     @classmethod
@@ -94,18 +171,22 @@ class TrellisLinear(nn.Module):
         if linear.bias is not None:
             mod.bias.copy_(linear.bias.detach().to(dtype))
         mod.validate()
+        mod._sync_index_layout()
         return mod
 
     def dequantized_weight(self) -> torch.Tensor:
         """The fp32 ``[out_features, in_features]`` weight the layer applies (rotation undone)."""
         q = {p: getattr(self, p) for p in _PARTS}
-        q.update(K=self.in_features, N=self.out_features, bits=self.bits, group_size=self.group_size)
+        q.update(packed_indices=self.canonical_indices(), K=self.in_features, N=self.out_features, bits=self.bits,
+                 group_size=self.group_size)
         return fmt.effective_weight(q, self.rotate).t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"TrellisLinear: input must have last dimension in_features={self.in_features}, "
                              f"got shape {tuple(x.shape)}")
+        if not torch.compiler.is_compiling():
+            self._sync_index_layout()
         x2 = x.reshape(-1, self.in_features)
         if self.rotate:
             # Rotate in fp32 and round once to the activation dtype the kernel reads.
