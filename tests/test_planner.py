@@ -532,7 +532,7 @@ def test_plan_trellis_forced_families_and_keys():
     p = torch_marlin.plan_trellis(20, 64, 64, 2, 32, device="metal", caps=dict(compute_units=10))
     assert set(p) == {"family", "kernel", "grid", "threads", "tile_m", "tile_n", "m_tiles", "n_tiles", "k_chunk",
                       "tile_k", "k_vec4", "cpu_avx2", "cpu_avx512", "cuda_stream_decode", "cuda_stream_stage_groups",
-                      "k_parallel", "k_slice_tiles", "backend", "compute_units", "max_shared_memory", "wgmma",
+                      "index_layout", "k_parallel", "k_slice_tiles", "backend", "compute_units", "max_shared_memory", "wgmma",
                       "thread_block_clusters", "avx2", "avx512"}
     assert (p["backend"], p["compute_units"], p["m_tiles"], p["n_tiles"]) == ("metal", 10, 1, 1)
 
@@ -588,6 +588,44 @@ def test_plan_trellis_policy_cuda():
         torch_marlin.plan_trellis(20, 64, 64, 2, 32, device="cuda", caps=H100, family="staged_tiles")
     with pytest.raises(ValueError, match="too large for the CUDA kernels' grid"):
         torch_marlin.plan_trellis(1 << 23, 64, 64, 2, 32, device="cuda", caps=H100, family="fused_tiles")
+
+
+def test_plan_trellis_lane_layout_cuda():
+    # The layout policy: the CUDA lane layout where the streaming decode reads it (K % 8 == 0).
+    assert torch_marlin.planner.trellis_index_layout(4096, 4096, 3, "cuda", caps=H100) == "lanes"
+    assert torch_marlin.planner.trellis_index_layout(4100, 4096, 3, "cuda", caps=H100) == "tiles"
+    assert torch_marlin.planner.trellis_index_layout(4096, 4096, 3, "cpu") == "tiles"
+    assert torch_marlin.planner.trellis_index_layout(4096, 4096, 3, "metal", caps=M1) == "tiles"
+    # Lane-layout decode: the streaming kernel's geometry and slices, its lane instantiation.
+    tiles = torch_marlin.plan_trellis(1, 4096, 14336, 3, 128, torch.float16, device="cuda", caps=H100)
+    lanes = torch_marlin.plan_trellis(1, 4096, 14336, 3, 128, torch.float16, device="cuda", caps=H100, layout="lanes")
+    assert (tiles["index_layout"], lanes["index_layout"]) == ("tiles", "lanes")
+    assert lanes["kernel"] == "gemm_trellis_decode_lanes_half" and lanes["cuda_stream_decode"]
+    same = ("family", "grid", "threads", "tile_m", "tile_n", "tile_k", "k_parallel", "k_slice_tiles",
+            "cuda_stream_stage_groups")
+    assert {k: lanes[k] for k in same} == {k: tiles[k] for k in same}
+    assert torch_marlin.plan_trellis(16, 200, 77, 2, 32, torch.bfloat16, device="cuda", caps=H100,
+                                     layout="lanes")["kernel"] == "gemm_trellis_decode_lanes_bfloat"
+    # Everything else dequantizes the lane chunks (a warp each, 8 tile columns a block) for cuBLAS:
+    # more than 16 rows, fp32 activations (at every M) and K % 8 != 0.
+    for M, K, dtype in [(17, 4096, torch.float16), (1, 4096, torch.float32), (1, 4100, torch.bfloat16)]:
+        p = torch_marlin.plan_trellis(M, K, 14336, 3, 128, dtype, device="cuda", caps=H100, layout="lanes")
+        suffix = {torch.float16: "half", torch.bfloat16: "bfloat", torch.float32: "float"}[dtype]
+        assert (p["family"], p["kernel"]) == ("dequant_blas", "dequant_trellis_lanes_" + suffix)
+        assert p["grid"] == (14336 // 16 // 8, -(-(-(-K // 16)) // 8), 1) and p["threads"] == (256, 1, 1)
+    forced = torch_marlin.plan_trellis(5, 4096, 4096, 3, 128, device="cuda", caps=H100, layout="lanes",
+                                       family="dequant_blas")
+    assert forced["kernel"] == "dequant_trellis_lanes_half"
+    with pytest.raises(ValueError, match="lane layout run decode"):
+        torch_marlin.plan_trellis(1, 4096, 4096, 3, 128, device="cuda", caps=H100, layout="lanes", family="fused_tiles")
+    with pytest.raises(ValueError, match="lane layout run decode"):
+        torch_marlin.plan_trellis(1, 4100, 4096, 3, 128, device="cuda", caps=H100, layout="lanes", family="decode")
+    with pytest.raises(ValueError, match="lane layout run on CUDA only, not cpu"):
+        torch_marlin.plan_trellis(1, 4096, 4096, 3, 128, layout="lanes")
+    with pytest.raises(ValueError, match="lane layout run on CUDA only, not metal"):
+        torch_marlin.plan_trellis(1, 4096, 4096, 3, 128, device="metal", caps=M1, layout="lanes")
+    with pytest.raises(ValueError, match="index layout must be 'tiles' or 'lanes'"):
+        torch_marlin.plan_trellis(1, 4096, 4096, 3, 128, device="cuda", caps=H100, layout="rows")
 
 
 def test_plan_trellis_metal_k_blocks_and_vector_reads():

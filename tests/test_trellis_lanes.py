@@ -263,3 +263,26 @@ def test_cuda_conversion_and_module_moves(monkeypatch):
     assert torch.equal(m.dequantized_weight().cpu(), tiles.dequantized_weight())
     m.cpu()
     assert m.index_layout == "tiles" and torch.equal(m.packed_indices, tiles.packed_indices)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_module_runs_the_lane_kernels(dtype):
+    # The planner's policy puts a layer with K % 8 == 0 in the lane layout on CUDA; its decode and
+    # prefill outputs equal the forward's own steps on the canonical indices (the kernels form the
+    # same products in the same order).
+    K, N = 264, 80
+    tiles, _ = make_pair(K=K, N=N, bits=3, dtype=dtype)
+    model = copy.deepcopy(tiles).cuda()
+    assert model.index_layout == "lanes"
+    packed = tiles.packed_indices.cuda()
+    torch.manual_seed(1)
+    for rows in (1, 7, 16, 40):
+        x = torch.randn(2, rows, K, device="cuda", dtype=dtype)
+        with torch.inference_mode():
+            got = model(x)
+            x2 = fmt.rotate_input(x.reshape(-1, K).float(), model.su).to(dtype)
+            y = torch.ops.marlin.gemm_trellis(x2, packed, model.scales, model.grid, model.su, model.sv, K, N, 3, 32)
+            want = fmt.rotate_output(y.float(), model.sv).to(dtype) + model.bias.to(dtype)
+        assert model.index_layout == "lanes"
+        assert torch.equal(got.reshape(-1, N), want)

@@ -11,7 +11,9 @@ import itertools
 import pytest
 import torch
 
-from backends import BACKENDS, cases
+from torch_marlin.formats import trellis as trellis_format
+
+from backends import BACKENDS, CUDA, DEVICE_BACKENDS, cases
 from reference import assert_moe_close, assert_trellis_gemm_close, dequant_ref, moe_case, moe_reference, random_trellis
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -76,6 +78,51 @@ def test_gemm_trellis_decode_k_not_multiple_of_8(backend, bits, M):
     A = torch.randn(M, K, generator=torch.Generator().manual_seed(2)).half()
     assert_trellis_gemm_close(backend.gemm_trellis(A, *t, K, N, bits, gs), A, dequant_ref(t, K, N, bits, gs),
                               backend.exact_products)
+
+
+# ---- indices in the CUDA lane layout ----------------------------------------------------------
+
+def with_lanes(t, K, N, bits):
+    return (trellis_format.tiles_to_lanes(t[0], K, N, bits),) + tuple(t[1:])
+
+
+@pytest.mark.parametrize("backend, bits, gs, M, dtype", cases(list(itertools.product(
+    BITS, [32, 128], [1, 5, 16, 17], DTYPES)), skip=lambda b, *v: b is not CUDA))
+def test_gemm_trellis_lane_layout(backend, bits, gs, M, dtype):
+    # The streaming decode (fp16 / bf16, M <= 16) and the lane dequant + cuBLAS (fp32, M > 16; K % 8
+    # != 0) read the lane layout. K = 200 has a partial last chunk, 1040 several stages and slices.
+    for K, N in ((200, 77), (1040, 300), (203, 48)):
+        t = random_trellis(K, N, bits, gs, seed=M * 7 + bits)
+        A = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
+        C = backend.gemm_trellis(A, *with_lanes(t, K, N, bits), K, N, bits, gs)
+        assert C.dtype == dtype and C.shape == (M, N)
+        assert_trellis_gemm_close(C, A, dequant_ref(t, K, N, bits, gs), backend.exact_products)
+        # The same products in the same order as the kernels reading the canonical tiles, where
+        # both run the streaming decode or both the dense weight + cuBLAS.
+        if K % 8 == 0 and dtype != torch.float32:
+            assert torch.equal(C, backend.gemm_trellis(A, *t, K, N, bits, gs))
+
+
+@pytest.mark.parametrize("backend, bits, K, N", cases(
+    [(b, K, N) for b, (K, N) in itertools.product(BITS, [(200, 77), (37, 300), (1040, 48)])],
+    skip=lambda b, *v: b is not CUDA))
+def test_dequant_trellis_lane_layout(backend, bits, K, N):
+    t = random_trellis(K, N, bits, 32, seed=bits)
+    assert torch.equal(backend.dequant_trellis(*with_lanes(t, K, N, bits), K, N, bits, 32),
+                       backend.dequant_trellis(*t, K, N, bits, 32))
+
+
+@pytest.mark.parametrize("backend", [p for p in DEVICE_BACKENDS if p.values[0] is not CUDA])
+def test_lane_layout_is_refused_off_cuda(backend):
+    K, N, bits = 200, 77, 3
+    lanes = with_lanes(random_trellis(K, N, bits, 32), K, N, bits)
+    with pytest.raises(ValueError, match="CUDA lane layout, which only the CUDA kernels read"):
+        backend.gemm_trellis(torch.randn(1, K), *lanes, K, N, bits, 32)
+    with pytest.raises(ValueError, match="CUDA lane layout, which only the CUDA kernels read"):
+        backend.dequant_trellis(*lanes, K, N, bits, 32)
+    # A shape that is neither layout names both.
+    with pytest.raises(ValueError, match=r"or, in the CUDA lane layout, \[2, 5, 768\]"):
+        backend.dequant_trellis(lanes[0][:, :, :-1], *lanes[1:], K, N, bits, 32)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

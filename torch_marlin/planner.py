@@ -80,7 +80,7 @@ def plan_gemm(format: str, M: int, K: int, N: int, group_size: int = 128, dtype=
 
 
 def plan_trellis(M: int, K: int, N: int, bits: int = 3, group_size: int = 128, dtype=torch.float16,
-                 device="cpu", family: str = "auto", caps=None) -> dict:
+                 device="cpu", family: str = "auto", caps=None, layout: str = "tiles") -> dict:
     """The plan ``gemm_trellis`` would execute: M <= 16 -> ``decode`` (``gemm_trellis_packed_decode``,
     GEMV layout, on Metal; ``cpu_trellis_decode_avx512`` with caps ``avx512``, else
     ``cpu_trellis_decode_avx2`` with caps ``avx2``, else the portable ``cpu_trellis_decode``, on the
@@ -90,11 +90,24 @@ def plan_trellis(M: int, K: int, N: int, bits: int = 3, group_size: int = 128, d
     cpu_avx2, cpu_avx512`` and the caps (``tile_k``: K rows per block of the Metal kernel; ``k_vec4``: activation rows
     read 4 elements at a time; ``tile_n``, ``n_tiles``: the CPU decode's column block and task count;
     ``cpu_avx512``, ``cpu_avx2``: the CPU decode runs the AVX-512 or the AVX2 kernel).
-    ``device``, ``caps`` and ``family`` as for :func:`plan_gemm`."""
+    ``device``, ``caps`` and ``family`` as for :func:`plan_gemm`. ``layout``: how the indices are laid
+    out, ``"tiles"`` (the canonical format) or ``"lanes"`` (the CUDA lane layout,
+    :func:`trellis_index_layout`; CUDA only: ``gemm_trellis_decode_lanes_<dtype>`` for fp16/bf16 decode
+    with K % 8 == 0, else ``dequant_trellis_lanes_<dtype>`` and ``dequant_blas``); the plan's
+    ``index_layout`` says which it was made for."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")
     backend, caps = _backend_and_caps(device, caps)
-    return _C.plan_trellis_gemm(M, K, N, bits, group_size, _DTYPES[dtype], backend, caps, family)
+    return _C.plan_trellis_gemm(M, K, N, bits, group_size, _DTYPES[dtype], backend, caps, family, layout)
+
+
+def trellis_index_layout(K: int, N: int, bits: int = 3, device="cpu", caps=None) -> str:
+    """The layout a trellis ``K x N`` matrix's indices are kept in on ``device``: ``"lanes"`` (the
+    CUDA lane layout, docs/trellis.md, made by :func:`torch_marlin.formats.trellis.tiles_to_lanes`)
+    where the CUDA decode kernel reads it (K % 8 == 0), else ``"tiles"``. ``TrellisLinear`` follows
+    it when it moves to a device. ``device`` and ``caps`` as for :func:`plan_gemm`."""
+    backend, caps = _backend_and_caps(device, caps)
+    return _C.trellis_index_layout(K, N, bits, backend, caps)
 
 
 def plan_rans(M: int, K: int, N: int, group_size: int = 128, format: str = "fp4", channels_per_tile: int = 0,

@@ -35,8 +35,7 @@ def _index_layout_for(K: int, N: int, bits: int, device: torch.device) -> Option
         planner.backend_of(device)
     except ValueError:
         return None
-    policy = getattr(planner, "trellis_index_layout", None)
-    return "tiles" if policy is None else policy(K, N, bits, device)
+    return planner.trellis_index_layout(K, N, bits, device)
 
 
 def _as_weight(w, name: str) -> torch.Tensor:
