@@ -20,7 +20,8 @@ bf16 on CUDA). FP4 and INT4 (gemm_u4, asymmetric, zero points) use group size 12
 affine INT4 (gemm_affine: the same codes and scales with fp16 offsets) and its time over INT4's.
 
 --trellis times gemm_trellis instead (bench_trellis.md / .csv): at every M, 2, 3 and 4 bits (group
-128) against the project's FP4 GEMM (gemm_fp4, group 128) and cuBLAS fp16 on the same shape and
+128), the indices in the canonical tiles and in the CUDA lane layout (the one TrellisLinear keeps on
+CUDA), against the project's FP4 GEMM (gemm_fp4, group 128) and cuBLAS fp16 on the same shape and
 activations, as time ratios (> 1: trellis is faster); then moe_trellis with 64 experts of
 hidden 2048 x intermediate 1024, 8 active per token, at 1 token, against the time to read the
 active experts' bytes (packed indices + scales + su/sv) at the measured copy bandwidth (< 1.5 is
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 
 import torch_marlin
 from torch_marlin.formats import pack_int4
+from torch_marlin.formats import trellis as tr
 
 SHAPES = [(4096, 12288), (4096, 4096), (4096, 21504), (10752, 4096), (28672, 8192)]
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
@@ -112,7 +114,6 @@ def make_int4pack(K, N):
 
 def trellis_weights(K, N, bits, experts=None):
     """Random trellis tensors on the GPU (timing only) and their bytes."""
-    from torch_marlin.formats import trellis as tr
     lead = () if experts is None else (experts,)
     g = tr.num_groups(K, GS)
     packed = torch.randint(0, 256, (*lead, (K + 15) // 16, (N + 15) // 16, 32 * bits), dtype=torch.uint8, device="cuda")
@@ -132,6 +133,7 @@ def bench_trellis(args, shapes, ms, bw, flush):
         s16 = (torch.rand(K // GS, N, device="cuda") * 0.02 + 0.001).half()
         W16 = torch.randn(N, K, device="cuda", dtype=torch.float16)
         tw = {bits: trellis_weights(K, N, bits) for bits in (2, 3, 4)}
+        lanes = {bits: (tr.tiles_to_lanes(w[0], K, N, bits),) + w[1:] for bits, (w, _) in tw.items()}
         for M in ms:
             A = torch.randn(M, K, device="cuda", dtype=torch.float16)
             t_cublas = timed(lambda: F.linear(A, W16))
@@ -140,14 +142,19 @@ def bench_trellis(args, shapes, ms, bw, flush):
             for bits, (w, nbytes) in tw.items():
                 t = timed(lambda w=w, bits=bits: torch.ops.marlin.gemm_trellis(A, *w, K, N, bits, GS))
                 plan = torch_marlin.plan_trellis(M, K, N, bits, GS, torch.float16, device="cuda")
-                gbs = nbytes / (t * 1e-6) / 1e9
-                rows.append(dict(K=K, N=N, M=M, bits=bits, us=round(t, 2), weight_GBps=round(gbs, 1),
-                                 pct_copy_bw=round(100 * gbs / bw, 1), vs_fp4=round(t_fp4 / t, 3),
-                                 vs_cublas=round(t_cublas / t, 3), fp4_us=round(t_fp4, 2), cublas_us=round(t_cublas, 2),
-                                 plan=f"{plan['kernel']} kp={plan['k_parallel']}"))
-                line += f" | {bits}b {t:8.1f} us ({t_fp4 / t:5.2f}x fp4, {t_cublas / t:5.2f}x cublas)"
+                wl = lanes[bits]
+                t_l = timed(lambda wl=wl, bits=bits: torch.ops.marlin.gemm_trellis(A, *wl, K, N, bits, GS))
+                plan_l = torch_marlin.plan_trellis(M, K, N, bits, GS, torch.float16, device="cuda", layout="lanes")
+                gbs = nbytes / (t_l * 1e-6) / 1e9
+                rows.append(dict(K=K, N=N, M=M, bits=bits, us=round(t_l, 2), weight_GBps=round(gbs, 1),
+                                 pct_copy_bw=round(100 * gbs / bw, 1), vs_fp4=round(t_fp4 / t_l, 3),
+                                 vs_cublas=round(t_cublas / t_l, 3), tiles_us=round(t, 2), fp4_us=round(t_fp4, 2),
+                                 cublas_us=round(t_cublas, 2), plan=f"{plan_l['kernel']} kp={plan_l['k_parallel']}",
+                                 tiles_plan=plan["kernel"]))
+                line += (f" | {bits}b lanes {t_l:7.1f} us ({t_fp4 / t_l:5.2f}x fp4, {t_cublas / t_l:5.2f}x cublas),"
+                         f" tiles {t:7.1f}")
             print(line, flush=True)
-        del B, s16, W16, tw
+        del B, s16, W16, tw, lanes
         torch.cuda.empty_cache()
     # MoE: 64 experts, 8 active, 1 token.
     H, I, E, top_k = 2048, 1024, 64, 8
@@ -169,10 +176,10 @@ def bench_trellis(args, shapes, ms, bw, flush):
         wr = csv.DictWriter(f, fieldnames=list(rows[0]))
         wr.writeheader()
         wr.writerows(rows)
-    md = ["| K x N | M | bits | trellis us | GB/s (% copy) | vs FP4 (time ratio) | vs cuBLAS fp16 | plan |",
-          "|---|---:|---:|---:|---:|---:|---:|---|"]
+    md = ["| K x N | M | bits | lanes us | GB/s (% copy) | vs FP4 (time ratio) | vs cuBLAS fp16 | tiles us | plan |",
+          "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     md += [f"| {r['K']}x{r['N']} | {r['M']} | {r['bits']} | {r['us']} | {r['weight_GBps']} ({r['pct_copy_bw']}%) | "
-           f"{r['vs_fp4']}x | {r['vs_cublas']}x | {r['plan']} |" for r in rows]
+           f"{r['vs_fp4']}x | {r['vs_cublas']}x | {r['tiles_us']} | {r['plan']} |" for r in rows]
     md += ["", f"moe_trellis, {E} experts of {H}x{I}, top {top_k}, 1 token (fp16):", "",
            "| bits | us | active bytes (MB) | read time at copy bandwidth (us) | ratio |", "|---:|---:|---:|---:|---:|"]
     md += [f"| {b} | {t:.1f} | {a / 1e6:.1f} | {tr:.1f} | {t / tr:.2f} |" for b, t, tr, a in moe_rows]

@@ -5,7 +5,9 @@
 
 Covers: decode (one slice and K slices with the ordered reduction, partial last stage, partial
 last tile column block, K and N not multiples of 16), fused tiles (rows past M), 2 / 3 / 4 bits,
-fp16 / bf16, the fp32 kernel, dequant_trellis, dequant_blas (the dense fp16 weight + cuBLAS;
+fp16 / bf16, the fp32 kernel, dequant_trellis, dequant_blas, every GEMM case and dequant_trellis
+again with the indices in the CUDA lane layout (the streaming decode's and the lane dequant's
+instantiations) (the dense fp16 weight + cuBLAS;
 racecheck skips it with --no-blas: cuBLAS's kernels are not ours), and moe_trellis on the decode and tiles kernels
 (gate/up in one launch, down with K-slice partials of gate/up) and the fp32 kernels. Each result
 is checked against the fp64 reference on the dequantized weights, so a silent wrong answer fails.
@@ -64,13 +66,19 @@ def main():
         t = rand_trellis(K, N, bits, gs)
         W = tr.dequant_trellis_reference(*t, K, N, bits, gs).double()
         A = torch.randn(M, K)
-        plan = torch_marlin.plan_trellis(M, K, N, bits, gs, dtype, device="cuda")
-        C = torch.ops.marlin.gemm_trellis(A.to(dtype).cuda(), *cuda(t), K, N, bits, gs)
-        ok &= check(f"gemm {plan['kernel']} kp={plan['k_parallel']} M={M} K={K} N={N} bits={bits}", C,
-                    A.to(dtype).double() @ W, dtype)
+        for layout in ("tiles", "lanes"):
+            plan = torch_marlin.plan_trellis(M, K, N, bits, gs, dtype, device="cuda", layout=layout)
+            if "--no-blas" in sys.argv and plan["family"] == "dequant_blas":
+                continue
+            w = t if layout == "tiles" else (tr.tiles_to_lanes(t[0], K, N, bits),) + t[1:]
+            C = torch.ops.marlin.gemm_trellis(A.to(dtype).cuda(), *cuda(w), K, N, bits, gs)
+            ok &= check(f"gemm {plan['kernel']} kp={plan['k_parallel']} M={M} K={K} N={N} bits={bits}", C,
+                        A.to(dtype).double() @ W, dtype)
     t = rand_trellis(200, 77, 3, 32)
-    Wd = torch.ops.marlin.dequant_trellis(*cuda(t), 200, 77, 3, 32)
-    ok &= check("dequant_trellis", Wd, tr.dequant_trellis_reference(*t, 200, 77, 3, 32).double(), torch.float32)
+    for w in (t, (tr.tiles_to_lanes(t[0], 200, 77, 3),) + t[1:]):
+        Wd = torch.ops.marlin.dequant_trellis(*cuda(w), 200, 77, 3, 32)
+        ok &= check(f"dequant_trellis {tuple(w[0].shape)}", Wd, tr.dequant_trellis_reference(*t, 200, 77, 3, 32).double(),
+                    torch.float32)
     for T, H, I, E, top_k, bits, dtype in MOE_CASES:
         gate, up, down = rand_trellis(H, I, bits, 32, E), rand_trellis(H, I, bits, 32, E), rand_trellis(I, H, bits, 32, E)
         x = (torch.randn(T, H) * 0.5).to(dtype)
