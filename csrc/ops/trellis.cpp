@@ -104,11 +104,14 @@ TrellisWeights check_weights(const char* op, const std::string& prefix, const at
   const int64_t chunk = TM_TRELLIS_LANE_CHUNK_TILES;
   const std::vector<int64_t> want_lanes = {((K + 15) / 16 + chunk - 1) / chunk, (N + 15) / 16, 256 * bits};
   const bool lanes = experts == 0 && packed.sizes() == at::IntArrayRef(want_lanes);
-  TORCH_CHECK_VALUE(lanes || packed.sizes() == at::IntArrayRef(want_packed), op, ": ", prefix,
-                    "packed_indices must have shape ", at::IntArrayRef(want_packed), " (", dims,
-                    "ceil(K/16), ceil(N/16), 32*bits] for K=", K, ", N=", N, ", bits=", bits, ")",
-                    experts == 0 ? " or, in the CUDA lane layout, " : "",
-                    experts == 0 ? c10::str(at::IntArrayRef(want_lanes)) : std::string(), ", got ", packed.sizes());
+  if (!lanes && packed.sizes() != at::IntArrayRef(want_packed)) {
+    std::ostringstream msg;
+    msg << op << ": " << prefix << "packed_indices must have shape " << at::IntArrayRef(want_packed) << " (" << dims
+        << "ceil(K/16), ceil(N/16), 32*bits] for K=" << K << ", N=" << N << ", bits=" << bits << ")";
+    if (experts == 0) msg << " or, in the CUDA lane layout, " << at::IntArrayRef(want_lanes);
+    msg << ", got " << packed.sizes();
+    TORCH_CHECK_VALUE(false, msg.str());
+  }
   TORCH_CHECK_VALUE(!lanes || dev.is_cuda(), op, ": ", prefix,
                     "packed_indices is in the CUDA lane layout, which only the CUDA kernels read (tensors on ", dev,
                     "); torch_marlin.formats.trellis.lanes_to_tiles gives the canonical layout");
