@@ -132,9 +132,9 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
   // This thread's copies, the same in every stage (tile rows kb + 8s .. of stage s, ring slot
   // s % kDepth): index chunks (chunk c of tile row r: the block's tiles of a tile row are one
   // contiguous run; in the lane layout chunk c of the stage's one run, whose tile rows past K are
-  // zero), then activation chunks (row, 8 columns) and su chunks (4 rows). Activation rows
-  // past M read row M - 1 (their outputs are never stored); columns past K are zero-filled. The
-  // stages are copied in order, so the source pointers advance by one stage per copy.
+  // zero), then activation chunks (row, 8 columns) of the rows below M and su chunks (4 rows).
+  // Columns past K are zero-filled. The stages are copied in order, so the source pointers
+  // advance by one stage per copy.
   const u32 ring_s = static_cast<u32>(__cvta_generic_to_shared(ring));
   const uint64_t b_step = uint64_t(kStageTiles) * a.tiles_n * L::kTileBytes;
   const uint8_t* b_src[L::kBCopies];
@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
       a_col[q] = kb * TM_TRELLIS_TILE + (i % (kStageK / 8u)) * 8u;
       a_any[q] = static_cast<const T*>(a.A) + uint64_t(min(i / (kStageK / 8u), a.M - 1u)) * a.lda;
       a_src[q] = static_cast<const char*>(a_any[q]) + uint64_t(a_col[q]) * sizeof(T);
-      a_bytes[q] = kStageK * sizeof(T);
+      a_bytes[q] = i / (kStageK / 8u) < a.M ? kStageK * sizeof(T) : 0u;
     } else {
       a_col[q] = kb * TM_TRELLIS_TILE + (i - L::kAChunks) * 4u;
       a_any[q] = w.su;
@@ -194,7 +194,8 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
     }
     ++copied;
   };
-  // x_s[s & 1] = T(activations x su) of stage s.
+  // x_s[s & 1] = T(activations x su) of stage s, rows below M (the B fragments of the padding rows
+  // read row M - 1).
   auto convert_stage = [&](u32 s) {
     if (s >= n_stages) return;
     const unsigned char* slot = ring + (s % kDepth) * L::kStage;
@@ -205,6 +206,7 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
     for (u32 q = 0; q < L::kConvert; ++q) {
       const u32 i = tid + q * kThreads;  // pair index in [kRows][kStageK / 2]
       const u32 r = i / (kStageK / 2u), kk = i % (kStageK / 2u);
+      if (r >= a.M) continue;
       const T2 v = raw[i];
       const float2 s2 = su2[kk];
       T2 o;
@@ -229,6 +231,11 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
     }
   }
   const u32 lane_off = warp * L::kChunkBytes + lane * L::kLaneBytes;  // the lane's bytes of a chunk slot
+  // The lane's B rows 8 nt + g, padding rows read as row M - 1 (at M = 1 the warp's B loads are
+  // one broadcast row).
+  u32 x_row[NT];
+#pragma unroll
+  for (u32 nt = 0; nt < NT; ++nt) x_row[nt] = min(8u * nt + g, a.M - 1u) * kXStride;
   auto load_scales = [&](float2& s, u32 gi) {
     const float* sp = w.scales + uint64_t(gi) * a.N + col0;
     s.x = active && col0 < a.N ? sp[0] : 0.f;
@@ -299,7 +306,7 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
         }
       }
     }
-    const T* xt = x_s + (st & 1u) * (L::kX / sizeof(T)) + g * kXStride + 4u * t;
+    const T* xt = x_s + (st & 1u) * (L::kX / sizeof(T)) + 4u * t;
     auto next_group = [&]() {
       fold(s_cur);
       s_cur = s_next;
@@ -329,7 +336,7 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
       }
 #pragma unroll
       for (u32 nt = 0; nt < NT; ++nt) {
-        const uint2 b = *reinterpret_cast<const uint2*>(xt + nt * 8u * kXStride + j * TM_TRELLIS_TILE);
+        const uint2 b = *reinterpret_cast<const uint2*>(xt + x_row[nt] + j * TM_TRELLIS_TILE);
         Tr<T>::mma(part[nt], af, b.x, b.y);
       }
     };
