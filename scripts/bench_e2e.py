@@ -10,8 +10,12 @@ the speed of a decode step does not depend on the weights' values. For each form
 the model as built; the quantized formats: torch_marlin.patch_model, lm_head kept in float), batch
 size and mode it prefills a random prompt and decodes --new-tokens tokens greedily over a static KV
 cache (torch_marlin.generation.StaticDecoder), after one untimed warm-up generation. Modes:
-``eager``; ``graph``, the fastest graph mode of the backend: the decode step captured once as a
-CUDA graph and replayed (CUDA), torch.compile of the model (MPS), none on the CPU.
+``eager``; ``graph``: the decode step captured once as a CUDA graph and replayed (CUDA),
+torch.compile of the model (MPS), none on the CPU; ``compile``: on CUDA the model compiled by
+torch.compile (inductor fuses the norms, rotary embeddings and elementwise work around the
+quantized ops, which it calls as they are) and its decode step captured as a CUDA graph, on MPS
+the same as ``graph``, none on the CPU. The default runs eager and graph; compile costs a
+compilation per model (about a minute for the 32-layer shape).
 
 ``no_linear`` is the float model with every linear layer of its decoder layers answering with
 zeros without computing (a view of a buffer: no kernel): its step time is what the model spends
@@ -69,7 +73,7 @@ def build_parser():
     p.add_argument("--batch", type=int_list, default=[1], help="batch sizes, comma-separated")
     p.add_argument("--formats", default=",".join(("float",) + tuple(LAYER_TYPES)),
                    help="comma-separated: float, no_linear and any of " + ", ".join(LAYER_TYPES))
-    p.add_argument("--modes", default="eager,graph", help="comma-separated: eager, graph")
+    p.add_argument("--modes", default="eager,graph", help="comma-separated: eager, graph, compile")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--dtype", choices=list(DTYPES), help="activations (default: float16, float32 on the CPU)")
     p.add_argument("--fuse", action="store_true", help="quantized models with fused q/k/v and gate/up GEMMs")
@@ -177,16 +181,22 @@ def format_unsupported(fmt, device, dtype, group_size):
         return str(e).splitlines()[0][:100]
 
 
-def graph_mode(device):
-    return {"cuda": "cuda_graph", "mps": "compile"}.get(device.type)
+def run_mode_of(mode, device):
+    """What a --modes entry runs on this device (None: not offered there)."""
+    if mode == "eager":
+        return "eager"
+    if mode == "graph":
+        return {"cuda": "cuda_graph", "mps": "compile"}.get(device.type)
+    return {"cuda": "compile_cuda_graph", "mps": "compile"}.get(device.type)
 
 
 def time_generation(model, device, batch, prompt, new_tokens, mode, seed):
     """(prefill seconds, decode tokens per second) of one timed run after a warm-up run."""
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt), device=device,
                         generator=torch.Generator(device=device).manual_seed(seed))
-    runner = model if mode != "compile" else torch.compile(model, dynamic=False)
-    dec = StaticDecoder(runner, batch, prompt + new_tokens, cuda_graph=mode == "cuda_graph")
+    compiled = mode in ("compile", "compile_cuda_graph")
+    runner = torch.compile(model, dynamic=False) if compiled else model
+    dec = StaticDecoder(runner, batch, prompt + new_tokens, cuda_graph=mode in ("cuda_graph", "compile_cuda_graph"))
     dec.generate(ids, min(new_tokens, 3))  # warm-up: kernels, plans, the graph capture
     sync(device)
     t0 = time.perf_counter()
@@ -213,8 +223,9 @@ def main(argv=None):
     formats = [f for f in args.formats.split(",") if f]
     bad = [f for f in formats if f not in ("float", "no_linear") and f not in LAYER_TYPES]
     modes = [m for m in args.modes.split(",") if m]
-    if bad or not formats or any(m not in ("eager", "graph") for m in modes) or not modes:
-        build_parser().error(f"--formats takes float, no_linear and {', '.join(LAYER_TYPES)}; --modes eager and graph")
+    if bad or not formats or any(m not in ("eager", "graph", "compile") for m in modes) or not modes:
+        build_parser().error(f"--formats takes float, no_linear and {', '.join(LAYER_TYPES)}; "
+                             "--modes eager, graph and compile")
     from tqdm.auto import tqdm
 
     config = llama_config(args)
@@ -238,10 +249,10 @@ def main(argv=None):
         label = str(dtype).replace("torch.", "") if fmt == "float" else fmt
         for batch in args.batch:
             for mode in modes:
-                run_mode = "eager" if mode == "eager" else graph_mode(device)
+                run_mode = run_mode_of(mode, device)
                 bar.set_postfix_str(f"{fmt} batch {batch} {mode}")
                 if run_mode is None:
-                    notes.append(f"graph: no graph mode on {device.type}")
+                    notes.append(f"{mode}: no {mode} mode on {device.type}")
                 else:
                     try:
                         prefill_s, tok_s = time_generation(model, device, batch, args.prompt, args.new_tokens,
