@@ -149,6 +149,25 @@ void set_lanes_dequant(TrellisPlan& p, const std::string& kernel, const char* wh
   check_cuda_grid(p.main, who);
 }
 
+// The launch of a CUDA block-per-128-columns kernel (streaming decode, tensor-core kernel): grid
+// (column blocks, row tiles x K slices); the slices' fp32 partials summed in slice order
+// (deterministic) into C by gemm_trellis_reduce.
+void set_cuda_sliced_launch(TrellisPlan& p, int64_t M, int64_t N, const std::string& kernel, const std::string& suffix,
+                            const DeviceCaps& caps, uint32_t stage_tiles) {
+  p.main.kernel = kernel + suffix;
+  p.main.grid[0] = p.params.n_tiles;
+  p.main.grid[1] = p.params.m_tiles;
+  p.main.threads[0] = kCudaThreads;
+  cuda_k_split(p.main, p.params.tiles_k, uint64_t(p.params.n_tiles) * p.params.m_tiles, caps.compute_units,
+               stage_tiles);
+  if (p.main.k_parallel > 1) {
+    p.combine.kernel = "gemm_trellis_reduce" + suffix;
+    p.combine.grid[0] = cdiv(int64_t(M) * N, kCudaElemThreads);
+    p.combine.threads[0] = kCudaElemThreads;
+  }
+  check_cuda_grid(p.main, "plan_trellis_gemm");
+}
+
 // CUDA with the indices in the lane layout: the streaming decode (fp16/bf16, M <= 16, K % 8 == 0,
 // the same geometry as with tiles), else the lane dequant kernel writes the dense weight in the
 // activation dtype (fp32 too) and at::mm multiplies.
@@ -178,18 +197,7 @@ TrellisPlan plan_trellis_gemm_lanes(int64_t M, int64_t K, int64_t N, int64_t bit
   p.cuda_stream_stage_groups = group_size % (kCudaStreamStageTiles * TM_TRELLIS_TILE) == 0;
   set_tiles(p.params, M, N, M <= 8 ? 8u : 16u, kCudaTileN);
   p.params.tile_k = kCudaStreamStageTiles * TM_TRELLIS_TILE;
-  p.main.kernel = "gemm_trellis_decode_lanes" + suffix;
-  p.main.grid[0] = p.params.n_tiles;
-  p.main.grid[1] = p.params.m_tiles;
-  p.main.threads[0] = kCudaThreads;
-  cuda_k_split(p.main, p.params.tiles_k, uint64_t(p.params.n_tiles) * p.params.m_tiles, caps.compute_units,
-               kCudaStreamStageTiles);
-  if (p.main.k_parallel > 1) {
-    p.combine.kernel = "gemm_trellis_reduce" + suffix;
-    p.combine.grid[0] = cdiv(int64_t(M) * N, kCudaElemThreads);
-    p.combine.threads[0] = kCudaElemThreads;
-  }
-  check_cuda_grid(p.main, "plan_trellis_gemm");
+  set_cuda_sliced_launch(p, M, N, "gemm_trellis_decode_lanes", suffix, caps, kCudaStreamStageTiles);
   return p;
 }
 
@@ -330,22 +338,11 @@ TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int
                                                    : TM_TRELLIS_CUDA_PREFILL_M;
       set_tiles(p.params, M, N, tile_m, kCudaTileN);
       p.params.tile_k = stage_tiles * TM_TRELLIS_TILE;
-      p.main.kernel = (p.cuda_stream_decode ? "gemm_trellis_decode"
-                       : decode             ? "gemm_trellis_decode_mma"
-                                            : "gemm_trellis_tiles") +
-                      suffix;
-      p.main.grid[0] = p.params.n_tiles;
-      p.main.grid[1] = p.params.m_tiles;
-      p.main.threads[0] = kCudaThreads;
-      cuda_k_split(p.main, p.params.tiles_k, uint64_t(p.params.n_tiles) * p.params.m_tiles, caps.compute_units,
-                   stage_tiles);
-      if (p.main.k_parallel > 1) {
-        // The slices' fp32 partials summed in slice order (deterministic) into C.
-        p.combine.kernel = "gemm_trellis_reduce" + suffix;
-        p.combine.grid[0] = cdiv(int64_t(M) * N, kCudaElemThreads);
-        p.combine.threads[0] = kCudaElemThreads;
-      }
-      check_cuda_grid(p.main, "plan_trellis_gemm");
+      set_cuda_sliced_launch(p, M, N,
+                             p.cuda_stream_decode ? "gemm_trellis_decode"
+                             : decode             ? "gemm_trellis_decode_mma"
+                                                  : "gemm_trellis_tiles",
+                             suffix, caps, stage_tiles);
       break;
     }
   }
