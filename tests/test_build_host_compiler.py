@@ -1,6 +1,7 @@
 """The CUDA build's host-compiler choice (csrc/cuda/host_compiler.py) with the compiler probe and
 ``which`` faked: g++-12 over a default g++ 13+, a one-line warning naming the fix when g++-12 is
-missing, nothing when CXX is set, the default is older or clang, or the platform is not Linux.
+missing or CXX names a g++ 13+, nothing when CXX names another compiler, the default is older or
+clang, or the platform is not Linux.
 The real probe runs against this machine's compilers. No GPU needed."""
 
 import os
@@ -39,8 +40,16 @@ def test_gxx13_default_without_gxx12_warns_what_to_do(major):
     assert "install g++-12" in msg and "CXX=g++-12" in msg
 
 
+def test_a_chosen_gxx13_is_kept_with_a_warning():
+    env, msg = choose(environ={"CXX": "/opt/gcc/bin/g++"}, major=13)
+    assert env == {}
+    assert msg.startswith("torch_marlin: warning: CXX=/opt/gcc/bin/g++ is g++ 13") and "\n" not in msg
+    assert "CXX=g++-12 CC=gcc-12" in msg
+
+
 @pytest.mark.parametrize("kwargs", [
-    dict(environ={"CXX": "clang++"}),  # the user chose
+    dict(environ={"CXX": "clang++"}, major=None),  # the user chose
+    dict(environ={"CXX": "g++-12"}, major=12),
     dict(major=12),                    # a compiler whose builds raise
     dict(major=11),
     dict(major=None),                  # clang or no working c++

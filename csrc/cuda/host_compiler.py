@@ -4,8 +4,9 @@ With torch's CUDA wheels, an extension compiled by g++ 13 (Ubuntu 24.04's defaul
 C++ exception into a segfault: a bad argument crashes the process instead of raising in Python
 (docs/limitations.md). g++-12 builds an extension whose errors reach Python. When CXX is not set
 and the default compiler is g++ 13 or newer, ``choose_host_compiler`` picks g++-12 where it is
-installed, else says in one line what to do. torch's cpp_extension hands ``CC`` to nvcc as
-``-ccbin``, so one variable covers both compilers.
+installed, else says in one line what to do; a ``CXX`` that names g++ 13 or newer is kept and gets
+the same warning. torch's cpp_extension hands ``CC`` to nvcc as ``-ccbin``, so one variable covers
+both compilers.
 """
 
 import re
@@ -34,8 +35,16 @@ def choose_host_compiler(environ, platform: str, probe: Callable[[str], Optional
                          which: Callable[[str], Optional[str]] = shutil.which
                          ) -> Tuple[Dict[str, str], Optional[str]]:
     """``(environment updates, one-line message or None)`` for a CUDA build."""
-    if not platform.startswith("linux") or environ.get("CXX"):
+    if not platform.startswith("linux"):
         return {}, None
+    if environ.get("CXX"):
+        # The user's choice stands; a g++ 13+ gets the warning, since an image may set CXX itself.
+        cxx = environ["CXX"]
+        major = probe(cxx)
+        if major is None or major < FIRST_BAD_GCC:
+            return {}, None
+        return {}, (f"torch_marlin: warning: CXX={cxx} is g++ {major}, whose CUDA builds can segfault on any "
+                    "error instead of raising; CXX=g++-12 CC=gcc-12 avoids it (docs/limitations.md)")
     major = probe("c++")  # the compiler cpp_extension uses when CXX is not set
     if major is None or major < FIRST_BAD_GCC:
         return {}, None

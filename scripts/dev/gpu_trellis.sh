@@ -9,8 +9,7 @@ OUT="${OUT:-$PWD/cuda_results}"; mkdir -p "$OUT"
 STEPS="${STEPS:-build,test,sanitize,bench}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
-# g++-12 where installed: see scripts/dev/run_cuda_checks.sh (csrc/cuda/host_compiler.py).
-if command -v g++-12 >/dev/null 2>&1 && [ -z "${CXX:-}" ]; then export CC=gcc-12 CXX=g++-12; fi
+. scripts/dev/host_compiler.sh  # g++-12 where installed
 if has build; then
   nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpu.txt"
   ( time TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}" MAX_JOBS="${MAX_JOBS:-16}" \

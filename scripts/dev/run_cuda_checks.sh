@@ -10,13 +10,7 @@ OUT="${OUT:-$PWD/cuda_results}"; mkdir -p "$OUT"
 STEPS="${STEPS:-build,test,sanitize,bench}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
-# An extension built by Ubuntu 24.04's g++ 13.3 against torch's CUDA wheels has been seen to
-# segfault on any C++ exception (docs/limitations.md); g++-12 builds one whose errors reach Python.
-# setup.py makes the same choice (csrc/cuda/host_compiler.py); exported here so the log names it.
-# torch's cpp_extension passes CC to nvcc as -ccbin: a second -ccbin would make nvcc warn per file.
-if command -v g++-12 >/dev/null 2>&1 && [ -z "${CXX:-}" ]; then
-  export CC=gcc-12 CXX=g++-12
-fi
+. scripts/dev/host_compiler.sh  # g++-12 where installed
 if has build; then
   echo "host compiler: ${CXX:-default}" | tee "$OUT/gpu.txt"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee -a "$OUT/gpu.txt"
