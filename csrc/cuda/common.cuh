@@ -108,6 +108,44 @@ __device__ __forceinline__ T2 as_t2(u32 v) {
   return *reinterpret_cast<T2*>(&v);
 }
 
+// T <-> fp32 for kernels instantiated for float as well as fp16 / bf16.
+template <typename T>
+__device__ __forceinline__ float to_float(T v) {
+  if constexpr (std::is_same<T, float>::value) return v;
+  else return Tr<T>::to_f(v);
+}
+template <typename T>
+__device__ __forceinline__ T from_float(float v) {
+  if constexpr (std::is_same<T, float>::value) return v;
+  else return Tr<T>::from_f(v);
+}
+
+// Shared-memory loads by shared-window address: a generic pointer would cost an address
+// conversion per load. The u8 / u16 / v4 loads are volatile, which keeps them behind the cp.async
+// waits of a ring they read (rans.cu); lds_u32 is free to move, for tables written before the
+// block's loop (trellis_decode.cu).
+__device__ __forceinline__ u32 smem_u32(const void* p) { return u32(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ u32 lds_u8(u32 a) {
+  u32 v;
+  asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(v) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ u32 lds_u16(u32 a) {
+  u32 v;
+  asm volatile("ld.shared.u16 %0, [%1];\n" : "=r"(v) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ uint4 lds_v4(u32 a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ u32 lds_u32(u32 a) {
+  u32 v;
+  asm("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(a));
+  return v;
+}
+
 template <typename T>
 __device__ __forceinline__ T t_from_bits(unsigned short b) {
   return *reinterpret_cast<T*>(&b);

@@ -41,37 +41,6 @@ struct __align__(16) WarpSmem {
 };
 constexpr int kSmemBytes = int(sizeof(WarpSmem) * kWarps);
 
-template <typename T>
-__device__ __forceinline__ float to_f(T v) {
-  if constexpr (std::is_same<T, float>::value) return v;
-  else return Tr<T>::to_f(v);
-}
-template <typename T>
-__device__ __forceinline__ T from_f(float v) {
-  if constexpr (std::is_same<T, float>::value) return v;
-  else return Tr<T>::from_f(v);
-}
-
-__device__ __forceinline__ u32 smem_u32(const void* p) { return u32(__cvta_generic_to_shared(p)); }
-
-// The decode chain's shared-memory loads, by shared-window address: a generic pointer would cost
-// an address conversion per load. volatile keeps the ring loads behind the cp.async waits.
-__device__ __forceinline__ u32 lds_u8(u32 a) {
-  u32 v;
-  asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(v) : "r"(a));
-  return v;
-}
-__device__ __forceinline__ u32 lds_u16(u32 a) {
-  u32 v;
-  asm volatile("ld.shared.u16 %0, [%1];\n" : "=r"(v) : "r"(a));
-  return v;
-}
-__device__ __forceinline__ uint4 lds_v4(u32 a) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
-  return v;
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -216,9 +185,9 @@ __device__ __forceinline__ GroupQ<T, FMT> load_group(const RansParams& p, u32 gi
   GroupQ<T, FMT> q{0.f, 0.f};
   if (gi < p.n_groups) {
     const size_t o = size_t(gi) * p.N + n;
-    q.s = to_f(S[o]);
+    q.s = to_float(S[o]);
     if constexpr (FMT == TM_FORMAT_U4) q.a = float(Z[o] & 0xFu);
-    if constexpr (FMT == TM_FORMAT_AFFINE) q.a = to_f(O[o]);
+    if constexpr (FMT == TM_FORMAT_AFFINE) q.a = to_float(O[o]);
   }
   return q;
 }
@@ -302,18 +271,18 @@ __global__ void __launch_bounds__(kThreads, gemm_min_blocks(MR))
         const float w = weight<FMT>(__uint_as_float(dec.step(sym)), s, a);
 #pragma unroll
         for (int m = 0; m < MR; ++m) {
-          acc[m] = fmaf(w, to_f(x0[m]), acc[m]);
+          acc[m] = fmaf(w, to_float(x0[m]), acc[m]);
           x0[m] = x1[m];
           x1[m] = x2[m];
         }
       }
     }
     const u32 n = n0 + c;
-    const float b = p.has_bias ? to_f(bias[n]) : 0.f;
+    const float b = p.has_bias ? to_float(bias[n]) : 0.f;
 #pragma unroll
     for (int m = 0; m < MR; ++m) {
       const float sum = warp_sum(acc[m]);
-      if (lane == 0u && u32(m) < p.M) C[size_t(m) * p.N + n] = from_f<T>(sum + b);
+      if (lane == 0u && u32(m) < p.M) C[size_t(m) * p.N + n] = from_float<T>(sum + b);
     }
   }
   dec.finish();

@@ -1,6 +1,6 @@
-// Device pieces shared by the CUDA trellis GEMM kernels (trellis_mma.cu, trellis_simt.cu): the
-// activation read of every stage (plain rows, gathered MoE rows, or the MoE's SwiGLU of the gate
-// and up K-slice partials) and the per-block operand selection.
+// Pieces shared by the CUDA trellis kernels: the activation read of every stage of the GEMM kernels
+// (trellis_mma.cu, trellis_simt.cu: plain rows, gathered MoE rows, or the MoE's SwiGLU of the gate
+// and up K-slice partials), the per-block operand selection, and the launchers' bit-width dispatch.
 #pragma once
 
 #include "cuda/common.cuh"
@@ -54,6 +54,18 @@ __device__ __forceinline__ float trellis_load_act(const cuda_backend::TrellisKer
     return static_cast<const float*>(a.A)[src * a.lda + k];
   } else {
     return Tr<TA>::to_f(static_cast<const TA*>(a.A)[src * a.lda + k]);
+  }
+}
+
+// Calls f(std::integral_constant<u32, B>{}) with the bit width B = bits (2, 3 or 4): the launchers'
+// one step from the plan's runtime value to a kernel's template parameter.
+template <class F>
+void with_trellis_bits(u32 bits, F&& f) {
+  switch (bits) {
+    case 2: return f(std::integral_constant<u32, 2>{});
+    case 3: return f(std::integral_constant<u32, 3>{});
+    case 4: return f(std::integral_constant<u32, 4>{});
+    default: TORCH_CHECK(false, "torch_marlin: trellis bits must be 2, 3 or 4, got ", bits);
   }
 }
 

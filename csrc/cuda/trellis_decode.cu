@@ -84,12 +84,6 @@ __device__ __forceinline__ u32 lane_tile_bits(const u32 (&v)[2 * BITS], u32 j) {
   return __funnelshift_r(v[word], v[word + 1u], shift);
 }
 
-__device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
-  u32 v;
-  asm("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr));
-  return v;
-}
-
 // The byte offset in the pair table of field p of a tile's lane bits x.
 template <u32 BITS>
 __device__ __forceinline__ u32 lane_field_offset(u32 x, u32 p) {
@@ -320,7 +314,7 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
       if constexpr (LANES) {
         const u32 x = lane_tile_bits<BITS>(lv, j);
 #pragma unroll
-        for (u32 p = 0; p < 4; ++p) af[p] = ld_shared_u32(table_s | lane_field_offset<BITS>(x, p));
+        for (u32 p = 0; p < 4; ++p) af[p] = lds_u32(table_s | lane_field_offset<BITS>(x, p));
       } else {
         u32 f[4];
 #pragma unroll
@@ -404,12 +398,7 @@ void launch_trellis_stream(const TrellisLaunch& l, uint32_t bits, uint32_t tile_
                   a.K % 8u == 0 && a.k_parallel == l.k_parallel && l.grid[1] == l.k_parallel &&
                   a.k_slice_tiles % kStageTiles == 0 && a.k_slice_tiles > 0,
               "torch_marlin: the trellis plan '", l.kernel, "' does not match the streaming decode kernel's geometry");
-  switch (bits) {
-    case 2: return launch_rows<T, 2>(l, tile_m, lanes, a, stream);
-    case 3: return launch_rows<T, 3>(l, tile_m, lanes, a, stream);
-    case 4: return launch_rows<T, 4>(l, tile_m, lanes, a, stream);
-    default: TORCH_CHECK(false, "torch_marlin: trellis bits must be 2, 3 or 4, got ", bits);
-  }
+  with_trellis_bits(bits, [&](auto b) { launch_rows<T, b.value>(l, tile_m, lanes, a, stream); });
 }
 
 template void launch_trellis_stream<__half>(const TrellisLaunch&, uint32_t, uint32_t, bool, const TrellisKernelArgs&,

@@ -93,12 +93,6 @@ __global__ void __launch_bounds__(kThreads)
   store16<T>(W + uint64_t(k) * p.N + n0, v, vec, min(16u, p.N - n0));
 }
 
-template <typename T>
-__device__ __forceinline__ T from_f32(float v) {
-  if constexpr (std::is_same<T, float>::value) return v;
-  else return Tr<T>::from_f(v);
-}
-
 // Stores the outputs of columns c, c + 1 of row k (a pair store where both are in W and aligned).
 template <typename T>
 __device__ __forceinline__ void store_pair(T* W, const TrellisParams& p, u32 k, u32 c, float v0, float v1) {
@@ -115,8 +109,8 @@ __device__ __forceinline__ void store_pair(T* W, const TrellisParams& p, u32 k, 
     }
     return;
   }
-  dst[0] = from_f32<T>(v0);
-  if (c + 1u < p.N) dst[1] = from_f32<T>(v1);
+  dst[0] = from_float<T>(v0);
+  if (c + 1u < p.N) dst[1] = from_float<T>(v1);
 }
 
 // Indices in the CUDA lane layout (docs/trellis.md, "CUDA lane layout"): a warp per lane chunk,
@@ -173,12 +167,7 @@ void launch_bits(const TrellisLaunch& l, const TrellisParams& p, const cuda_back
 template <typename T>
 void launch_any(const TrellisLaunch& l, const TrellisParams& p, const cuda_backend::TrellisMatrixPtrs& w, T* W,
                 bool lanes, cudaStream_t stream) {
-  switch (p.bits) {
-    case 2: return launch_bits<T, 2>(l, p, w, W, lanes, stream);
-    case 3: return launch_bits<T, 3>(l, p, w, W, lanes, stream);
-    case 4: return launch_bits<T, 4>(l, p, w, W, lanes, stream);
-    default: TORCH_CHECK(false, "torch_marlin: trellis bits must be 2, 3 or 4, got ", p.bits);
-  }
+  with_trellis_bits(p.bits, [&](auto b) { launch_bits<T, b.value>(l, p, w, W, lanes, stream); });
 }
 
 }  // namespace

@@ -281,12 +281,7 @@ void launch_trellis_mma(const TrellisLaunch& l, uint32_t bits, uint32_t tile_m, 
   TORCH_CHECK(l.threads[0] == kThreads && (tile_m == TM_TRELLIS_CUDA_DECODE_M || tile_m == TM_TRELLIS_CUDA_PREFILL_M) &&
                   a.k_parallel == l.k_parallel && a.k_slice_tiles % kStageTiles == 0 && a.k_slice_tiles > 0,
               "torch_marlin: the trellis plan '", l.kernel, "' does not match the tensor-core kernel's geometry");
-  switch (bits) {
-    case 2: return launch_bits<T, 2>(l, tile_m, swiglu, a, stream);
-    case 3: return launch_bits<T, 3>(l, tile_m, swiglu, a, stream);
-    case 4: return launch_bits<T, 4>(l, tile_m, swiglu, a, stream);
-    default: TORCH_CHECK(false, "torch_marlin: trellis bits must be 2, 3 or 4, got ", bits);
-  }
+  with_trellis_bits(bits, [&](auto b) { launch_bits<T, b.value>(l, tile_m, swiglu, a, stream); });
 }
 
 template void launch_trellis_mma<__half>(const TrellisLaunch&, uint32_t, uint32_t, bool, const TrellisKernelArgs&,

@@ -9,12 +9,6 @@ namespace torch_marlin {
 namespace {
 
 template <typename T>
-__device__ __forceinline__ T from_float(float v) {
-  if constexpr (std::is_same<T, float>::value) return v;
-  else return Tr<T>::from_f(v);
-}
-
-template <typename T>
 __global__ void __launch_bounds__(TM_TRELLIS_CUDA_ELEMWISE_THREADS)
     trellis_reduce_kernel(const float* __restrict__ ws, u32 parts, uint64_t count, T* __restrict__ C) {
   const uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;

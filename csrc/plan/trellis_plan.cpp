@@ -232,15 +232,10 @@ KernelFamily trellis_prefill_family(Backend b) {
 TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int64_t group_size, DType dtype,
                               const DeviceCaps& caps, KernelFamily force, TrellisIndexLayout layout) {
   check_common(K, N, bits, group_size, "plan_trellis_gemm");
-  if (layout == TrellisIndexLayout::Lanes) {
-    if (M < 0 || M > UINT32_MAX / 2) {
-      throw std::invalid_argument("plan_trellis_gemm: M must be in [0, 2^31), got " + std::to_string(M));
-    }
-    return plan_trellis_gemm_lanes(M, K, N, bits, group_size, dtype, caps, force);
-  }
   if (M < 0 || M > UINT32_MAX / 2) {
     throw std::invalid_argument("plan_trellis_gemm: M must be in [0, 2^31), got " + std::to_string(M));
   }
+  if (layout == TrellisIndexLayout::Lanes) return plan_trellis_gemm_lanes(M, K, N, bits, group_size, dtype, caps, force);
   TrellisPlan p;
   p.caps = caps;
   p.params = base_params(M, K, N, bits, group_size);
