@@ -21,9 +21,9 @@ def which_of(*present):
     return lambda name: f"/usr/bin/{name}" if name in present else None
 
 
-def choose(environ=None, platform="linux", major=13, present=("g++-12", "gcc-12")):
+def choose(environ=None, platform="linux", major=13, present=("g++-12", "gcc-12"), **kwargs):
     return host_compiler.choose_host_compiler(environ or {}, platform, probe=lambda cxx: major,
-                                              which=which_of(*present))
+                                              which=which_of(*present), **kwargs)
 
 
 def test_gxx13_default_with_gxx12_installed_builds_with_gxx12():
@@ -45,6 +45,28 @@ def test_a_chosen_gxx13_is_kept_with_a_warning():
     assert env == {}
     assert msg.startswith("torch_marlin: warning: CXX=/opt/gcc/bin/g++ is g++ 13") and "\n" not in msg
     assert "CXX=g++-12 CC=gcc-12" in msg
+
+
+def test_the_check_scripts_replace_a_chosen_gxx13():
+    env, msg = choose(environ={"CXX": "/opt/gcc/bin/g++"}, major=13, replace_chosen=True)
+    assert env == {"CC": "gcc-12", "CXX": "g++-12"}
+    assert msg.startswith("torch_marlin: building with g++-12, not CXX=/opt/gcc/bin/g++ (g++ 13)")
+    # Without g++-12 they keep it, with the warning; a compiler that is not g++ 13+ is left alone.
+    assert choose(environ={"CXX": "g++"}, major=13, present=(), replace_chosen=True)[0] == {}
+    assert choose(environ={"CXX": "g++-12"}, major=12, replace_chosen=True) == ({}, None)
+
+
+def test_the_command_line_prints_the_exports(tmp_path):
+    # Fake compilers on PATH: a g++ 13 named by CXX, and g++-12 / gcc-12.
+    for name, major in (("g++-13", 13), ("g++-12", 12), ("gcc-12", 12)):
+        f = tmp_path / name
+        f.write_text(f"#!/bin/sh\necho '#define __GNUC__ {major}'\n")
+        f.chmod(0o755)
+    env = dict(os.environ, CXX=str(tmp_path / "g++-13"), PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "csrc", "cuda", "host_compiler.py")], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.splitlines() == ["export CC=gcc-12", "export CXX=g++-12"]
+    assert "building with g++-12" in r.stderr
 
 
 @pytest.mark.parametrize("kwargs", [

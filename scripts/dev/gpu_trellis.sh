@@ -9,7 +9,7 @@ OUT="${OUT:-$PWD/cuda_results}"; mkdir -p "$OUT"
 STEPS="${STEPS:-build,test,sanitize,bench}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
-. scripts/dev/host_compiler.sh  # g++-12 where installed
+eval "$(python csrc/cuda/host_compiler.py)"  # g++-12 over a g++ 13+ (docs/limitations.md)
 if has build; then
   nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpu.txt"
   ( time TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}" MAX_JOBS="${MAX_JOBS:-16}" \

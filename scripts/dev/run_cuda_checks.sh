@@ -10,7 +10,7 @@ OUT="${OUT:-$PWD/cuda_results}"; mkdir -p "$OUT"
 STEPS="${STEPS:-build,test,sanitize,bench}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
-. scripts/dev/host_compiler.sh  # g++-12 where installed
+eval "$(python csrc/cuda/host_compiler.py)"  # g++-12 over a g++ 13+ (docs/limitations.md)
 if has build; then
   echo "host compiler: ${CXX:-default}" | tee "$OUT/gpu.txt"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee -a "$OUT/gpu.txt"
