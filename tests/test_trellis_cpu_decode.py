@@ -67,9 +67,8 @@ def test_small_and_odd_shapes(kernel, K, N):
         assert_trellis_gemm_close(gemm(kernel, A, t, K, N, bits, 16), A, dequant_ref(t, K, N, bits, 16))
 
 
+@pytest.mark.skipif(not HAS_AVX2, reason=NO_AVX2)
 def test_avx2_matches_portable():
-    if not HAS_AVX2:
-        pytest.skip(NO_AVX2)
     K, N, bits, gs = 512, 272, 4, 128
     t = random_trellis(K, N, bits, gs, seed=1)
     A = torch.randn(1, K)
@@ -78,10 +77,9 @@ def test_avx2_matches_portable():
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not HAS_AVX512, reason=NO_AVX512)
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_avx512_matches_portable(bits):
-    if not HAS_AVX512:
-        pytest.skip(NO_AVX512)
     # N = 280: 17 full tile columns and a partial one over 2 threads' blocks; every M, since the
     # kernel is instantiated per row count.
     K, N, gs = 512, 280, 128
