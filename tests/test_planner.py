@@ -532,8 +532,8 @@ def test_plan_trellis_forced_families_and_keys():
     p = torch_marlin.plan_trellis(20, 64, 64, 2, 32, device="metal", caps=dict(compute_units=10))
     assert set(p) == {"family", "kernel", "grid", "threads", "tile_m", "tile_n", "m_tiles", "n_tiles", "k_chunk",
                       "tile_k", "k_vec4", "cpu_avx2", "cpu_avx512", "cuda_stream_decode", "cuda_stream_stage_groups",
-                      "index_layout", "k_parallel", "k_slice_tiles", "backend", "compute_units", "max_shared_memory", "wgmma",
-                      "thread_block_clusters", "avx2", "avx512"}
+                      "index_layout", "k_parallel", "k_slice_tiles", "dependent_launch", "backend", "compute_units",
+                      "max_shared_memory", "wgmma", "thread_block_clusters", "avx2", "avx512"}
     assert (p["backend"], p["compute_units"], p["m_tiles"], p["n_tiles"]) == ("metal", 10, 1, 1)
 
 
@@ -546,6 +546,11 @@ def test_plan_trellis_policy_cuda():
     assert dec["threads"] == (256, 1, 1) and dec["tile_k"] == 128 and dec["cuda_stream_decode"]
     assert (dec["k_parallel"], dec["k_slice_tiles"], dec["grid"]) == (16, 16, (32, 16, 1))
     assert dec["combine"]["kernel"] == "gemm_trellis_reduce_half" and dec["combine"]["grid"] == (16, 1, 1)
+    # On devices with griddepcontrol (sm_90 PTX, caps thread_block_clusters) the reduction launches
+    # behind the GEMM kernel (PDL); the GEMM kernel itself launches plainly.
+    assert dec["combine"]["dependent_launch"] and not dec["dependent_launch"]
+    portable = torch_marlin.plan_trellis(1, 4096, 4096, 3, 128, torch.float16, device="cuda", caps=SM132_PORTABLE)
+    assert portable["k_parallel"] == 16 and not portable["combine"]["dependent_launch"]
     assert torch_marlin.plan_trellis(9, 4096, 4096, 3, 128, torch.float16, device="cuda", caps=H100)["tile_m"] == 16
     # Scale groups of whole 128-row stages fold at stage starts only; smaller groups fold per tile row.
     assert dec["cuda_stream_stage_groups"]

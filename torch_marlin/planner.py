@@ -89,7 +89,9 @@ def plan_trellis(M: int, K: int, N: int, bits: int = 3, group_size: int = 128, d
     Keys: ``family, kernel, grid, threads, tile_m, tile_n, m_tiles, n_tiles, k_chunk, tile_k, k_vec4,
     cpu_avx2, cpu_avx512`` and the caps (``tile_k``: K rows per block of the Metal kernel; ``k_vec4``: activation rows
     read 4 elements at a time; ``tile_n``, ``n_tiles``: the CPU decode's column block and task count;
-    ``cpu_avx512``, ``cpu_avx2``: the CPU decode runs the AVX-512 or the AVX2 kernel).
+    ``cpu_avx512``, ``cpu_avx2``: the CPU decode runs the AVX-512 or the AVX2 kernel; ``dependent_launch``,
+    also in each stage's dict such as ``combine``: the CUDA launch starts behind the previous kernel
+    (programmatic dependent launch), as the K-slice reduction does on sm_90).
     ``device``, ``caps`` and ``family`` as for :func:`plan_gemm`. ``layout``: how the indices are laid
     out, ``"tiles"`` (the canonical format) or ``"lanes"`` (the CUDA lane layout,
     :func:`trellis_index_layout`; CUDA only: ``gemm_trellis_decode_lanes_<dtype>`` for fp16/bf16 decode

@@ -14,10 +14,10 @@
 // Lane (g, t) takes tile rows 4t..4t+3 as its logical k {2t, 2t+1, 2t+8, 2t+9} and columns 2g,
 // 2g+1 as A rows g, g+8: the pair of indices of one A register (two tile rows of one column) is
 // 2 x bits bits of two row words, and its B fragment is 4 consecutive activations of row g. A
-// shared table of the 4^bits codebook pairs (packed T2) turns each pair into one register with one
-// lookup. In the lane layout the pair of every A register is already one field of the lane's own
-// 8 x bits bytes of the chunk: a shift and a mask give its table offset (docs/trellis.md, "CUDA lane
-// layout"). Each thread copies the same chunks of every stage (at most two index chunks and two
+// shared table of the 4^bits codebook pairs (packed T2; at 3 and 4 bits one copy per lane, so the
+// lookups meet no bank conflict) turns each pair into one register with one lookup. In the lane
+// layout the pair of every A register is already one field of the lane's own 8 x bits bytes of
+// the chunk: a mask and a shift-add give its table address (docs/trellis.md, "CUDA lane layout"). Each thread copies the same chunks of every stage (at most two index chunks and two
 // activation or su chunks), so its source pointers are computed once and advance by a stage. Group
 // scales multiply fp32 partial sums once per group, sv each output once, as in trellis_mma.cu.
 // Measurements behind the geometry: docs/cuda-tuning.md TRELLIS-CUDA-STREAM.
@@ -53,6 +53,13 @@ struct StreamLayout {
   static constexpr u32 kLaneBytes = kChunkBytes / 32;           // a lane's part of it
   static constexpr u32 kRows = 8 * NT;                          // activation rows (M padded)
   static constexpr u32 kTable = 1u << (2 * BITS);               // packed codebook pairs
+  // Copies of the pair table, interleaved word by word: lane l reads copy l, in bank l, so a
+  // warp's 32 lookups into the 64 or 256 pairs of 3 or 4 bits cost one pass instead of two or
+  // three to four (docs/cuda-tuning.md TRELLIS-CUDA-TABLE-COPIES). The 16 pairs of 2 bits already
+  // sit in 16 distinct banks.
+  static constexpr u32 kCopies = BITS == 2 ? 1u : 32u;
+  static constexpr u32 kCopyShift = BITS == 2 ? 0u : 5u;  // log2(kCopies)
+  static constexpr u32 kTableBytes = kTable * kCopies * 4u;
   static constexpr u32 kTileBytes = 32 * BITS;
   static constexpr u32 kBRow = kWarps * kTileBytes;             // one tile row of the block
   static constexpr u32 kB = kStageTiles * kBRow;
@@ -60,10 +67,9 @@ struct StreamLayout {
   static constexpr u32 kSu = kStageK * 4;
   static constexpr u32 kStage = kB + kA + kSu;
   static constexpr u32 kX = kRows * kXStride * sizeof(T);       // one converted buffer
-  // The pair table starts at the first 1024-byte boundary of the dynamic shared memory, so a lane
-  // forms a table address by OR-ing a field's byte offset into its base (lane layout).
-  static constexpr u32 kTableAlign = 1024;
-  static constexpr u32 kRingOffset = kTableAlign + kTable * 4;
+  // The pair table opens the dynamic shared memory: a lookup's address is the shared base plus
+  // the pair's copy offset OR-ed with the lane's word in it.
+  static constexpr u32 kRingOffset = kTableBytes;
   static constexpr u32 kAChunks = kRows * kStageK / 8u;         // 16-byte copies of activations
   static constexpr u32 kSuChunks = kStageK / 4u;                //  ... and of su, per stage
   static constexpr u32 kXOffset = kRingOffset + kDepth * kStage;
@@ -84,12 +90,16 @@ __device__ __forceinline__ u32 lane_tile_bits(const u32 (&v)[2 * BITS], u32 j) {
   return __funnelshift_r(v[word], v[word + 1u], shift);
 }
 
-// The byte offset in the pair table of field p of a tile's lane bits x.
-template <u32 BITS>
-__device__ __forceinline__ u32 lane_field_offset(u32 x, u32 p) {
-  constexpr u32 kMask = ((1u << (2u * BITS)) - 1u) << 2;
+// The shared address of the pair of field p of a tile's lane bits x in the table copy at
+// table_lane: the field is masked in place and then shifted into place while it is added (a mask
+// and one shift-add: LOP3 + IMAD or LEA.HI).
+template <u32 BITS, u32 COPY_SHIFT>
+__device__ __forceinline__ u32 lane_pair_address(u32 x, u32 p, u32 table_lane) {
+  constexpr u32 kAt = 2u + COPY_SHIFT;
   const u32 s = 2u * BITS * p;
-  return (s >= 2u ? x >> (s - 2u) : x << (2u - s)) & kMask;
+  u32 f;  // opaque, so the compiler does not turn mask-then-shift-add back into shift, mask, add
+  asm("and.b32 %0, %1, %2;" : "=r"(f) : "r"(x), "r"(((1u << (2u * BITS)) - 1u) << s));
+  return s >= kAt ? (f >> (s - kAt)) + table_lane : f * (1u << (kAt - s)) + table_lane;
 }
 
 template <typename T, u32 BITS, u32 NT, bool LANES>
@@ -98,12 +108,13 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
   using T2 = typename Tr<T>::T2;
   constexpr u32 kMask = (1u << BITS) - 1u;
   extern __shared__ __align__(16) unsigned char smem[];
-  const u32 smem_s = static_cast<u32>(__cvta_generic_to_shared(smem));
-  const u32 table_s = (smem_s + L::kTableAlign - 1u) & ~(L::kTableAlign - 1u);
-  u32* table = reinterpret_cast<u32*>(smem + (table_s - smem_s));
+  u32* table = reinterpret_cast<u32*>(smem);
+  const u32 table_s = smem_u32(smem);
   unsigned char* ring = smem + L::kRingOffset;
   T* x_s = reinterpret_cast<T*>(smem + L::kXOffset);
 
+  // The K-slice reduction may launch now and wait for this grid (TrellisLaunch::dependent_launch).
+  pdl_launch_dependents();
   const u32 tid = threadIdx.x, warp = tid / 32u, lane = tid % 32u, g = lane / 4u, t = lane % 4u;
   const cuda_backend::TrellisMatrixPtrs w = a.w[0];
   const u32 slice = blockIdx.y;
@@ -116,12 +127,18 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
   const u32 tiles_per_group = a.group_size / TM_TRELLIS_TILE;
   const u32 chunks_per_row = block_tiles * L::kTileBytes / 16u;
 
-  for (u32 i = tid; i < L::kTable; i += kThreads) {
+  constexpr u32 kTableStores = L::kCopies == 1u ? L::kTable : L::kTableBytes / 16u;  // one word / four copies
+  for (u32 q = tid; q < kTableStores; q += kThreads) {
+    const u32 i = L::kCopies == 1u ? q : q / (L::kCopies / 4u);
     T2 v;
     v.x = Tr<T>::from_f(w.grid[i & kMask]);
     v.y = Tr<T>::from_f(w.grid[i >> BITS]);
-    table[i] = as_u32(v);
+    const u32 word = as_u32(v);
+    if constexpr (L::kCopies == 1u) table[q] = word;
+    else reinterpret_cast<uint4*>(table)[q] = make_uint4(word, word, word, word);
   }
+  const u32 lane_copy = (lane % L::kCopies) * 4u;  // the lane's byte in each pair's copies
+  const u32 table_lane = table_s + lane_copy;
 
   // This thread's copies, the same in every stage (tile rows kb + 8s .. of stage s, ring slot
   // s % kDepth): index chunks (chunk c of tile row r: the block's tiles of a tile row are one
@@ -314,7 +331,8 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
       if constexpr (LANES) {
         const u32 x = lane_tile_bits<BITS>(lv, j);
 #pragma unroll
-        for (u32 p = 0; p < 4; ++p) af[p] = lds_u32(table_s | lane_field_offset<BITS>(x, p));
+        for (u32 p = 0; p < 4; ++p)
+          af[p] = lds_u32(lane_pair_address<BITS, L::kCopyShift>(x, p, table_lane));
       } else {
         u32 f[4];
 #pragma unroll
@@ -323,10 +341,13 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
           if constexpr (BITS == 3) f[r] = __funnelshift_r(word[0], word[1], f_shift[r]);
           else f[r] = word[0] >> f_shift[r];
         }
-        af[0] = table[(f[0] & kMask) | ((f[1] & kMask) << BITS)];
-        af[1] = table[((f[0] >> BITS) & kMask) | (f[1] & (kMask << BITS))];
-        af[2] = table[(f[2] & kMask) | ((f[3] & kMask) << BITS)];
-        af[3] = table[((f[2] >> BITS) & kMask) | (f[3] & (kMask << BITS))];
+        auto pair = [&](u32 i) {
+          return lds_u32(table_s + ((i << (2u + L::kCopyShift)) | lane_copy));
+        };
+        af[0] = pair((f[0] & kMask) | ((f[1] & kMask) << BITS));
+        af[1] = pair(((f[0] >> BITS) & kMask) | (f[1] & (kMask << BITS)));
+        af[2] = pair((f[2] & kMask) | ((f[3] & kMask) << BITS));
+        af[3] = pair(((f[2] >> BITS) & kMask) | (f[3] & (kMask << BITS)));
       }
 #pragma unroll
       for (u32 nt = 0; nt < NT; ++nt) {

@@ -62,6 +62,8 @@ __global__ void __launch_bounds__(kThreads) trellis_mma_kernel(const TrellisKern
   T* a_s = reinterpret_cast<T*>(smem + L::kAOffset);
   unsigned char* b_s = smem + L::kBOffset;
 
+  // The K-slice reduction may launch now and wait for this grid (TrellisLaunch::dependent_launch).
+  pdl_launch_dependents();
   const u32 tid = threadIdx.x, warp = tid / 32u, lane = tid % 32u, g = lane / 4u, t = lane % 4u;
   const TrellisBlockOperand op = trellis_block_operand(a);
   const u32 which = op.which, e = op.e;

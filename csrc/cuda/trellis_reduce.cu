@@ -11,6 +11,7 @@ namespace {
 template <typename T>
 __global__ void __launch_bounds__(TM_TRELLIS_CUDA_ELEMWISE_THREADS)
     trellis_reduce_kernel(const float* __restrict__ ws, u32 parts, uint64_t count, T* __restrict__ C) {
+  pdl_wait();  // launched behind the GEMM kernel that writes ws (TrellisLaunch::dependent_launch)
   const uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= count) return;
   float s = 0.f;
@@ -49,7 +50,18 @@ void launch_trellis_reduce(const TrellisLaunch& l, const float* ws, uint32_t par
                            cudaStream_t stream) {
   TORCH_CHECK(l.threads[0] == TM_TRELLIS_CUDA_ELEMWISE_THREADS && l.grid[0] == blocks_for(count),
               "torch_marlin: the trellis plan '", l.kernel, "' does not match the reduction");
-  trellis_reduce_kernel<T><<<l.grid[0], TM_TRELLIS_CUDA_ELEMWISE_THREADS, 0, stream>>>(ws, parts, count, C);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(l.grid[0]);
+  cfg.blockDim = dim3(TM_TRELLIS_CUDA_ELEMWISE_THREADS);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  if (l.dependent_launch) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, trellis_reduce_kernel<T>, ws, parts, count, C));
   check_launch(l.kernel.c_str());
 }
 

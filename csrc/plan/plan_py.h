@@ -160,6 +160,7 @@ inline py::dict launch_to_dict(const TrellisLaunch& l) {
   d["threads"] = dims(l.threads);
   d["k_parallel"] = l.k_parallel;
   d["k_slice_tiles"] = l.k_slice_tiles;
+  d["dependent_launch"] = l.dependent_launch;
   return d;
 }
 

@@ -151,7 +151,9 @@ void set_lanes_dequant(TrellisPlan& p, const std::string& kernel, const char* wh
 
 // The launch of a CUDA block-per-128-columns kernel (streaming decode, tensor-core kernel): grid
 // (column blocks, row tiles x K slices); the slices' fp32 partials summed in slice order
-// (deterministic) into C by gemm_trellis_reduce.
+// (deterministic) into C by gemm_trellis_reduce, which on sm_90 (caps.thread_block_clusters: the
+// PTX has griddepcontrol) launches behind the GEMM kernel (PDL) and so skips the launch gap
+// between them (docs/cuda-tuning.md TRELLIS-CUDA-PDL).
 void set_cuda_sliced_launch(TrellisPlan& p, int64_t M, int64_t N, const std::string& kernel, const std::string& suffix,
                             const DeviceCaps& caps, uint32_t stage_tiles) {
   p.main.kernel = kernel + suffix;
@@ -164,6 +166,7 @@ void set_cuda_sliced_launch(TrellisPlan& p, int64_t M, int64_t N, const std::str
     p.combine.kernel = "gemm_trellis_reduce" + suffix;
     p.combine.grid[0] = cdiv(int64_t(M) * N, kCudaElemThreads);
     p.combine.threads[0] = kCudaElemThreads;
+    p.combine.dependent_launch = caps.thread_block_clusters != 0;
   }
   check_cuda_grid(p.main, "plan_trellis_gemm");
 }

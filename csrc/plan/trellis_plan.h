@@ -21,6 +21,10 @@ struct TrellisLaunch {
   // order. 1 / 0 where the launch does not slice K.
   uint32_t k_parallel = 1;
   uint32_t k_slice_tiles = 0;
+  // CUDA: launched with programmatic dependent launch behind the previous kernel on the stream,
+  // which lets it start as that kernel's blocks retire; the kernel waits (griddepcontrol.wait)
+  // before it reads that kernel's output.
+  bool dependent_launch = false;
 };
 
 struct TrellisPlan {
