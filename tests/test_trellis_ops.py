@@ -103,6 +103,23 @@ def test_gemm_trellis_lane_layout(backend, bits, gs, M, dtype):
             assert torch.equal(C, backend.gemm_trellis(A, *t, K, N, bits, gs))
 
 
+@pytest.mark.parametrize("backend, M", cases([1, 16], skip=lambda b, *v: b is not CUDA))
+def test_gemm_trellis_decode_bounded_k_slices(backend, M):
+    # One column block per SM: the planner wants 4 K slices, but the streaming decode keeps a slice
+    # within 64 tile rows (its activations are converted into shared memory once), so K = 4104
+    # (33 stages, a partial last tile) takes 5 slices: 8, 8, 8, 8 and 1 stages.
+    import torch_marlin
+    K, bits, gs = 4104, 3, 128
+    N = 128 * torch.cuda.get_device_properties(0).multi_processor_count - 8
+    plan = torch_marlin.plan_trellis(M, K, N, bits, gs, torch.float16, device="cuda", layout="lanes")
+    assert (plan["kernel"], plan["k_slice_tiles"], plan["k_parallel"]) == ("gemm_trellis_decode_lanes_half", 64, 5)
+    t = random_trellis(K, N, bits, gs, seed=11)
+    A = torch.randn(M, K, generator=torch.Generator().manual_seed(3)).half()
+    C = backend.gemm_trellis(A, *with_lanes(t, K, N, bits), K, N, bits, gs)
+    assert_trellis_gemm_close(C, A, dequant_ref(t, K, N, bits, gs), backend.exact_products)
+    assert torch.equal(C, backend.gemm_trellis(A, *t, K, N, bits, gs))
+
+
 @pytest.mark.parametrize("backend, bits, K, N", cases(
     [(b, K, N) for b, (K, N) in itertools.product(BITS, [(200, 77), (37, 300), (1040, 48)])],
     skip=lambda b, *v: b is not CUDA))

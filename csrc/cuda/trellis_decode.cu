@@ -3,24 +3,25 @@
 //
 // Block: 8 warps; warp w owns tile column tn0 + w (16 output columns). The indices are the mma's
 // A operand (m16n8k16, C^T = W^T A^T) and the activations its B operand, so M <= 8 pads to one n8
-// tile instead of a 16-row one. K runs in stages of 8 tile rows through a ring of 4 stages in
-// shared memory, filled with 16-byte cp.async copies 3 stages ahead (no register ring to hold them):
-//  - index bytes, each copied once: for one tile row the block's tiles are one contiguous run; in
-//    the CUDA lane layout (LANES) the stage is one lane chunk per tile column, all one run;
-//  - activations (raw T) and su (fp32) of the stage's 64 rows, zero past K.
-// One stage behind the copies, the block multiplies the staged activations by su once, rounds
-// them to T into a double buffer, and every warp reads its B fragments from there (8 bytes per
-// n8 tile and tile row). One barrier per stage.
+// tile instead of a 16-row one.
+//  - Activations: the block's K slice (at most TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES tile rows,
+//    the planner's bound) is multiplied by su and rounded to T once, at the start, into shared
+//    memory (rows below M, zero past K); every warp reads its B fragments from there (8 bytes per
+//    n8 tile and tile row). The per-stage work is then only the index copies and the tiles.
+//  - Indices: K runs in stages of 8 tile rows through a ring of 4 stages in shared memory, filled
+//    with 16-byte cp.async copies 3 stages ahead, each byte copied once: for one tile row the
+//    block's tiles are one contiguous run; in the CUDA lane layout (LANES) the stage is one lane
+//    chunk per tile column, all one run. Each thread copies the same chunks of every stage, so its
+//    source pointers are computed once and advance by a stage. One barrier per stage.
 // Lane (g, t) takes tile rows 4t..4t+3 as its logical k {2t, 2t+1, 2t+8, 2t+9} and columns 2g,
 // 2g+1 as A rows g, g+8: the pair of indices of one A register (two tile rows of one column) is
 // 2 x bits bits of two row words, and its B fragment is 4 consecutive activations of row g. A
 // shared table of the 4^bits codebook pairs (packed T2; at 3 and 4 bits one copy per lane, so the
 // lookups meet no bank conflict) turns each pair into one register with one lookup. In the lane
 // layout the pair of every A register is already one field of the lane's own 8 x bits bytes of
-// the chunk: a mask and a shift-add give its table address (docs/trellis.md, "CUDA lane layout"). Each thread copies the same chunks of every stage (at most two index chunks and two
-// activation or su chunks), so its source pointers are computed once and advance by a stage. Group
-// scales multiply fp32 partial sums once per group, sv each output once, as in trellis_mma.cu.
-// Measurements behind the geometry: docs/cuda-tuning.md TRELLIS-CUDA-STREAM.
+// the chunk: a mask and a shift-add give its table address (docs/trellis.md, "CUDA lane layout").
+// Group scales multiply fp32 partial sums once per group, sv each output once, as in
+// trellis_mma.cu. Measurements behind the geometry: docs/cuda-tuning.md TRELLIS-CUDA-STREAM.
 #include <atomic>
 
 #include "cuda/kernels.h"
@@ -37,10 +38,11 @@ constexpr u32 kThreads = TM_TRELLIS_CUDA_THREADS;
 constexpr u32 kStageTiles = TM_TRELLIS_CUDA_STREAM_STAGE_TILES;
 constexpr u32 kDepth = TM_TRELLIS_CUDA_STREAM_STAGES;
 constexpr u32 kStageK = kStageTiles * TM_TRELLIS_TILE;  // K rows per stage
-// Row stride of the converted activations: 80 T = 40 words, so the 8-byte B loads of rows g = 0..3
-// (one half-warp) fall in 32 distinct banks.
-constexpr u32 kXStride = kStageK + 16;
-static_assert(kDepth >= 3, "the activations are converted one stage behind the copies");
+constexpr u32 kMaxSliceK = TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES * TM_TRELLIS_TILE;
+// Row stride of the converted activations: 1040 T = 520 words = 8 (mod 32), so the 8-byte B loads
+// of rows g = 0..3 (one half-warp) fall in 32 distinct banks.
+constexpr u32 kXStride = kMaxSliceK + 16;
+static_assert(kDepth >= 2 && kMaxSliceK % kStageK == 0, "whole stages per slice");
 static_assert(kThreads == kWarps * 32 && TM_TRELLIS_CUDA_TILE_N == kWarps * TM_TRELLIS_TILE, "one warp per tile column");
 static_assert(kStageTiles == TM_TRELLIS_LANE_CHUNK_TILES, "a stage of the lane layout is one chunk per tile column");
 
@@ -51,7 +53,6 @@ template <typename T, u32 BITS, u32 NT>
 struct StreamLayout {
   static constexpr u32 kChunkBytes = kStageTiles * 32 * BITS;   // a lane chunk: 8 tiles
   static constexpr u32 kLaneBytes = kChunkBytes / 32;           // a lane's part of it
-  static constexpr u32 kRows = 8 * NT;                          // activation rows (M padded)
   static constexpr u32 kTable = 1u << (2 * BITS);               // packed codebook pairs
   // Copies of the pair table, interleaved word by word: lane l reads copy l, in bank l, so a
   // warp's 32 lookups into the 64 or 256 pairs of 3 or 4 bits cost one pass instead of two or
@@ -62,24 +63,16 @@ struct StreamLayout {
   static constexpr u32 kTableBytes = kTable * kCopies * 4u;
   static constexpr u32 kTileBytes = 32 * BITS;
   static constexpr u32 kBRow = kWarps * kTileBytes;             // one tile row of the block
-  static constexpr u32 kB = kStageTiles * kBRow;
-  static constexpr u32 kA = kRows * kStageK * sizeof(T);        // raw activations of a stage
-  static constexpr u32 kSu = kStageK * 4;
-  static constexpr u32 kStage = kB + kA + kSu;
-  static constexpr u32 kX = kRows * kXStride * sizeof(T);       // one converted buffer
-  // The pair table opens the dynamic shared memory: a lookup's address is the shared base plus
-  // the pair's copy offset OR-ed with the lane's word in it.
+  static constexpr u32 kStage = kStageTiles * kBRow;            // a ring slot: the stage's indices
+  // The pair table opens the dynamic shared memory (a lookup's address is the shared base plus
+  // the pair's copy offset and the lane's word in it), then the ring, then the converted
+  // activations: M rows of kXStride T.
   static constexpr u32 kRingOffset = kTableBytes;
-  static constexpr u32 kAChunks = kRows * kStageK / 8u;         // 16-byte copies of activations
-  static constexpr u32 kSuChunks = kStageK / 4u;                //  ... and of su, per stage
   static constexpr u32 kXOffset = kRingOffset + kDepth * kStage;
   // + 16: a 3-bit pair in the last word of the last tile reads one word past it.
-  static constexpr u32 kBytes = kXOffset + 2 * kX + 16;
-  static_assert(kB % 16 == 0 && kA % 16 == 0 && kStage % 16 == 0, "16-byte copies");
-  static constexpr u32 kConvert = kRows * kStageK / 2 / kThreads;  // activation pairs a thread converts
-  static constexpr u32 kBCopies = (kB / 16u + kThreads - 1) / kThreads;  // index chunks a thread copies
-  static constexpr u32 kACopies = (kAChunks + kSuChunks + kThreads - 1) / kThreads;  // activation / su chunks
-  static_assert(kRows * kStageK / 2 == kThreads * kConvert, "every thread converts the same number of pairs");
+  static constexpr u32 bytes(u32 rows) { return kXOffset + rows * kXStride * u32(sizeof(T)) + 16u; }
+  static_assert(kStage % 16 == 0 && kXOffset % 16 == 0, "16-byte copies and stores");
+  static constexpr u32 kBCopies = (kStage / 16u + kThreads - 1) / kThreads;  // index chunks a thread copies
 };
 
 // The 8 x bits bits of tile row j in a lane's chunk words v (its 4 fields, lowest first).
@@ -127,8 +120,12 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
   const u32 tiles_per_group = a.group_size / TM_TRELLIS_TILE;
   const u32 chunks_per_row = block_tiles * L::kTileBytes / 16u;
 
+  // Unrolled, so a thread's grid loads are all in flight at once.
   constexpr u32 kTableStores = L::kCopies == 1u ? L::kTable : L::kTableBytes / 16u;  // one word / four copies
-  for (u32 q = tid; q < kTableStores; q += kThreads) {
+#pragma unroll
+  for (u32 it = 0; it < (kTableStores + kThreads - 1) / kThreads; ++it) {
+    const u32 q = tid + it * kThreads;
+    if (kTableStores % kThreads != 0 && q >= kTableStores) break;
     const u32 i = L::kCopies == 1u ? q : q / (L::kCopies / 4u);
     T2 v;
     v.x = Tr<T>::from_f(w.grid[i & kMask]);
@@ -140,12 +137,10 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
   const u32 lane_copy = (lane % L::kCopies) * 4u;  // the lane's byte in each pair's copies
   const u32 table_lane = table_s + lane_copy;
 
-  // This thread's copies, the same in every stage (tile rows kb + 8s .. of stage s, ring slot
-  // s % kDepth): index chunks (chunk c of tile row r: the block's tiles of a tile row are one
-  // contiguous run; in the lane layout chunk c of the stage's one run, whose tile rows past K are
-  // zero), then activation chunks (row, 8 columns) of the rows below M and su chunks (4 rows).
-  // Columns past K are zero-filled. The stages are copied in order, so the source pointers
-  // advance by one stage per copy.
+  // This thread's index copies, the same in every stage (tile rows kb + 8s .. of stage s, ring
+  // slot s % kDepth): chunk c of tile row r (the block's tiles of a tile row are one contiguous
+  // run), or in the lane layout chunk c of the stage's one run, whose tile rows past K are zero.
+  // The stages are copied in order, so the source pointers advance by one stage per copy.
   const u32 ring_s = static_cast<u32>(__cvta_generic_to_shared(ring));
   const uint64_t b_step = uint64_t(kStageTiles) * a.tiles_n * L::kTileBytes;
   const uint8_t* b_src[L::kBCopies];
@@ -166,25 +161,6 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
       b_src[q] = w.packed + (uint64_t(kb + r) * a.tiles_n + tn0) * L::kTileBytes + c * 16u;
     }
   }
-  const char* a_src[L::kACopies];
-  const void* a_any[L::kACopies];  // an in-bounds address for the zero-filled copies past K
-  u32 a_dst[L::kACopies], a_col[L::kACopies], a_bytes[L::kACopies];  // a_bytes: per stage; 0: no chunk
-#pragma unroll
-  for (u32 q = 0; q < L::kACopies; ++q) {
-    const u32 i = tid + q * kThreads;
-    a_dst[q] = L::kB + i * 16u;  // su follows the activations in the slot
-    if (i < L::kAChunks) {
-      a_col[q] = kb * TM_TRELLIS_TILE + (i % (kStageK / 8u)) * 8u;
-      a_any[q] = static_cast<const T*>(a.A) + uint64_t(min(i / (kStageK / 8u), a.M - 1u)) * a.lda;
-      a_src[q] = static_cast<const char*>(a_any[q]) + uint64_t(a_col[q]) * sizeof(T);
-      a_bytes[q] = i / (kStageK / 8u) < a.M ? kStageK * sizeof(T) : 0u;
-    } else {
-      a_col[q] = kb * TM_TRELLIS_TILE + (i - L::kAChunks) * 4u;
-      a_any[q] = w.su;
-      a_src[q] = reinterpret_cast<const char*>(w.su + a_col[q]);
-      a_bytes[q] = i < L::kAChunks + L::kSuChunks ? kStageK * 4u : 0u;
-    }
-  }
   u32 copied = 0;  // stages copied so far
   auto copy_next_stage = [&]() {
     if (copied >= n_stages) return;
@@ -195,38 +171,8 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
       if (row0 < b_rows_left[q]) cp_async16(slot + b_dst[q], b_src[q]);
       b_src[q] += b_step;
     }
-#pragma unroll
-    for (u32 q = 0; q < L::kACopies; ++q) {
-      if (a_bytes[q] == 0u) continue;
-      const bool in_k = a_col[q] < a.K;
-      cp_async16(slot + a_dst[q], in_k ? static_cast<const void*>(a_src[q]) : a_any[q], in_k ? 16u : 0u);
-      a_src[q] += a_bytes[q];
-      a_col[q] += kStageK;
-    }
     ++copied;
   };
-  // x_s[s & 1] = T(activations x su) of stage s, rows below M (the B fragments of the padding rows
-  // read row M - 1).
-  auto convert_stage = [&](u32 s) {
-    if (s >= n_stages) return;
-    const unsigned char* slot = ring + (s % kDepth) * L::kStage;
-    const T2* raw = reinterpret_cast<const T2*>(slot + L::kB);
-    const float2* su2 = reinterpret_cast<const float2*>(slot + L::kB + L::kA);
-    T* dst = x_s + (s & 1u) * (L::kX / sizeof(T));
-#pragma unroll
-    for (u32 q = 0; q < L::kConvert; ++q) {
-      const u32 i = tid + q * kThreads;  // pair index in [kRows][kStageK / 2]
-      const u32 r = i / (kStageK / 2u), kk = i % (kStageK / 2u);
-      if (r >= a.M) continue;
-      const T2 v = raw[i];
-      const float2 s2 = su2[kk];
-      T2 o;
-      o.x = Tr<T>::from_f(Tr<T>::to_f(v.x) * s2.x);
-      o.y = Tr<T>::from_f(Tr<T>::to_f(v.y) * s2.y);
-      *reinterpret_cast<T2*>(dst + r * kXStride + 2u * kk) = o;
-    }
-  };
-
   // The lane's column pair in tile rows 4t + r: the byte offset, within a stage slot, of its word
   // in the warp's tile of tile row 0, and its shift. Pinned in registers: recomputed per stage
   // they would cost more than the stage's copies.
@@ -275,21 +221,60 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
   load_scales(s_cur, gi);
   load_scales(s_next, min(gi + 1u, a.n_groups - 1u));
 
+  // The slice's activations, rows below M: thread (r0, c) copies the 8 columns at c of rows r0,
+  // r0 + 2, ... straight into x_s (16-byte cp.async, zero past K; K % 8 == 0: a unit is all below
+  // K or all past it; the lane layout's padding tiles and a last tile's rows past K read zero), one
+  // copy group ahead of the index stages, all in flight at once. Each thread later scales the units
+  // it copied itself, so no barrier sits between.
+  static_assert(kThreads == 2u * (kMaxSliceK / 8u), "two rows of 8-column units per pass");
+  const u32 k0 = kb * TM_TRELLIS_TILE, xc = (tid % (kMaxSliceK / 8u)) * 8u, r0 = tid / (kMaxSliceK / 8u);
+  const bool x_unit = xc < n_stages * kStageK, x_in_k = x_unit && k0 + xc < a.K;
+  {
+    const T* src = static_cast<const T*>(a.A) + (x_in_k ? k0 + xc : 0u);
+    const u32 dst = smem_u32(x_s + xc);
+#pragma unroll
+    for (u32 j = 0; j < 4u * NT; ++j) {
+      const u32 r = r0 + 2u * j;
+      if (x_unit && r < a.M) cp_async16(dst + r * kXStride * u32(sizeof(T)), src + uint64_t(r) * a.lda, x_in_k ? 16u : 0u);
+    }
+    cp_async_commit();
+  }
 #pragma unroll
   for (u32 s = 0; s + 1u < kDepth; ++s) {
     copy_next_stage();
     cp_async_commit();
   }
-  cp_async_wait<kDepth - 2>();
-  __syncthreads();  // stage 0 and the table
-  convert_stage(0);
+  // x su, rounded to T once, in place.
+  if (x_unit) {
+    float4 s0 = make_float4(0.f, 0.f, 0.f, 0.f), s1 = s0;
+    if (x_in_k) {
+      s0 = *reinterpret_cast<const float4*>(w.su + k0 + xc);
+      s1 = *reinterpret_cast<const float4*>(w.su + k0 + xc + 4u);
+    }
+    auto scaled = [](u32 word, float lo, float hi) {
+      const T2 x = as_t2<T2>(word);
+      T2 o;
+      o.x = Tr<T>::from_f(Tr<T>::to_f(x.x) * lo);
+      o.y = Tr<T>::from_f(Tr<T>::to_f(x.y) * hi);
+      return as_u32(o);
+    };
+    cp_async_wait<kDepth - 1>();  // this thread's activation copies have landed
+#pragma unroll
+    for (u32 j = 0; j < 4u * NT; ++j) {
+      const u32 r = r0 + 2u * j;
+      if (r >= a.M) break;
+      uint4* x = reinterpret_cast<uint4*>(x_s + r * kXStride + xc);
+      const uint4 v = *x;
+      *x = make_uint4(scaled(v.x, s0.x, s0.y), scaled(v.y, s0.z, s0.w), scaled(v.z, s1.x, s1.y),
+                      scaled(v.w, s1.z, s1.w));
+    }
+  }
 
   for (u32 st = 0; st < n_stages; ++st) {
-    cp_async_wait<kDepth - 3>();  // stage st + 1 has landed (this thread's copies)
-    __syncthreads();  // ... everyone's; x_s[st & 1] is written; stage st - 1's slot and buffer are free
+    cp_async_wait<kDepth - 2>();  // stage st has landed (this thread's copies; the activations' group is older)
+    __syncthreads();  // ... everyone's, and the table and activations; stage st - 1's slot is free
     copy_next_stage();  // stage st + kDepth - 1
     cp_async_commit();  // possibly empty: the group count stays one per stage
-    convert_stage(st + 1u);
     if (!active) continue;
     const u32 tk0 = kb + st * kStageTiles;
     // The lane layout pads K to whole chunks (zero indices times zero activations), so its stages
@@ -317,7 +302,7 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
         }
       }
     }
-    const T* xt = x_s + (st & 1u) * (L::kX / sizeof(T)) + 4u * t;
+    const T* xt = x_s + st * kStageK + 4u * t;
     auto next_group = [&]() {
       fold(s_cur);
       s_cur = s_next;
@@ -391,9 +376,9 @@ template <typename T, u32 BITS, u32 NT, bool LANES>
 void launch_one(const TrellisLaunch& l, const TrellisKernelArgs& a, cudaStream_t stream) {
   static std::atomic<uint64_t> opted_in{0};
   auto kernel = trellis_stream_kernel<T, BITS, NT, LANES>;
-  constexpr int kSmem = int(StreamLayout<T, BITS, NT>::kBytes);
-  cuda_backend::opt_in_smem(kernel, kSmem, opted_in);
-  kernel<<<dim3(l.grid[0], l.grid[1], 1), dim3(kThreads), kSmem, stream>>>(a);
+  using L = StreamLayout<T, BITS, NT>;
+  cuda_backend::opt_in_smem(kernel, int(L::bytes(8u * NT)), opted_in);
+  kernel<<<dim3(l.grid[0], l.grid[1], 1), dim3(kThreads), L::bytes(a.M), stream>>>(a);
   cuda_backend::check_launch(l.kernel.c_str());
 }
 
@@ -417,7 +402,8 @@ void launch_trellis_stream(const TrellisLaunch& l, uint32_t bits, uint32_t tile_
                            const TrellisKernelArgs& a, cudaStream_t stream) {
   TORCH_CHECK(l.threads[0] == kThreads && (tile_m == 8u || tile_m == 16u) && a.M >= 1u && a.M <= tile_m &&
                   a.K % 8u == 0 && a.k_parallel == l.k_parallel && l.grid[1] == l.k_parallel &&
-                  a.k_slice_tiles % kStageTiles == 0 && a.k_slice_tiles > 0,
+                  a.k_slice_tiles % kStageTiles == 0 && a.k_slice_tiles > 0 &&
+                  a.k_slice_tiles <= TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES,
               "torch_marlin: the trellis plan '", l.kernel, "' does not match the streaming decode kernel's geometry");
   with_trellis_bits(bits, [&](auto b) { launch_rows<T, b.value>(l, tile_m, lanes, a, stream); });
 }

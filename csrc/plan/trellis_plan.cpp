@@ -65,13 +65,16 @@ constexpr uint32_t kCudaBlocksPerSm = 4;  // docs/cuda-tuning.md TRELLIS-CUDA-SL
 constexpr int64_t kCudaBlasMinM = kDecodeMaxM + 1;  // docs/cuda-tuning.md TRELLIS-CUDA-BLAS
 
 // Sets l.k_parallel / l.k_slice_tiles for a launch of `blocks` blocks per K slice over tiles_k
-// tile rows, and multiplies grid[1] by the slice count.
-void cuda_k_split(TrellisLaunch& l, uint32_t tiles_k, uint64_t blocks, int sms, uint32_t stage_tiles = kCudaStageTiles) {
+// tile rows, and multiplies grid[1] by the slice count. max_slice_tiles (0: none) bounds a slice,
+// which may then take more than kCudaMaxKParallel slices.
+void cuda_k_split(TrellisLaunch& l, uint32_t tiles_k, uint64_t blocks, int sms, uint32_t stage_tiles = kCudaStageTiles,
+                  uint32_t max_slice_tiles = 0) {
   const uint32_t stages = cdiv(tiles_k, stage_tiles);
   const uint64_t want = uint64_t(kCudaBlocksPerSm) * uint64_t(std::max(sms, 1));
   uint64_t kp = blocks >= want ? 1 : (want + blocks - 1) / std::max<uint64_t>(blocks, 1);
   kp = std::min<uint64_t>({kp, stages, kCudaMaxKParallel});
-  const uint32_t slice_stages = cdiv(stages, int64_t(kp));
+  uint32_t slice_stages = cdiv(stages, int64_t(kp));
+  if (max_slice_tiles != 0) slice_stages = std::min(slice_stages, max_slice_tiles / stage_tiles);
   l.k_slice_tiles = slice_stages * stage_tiles;
   l.k_parallel = cdiv(stages, slice_stages);
   l.grid[1] *= l.k_parallel;
@@ -160,8 +163,9 @@ void set_cuda_sliced_launch(TrellisPlan& p, int64_t M, int64_t N, const std::str
   p.main.grid[0] = p.params.n_tiles;
   p.main.grid[1] = p.params.m_tiles;
   p.main.threads[0] = kCudaThreads;
+  // The streaming decode converts a slice's activations into shared memory once: bounded slices.
   cuda_k_split(p.main, p.params.tiles_k, uint64_t(p.params.n_tiles) * p.params.m_tiles, caps.compute_units,
-               stage_tiles);
+               stage_tiles, p.cuda_stream_decode ? TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES : 0u);
   if (p.main.k_parallel > 1) {
     p.combine.kernel = "gemm_trellis_reduce" + suffix;
     p.combine.grid[0] = cdiv(int64_t(M) * N, kCudaElemThreads);

@@ -46,9 +46,12 @@ TM_NAMESPACE_BEGIN
 #define TM_TRELLIS_CUDA_DECODE_M 16u        // decode: one m16 mma tile of rows
 #define TM_TRELLIS_CUDA_PREFILL_M 64u       // prefill: four m16 mma tiles of rows
 // The streaming decode kernel (trellis_decode.cu; M <= 16, K % 8 == 0): the same 8 warps and 128
-// columns, K in stages of 8 tile rows (128 rows) through a 4-stage cp.async ring.
+// columns, the indices in stages of 8 tile rows (128 rows) through a 4-stage cp.async ring. A
+// block converts its K slice's activations into shared memory once, so the planner keeps a slice
+// within TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES tile rows (1024 rows: 32 KiB at 16 fp16 rows).
 #define TM_TRELLIS_CUDA_STREAM_STAGE_TILES 8u
 #define TM_TRELLIS_CUDA_STREAM_STAGES 4u
+#define TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES 64u
 // dequant_trellis on CUDA (trellis_dequant.cu): a block of 256 threads owns 16 tiles of one tile
 // row; a thread writes one 16-column row of one tile.
 #define TM_TRELLIS_CUDA_DEQUANT_TILES 16u
