@@ -551,6 +551,14 @@ def test_plan_trellis_policy_cuda():
     assert dec["combine"]["dependent_launch"] and not dec["dependent_launch"]
     portable = torch_marlin.plan_trellis(1, 4096, 4096, 3, 128, torch.float16, device="cuda", caps=SM132_PORTABLE)
     assert portable["k_parallel"] == 16 and not portable["combine"]["dependent_launch"]
+    # A block converts its slice's activations into shared memory once, so a slice holds at most
+    # 128 tile rows at 8 rows of M and 64 at 16. 17 slices wanted (32 column blocks): K = 14336
+    # takes 16 of 7 stages; K = 28672 16 of 14 stages at M = 1, but 28 of 8 at M = 9.
+    assert torch_marlin.plan_trellis(1, 14336, 4096, 3, 128, torch.float16, device="cuda",
+                                     caps=H100)["k_slice_tiles"] == 56
+    for M, k_parallel, slice_tiles in ((1, 16, 112), (9, 28, 64)):
+        p = torch_marlin.plan_trellis(M, 28672, 4096, 3, 128, torch.float16, device="cuda", caps=H100)
+        assert (p["k_parallel"], p["k_slice_tiles"]) == (k_parallel, slice_tiles)
     assert torch_marlin.plan_trellis(9, 4096, 4096, 3, 128, torch.float16, device="cuda", caps=H100)["tile_m"] == 16
     # Scale groups of whole 128-row stages fold at stage starts only; smaller groups fold per tile row.
     assert dec["cuda_stream_stage_groups"]

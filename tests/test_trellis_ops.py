@@ -103,16 +103,21 @@ def test_gemm_trellis_lane_layout(backend, bits, gs, M, dtype):
             assert torch.equal(C, backend.gemm_trellis(A, *t, K, N, bits, gs))
 
 
-@pytest.mark.parametrize("backend, M", cases([1, 16], skip=lambda b, *v: b is not CUDA))
-def test_gemm_trellis_decode_bounded_k_slices(backend, M):
-    # One column block per SM: the planner wants 4 K slices, but the streaming decode keeps a slice
-    # within 64 tile rows (its activations are converted into shared memory once), so K = 4104
-    # (33 stages, a partial last tile) takes 5 slices: 8, 8, 8, 8 and 1 stages.
+@pytest.mark.parametrize("backend, M, K, wide, slice_tiles, k_parallel", cases(
+    [(1, 4104, True, 72, 4), (16, 4104, True, 64, 5), (16, 8200, False, 24, 22)], skip=lambda b, *v: b is not CUDA))
+def test_gemm_trellis_decode_k_slices(backend, M, K, wide, slice_tiles, k_parallel):
+    # The streaming decode's K slices. "wide": one column block per SM, so the planner wants 4
+    # slices (33 stages, a partial last tile): 9 stages each at M = 1; at M = 16 a slice holds at
+    # most 64 tile rows (the block converts its slice's activations into shared memory once), so 5.
+    # N = 77: one column block, 32 slices wanted, 22 of 3 stages.
     import torch_marlin
-    K, bits, gs = 4104, 3, 128
-    N = 128 * torch.cuda.get_device_properties(0).multi_processor_count - 8
+    bits, gs = 3, 128
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    N = 128 * sms - 8 if wide else 77
     plan = torch_marlin.plan_trellis(M, K, N, bits, gs, torch.float16, device="cuda", layout="lanes")
-    assert (plan["kernel"], plan["k_slice_tiles"], plan["k_parallel"]) == ("gemm_trellis_decode_lanes_half", 64, 5)
+    assert (plan["kernel"], plan["k_slice_tiles"], plan["k_parallel"]) == (
+        "gemm_trellis_decode_lanes_half", slice_tiles, k_parallel)
+    assert plan["combine"]["dependent_launch"] == plan["thread_block_clusters"]
     t = random_trellis(K, N, bits, gs, seed=11)
     A = torch.randn(M, K, generator=torch.Generator().manual_seed(3)).half()
     C = backend.gemm_trellis(A, *with_lanes(t, K, N, bits), K, N, bits, gs)

@@ -38,11 +38,7 @@ constexpr u32 kThreads = TM_TRELLIS_CUDA_THREADS;
 constexpr u32 kStageTiles = TM_TRELLIS_CUDA_STREAM_STAGE_TILES;
 constexpr u32 kDepth = TM_TRELLIS_CUDA_STREAM_STAGES;
 constexpr u32 kStageK = kStageTiles * TM_TRELLIS_TILE;  // K rows per stage
-constexpr u32 kMaxSliceK = TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES * TM_TRELLIS_TILE;
-// Row stride of the converted activations: 1040 T = 520 words = 8 (mod 32), so the 8-byte B loads
-// of rows g = 0..3 (one half-warp) fall in 32 distinct banks.
-constexpr u32 kXStride = kMaxSliceK + 16;
-static_assert(kDepth >= 2 && kMaxSliceK % kStageK == 0, "whole stages per slice");
+static_assert(kDepth >= 2, "copies run ahead of the stage in use");
 static_assert(kThreads == kWarps * 32 && TM_TRELLIS_CUDA_TILE_N == kWarps * TM_TRELLIS_TILE, "one warp per tile column");
 static_assert(kStageTiles == TM_TRELLIS_LANE_CHUNK_TILES, "a stage of the lane layout is one chunk per tile column");
 
@@ -62,15 +58,24 @@ struct StreamLayout {
   static constexpr u32 kCopyShift = BITS == 2 ? 0u : 5u;  // log2(kCopies)
   static constexpr u32 kTableBytes = kTable * kCopies * 4u;
   static constexpr u32 kTileBytes = 32 * BITS;
+  // The converted activations of a slice: rows of kXStride T, kMaxSliceK + 16 (2064 or 1040 T:
+  // 8 words mod 32, so the 8-byte B loads of rows g = 0..3, one half-warp, fall in 32 banks).
+  static constexpr u32 kMaxSliceK = TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES(8u * NT) * TM_TRELLIS_TILE;
+  static constexpr u32 kXStride = kMaxSliceK + 16;
+  static_assert(kMaxSliceK % kStageK == 0 && (kXStride / 2u) % 32u == 8u, "whole stages, conflict-free B rows");
+  static constexpr u32 kXUnits = kMaxSliceK / 8u;               // 16-byte units of a row
+  static_assert(kThreads % kXUnits == 0 && (8u * NT) % (kThreads / kXUnits) == 0, "whole rows per pass");
+  static constexpr u32 kXRowStep = kThreads / kXUnits;          // rows a pass of the block covers
   static constexpr u32 kBRow = kWarps * kTileBytes;             // one tile row of the block
-  static constexpr u32 kStage = kStageTiles * kBRow;            // a ring slot: the stage's indices
+  // A ring slot: the stage's indices, + 16 bytes: a 3-bit pair in the last word of a tile row
+  // reads one word past it (canonical tiles), which must not be the next slot's, being copied.
+  static constexpr u32 kStage = kStageTiles * kBRow + 16u;
   // The pair table opens the dynamic shared memory (a lookup's address is the shared base plus
   // the pair's copy offset and the lane's word in it), then the ring, then the converted
   // activations: M rows of kXStride T.
   static constexpr u32 kRingOffset = kTableBytes;
   static constexpr u32 kXOffset = kRingOffset + kDepth * kStage;
-  // + 16: a 3-bit pair in the last word of the last tile reads one word past it.
-  static constexpr u32 bytes(u32 rows) { return kXOffset + rows * kXStride * u32(sizeof(T)) + 16u; }
+  static constexpr u32 bytes(u32 rows) { return kXOffset + rows * kXStride * u32(sizeof(T)); }
   static_assert(kStage % 16 == 0 && kXOffset % 16 == 0, "16-byte copies and stores");
   static constexpr u32 kBCopies = (kStage / 16u + kThreads - 1) / kThreads;  // index chunks a thread copies
 };
@@ -192,7 +197,7 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
   // one broadcast row).
   u32 x_row[NT];
 #pragma unroll
-  for (u32 nt = 0; nt < NT; ++nt) x_row[nt] = min(8u * nt + g, a.M - 1u) * kXStride;
+  for (u32 nt = 0; nt < NT; ++nt) x_row[nt] = min(8u * nt + g, a.M - 1u) * L::kXStride;
   auto load_scales = [&](float2& s, u32 gi) {
     const float* sp = w.scales + uint64_t(gi) * a.N + col0;
     s.x = active && col0 < a.N ? sp[0] : 0.f;
@@ -222,21 +227,19 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
   load_scales(s_next, min(gi + 1u, a.n_groups - 1u));
 
   // The slice's activations, rows below M: thread (r0, c) copies the 8 columns at c of rows r0,
-  // r0 + 2, ... straight into x_s (16-byte cp.async, zero past K; K % 8 == 0: a unit is all below
-  // K or all past it; the lane layout's padding tiles and a last tile's rows past K read zero), one
-  // copy group ahead of the index stages, all in flight at once. Each thread later scales the units
-  // it copied itself, so no barrier sits between.
-  static_assert(kThreads == 2u * (kMaxSliceK / 8u), "two rows of 8-column units per pass");
-  const u32 k0 = kb * TM_TRELLIS_TILE, xc = (tid % (kMaxSliceK / 8u)) * 8u, r0 = tid / (kMaxSliceK / 8u);
+  // r0 + kXRowStep, ... straight into x_s (16-byte cp.async, zero past K; K % 8 == 0: a unit is
+  // all below K or all past it; the lane layout's padding tiles and a last tile's rows past K read
+  // zero), one copy group ahead of the index stages, all in flight at once. Each thread later
+  // scales the units it copied itself, so no barrier sits between.
+  const u32 k0 = kb * TM_TRELLIS_TILE, xc = (tid % L::kXUnits) * 8u, r0 = tid / L::kXUnits;
   const bool x_unit = xc < n_stages * kStageK, x_in_k = x_unit && k0 + xc < a.K;
   {
     const T* src = static_cast<const T*>(a.A) + (x_in_k ? k0 + xc : 0u);
     const u32 dst = smem_u32(x_s + xc);
-#pragma unroll
-    for (u32 j = 0; j < 4u * NT; ++j) {
-      const u32 r = r0 + 2u * j;
-      if (x_unit && r < a.M) cp_async16(dst + r * kXStride * u32(sizeof(T)), src + uint64_t(r) * a.lda, x_in_k ? 16u : 0u);
-    }
+    // Loops to M, not unrolled to the tile's rows: at M = 1 (most decode calls) one pass.
+#pragma unroll 1
+    for (u32 r = r0; x_unit && r < a.M; r += L::kXRowStep)
+      cp_async16(dst + r * L::kXStride * u32(sizeof(T)), src + uint64_t(r) * a.lda, x_in_k ? 16u : 0u);
     cp_async_commit();
   }
 #pragma unroll
@@ -259,11 +262,9 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
       return as_u32(o);
     };
     cp_async_wait<kDepth - 1>();  // this thread's activation copies have landed
-#pragma unroll
-    for (u32 j = 0; j < 4u * NT; ++j) {
-      const u32 r = r0 + 2u * j;
-      if (r >= a.M) break;
-      uint4* x = reinterpret_cast<uint4*>(x_s + r * kXStride + xc);
+#pragma unroll 1
+    for (u32 r = r0; r < a.M; r += L::kXRowStep) {
+      uint4* x = reinterpret_cast<uint4*>(x_s + r * L::kXStride + xc);
       const uint4 v = *x;
       *x = make_uint4(scaled(v.x, s0.x, s0.y), scaled(v.y, s0.z, s0.w), scaled(v.z, s1.x, s1.y),
                       scaled(v.w, s1.z, s1.w));
@@ -403,7 +404,7 @@ void launch_trellis_stream(const TrellisLaunch& l, uint32_t bits, uint32_t tile_
   TORCH_CHECK(l.threads[0] == kThreads && (tile_m == 8u || tile_m == 16u) && a.M >= 1u && a.M <= tile_m &&
                   a.K % 8u == 0 && a.k_parallel == l.k_parallel && l.grid[1] == l.k_parallel &&
                   a.k_slice_tiles % kStageTiles == 0 && a.k_slice_tiles > 0 &&
-                  a.k_slice_tiles <= TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES,
+                  a.k_slice_tiles <= TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES(tile_m),
               "torch_marlin: the trellis plan '", l.kernel, "' does not match the streaming decode kernel's geometry");
   with_trellis_bits(bits, [&](auto b) { launch_rows<T, b.value>(l, tile_m, lanes, a, stream); });
 }

@@ -165,7 +165,7 @@ void set_cuda_sliced_launch(TrellisPlan& p, int64_t M, int64_t N, const std::str
   p.main.threads[0] = kCudaThreads;
   // The streaming decode converts a slice's activations into shared memory once: bounded slices.
   cuda_k_split(p.main, p.params.tiles_k, uint64_t(p.params.n_tiles) * p.params.m_tiles, caps.compute_units,
-               stage_tiles, p.cuda_stream_decode ? TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES : 0u);
+               stage_tiles, p.cuda_stream_decode ? TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES(p.params.tile_m) : 0u);
   if (p.main.k_parallel > 1) {
     p.combine.kernel = "gemm_trellis_reduce" + suffix;
     p.combine.grid[0] = cdiv(int64_t(M) * N, kCudaElemThreads);

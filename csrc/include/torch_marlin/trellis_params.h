@@ -48,10 +48,11 @@ TM_NAMESPACE_BEGIN
 // The streaming decode kernel (trellis_decode.cu; M <= 16, K % 8 == 0): the same 8 warps and 128
 // columns, the indices in stages of 8 tile rows (128 rows) through a 4-stage cp.async ring. A
 // block converts its K slice's activations into shared memory once, so the planner keeps a slice
-// within TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES tile rows (1024 rows: 32 KiB at 16 fp16 rows).
+// within TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES(tile_m) tile rows (2048 rows for 8-row tiles,
+// 1024 for 16: 32 KiB of fp16 at most).
 #define TM_TRELLIS_CUDA_STREAM_STAGE_TILES 8u
 #define TM_TRELLIS_CUDA_STREAM_STAGES 4u
-#define TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES 64u
+#define TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES(tile_m) ((tile_m) == 8u ? 128u : 64u)
 // dequant_trellis on CUDA (trellis_dequant.cu): a block of 256 threads owns 16 tiles of one tile
 // row; a thread writes one 16-column row of one tile.
 #define TM_TRELLIS_CUDA_DEQUANT_TILES 16u
