@@ -16,8 +16,8 @@
 // Lane (g, t) takes tile rows 4t..4t+3 as its logical k {2t, 2t+1, 2t+8, 2t+9} and columns 2g,
 // 2g+1 as A rows g, g+8: the pair of indices of one A register (two tile rows of one column) is
 // 2 x bits bits of two row words, and its B fragment is 4 consecutive activations of row g. A
-// shared table of the 4^bits codebook pairs (packed T2; at 3 and 4 bits one copy per lane, so the
-// lookups meet no bank conflict) turns each pair into one register with one lookup. In the lane
+// shared table of the 4^bits codebook pairs (packed T2; at 3 and 4 bits in a copy per lane or
+// pair of lanes, against bank conflicts) turns each pair into one register with one lookup. In the lane
 // layout the pair of every A register is already one field of the lane's own 8 x bits bytes of
 // the chunk: a mask and a shift-add give its table address (docs/trellis.md, "CUDA lane layout").
 // Group scales multiply fp32 partial sums once per group, sv each output once, as in
@@ -50,12 +50,13 @@ struct StreamLayout {
   static constexpr u32 kChunkBytes = kStageTiles * 32 * BITS;   // a lane chunk: 8 tiles
   static constexpr u32 kLaneBytes = kChunkBytes / 32;           // a lane's part of it
   static constexpr u32 kTable = 1u << (2 * BITS);               // packed codebook pairs
-  // Copies of the pair table, interleaved word by word: lane l reads copy l, in bank l, so a
-  // warp's 32 lookups into the 64 or 256 pairs of 3 or 4 bits cost one pass instead of two or
-  // three to four (docs/cuda-tuning.md TRELLIS-CUDA-TABLE-COPIES). The 16 pairs of 2 bits already
-  // sit in 16 distinct banks.
-  static constexpr u32 kCopies = BITS == 2 ? 1u : 32u;
-  static constexpr u32 kCopyShift = BITS == 2 ? 0u : 5u;  // log2(kCopies)
+  // Copies of the pair table, interleaved word by word; lane l reads copy l % kCopies. 3 bits: 32
+  // copies (8 KiB), lane l always in bank l, so a warp's 32 lookups into the 64 pairs cost one
+  // pass instead of about two. 4 bits: 16 copies (16 KiB; 32 would cost a block per SM), at most
+  // two lanes a bank: two passes instead of three to four (docs/cuda-tuning.md
+  // TRELLIS-CUDA-TABLE-COPIES). The 16 pairs of 2 bits already sit in 16 distinct banks.
+  static constexpr u32 kCopies = BITS == 2 ? 1u : BITS == 3 ? 32u : 16u;
+  static constexpr u32 kCopyShift = BITS == 2 ? 0u : BITS == 3 ? 5u : 4u;  // log2(kCopies)
   static constexpr u32 kTableBytes = kTable * kCopies * 4u;
   static constexpr u32 kTileBytes = 32 * BITS;
   // The converted activations of a slice: rows of kXStride T, kMaxSliceK + 16 (2064 or 1040 T:
