@@ -4,7 +4,7 @@
 // Block: 8 warps; warp w owns tile column tn0 + w (16 output columns). The indices are the mma's
 // A operand (m16n8k16, C^T = W^T A^T) and the activations its B operand, so M <= 8 pads to one n8
 // tile instead of a 16-row one.
-//  - Activations: the block's K slice (at most TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES tile rows,
+//  - Activations: the block's K slice (TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES(tile_m) tile rows,
 //    the planner's bound) is multiplied by su and rounded to T once, at the start, into shared
 //    memory (rows below M, zero past K); every warp reads its B fragments from there (8 bytes per
 //    n8 tile and tile row). The per-stage work is then only the index copies and the tiles.
@@ -17,9 +17,10 @@
 // 2g+1 as A rows g, g+8: the pair of indices of one A register (two tile rows of one column) is
 // 2 x bits bits of two row words, and its B fragment is 4 consecutive activations of row g. A
 // shared table of the 4^bits codebook pairs (packed T2; at 3 and 4 bits in a copy per lane or
-// pair of lanes, against bank conflicts) turns each pair into one register with one lookup. In the lane
-// layout the pair of every A register is already one field of the lane's own 8 x bits bytes of
-// the chunk: a mask and a shift-add give its table address (docs/trellis.md, "CUDA lane layout").
+// pair of lanes, against bank conflicts) turns each pair into one register with one lookup. In
+// the lane layout the pair of every A register is already one field of the lane's own 8 x bits
+// bytes of the chunk: a mask and a shift-add give its table address (docs/trellis.md, "CUDA lane
+// layout").
 // Group scales multiply fp32 partial sums once per group, sv each output once, as in
 // trellis_mma.cu. Measurements behind the geometry: docs/cuda-tuning.md TRELLIS-CUDA-STREAM.
 #include <atomic>
