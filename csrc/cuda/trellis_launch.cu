@@ -52,8 +52,12 @@ template <typename T>
 void dequant_blas(const TrellisPlan& plan, const TrellisGemmArgs& g, at::Tensor& C, cudaStream_t stream) {
   at::Tensor W = at::empty({g.K, g.N}, g.A.options());
   T* w = reinterpret_cast<T*>(W.data_ptr());
-  if (plan.cuda_index_lanes) launch_trellis_dequant_lanes<T>(plan.main, plan.params, matrix_ptrs(g.w, false), w, stream);
-  else launch_trellis_dequant<T>(plan.main, plan.params, matrix_ptrs(g.w, false), w, stream);
+  const TrellisMatrixPtrs ptrs = matrix_ptrs(g.w, false);
+  if (plan.index_layout == TrellisIndexLayout::Lanes) {
+    launch_trellis_dequant_lanes<T>(plan.main, plan.params, ptrs, w, stream);
+  } else {
+    launch_trellis_dequant<T>(plan.main, plan.params, ptrs, w, stream);
+  }
   at::mm_out(C, g.A, W);
 }
 
@@ -76,7 +80,8 @@ void gemm_typed(const TrellisPlan& plan, const TrellisGemmArgs& g, at::Tensor& C
   } else {
     a.out[0] = C.data_ptr();
   }
-  if (plan.cuda_stream_decode) launch_trellis_stream<T>(plan.main, p.bits, p.tile_m, plan.cuda_index_lanes, a, stream);
+  const bool lanes = plan.index_layout == TrellisIndexLayout::Lanes;
+  if (plan.cuda_stream_decode) launch_trellis_stream<T>(plan.main, p.bits, p.tile_m, lanes, a, stream);
   else launch_trellis_mma<T>(plan.main, p.bits, p.tile_m, false, a, stream);
   if (plan.main.k_parallel > 1) {
     launch_trellis_reduce<T>(plan.combine, ws.data_ptr<float>(), plan.main.k_parallel, a.out_part_stride,
@@ -205,7 +210,7 @@ void trellis_dequant_cuda(const TrellisPlan& plan, const TrellisGemmArgs& a, at:
   const c10::cuda::CUDAGuard guard(W.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const cuda_backend::TrellisMatrixPtrs w = cuda_backend::matrix_ptrs(a.w, false);
-  if (plan.cuda_index_lanes) {
+  if (plan.index_layout == TrellisIndexLayout::Lanes) {
     cuda_backend::launch_trellis_dequant_lanes<float>(plan.main, plan.params, w, W.data_ptr<float>(), stream);
   } else {
     cuda_backend::launch_trellis_dequant<float>(plan.main, plan.params, w, W.data_ptr<float>(), stream);

@@ -179,7 +179,7 @@ inline py::dict trellis_plan_to_dict(const TrellisPlan& p) {
   d["cpu_avx512"] = p.cpu_avx512;
   d["cuda_stream_decode"] = p.cuda_stream_decode;
   d["cuda_stream_stage_groups"] = p.cuda_stream_stage_groups;
-  d["index_layout"] = p.cuda_index_lanes ? "lanes" : "tiles";
+  d["index_layout"] = index_layout_name(p.index_layout);
   if (p.params.num_experts != 0) d["down_k_vec4"] = p.params.down_k_vec4 != 0;
   const std::pair<const char*, const TrellisLaunch*> stages[] = {
       {"down", &p.down}, {"combine", &p.combine}, {"route", &p.route}, {"tiled_gate", &p.tiled_gate},

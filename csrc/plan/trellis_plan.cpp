@@ -144,7 +144,7 @@ void check_lanes_backend(const DeviceCaps& caps, const char* who) {
 // Launch of the lane dequant kernel: a block of 8 warps, a warp per lane chunk (8 tile rows of one
 // tile column), grid (column chunks of 8 tile columns, lane chunks along K).
 void set_lanes_dequant(TrellisPlan& p, const std::string& kernel, const char* who) {
-  p.cuda_index_lanes = true;
+  p.index_layout = TrellisIndexLayout::Lanes;
   p.main.kernel = kernel;
   p.main.grid[0] = cdiv(p.params.tiles_n, TM_TRELLIS_CUDA_WARPS);
   p.main.grid[1] = cdiv(p.params.tiles_k, TM_TRELLIS_LANE_CHUNK_TILES);
@@ -199,7 +199,7 @@ TrellisPlan plan_trellis_gemm_lanes(int64_t M, int64_t K, int64_t N, int64_t bit
     set_lanes_dequant(p, "dequant_trellis_lanes" + suffix, "plan_trellis_gemm");
     return p;
   }
-  p.cuda_index_lanes = true;
+  p.index_layout = TrellisIndexLayout::Lanes;
   p.cuda_stream_decode = true;
   p.cuda_stream_stage_groups = group_size % (kCudaStreamStageTiles * TM_TRELLIS_TILE) == 0;
   set_tiles(p.params, M, N, M <= 8 ? 8u : 16u, kCudaTileN);

@@ -11,6 +11,10 @@
 
 namespace torch_marlin {
 
+// How a dense matrix's indices are laid out (docs/trellis.md, "CUDA lane layout"): the canonical
+// 16x16 tiles every backend and checkpoint uses, or the CUDA kernels' lane chunks made at load time.
+enum class TrellisIndexLayout { Tiles = 0, Lanes = 1 };
+
 // One kernel launch: name, grid (threadgroups / CPU tasks) and threads per threadgroup.
 struct TrellisLaunch {
   std::string kernel;
@@ -56,15 +60,12 @@ struct TrellisPlan {
   // The streaming decode's scale groups are whole stages (group_size a multiple of 128 rows): the
   // kernel folds scales only at a stage's start and runs a stage's tiles without a branch.
   bool cuda_stream_stage_groups = false;
-  // CUDA: the indices are in the lane layout (TM_TRELLIS_LANE_CHUNK_TILES), read by the streaming
-  // decode and the lane dequant kernel.
-  bool cuda_index_lanes = false;
+  // The layout of the indices the plan reads: Lanes (TM_TRELLIS_LANE_CHUNK_TILES) on CUDA only,
+  // read by the streaming decode and the lane dequant kernel.
+  TrellisIndexLayout index_layout = TrellisIndexLayout::Tiles;
   TrellisParams params{};
 };
 
-// How a dense matrix's indices are laid out (docs/trellis.md, "CUDA lane layout"): the canonical
-// 16x16 tiles every backend and checkpoint uses, or the CUDA kernels' lane chunks made at load time.
-enum class TrellisIndexLayout { Tiles = 0, Lanes = 1 };
 const char* index_layout_name(TrellisIndexLayout layout);
 TrellisIndexLayout parse_index_layout(const std::string& name);
 
