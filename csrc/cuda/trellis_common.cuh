@@ -1,6 +1,7 @@
 // Pieces shared by the CUDA trellis kernels: the activation read of every stage of the GEMM kernels
 // (trellis_mma.cu, trellis_simt.cu: plain rows, gathered MoE rows, or the MoE's SwiGLU of the gate
-// and up K-slice partials), the per-block operand selection, and the launchers' bit-width dispatch.
+// and up K-slice partials), the per-block operand selection, a lane's tile bits in the lane layout,
+// and the launchers' bit-width dispatch.
 #pragma once
 
 #include "cuda/common.cuh"
@@ -55,6 +56,15 @@ __device__ __forceinline__ float trellis_load_act(const cuda_backend::TrellisKer
   } else {
     return Tr<TA>::to_f(static_cast<const TA*>(a.A)[src * a.lda + k]);
   }
+}
+
+// The 8 x bits bits of tile row j in a lane's words v of a CUDA lane-layout chunk (its 4 fields,
+// lowest first; docs/trellis.md, "CUDA lane layout"): the streaming decode and the lane dequant.
+template <u32 BITS>
+__device__ __forceinline__ u32 lane_tile_bits(const u32 (&v)[2 * BITS], u32 j) {
+  const u32 bit = j * 8u * BITS, word = bit / 32u, shift = bit % 32u;
+  if (shift + 8u * BITS <= 32u) return v[word] >> shift;
+  return __funnelshift_r(v[word], v[word + 1u], shift);
 }
 
 // Calls f(std::integral_constant<u32, B>{}) with the bit width B = bits (2, 3 or 4): the launchers'

@@ -82,14 +82,6 @@ struct StreamLayout {
   static constexpr u32 kBCopies = (kStage / 16u + kThreads - 1) / kThreads;  // index chunks a thread copies
 };
 
-// The 8 x bits bits of tile row j in a lane's chunk words v (its 4 fields, lowest first).
-template <u32 BITS>
-__device__ __forceinline__ u32 lane_tile_bits(const u32 (&v)[2 * BITS], u32 j) {
-  const u32 bit = j * 8u * BITS, word = bit / 32u, shift = bit % 32u;
-  if (shift + 8u * BITS <= 32u) return v[word] >> shift;
-  return __funnelshift_r(v[word], v[word + 1u], shift);
-}
-
 // The shared address of the pair of field p of a tile's lane bits x in the table copy at
 // table_lane: the field is masked in place and then shifted into place while it is added (a mask
 // and one shift-add: LOP3 + IMAD or LEA.HI).

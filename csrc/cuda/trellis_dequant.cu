@@ -139,8 +139,7 @@ __global__ void __launch_bounds__(kThreads)
   for (u32 j = 0; j < TM_TRELLIS_LANE_CHUNK_TILES; ++j) {
     const u32 tk = s * TM_TRELLIS_LANE_CHUNK_TILES + j;
     if (tk >= p.tiles_k) break;
-    const u32 bit = j * 8u * BITS, word = bit / 32u, shift = bit % 32u;
-    const u32 x = shift + 8u * BITS <= 32u ? v[word] >> shift : __funnelshift_r(v[word], v[word + 1u], shift);
+    const u32 x = lane_tile_bits<BITS>(v, j);
     const u32 gi = tk * TM_TRELLIS_TILE / p.group_size;
     const float s0 = c < p.N ? w.scales[uint64_t(gi) * p.N + c] : 0.f;
     const float s1 = c + 1u < p.N ? w.scales[uint64_t(gi) * p.N + c + 1u] : 0.f;
