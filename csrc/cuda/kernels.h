@@ -83,6 +83,14 @@ void with_cluster(const GemmPlan& plan, F&& f) {
   else f(std::false_type{});
 }
 
+// Appends the programmatic-dependent-launch attribute to cfg (cfg.attrs has room for it): the
+// kernel may start before the previous one on the stream has finished; its pdl_wait() orders them.
+inline void add_dependent_launch(cudaLaunchConfig_t& cfg) {
+  cudaLaunchAttribute& attr = cfg.attrs[cfg.numAttrs++];
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+}
+
 // Launches a tile kernel (decode, wgmma, wgmma_ws) over the plan's grid; with kCluster the K slices
 // of an output tile (grid.z == k_parallel) run as one thread-block cluster; with
 // plan.dependent_launch the kernel may start before the previous one on the stream has finished
@@ -104,11 +112,7 @@ void launch_tile_kernel(const GemmPlan& plan, void (*kernel)(KArgs...), uint32_t
     attr[cfg.numAttrs].val.clusterDim.z = plan.params.k_parallel;
     ++cfg.numAttrs;
   }
-  if (plan.dependent_launch) {
-    attr[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[cfg.numAttrs].val.programmaticStreamSerializationAllowed = 1;
-    ++cfg.numAttrs;
-  }
+  if (plan.dependent_launch) add_dependent_launch(cfg);
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
   check_launch(plan.kernel.c_str());
 }

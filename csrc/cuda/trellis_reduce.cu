@@ -55,12 +55,8 @@ void launch_trellis_reduce(const TrellisLaunch& l, const float* ws, uint32_t par
   cfg.blockDim = dim3(TM_TRELLIS_CUDA_ELEMWISE_THREADS);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
-  if (l.dependent_launch) {
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-  }
+  cfg.attrs = attr;
+  if (l.dependent_launch) add_dependent_launch(cfg);
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, trellis_reduce_kernel<T>, ws, parts, count, C));
   check_launch(l.kernel.c_str());
 }
