@@ -130,8 +130,10 @@ def test_gemm_trellis_decode_k_slices(backend, M, K, wide, slice_tiles, k_parall
     skip=lambda b, *v: b is not CUDA))
 def test_dequant_trellis_lane_layout(backend, bits, K, N):
     t = random_trellis(K, N, bits, 32, seed=bits)
-    assert torch.equal(backend.dequant_trellis(*with_lanes(t, K, N, bits), K, N, bits, 32),
-                       backend.dequant_trellis(*t, K, N, bits, 32))
+    W = backend.dequant_trellis(*with_lanes(t, K, N, bits), K, N, bits, 32)
+    # Against the reference as test_dequant_trellis (2 ulp), and bitwise against the tiles' kernel.
+    torch.testing.assert_close(W.double(), dequant_ref(t, K, N, bits, 32), rtol=3e-7, atol=1e-9)
+    assert torch.equal(W, backend.dequant_trellis(*t, K, N, bits, 32))
 
 
 @pytest.mark.parametrize("backend", [p for p in DEVICE_BACKENDS if p.values[0] is not CUDA])

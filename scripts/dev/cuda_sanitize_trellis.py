@@ -5,10 +5,10 @@
 
 Covers: decode (one slice and K slices with the ordered reduction, partial last stage, partial
 last tile column block, K and N not multiples of 16), fused tiles (rows past M), 2 / 3 / 4 bits,
-fp16 / bf16, the fp32 kernel, dequant_trellis, dequant_blas, every GEMM case and dequant_trellis
-again with the indices in the CUDA lane layout (the streaming decode's and the lane dequant's
-instantiations) (the dense fp16 weight + cuBLAS;
-racecheck skips it with --no-blas: cuBLAS's kernels are not ours), and moe_trellis on the decode and tiles kernels
+fp16 / bf16, the fp32 kernel, dequant_trellis, dequant_blas (the dense fp16 weight + cuBLAS;
+racecheck skips it with --no-blas: cuBLAS's kernels are not ours), every GEMM case and
+dequant_trellis again with the indices in the CUDA lane layout (the streaming decode's and the lane
+dequant's instantiations), and moe_trellis on the decode and tiles kernels
 (gate/up in one launch, down with K-slice partials of gate/up) and the fp32 kernels. Each result
 is checked against the fp64 reference on the dequantized weights, so a silent wrong answer fails.
 """
