@@ -603,6 +603,44 @@ def test_plan_trellis_policy_cuda():
         torch_marlin.plan_trellis(1 << 23, 64, 64, 2, 32, device="cuda", caps=H100, family="fused_tiles")
 
 
+def test_plan_trellis_moe_policy_cuda():
+    # One token, top 8 of 64 experts of 2048 x 1024: the streaming decode kernel for gate/up (one
+    # launch, grid.z = 2 x 8 slots, one per routed row, read from expert_ids: no routing launch) and
+    # down, 8-row tiles, K in slices of whole 128-row stages up to one wave of 3 blocks per SM
+    # (128 blocks a slice: 3 slices; 132 SMs).
+    p = torch_marlin.plan_trellis_moe(1, 2048, 1024, 64, 8, 3, 128, torch.float16, device="cuda", caps=H100)
+    assert (p["family"], p["kernel"], p["tile_m"], p["tile_k"]) == ("decode", "moe_trellis_gate_up_decode_half", 8, 128)
+    assert p["cuda_stream_decode"] and p["cuda_stream_stage_groups"] and p["index_layout"] == "tiles"
+    assert p["moe_row_slots"] and "route" not in p
+    assert (p["grid"], p["k_parallel"], p["k_slice_tiles"]) == ((8, 3, 16), 3, 48)
+    assert (p["down"]["kernel"], p["down"]["grid"], p["down"]["k_parallel"]) == ("moe_trellis_down_decode_half",
+                                                                             (16, 3, 8), 3)
+    assert p["grid"][1] * p["grid"][2] * p["grid"][0] <= 3 * 132 and p["combine"]["kernel"] == "moe_trellis_combine_half"
+    # Down starts behind gate/up and the combine behind down where griddepcontrol exists (sm_90).
+    assert p["down"]["dependent_launch"] and p["combine"]["dependent_launch"] and not p["dependent_launch"]
+    portable = torch_marlin.plan_trellis_moe(1, 2048, 1024, 64, 8, 3, 128, device="cuda", caps=SM132_PORTABLE)
+    assert portable["cuda_stream_decode"] and not portable["down"]["dependent_launch"]
+    # 9..16 routed rows: 16-row tiles, whose slices hold at most 64 tile rows.
+    p16 = torch_marlin.plan_trellis_moe(2, 4096, 14336, 64, 8, 3, 128, torch.bfloat16, device="cuda", caps=H100)
+    assert (p16["kernel"], p16["tile_m"]) == ("moe_trellis_gate_up_decode_bfloat", 16)
+    # More than one token: experts may share rows, so the one-block routing groups them (slots =
+    # min(E, rows) = 16).
+    assert not p16["moe_row_slots"] and p16["route"]["kernel"] == "moe_trellis_route" and p16["grid"][2] == 32
+    assert p16["k_slice_tiles"] <= 64 and p16["down"]["k_slice_tiles"] <= 64
+    # hidden or intermediate % 8 != 0: the tensor-core kernel at one m16 tile; more than 16 routed
+    # rows: its 64-row tiles; fp32: the CUDA-core kernel. None of them launches dependent.
+    odd = torch_marlin.plan_trellis_moe(1, 2052, 1024, 64, 8, 3, 128, device="cuda", caps=H100)
+    assert (odd["kernel"], odd["tile_m"], odd["cuda_stream_decode"]) == ("moe_trellis_gate_up_decode_mma_half", 16,
+                                                                         False)
+    tiles = torch_marlin.plan_trellis_moe(3, 2048, 1024, 64, 8, 3, 128, device="cuda", caps=H100)
+    assert (tiles["family"], tiles["kernel"], tiles["tile_m"]) == ("fused_tiles", "moe_trellis_gate_up_tiles_half", 64)
+    f32 = torch_marlin.plan_trellis_moe(1, 2048, 1024, 64, 8, 3, 128, torch.float32, device="cuda", caps=H100)
+    assert f32["kernel"] == "moe_trellis_gate_up_simt_float"
+    assert not any(q["down"]["dependent_launch"] or q["combine"]["dependent_launch"] for q in (odd, tiles, f32))
+    with pytest.raises(ValueError, match="invalid tokens / num_experts / top_k"):
+        torch_marlin.plan_trellis_moe(1, 2048, 1024, 4, 8, device="cuda", caps=H100)
+
+
 def test_plan_trellis_lane_layout_cuda():
     # The layout policy: the CUDA lane layout where the streaming decode reads it (K % 8 == 0).
     assert torch_marlin.planner.trellis_index_layout(4096, 4096, 3, "cuda", caps=H100) == "lanes"

@@ -206,6 +206,38 @@ def test_moe_trellis_bits_group_sizes(backend, bits, gs):
                      backend.exact_products)
 
 
+@pytest.mark.parametrize("backend, dtype, bits, gs, T, top_k, routing", cases([
+    (torch.float16, 3, 128, 1, 8, "random"), (torch.bfloat16, 2, 32, 2, 8, "random"),
+    (torch.float16, 4, 32, 3, 2, "some_empty"), (torch.bfloat16, 3, 128, 1, 4, "all_to_one")]))
+def test_moe_trellis_decode_rows(backend, dtype, bits, gs, T, top_k, routing):
+    # fp16 / bf16 at decode batches (T * top_k <= 16: 8-row and 16-row tiles on CUDA's streaming
+    # kernel). hidden 264 and intermediate 200 are multiples of 8 but not of 16: partial tiles and
+    # groups, and gate/up and down both cut into K slices that down sums while staging.
+    H, I, E = 264, 200, 12
+    gate, up, down, ids, probs = moe_case(T, H, I, E, top_k, bits, gs, routing, seed=T * 10 + bits)
+    x = (torch.randn(T, H, generator=torch.Generator().manual_seed(T)) * 0.5).to(dtype)
+    if dtype == torch.bfloat16:
+        ids = ids.to(torch.int32)  # read by the kernels themselves at one token on CUDA
+    y = run_moe(backend, x, gate, up, down, ids, probs, I, bits, gs)
+    assert y.dtype == dtype and y.shape == (T, H)
+    assert_moe_close(y, moe_reference(x, gate, up, down, ids, probs, H, I, bits, gs), dtype, backend.exact_products)
+    assert torch.equal(y, run_moe(backend, x, gate, up, down, ids, probs, I, bits, gs))  # deterministic
+
+
+@pytest.mark.parametrize("backend, T", [pytest.param(p.values[0], T, id=f"{p.id}-T{T}", marks=p.marks)
+                                        for p in BACKENDS if p.id in ("cuda", "mps") for T in (1, 3)])
+def test_moe_trellis_clamps_expert_ids_on_gpus(backend, T):
+    # A GPU does not sync to check expert_ids: an id outside [0, E) acts as the nearest expert
+    # (the CPU raises instead, test_moe_errors_name_the_argument), with or without the routing pass.
+    H, I, E, top_k, bits, gs = 264, 200, 6, 2, 3, 32
+    gate, up, down, ids, probs = moe_case(T, H, I, E, top_k, bits, gs, "random", seed=4)
+    bad = ids.clone()
+    bad[0, 0], bad[-1, 1] = -3, E + 4
+    x = torch.randn(T, H).half()
+    y = run_moe(backend, x, gate, up, down, bad, probs, I, bits, gs)
+    assert torch.equal(y, run_moe(backend, x, gate, up, down, bad.clamp(0, E - 1), probs, I, bits, gs))
+
+
 @pytest.mark.parametrize("backend, M, dtype", cases([(1, torch.float16), (40, torch.bfloat16)]))
 def test_gemm_trellis_is_deterministic(backend, M, dtype):
     # K slices (CUDA decode) and thread order (harness) must not change a single bit between calls.

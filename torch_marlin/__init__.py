@@ -13,12 +13,12 @@ from . import _C  # noqa: E402,F401  (registers torch.ops.marlin.*)
 from . import ops  # noqa: E402,F401  (fake kernels for torch.compile)
 from .planner import plan_gemm  # noqa: E402
 from .modules import MarlinLinear, RansLinear  # noqa: E402
-from .planner import plan_trellis  # noqa: E402
+from .planner import plan_trellis, plan_trellis_moe  # noqa: E402
 from .planner import plan_rans  # noqa: E402
 from .modules import TrellisLinear, TrellisMoE  # noqa: E402
 
 __all__ = ["MarlinLinear", "RansLinear", "plan_gemm", "ops", "TrellisLinear", "TrellisMoE", "plan_trellis",
-           "plan_rans"]
+           "plan_trellis_moe", "plan_rans"]
 __version__ = "0.1.0"
 
 # Real models: patching, quantized checkpoints, other tools' checkpoints (none of these imports transformers

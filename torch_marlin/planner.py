@@ -103,6 +103,22 @@ def plan_trellis(M: int, K: int, N: int, bits: int = 3, group_size: int = 128, d
     return _C.plan_trellis_gemm(M, K, N, bits, group_size, _DTYPES[dtype], backend, caps, family, layout)
 
 
+def plan_trellis_moe(tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int, bits: int = 3,
+                     group_size: int = 128, dtype=torch.float16, device="cpu", caps=None) -> dict:
+    """The plan ``moe_trellis`` would execute for ``tokens`` tokens routed to ``top_k`` of
+    ``num_experts`` experts (gate/up ``hidden x intermediate``, down ``intermediate x hidden``): the
+    gate/up stage's launch at the top level (``kernel``, ``grid``, ``k_parallel``, ...), then
+    ``down``, ``combine`` and (CUDA, one-launch routing) ``route`` as stage dicts, with the keys of
+    :func:`plan_trellis` (``family``: ``decode`` when every expert's rows fit one decode tile,
+    tokens * top_k <= 16; ``cuda_stream_decode``: the CUDA streaming kernel runs both stages;
+    ``dependent_launch`` per stage). ``device`` and ``caps`` as for :func:`plan_gemm`."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")
+    backend, caps = _backend_and_caps(device, caps)
+    return _C.plan_trellis_moe(tokens, hidden, intermediate, num_experts, top_k, bits, group_size, _DTYPES[dtype],
+                               backend, caps)
+
+
 def trellis_index_layout(K: int, N: int, bits: int = 3, device="cpu", caps=None) -> str:
     """The layout a trellis ``K x N`` matrix's indices are kept in on ``device``: ``"lanes"`` (the
     CUDA lane layout, docs/trellis.md, made by :func:`torch_marlin.formats.trellis.tiles_to_lanes`)

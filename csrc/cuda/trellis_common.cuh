@@ -14,6 +14,7 @@ namespace {
 struct TrellisBlockOperand {
   cuda_backend::TrellisMatrixPtrs w;
   u32 which;   // index into args.w / args.out
+  u32 slot;    // the expert slot (grid.z within the matrix)
   u32 e;
   bool valid;  // false: an expert slot the routing left empty (the block exits)
 };
@@ -21,9 +22,13 @@ struct TrellisBlockOperand {
 __device__ __forceinline__ TrellisBlockOperand trellis_block_operand(const cuda_backend::TrellisKernelArgs& a) {
   TrellisBlockOperand o;
   o.which = blockIdx.z >= a.experts ? 1u : 0u;
-  o.e = blockIdx.z - o.which * a.experts;
+  o.slot = o.e = blockIdx.z - o.which * a.experts;
   o.valid = true;
-  if (a.active_experts != nullptr) {
+  if (a.row_experts != nullptr) {
+    const int64_t v = a.row_experts_int64 ? static_cast<const int64_t*>(a.row_experts)[o.slot]
+                                          : int64_t(static_cast<const int32_t*>(a.row_experts)[o.slot]);
+    o.e = u32(v < 0 ? 0 : v >= int64_t(a.num_experts) ? int64_t(a.num_experts) - 1 : v);  // clamped, as routed
+  } else if (a.active_experts != nullptr) {
     const int32_t v = a.active_experts[o.e];
     o.valid = v >= 0;
     o.e = o.valid ? u32(v) : 0u;

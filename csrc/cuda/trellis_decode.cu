@@ -23,6 +23,10 @@
 // layout").
 // Group scales multiply fp32 partial sums once per group, sv each output once, as in
 // trellis_mma.cu. Measurements behind the geometry: docs/cuda-tuning.md TRELLIS-CUDA-STREAM.
+// The MoE's decode stages (every expert's routed rows fit one 8- or 16-row tile) run the same
+// kernel (EXPERTS) with grid.z over expert slots: gate/up gathers its expert's token rows, down
+// (a.A2 set) builds silu(sum gate) * sum up from the gate/up slices' fp32 partials while staging,
+// after its index copies are in flight (it may start behind gate/up: dependent launch).
 #include <atomic>
 
 #include "cuda/kernels.h"
@@ -94,8 +98,9 @@ __device__ __forceinline__ u32 lane_pair_address(u32 x, u32 p, u32 table_lane) {
   return s >= kAt ? (f >> (s - kAt)) + table_lane : f * (1u << (kAt - s)) + table_lane;
 }
 
-template <typename T, u32 BITS, u32 NT, bool LANES>
-__global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisKernelArgs a) {
+template <typename T, u32 BITS, u32 NT, bool LANES, bool EXPERTS>
+__global__ void __launch_bounds__(kThreads, EXPERTS ? TM_TRELLIS_CUDA_STREAM_EXPERT_BLOCKS_PER_SM : 0)
+    trellis_stream_kernel(const TrellisKernelArgs a) {
   using L = StreamLayout<T, BITS, NT>;
   using T2 = typename Tr<T>::T2;
   constexpr u32 kMask = (1u << BITS) - 1u;
@@ -108,7 +113,24 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
   // The K-slice reduction may launch now and wait for this grid (TrellisLaunch::dependent_launch).
   pdl_launch_dependents();
   const u32 tid = threadIdx.x, warp = tid / 32u, lane = tid % 32u, g = lane / 4u, t = lane % 4u;
-  const cuda_backend::TrellisMatrixPtrs w = a.w[0];
+  // The block's rows: [0, M) of A, or its expert's routed rows [row0, row0 + m) of the sorted row
+  // space (at most the tile's; the planner checks tokens * top_k against it).
+  u32 row0 = 0, m = a.M, which = 0;
+  cuda_backend::TrellisMatrixPtrs w = a.w[0];
+  if constexpr (EXPERTS) {
+    const TrellisBlockOperand op = trellis_block_operand(a);
+    if (!op.valid) return;  // uniform: an expert slot the routing left empty
+    if (a.row_experts != nullptr) {  // row slots: the slot's one routed row
+      row0 = op.slot;
+      m = 1u;
+    } else {
+      row0 = u32(a.offsets[op.e]);
+      m = u32(a.offsets[op.e + 1u]) - row0;
+    }
+    if (m == 0u) return;
+    w = op.w;
+    which = op.which;
+  }
   const u32 slice = blockIdx.y;
   const u32 tn0 = blockIdx.x * kWarps;
   const u32 block_tiles = min(kWarps, a.tiles_n - tn0);
@@ -191,7 +213,7 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
   // one broadcast row).
   u32 x_row[NT];
 #pragma unroll
-  for (u32 nt = 0; nt < NT; ++nt) x_row[nt] = min(8u * nt + g, a.M - 1u) * L::kXStride;
+  for (u32 nt = 0; nt < NT; ++nt) x_row[nt] = min(8u * nt + g, m - 1u) * L::kXStride;
   auto load_scales = [&](float2& s, u32 gi) {
     const float* sp = w.scales + uint64_t(gi) * a.N + col0;
     s.x = active && col0 < a.N ? sp[0] : 0.f;
@@ -220,48 +242,90 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
   load_scales(s_cur, gi);
   load_scales(s_next, min(gi + 1u, a.n_groups - 1u));
 
-  // The slice's activations, rows below M: thread (r0, c) copies the 8 columns at c of rows r0,
+  // The slice's activations, rows below m: thread (r0, c) copies the 8 columns at c of rows r0,
   // r0 + kXRowStep, ... straight into x_s (16-byte cp.async, zero past K; K % 8 == 0: a unit is
   // all below K or all past it; the lane layout's padding tiles and a last tile's rows past K read
   // zero), one copy group ahead of the index stages, all in flight at once. Each thread later
-  // scales the units it copied itself, so no barrier sits between.
+  // scales the units it copied itself, so no barrier sits between. The MoE's down stage instead
+  // computes its units after the index copies are issued (the group stays, empty).
   const u32 k0 = kb * TM_TRELLIS_TILE, xc = (tid % L::kXUnits) * 8u, r0 = tid / L::kXUnits;
   const bool x_unit = xc < n_stages * kStageK, x_in_k = x_unit && k0 + xc < a.K;
-  {
+  const bool swiglu = EXPERTS && a.A2 != nullptr;  // uniform
+  if (!swiglu) {
+    pdl_wait();  // no-op: these launches are not dependent
     const T* src = static_cast<const T*>(a.A) + (x_in_k ? k0 + xc : 0u);
     const u32 dst = smem_u32(x_s + xc);
-    // Loops to M, not unrolled to the tile's rows: at M = 1 (most decode calls) one pass.
+    // Loops to m, not unrolled to the tile's rows: at M = 1 (most decode calls) one pass.
 #pragma unroll 1
-    for (u32 r = r0; x_unit && r < a.M; r += L::kXRowStep)
-      cp_async16(dst + r * L::kXStride * u32(sizeof(T)), src + uint64_t(r) * a.lda, x_in_k ? 16u : 0u);
-    cp_async_commit();
+    for (u32 r = r0; x_unit && r < m; r += L::kXRowStep) {
+      const uint64_t src_row = !EXPERTS             ? uint64_t(r)
+                               : a.row_map != nullptr ? uint64_t(a.row_map[row0 + r])
+                                                      : uint64_t((row0 + r) / a.top_k);
+      cp_async16(dst + r * L::kXStride * u32(sizeof(T)), src + src_row * a.lda, x_in_k ? 16u : 0u);
+    }
   }
+  cp_async_commit();
 #pragma unroll
   for (u32 s = 0; s + 1u < kDepth; ++s) {
     copy_next_stage();
     cp_async_commit();
   }
-  // x su, rounded to T once, in place.
   if (x_unit) {
     float4 s0 = make_float4(0.f, 0.f, 0.f, 0.f), s1 = s0;
     if (x_in_k) {
       s0 = *reinterpret_cast<const float4*>(w.su + k0 + xc);
       s1 = *reinterpret_cast<const float4*>(w.su + k0 + xc + 4u);
     }
-    auto scaled = [](u32 word, float lo, float hi) {
-      const T2 x = as_t2<T2>(word);
+    const float su[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+    auto pack = [](float lo, float hi) {
       T2 o;
-      o.x = Tr<T>::from_f(Tr<T>::to_f(x.x) * lo);
-      o.y = Tr<T>::from_f(Tr<T>::to_f(x.y) * hi);
+      o.x = Tr<T>::from_f(lo);
+      o.y = Tr<T>::from_f(hi);
       return as_u32(o);
     };
-    cp_async_wait<kDepth - 1>();  // this thread's activation copies have landed
+    if (swiglu) {
+      // A = silu(sum gate) * sum up over the gate/up K slices in slice order (as trellis_load_act),
+      // times su, rounded to T once. The partials are the previous kernel's output.
+      pdl_wait();
 #pragma unroll 1
-    for (u32 r = r0; r < a.M; r += L::kXRowStep) {
-      uint4* x = reinterpret_cast<uint4*>(x_s + r * L::kXStride + xc);
-      const uint4 v = *x;
-      *x = make_uint4(scaled(v.x, s0.x, s0.y), scaled(v.y, s0.z, s0.w), scaled(v.z, s1.x, s1.y),
-                      scaled(v.w, s1.z, s1.w));
+      for (u32 r = r0; r < m; r += L::kXRowStep) {
+        float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        if (x_in_k) {
+          const uint64_t at = uint64_t(row0 + r) * a.lda + k0 + xc;
+          float gs[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, us[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+          for (u32 p = 0; p < a.a_parts; ++p) {
+            const float* gp = static_cast<const float*>(a.A) + p * a.a_part_stride + at;
+            const float* up = a.A2 + p * a.a_part_stride + at;
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) {
+              const float4 gv = __ldcg(reinterpret_cast<const float4*>(gp) + h);
+              const float4 uv = __ldcg(reinterpret_cast<const float4*>(up) + h);
+              gs[4 * h] += gv.x, gs[4 * h + 1] += gv.y, gs[4 * h + 2] += gv.z, gs[4 * h + 3] += gv.w;
+              us[4 * h] += uv.x, us[4 * h + 1] += uv.y, us[4 * h + 2] += uv.z, us[4 * h + 3] += uv.w;
+            }
+          }
+#pragma unroll
+          for (u32 i = 0; i < 8; ++i) v[i] = gs[i] / (1.f + __expf(-gs[i])) * us[i] * su[i];
+        }
+        *reinterpret_cast<uint4*>(x_s + r * L::kXStride + xc) =
+            make_uint4(pack(v[0], v[1]), pack(v[2], v[3]), pack(v[4], v[5]), pack(v[6], v[7]));
+      }
+    } else {
+      // x su, rounded to T once, in place.
+      cp_async_wait<kDepth - 1>();  // this thread's activation copies have landed
+#pragma unroll 1
+      for (u32 r = r0; r < m; r += L::kXRowStep) {
+        uint4* x = reinterpret_cast<uint4*>(x_s + r * L::kXStride + xc);
+        const uint4 q = *x;
+        const u32 in[4] = {q.x, q.y, q.z, q.w};
+        u32 o[4];
+#pragma unroll
+        for (u32 i = 0; i < 4; ++i) {
+          const T2 x2 = as_t2<T2>(in[i]);
+          o[i] = pack(Tr<T>::to_f(x2.x) * su[2 * i], Tr<T>::to_f(x2.y) * su[2 * i + 1]);
+        }
+        *x = make_uint4(o[0], o[1], o[2], o[3]);
+      }
     }
   }
 
@@ -360,32 +424,44 @@ __global__ void __launch_bounds__(kThreads) trellis_stream_kernel(const TrellisK
 #pragma unroll
     for (u32 c = 0; c < 4; ++c) {
       const u32 row = 8u * nt + 2u * t + (c & 1u), col = col0 + (c >> 1);
-      if (row >= a.M || col >= a.N) continue;
+      if (row >= m || col >= a.N) continue;
       const float v = acc[nt][c] * (c < 2 ? sv0 : sv1);
-      if (a.out_f32) static_cast<float*>(a.out[0])[slice * a.out_part_stride + uint64_t(row) * a.ldc + col] = v;
-      else static_cast<T*>(a.out[0])[uint64_t(row) * a.ldc + col] = Tr<T>::from_f(v);
+      const uint64_t at = uint64_t(row0 + row) * a.ldc + col;
+      if (a.out_f32) static_cast<float*>(a.out[which])[slice * a.out_part_stride + at] = v;
+      else static_cast<T*>(a.out[which])[at] = Tr<T>::from_f(v);
     }
 }
 
-template <typename T, u32 BITS, u32 NT, bool LANES>
+template <typename T, u32 BITS, u32 NT, bool LANES, bool EXPERTS>
 void launch_one(const TrellisLaunch& l, const TrellisKernelArgs& a, cudaStream_t stream) {
   static std::atomic<uint64_t> opted_in{0};
-  auto kernel = trellis_stream_kernel<T, BITS, NT, LANES>;
+  auto kernel = trellis_stream_kernel<T, BITS, NT, LANES, EXPERTS>;
   using L = StreamLayout<T, BITS, NT>;
   cuda_backend::opt_in_smem(kernel, int(L::bytes(8u * NT)), opted_in);
-  kernel<<<dim3(l.grid[0], l.grid[1], 1), dim3(kThreads), L::bytes(a.M), stream>>>(a);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(l.grid[0], l.grid[1], l.grid[2]);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = L::bytes(a.row_experts != nullptr ? 1u : a.M);  // row slots: one row a block
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  cfg.attrs = attr;
+  if (l.dependent_launch) cuda_backend::add_dependent_launch(cfg);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
   cuda_backend::check_launch(l.kernel.c_str());
 }
 
-template <typename T, u32 BITS>
+template <typename T, u32 BITS, bool EXPERTS>
 void launch_rows(const TrellisLaunch& l, uint32_t tile_m, bool lanes, const TrellisKernelArgs& a,
                  cudaStream_t stream) {
-  if (lanes) {
-    if (tile_m == 8u) return launch_one<T, BITS, 1, true>(l, a, stream);
-    return launch_one<T, BITS, 2, true>(l, a, stream);
+  if constexpr (!EXPERTS) {
+    if (lanes) {
+      if (tile_m == 8u) return launch_one<T, BITS, 1, true, false>(l, a, stream);
+      return launch_one<T, BITS, 2, true, false>(l, a, stream);
+    }
   }
-  if (tile_m == 8u) return launch_one<T, BITS, 1, false>(l, a, stream);
-  return launch_one<T, BITS, 2, false>(l, a, stream);
+  TORCH_CHECK(!lanes, "torch_marlin: the MoE's streaming decode reads the canonical tiles");
+  if (tile_m == 8u) return launch_one<T, BITS, 1, false, EXPERTS>(l, a, stream);
+  return launch_one<T, BITS, 2, false, EXPERTS>(l, a, stream);
 }
 
 }  // namespace
@@ -395,12 +471,17 @@ namespace cuda_backend {
 template <typename T>
 void launch_trellis_stream(const TrellisLaunch& l, uint32_t bits, uint32_t tile_m, bool lanes,
                            const TrellisKernelArgs& a, cudaStream_t stream) {
+  const bool experts = a.offsets != nullptr || a.row_experts != nullptr;
   TORCH_CHECK(l.threads[0] == kThreads && (tile_m == 8u || tile_m == 16u) && a.M >= 1u && a.M <= tile_m &&
                   a.K % 8u == 0 && a.k_parallel == l.k_parallel && l.grid[1] == l.k_parallel &&
-                  a.k_slice_tiles % kStageTiles == 0 && a.k_slice_tiles > 0 &&
+                  l.grid[2] == (experts ? (a.A2 != nullptr ? 1u : 2u) * a.experts : 1u) &&
+                  (experts || a.A2 == nullptr) && a.k_slice_tiles % kStageTiles == 0 && a.k_slice_tiles > 0 &&
                   a.k_slice_tiles <= TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES(tile_m),
               "torch_marlin: the trellis plan '", l.kernel, "' does not match the streaming decode kernel's geometry");
-  with_trellis_bits(bits, [&](auto b) { launch_rows<T, b.value>(l, tile_m, lanes, a, stream); });
+  with_trellis_bits(bits, [&](auto b) {
+    if (experts) launch_rows<T, b.value, true>(l, tile_m, lanes, a, stream);
+    else launch_rows<T, b.value, false>(l, tile_m, lanes, a, stream);
+  });
 }
 
 template void launch_trellis_stream<__half>(const TrellisLaunch&, uint32_t, uint32_t, bool, const TrellisKernelArgs&,

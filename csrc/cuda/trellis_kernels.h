@@ -42,6 +42,11 @@ struct TrellisKernelArgs {
   const int32_t* offsets;      // MoE: [E + 1] expert row ranges; nullptr: rows [0, M)
   const int32_t* active_experts;  // MoE routed in one launch: expert of each slot (-1: none), else
                                   // nullptr and slot = expert
+  const void* row_experts;     // MoE row slots (streaming decode): expert_ids [rows] (int64 when
+                               // row_experts_int64, else int32), slot = routed row, or nullptr
+  uint32_t row_experts_int64;
+  uint32_t num_experts;        // MoE row slots: ids are clamped to [0, num_experts)
+  uint32_t top_k;              // MoE row slots: routed row r is token r / top_k
   void* out[2];                // C (T) or fp32 rows; out[1]: the MoE's up rows
   uint64_t out_part_stride;    // fp32 partials: elements between K slices
   uint32_t out_f32;            // 1: out holds fp32 [k_parallel][rows][ldc] (sv applied), 0: T C
@@ -59,8 +64,9 @@ struct TrellisKernelArgs {
 template <typename T>
 void launch_trellis_mma(const TrellisLaunch& launch, uint32_t bits, uint32_t tile_m, bool swiglu,
                         const TrellisKernelArgs& a, cudaStream_t stream);
-// The streaming decode GEMM (trellis_decode.cu): dense only, tile_m 8 or 16 rows, K % 8 == 0; the
-// indices in the canonical tiles or (lanes) the CUDA lane layout.
+// The streaming decode GEMM (trellis_decode.cu): tile_m 8 or 16 rows, K % 8 == 0; the indices in
+// the canonical tiles or (lanes, dense only) the CUDA lane layout. With offsets set it runs the
+// MoE's decode stages (M = tokens * top_k <= tile_m): gate/up, or down when A2 is set.
 template <typename T>
 void launch_trellis_stream(const TrellisLaunch& launch, uint32_t bits, uint32_t tile_m, bool lanes,
                            const TrellisKernelArgs& a, cudaStream_t stream);
@@ -84,7 +90,8 @@ void launch_trellis_route(const TrellisLaunch& launch, const void* ids, bool ids
 template <typename T>
 void launch_trellis_reduce(const TrellisLaunch& launch, const float* ws, uint32_t parts, uint64_t count, T* C,
                            cudaStream_t stream);
-// y[t, h] = sum_j probs[t, j] * sum_s rows_y[s][slot_row[t * top_k + j], h], j and s in order.
+// y[t, h] = sum_j probs[t, j] * sum_s rows_y[s][slot_row[t * top_k + j], h], j and s in order
+// (slot_row nullptr: row t * top_k + j).
 template <typename T>
 void launch_trellis_combine(const TrellisLaunch& launch, const float* rows_y, uint32_t parts, uint64_t part_stride,
                             const float* probs, const int32_t* slot_row, uint32_t tokens, uint32_t top_k,

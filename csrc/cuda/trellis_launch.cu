@@ -102,9 +102,11 @@ void moe_typed(const TrellisPlan& plan, const TrellisMoeArgs& m, at::Tensor& y, 
   at::Tensor rows_y = at::empty({int64_t(plan.down.k_parallel), R, m.hidden}, f32);
   const uint64_t gu_part = uint64_t(R) * uint64_t(m.intermediate);
   at::Tensor routing;  // offsets [E + 1], sorted_token [R], slot_row [R], active [slots]
-  const int32_t *offsets, *sorted_token, *slot_row, *active = nullptr;
+  const int32_t *offsets = nullptr, *sorted_token = nullptr, *slot_row = nullptr, *active = nullptr;
   const uint32_t slots = plan.down.grid[2];
-  if (!plan.route.kernel.empty()) {
+  if (plan.moe_row_slots) {
+    // No routing: slot r is routed row r, its expert expert_ids[r] (the kernels clamp it).
+  } else if (!plan.route.kernel.empty()) {
     routing = at::empty({m.E + 1 + 2 * R + int64_t(slots)}, m.x.options().dtype(at::kInt));
     int32_t* r = routing.data_ptr<int32_t>();
     launch_trellis_route(plan.route, m.expert_ids.data_ptr(), m.expert_ids.scalar_type() == at::kLong, uint32_t(R),
@@ -135,6 +137,12 @@ void moe_typed(const TrellisPlan& plan, const TrellisMoeArgs& m, at::Tensor& y, 
   gu.M = uint32_t(R);
   gu.experts = slots;
   gu.active_experts = active;
+  if (plan.moe_row_slots) {
+    gu.row_experts = m.expert_ids.data_ptr();
+    gu.row_experts_int64 = m.expert_ids.scalar_type() == at::kLong ? 1u : 0u;
+    gu.num_experts = uint32_t(m.E);
+    gu.top_k = uint32_t(m.top_k);
+  }
 
   TrellisKernelArgs dn = base_args(p, plan.down);
   dn.K = uint32_t(m.intermediate);
@@ -156,8 +164,14 @@ void moe_typed(const TrellisPlan& plan, const TrellisMoeArgs& m, at::Tensor& y, 
   dn.M = uint32_t(R);
   dn.experts = slots;
   dn.active_experts = active;
+  dn.row_experts = gu.row_experts;
+  dn.row_experts_int64 = gu.row_experts_int64;
+  dn.num_experts = gu.num_experts;
+  dn.top_k = gu.top_k;
 
-  TORCH_CHECK(plan.main.grid[2] == 2 * slots && (active != nullptr || slots == uint32_t(m.E)),
+  TORCH_CHECK(plan.main.grid[2] == 2 * slots &&
+                  (plan.moe_row_slots ? plan.cuda_stream_decode && slots == uint32_t(R)
+                                      : active != nullptr || slots == uint32_t(m.E)),
               "torch_marlin: the MoE plan's expert slots do not match its routing");
   constexpr bool kFloat = std::is_same<T, float>::value;
   TORCH_CHECK(simt == kFloat, "torch_marlin: the MoE plan '", plan.main.kernel,
@@ -166,8 +180,14 @@ void moe_typed(const TrellisPlan& plan, const TrellisMoeArgs& m, at::Tensor& y, 
     launch_trellis_simt(plan.main, p.bits, false, gu, stream);
     launch_trellis_simt(plan.down, p.bits, true, dn, stream);
   } else if constexpr (!std::is_same<T, float>::value) {
-    launch_trellis_mma<T>(plan.main, p.bits, p.tile_m, false, gu, stream);
-    launch_trellis_mma<T>(plan.down, p.bits, p.tile_m, true, dn, stream);
+    if (plan.cuda_stream_decode) {
+      gu.stage_groups = dn.stage_groups = plan.cuda_stream_stage_groups ? 1u : 0u;
+      launch_trellis_stream<T>(plan.main, p.bits, p.tile_m, false, gu, stream);
+      launch_trellis_stream<T>(plan.down, p.bits, p.tile_m, false, dn, stream);
+    } else {
+      launch_trellis_mma<T>(plan.main, p.bits, p.tile_m, false, gu, stream);
+      launch_trellis_mma<T>(plan.down, p.bits, p.tile_m, true, dn, stream);
+    }
   }
   launch_trellis_combine<T>(plan.combine, rows_y.data_ptr<float>(), plan.down.k_parallel, dn.out_part_stride,
                             m.probs.data_ptr<float>(), slot_row, uint32_t(m.T),

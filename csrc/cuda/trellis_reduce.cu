@@ -24,21 +24,50 @@ __global__ void __launch_bounds__(TM_TRELLIS_CUDA_ELEMWISE_THREADS)
     trellis_combine_kernel(const float* __restrict__ rows_y, u32 parts, uint64_t part_stride,
                            const float* __restrict__ probs, const int32_t* __restrict__ slot_row, u32 tokens,
                            u32 top_k, u32 hidden, T* __restrict__ y) {
+  pdl_wait();  // may be launched behind the down stage that writes rows_y (TrellisLaunch::dependent_launch)
   const uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= uint64_t(tokens) * hidden) return;
   const u32 t = u32(i / hidden), h = u32(i % hidden);
+  // Rows and probabilities of 8 slots first, then their partials: the loads of a group are all in
+  // flight at once instead of one dependent chain per slot. The sums keep slot and slice order.
+  constexpr u32 kGroup = 8;
   float acc = 0.f;
-  for (u32 j = 0; j < top_k; ++j) {
-    const uint64_t row = uint64_t(slot_row[uint64_t(t) * top_k + j]);
-    float v = 0.f;
-    for (u32 p = 0; p < parts; ++p) v += rows_y[p * part_stride + row * hidden + h];
-    acc = fmaf(probs[uint64_t(t) * top_k + j], v, acc);
+  for (u32 j0 = 0; j0 < top_k; j0 += kGroup) {
+    uint64_t row[kGroup];
+    float prob[kGroup];
+#pragma unroll
+    for (u32 q = 0; q < kGroup; ++q) {
+      const uint64_t r = uint64_t(t) * top_k + min(j0 + q, top_k - 1u);
+      row[q] = slot_row != nullptr ? uint64_t(slot_row[r]) : r;
+      prob[q] = probs[r];
+    }
+#pragma unroll
+    for (u32 q = 0; q < kGroup; ++q) {
+      if (j0 + q >= top_k) break;
+      float v = 0.f;
+      for (u32 p = 0; p < parts; ++p) v += rows_y[p * part_stride + row[q] * hidden + h];
+      acc = fmaf(prob[q], v, acc);
+    }
   }
   y[i] = from_float<T>(acc);
 }
 
 u32 blocks_for(uint64_t count) {
   return u32((count + TM_TRELLIS_CUDA_ELEMWISE_THREADS - 1) / TM_TRELLIS_CUDA_ELEMWISE_THREADS);
+}
+
+// One thread an element over the plan's 1-D grid; with l.dependent_launch behind the previous kernel.
+template <typename... KArgs, typename... Args>
+void launch_elementwise(const TrellisLaunch& l, void (*kernel)(KArgs...), cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(l.grid[0]);
+  cfg.blockDim = dim3(TM_TRELLIS_CUDA_ELEMWISE_THREADS);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  cfg.attrs = attr;
+  if (l.dependent_launch) cuda_backend::add_dependent_launch(cfg);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+  cuda_backend::check_launch(l.kernel.c_str());
 }
 
 }  // namespace
@@ -50,15 +79,7 @@ void launch_trellis_reduce(const TrellisLaunch& l, const float* ws, uint32_t par
                            cudaStream_t stream) {
   TORCH_CHECK(l.threads[0] == TM_TRELLIS_CUDA_ELEMWISE_THREADS && l.grid[0] == blocks_for(count),
               "torch_marlin: the trellis plan '", l.kernel, "' does not match the reduction");
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(l.grid[0]);
-  cfg.blockDim = dim3(TM_TRELLIS_CUDA_ELEMWISE_THREADS);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  cfg.attrs = attr;
-  if (l.dependent_launch) add_dependent_launch(cfg);
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, trellis_reduce_kernel<T>, ws, parts, count, C));
-  check_launch(l.kernel.c_str());
+  launch_elementwise(l, trellis_reduce_kernel<T>, stream, ws, parts, count, C);
 }
 
 template <typename T>
@@ -67,9 +88,8 @@ void launch_trellis_combine(const TrellisLaunch& l, const float* rows_y, uint32_
                             uint32_t hidden, T* y, cudaStream_t stream) {
   TORCH_CHECK(l.threads[0] == TM_TRELLIS_CUDA_ELEMWISE_THREADS && l.grid[0] == blocks_for(uint64_t(tokens) * hidden),
               "torch_marlin: the trellis plan '", l.kernel, "' does not match the MoE combine");
-  trellis_combine_kernel<T><<<l.grid[0], TM_TRELLIS_CUDA_ELEMWISE_THREADS, 0, stream>>>(
-      rows_y, parts, part_stride, probs, slot_row, tokens, top_k, hidden, y);
-  check_launch(l.kernel.c_str());
+  launch_elementwise(l, trellis_combine_kernel<T>, stream, rows_y, parts, part_stride, probs, slot_row, tokens, top_k,
+                     hidden, y);
 }
 
 #define TM_TRELLIS_INSTANTIATE(T)                                                                                  \

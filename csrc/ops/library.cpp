@@ -58,6 +58,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("M"), py::arg("K"), py::arg("N"), py::arg("bits"), py::arg("group_size"), py::arg("dtype"),
       py::arg("backend"), py::arg("caps"), py::arg("family") = "auto", py::arg("layout") = "tiles");
   m.def(
+      "plan_trellis_moe",
+      [](int64_t tokens, int64_t hidden, int64_t intermediate, int64_t num_experts, int64_t top_k, int64_t bits,
+         int64_t group_size, const std::string& dtype, const std::string& backend, const py::dict& caps) {
+        const DeviceCaps c = caps_from_dict(parse_backend(backend), caps);
+        return trellis_plan_to_dict(planned([&] {
+          return plan_trellis_moe(tokens, hidden, intermediate, num_experts, top_k, bits, group_size,
+                                  parse_dtype(dtype), c);
+        }));
+      },
+      py::arg("tokens"), py::arg("hidden"), py::arg("intermediate"), py::arg("num_experts"), py::arg("top_k"),
+      py::arg("bits"), py::arg("group_size"), py::arg("dtype"), py::arg("backend"), py::arg("caps"));
+  m.def(
       "trellis_index_layout",
       [](int64_t K, int64_t N, int64_t bits, const std::string& backend, const py::dict& caps) {
         const DeviceCaps c = caps_from_dict(parse_backend(backend), caps);

@@ -272,8 +272,8 @@ at::Tensor moe_trellis(const at::Tensor& x, const at::Tensor& gate_packed, const
   a.probs = expert_probs.to(at::kFloat).contiguous();
   const DeviceCaps caps = device_caps(dev);
   const TrellisPlan plan = plan_trellis_moe(T, H, intermediate, E, top_k, bits, group_size, a.dtype, caps);
-  if (plan.route.kernel.empty()) trellis_route(expert_ids, E, a);
-  else a.expert_ids = expert_ids.contiguous();  // the backend routes (one launch)
+  if (plan.route.kernel.empty() && !plan.moe_row_slots) trellis_route(expert_ids, E, a);
+  else a.expert_ids = expert_ids.contiguous();  // the backend routes (one launch) or needs no routing
   if (debug_enabled()) {
     log_dispatch(op, plan, {{"x", a.x}, {"gate_scales", a.gate.scales}, {"gate_grid", a.gate.grid},
                             {"gate_su", a.gate.su}, {"gate_sv", a.gate.sv}, {"up_scales", a.up.scales},

@@ -37,7 +37,8 @@ struct TrellisMoeArgs {
   at::Tensor probs;          // f32 [T, top_k]
   at::Tensor expert_offsets, sorted_token, slot_row;
   at::Tensor expert_ids;     // [T, top_k] int64 / int32 when the plan has a route launch (the
-                             // backend fills the three above itself), else undefined
+                             // backend fills the three above itself) or row slots (the kernels
+                             // read it directly), else undefined
 };
 
 // Routing with device-generic ATen ops (the same on CPU, MPS and in the Metal-on-CPU harness):

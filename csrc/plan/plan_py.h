@@ -180,7 +180,10 @@ inline py::dict trellis_plan_to_dict(const TrellisPlan& p) {
   d["cuda_stream_decode"] = p.cuda_stream_decode;
   d["cuda_stream_stage_groups"] = p.cuda_stream_stage_groups;
   d["index_layout"] = index_layout_name(p.index_layout);
-  if (p.params.num_experts != 0) d["down_k_vec4"] = p.params.down_k_vec4 != 0;
+  if (p.params.num_experts != 0) {
+    d["down_k_vec4"] = p.params.down_k_vec4 != 0;
+    d["moe_row_slots"] = p.moe_row_slots;
+  }
   const std::pair<const char*, const TrellisLaunch*> stages[] = {
       {"down", &p.down}, {"combine", &p.combine}, {"route", &p.route}, {"tiled_gate", &p.tiled_gate},
       {"tiled_up", &p.tiled_up}, {"tiled_down", &p.tiled_down}};

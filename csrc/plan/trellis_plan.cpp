@@ -68,10 +68,15 @@ constexpr int64_t kCudaBlasMinM = kDecodeMaxM + 1;  // docs/cuda-tuning.md TRELL
 // tile rows, and multiplies grid[1] by the slice count. max_slice_tiles (0: none) bounds a slice,
 // which may then take more than kCudaMaxKParallel slices.
 void cuda_k_split(TrellisLaunch& l, uint32_t tiles_k, uint64_t blocks, int sms, uint32_t stage_tiles = kCudaStageTiles,
-                  uint32_t max_slice_tiles = 0) {
+                  uint32_t max_slice_tiles = 0, uint32_t one_wave_blocks_per_sm = 0) {
   const uint32_t stages = cdiv(tiles_k, stage_tiles);
-  const uint64_t want = uint64_t(kCudaBlocksPerSm) * uint64_t(std::max(sms, 1));
-  uint64_t kp = blocks >= want ? 1 : (want + blocks - 1) / std::max<uint64_t>(blocks, 1);
+  // At least kCudaBlocksPerSm blocks per SM, or (one_wave_blocks_per_sm) at most one wave of that
+  // many resident blocks.
+  const uint64_t per_sm = one_wave_blocks_per_sm != 0 ? one_wave_blocks_per_sm : kCudaBlocksPerSm;
+  const uint64_t want = per_sm * uint64_t(std::max(sms, 1));
+  uint64_t kp = blocks >= want                 ? 1
+                : one_wave_blocks_per_sm != 0 ? want / std::max<uint64_t>(blocks, 1)
+                                              : (want + blocks - 1) / std::max<uint64_t>(blocks, 1);
   kp = std::min<uint64_t>({kp, stages, kCudaMaxKParallel});
   uint32_t slice_stages = cdiv(stages, int64_t(kp));
   if (max_slice_tiles != 0) slice_stages = std::min(slice_stages, max_slice_tiles / stage_tiles);
@@ -488,21 +493,43 @@ TrellisPlan plan_trellis_moe(int64_t tokens, int64_t hidden, int64_t intermediat
         p.down.grid[0] = cdiv(hidden, kCudaSimtThreads);
       } else {
         const bool decode = p.family == KernelFamily::Decode;
-        const uint32_t tile_m = decode ? TM_TRELLIS_CUDA_DECODE_M : TM_TRELLIS_CUDA_PREFILL_M;
+        // Decode runs the streaming kernel (trellis_decode.cu) where both stages' 16-byte activation
+        // rows fit (hidden and intermediate % 8 == 0): every expert's rows are one 8- or 16-row tile.
+        // Its down stage starts behind gate/up and the combine behind down (dependent launches on
+        // sm_90), so their launches and index copies overlap the previous stage's tail.
+        p.cuda_stream_decode = decode && hidden % 8 == 0 && intermediate % 8 == 0;
+        p.cuda_stream_stage_groups =
+            p.cuda_stream_decode && group_size % (kCudaStreamStageTiles * TM_TRELLIS_TILE) == 0;
+        const uint32_t stage_tiles = p.cuda_stream_decode ? kCudaStreamStageTiles : kCudaStageTiles;
+        const uint32_t tile_m = p.cuda_stream_decode ? (R <= 8 ? 8u : 16u)
+                                : decode             ? TM_TRELLIS_CUDA_DECODE_M
+                                                     : TM_TRELLIS_CUDA_PREFILL_M;
+        const uint32_t max_slice = p.cuda_stream_decode ? TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES(tile_m) : 0u;
+        // The streaming kernel's expert blocks: one wave of its resident blocks (more leaves a
+        // second, mostly idle wave; docs/cuda-tuning.md TRELLIS-CUDA-MOE-STREAM).
+        const uint32_t one_wave = p.cuda_stream_decode ? TM_TRELLIS_CUDA_STREAM_EXPERT_BLOCKS_PER_SM : 0u;
         set_tiles(p.params, tile_m, intermediate, tile_m, kCudaTileN);
-        p.params.tile_k = kCudaStageTiles * TM_TRELLIS_TILE;
-        p.main.kernel = (decode ? "moe_trellis_gate_up_decode" : "moe_trellis_gate_up_tiles") + suffix;
-        p.down.kernel = (decode ? "moe_trellis_down_decode" : "moe_trellis_down_tiles") + suffix;
+        p.params.tile_k = stage_tiles * TM_TRELLIS_TILE;
+        const char* kind = p.cuda_stream_decode ? "_decode" : decode ? "_decode_mma" : "_tiles";
+        p.main.kernel = std::string("moe_trellis_gate_up") + kind + suffix;
+        p.down.kernel = std::string("moe_trellis_down") + kind + suffix;
         p.main.threads[0] = p.down.threads[0] = kCudaThreads;
         p.main.grid[0] = cdiv(intermediate, kCudaTileN);
         p.down.grid[0] = cdiv(hidden, kCudaTileN);
-        cuda_k_split(p.main, p.params.tiles_k, uint64_t(p.main.grid[0]) * 2 * active, caps.compute_units);
-        cuda_k_split(p.down, p.params.down_tiles_k, uint64_t(p.down.grid[0]) * active, caps.compute_units);
+        cuda_k_split(p.main, p.params.tiles_k, uint64_t(p.main.grid[0]) * 2 * active, caps.compute_units, stage_tiles,
+                     max_slice, one_wave);
+        cuda_k_split(p.down, p.params.down_tiles_k, uint64_t(p.down.grid[0]) * active, caps.compute_units,
+                     stage_tiles, max_slice, one_wave);
+        p.down.dependent_launch = p.cuda_stream_decode && caps.thread_block_clusters != 0;
+        p.combine.dependent_launch = p.down.dependent_launch;
       }
       // Expert slots of the GEMM grids: with the one-launch routing, only min(E, T*top_k) (the
       // routing lists the experts that have rows; spare slots exit), else one per expert.
       uint32_t slots = E;
-      if (R <= TM_TRELLIS_CUDA_ROUTE_MAX_ROWS && E <= TM_TRELLIS_CUDA_ROUTE_MAX_EXPERTS) {
+      p.moe_row_slots = p.cuda_stream_decode && tokens == 1;
+      if (p.moe_row_slots) {
+        slots = uint32_t(top_k);
+      } else if (R <= TM_TRELLIS_CUDA_ROUTE_MAX_ROWS && E <= TM_TRELLIS_CUDA_ROUTE_MAX_EXPERTS) {
         // One block instead of a dozen ATen launches (sort, counts, scans): at decode batches the
         // launches, not the routing work, would dominate the expert GEMVs.
         p.route.kernel = "moe_trellis_route";

@@ -45,6 +45,10 @@ struct TrellisPlan {
   // CUDA MoE: the routing in one launch (tokens * top_k <= TM_TRELLIS_CUDA_ROUTE_MAX_ROWS); empty
   // kernel name: routed with ATen ops (trellis_route in csrc/ops/trellis.h), as on every backend.
   TrellisLaunch route;
+  // CUDA MoE decode at one token: one expert slot per routed row (t * top_k + j), whose expert the
+  // kernels read from expert_ids, so neither the routing launch nor its indirections run (a
+  // token's top_k experts are distinct, so no expert's weights are read twice).
+  bool moe_row_slots = false;
   // Metal MoE, only when tokens * top_k > 16: 64x64-tile kernels for experts with more than 16
   // routed rows (the GEMV stages skip those). Order on the encoder: main, tiled_gate, tiled_up,
   // down, tiled_down, combine. Empty kernel names when not planned.

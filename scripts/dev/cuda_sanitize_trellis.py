@@ -8,8 +8,9 @@ last tile column block, K and N not multiples of 16), fused tiles (rows past M),
 fp16 / bf16, the fp32 kernel, dequant_trellis, dequant_blas (the dense fp16 weight + cuBLAS;
 racecheck skips it with --no-blas: cuBLAS's kernels are not ours), every GEMM case and
 dequant_trellis again with the indices in the CUDA lane layout (the streaming decode's and the lane
-dequant's instantiations), and moe_trellis on the decode and tiles kernels
-(gate/up in one launch, down with K-slice partials of gate/up) and the fp32 kernels. Each result
+dequant's instantiations), and moe_trellis on the streaming decode (8- and 16-row tiles, down
+launched behind gate/up), the tensor-core decode and tiles kernels (gate/up in one launch, down
+with K-slice partials of gate/up) and the fp32 kernels. Each result
 is checked against the fp64 reference on the dequantized weights, so a silent wrong answer fails.
 """
 import sys
@@ -32,7 +33,9 @@ GEMM_CASES = [  # M, K, N, bits, group_size, dtype
     (40, 144, 136, 4, 32, torch.bfloat16),    # dequant_blas, 16-byte stores
 ]
 MOE_CASES = [  # T, H, I, E, top_k, bits, dtype
-    (1, 256, 136, 8, 2, 3, torch.float16),    # decode
+    (1, 256, 136, 8, 2, 3, torch.float16),    # streaming decode, 8-row tiles
+    (2, 264, 200, 12, 8, 2, torch.bfloat16),  # streaming decode, 16-row tiles, several K slices
+    (3, 204, 136, 6, 2, 4, torch.float16),    # decode on the tensor-core kernel (hidden % 8 != 0)
     (20, 200, 48, 4, 2, 4, torch.bfloat16),   # tiles (T * top_k > 16)
     (5, 72, 112, 6, 2, 2, torch.float32),     # fp32 kernels
 ]

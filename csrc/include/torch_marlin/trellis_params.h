@@ -53,6 +53,9 @@ TM_NAMESPACE_BEGIN
 #define TM_TRELLIS_CUDA_STREAM_STAGE_TILES 8u
 #define TM_TRELLIS_CUDA_STREAM_STAGES 4u
 #define TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES(tile_m) ((tile_m) == 8u ? 128u : 64u)
+// Its MoE instantiation (expert pointers live in registers, not in the parameter bank) is built for
+// this many resident blocks per SM, and the planner slices the MoE's K to fill one such wave.
+#define TM_TRELLIS_CUDA_STREAM_EXPERT_BLOCKS_PER_SM 3u
 // dequant_trellis on CUDA (trellis_dequant.cu): a block of 256 threads owns 16 tiles of one tile
 // row; a thread writes one 16-column row of one tile.
 #define TM_TRELLIS_CUDA_DEQUANT_TILES 16u
