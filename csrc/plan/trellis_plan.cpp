@@ -138,6 +138,17 @@ void set_tiles(TrellisParams& p, int64_t M, int64_t N, uint32_t tile_m, uint32_t
   p.n_tiles = cdiv(N, tile_n);
 }
 
+// The CUDA fp16/bf16 GEMM kernel for decode (the streaming kernel where `stream`, else the
+// tensor-core kernel at one m16 tile) or the fused tiles: sets the plan's streaming flags and
+// stage rows (tile_k), and returns the tile rows that `rows` pad to.
+uint32_t cuda_gemm_kernel_rows(TrellisPlan& p, bool decode, bool stream, int64_t rows, int64_t group_size) {
+  p.cuda_stream_decode = decode && stream;
+  p.cuda_stream_stage_groups =
+      p.cuda_stream_decode && group_size % (kCudaStreamStageTiles * TM_TRELLIS_TILE) == 0;
+  p.params.tile_k = (p.cuda_stream_decode ? kCudaStreamStageTiles : kCudaStageTiles) * TM_TRELLIS_TILE;
+  return p.cuda_stream_decode ? (rows <= 8 ? 8u : 16u) : decode ? TM_TRELLIS_CUDA_DECODE_M : TM_TRELLIS_CUDA_PREFILL_M;
+}
+
 void check_lanes_backend(const DeviceCaps& caps, const char* who) {
   if (caps.backend != Backend::CUDA) {
     throw std::invalid_argument(std::string(who) + ": indices in the lane layout run on CUDA only, not " +
@@ -205,10 +216,7 @@ TrellisPlan plan_trellis_gemm_lanes(int64_t M, int64_t K, int64_t N, int64_t bit
     return p;
   }
   p.index_layout = TrellisIndexLayout::Lanes;
-  p.cuda_stream_decode = true;
-  p.cuda_stream_stage_groups = group_size % (kCudaStreamStageTiles * TM_TRELLIS_TILE) == 0;
-  set_tiles(p.params, M, N, M <= 8 ? 8u : 16u, kCudaTileN);
-  p.params.tile_k = kCudaStreamStageTiles * TM_TRELLIS_TILE;
+  set_tiles(p.params, M, N, cuda_gemm_kernel_rows(p, true, true, M, group_size), kCudaTileN);
   set_cuda_sliced_launch(p, M, N, "gemm_trellis_decode_lanes", suffix, caps, kCudaStreamStageTiles);
   return p;
 }
@@ -336,15 +344,9 @@ TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int
       }
       // Decode streams through trellis_decode.cu where its 16-byte activation copies fit (K % 8 == 0),
       // with M padded to 8 or 16 rows; otherwise the tensor-core kernel at one m16 tile.
-      p.cuda_stream_decode = decode && K % 8 == 0;
-      p.cuda_stream_stage_groups =
-          p.cuda_stream_decode && group_size % (kCudaStreamStageTiles * TM_TRELLIS_TILE) == 0;
-      const uint32_t stage_tiles = p.cuda_stream_decode ? kCudaStreamStageTiles : kCudaStageTiles;
-      const uint32_t tile_m = p.cuda_stream_decode ? (M <= 8 ? 8u : 16u)
-                              : decode             ? TM_TRELLIS_CUDA_DECODE_M
-                                                   : TM_TRELLIS_CUDA_PREFILL_M;
+      const uint32_t tile_m = cuda_gemm_kernel_rows(p, decode, K % 8 == 0, M, group_size);
+      const uint32_t stage_tiles = p.params.tile_k / TM_TRELLIS_TILE;
       set_tiles(p.params, M, N, tile_m, kCudaTileN);
-      p.params.tile_k = stage_tiles * TM_TRELLIS_TILE;
       set_cuda_sliced_launch(p, M, N,
                              p.cuda_stream_decode ? "gemm_trellis_decode"
                              : decode             ? "gemm_trellis_decode_mma"
@@ -497,19 +499,14 @@ TrellisPlan plan_trellis_moe(int64_t tokens, int64_t hidden, int64_t intermediat
         // rows fit (hidden and intermediate % 8 == 0): every expert's rows are one 8- or 16-row tile.
         // Its down stage starts behind gate/up and the combine behind down (dependent launches on
         // sm_90), so their launches and index copies overlap the previous stage's tail.
-        p.cuda_stream_decode = decode && hidden % 8 == 0 && intermediate % 8 == 0;
-        p.cuda_stream_stage_groups =
-            p.cuda_stream_decode && group_size % (kCudaStreamStageTiles * TM_TRELLIS_TILE) == 0;
-        const uint32_t stage_tiles = p.cuda_stream_decode ? kCudaStreamStageTiles : kCudaStageTiles;
-        const uint32_t tile_m = p.cuda_stream_decode ? (R <= 8 ? 8u : 16u)
-                                : decode             ? TM_TRELLIS_CUDA_DECODE_M
-                                                     : TM_TRELLIS_CUDA_PREFILL_M;
+        const uint32_t tile_m =
+            cuda_gemm_kernel_rows(p, decode, hidden % 8 == 0 && intermediate % 8 == 0, int64_t(R), group_size);
+        const uint32_t stage_tiles = p.params.tile_k / TM_TRELLIS_TILE;
         const uint32_t max_slice = p.cuda_stream_decode ? TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES(tile_m) : 0u;
         // The streaming kernel's expert blocks: one wave of its resident blocks (more leaves a
         // second, mostly idle wave; docs/cuda-tuning.md TRELLIS-CUDA-MOE-STREAM).
         const uint32_t one_wave = p.cuda_stream_decode ? TM_TRELLIS_CUDA_STREAM_EXPERT_BLOCKS_PER_SM : 0u;
         set_tiles(p.params, tile_m, intermediate, tile_m, kCudaTileN);
-        p.params.tile_k = stage_tiles * TM_TRELLIS_TILE;
         const char* kind = p.cuda_stream_decode ? "_decode" : decode ? "_decode_mma" : "_tiles";
         p.main.kernel = std::string("moe_trellis_gate_up") + kind + suffix;
         p.down.kernel = std::string("moe_trellis_down") + kind + suffix;
