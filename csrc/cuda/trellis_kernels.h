@@ -54,7 +54,8 @@ struct TrellisKernelArgs {
   uint32_t M, K, N, group_size, tiles_k, tiles_n, n_groups;
   uint32_t k_slice_tiles, k_parallel, m_tiles;
   uint32_t experts;            // expert slots per matrix (grid.z, halved with two matrices): E,
-                               // min(E, rows) with active_experts, 1 for the GEMM
+                               // min(E, rows) with active_experts, rows with row_experts, 1 for
+                               // the GEMM
   uint32_t stage_groups;       // streaming decode: 1 when scale groups are whole stages (the plan's
                                // cuda_stream_stage_groups)
 };
