@@ -160,12 +160,15 @@ void decode_block_avx2_rows(const TView& w, const float* X, int64_t ldx, int64_t
   std::unique_ptr<float[]> acc(new float[M * width]());
   alignas(32) float vals[kTile * kTile];
   alignas(32) float s_edge[kTile];
+  TileAheadPrefetcher ahead(w, tn0, nt);
   for (int64_t tk = 0; tk < w.tiles_k; ++tk) {
+    ahead.start_row(tk);
     const int64_t k0 = tk * kTile;
     const float* srow = w.scales + (k0 / w.group_size) * w.N;
     const uint8_t* tile = w.packed + (tk * w.tiles_n + tn0) * w.packed_bytes;
     const float* x = X + k0;
     for (int64_t j = 0; j < nt; ++j, tile += w.packed_bytes) {
+      ahead.next();
       const int64_t n0 = c0 + j * kTile;
       const float* s = srow + n0;
       if (n0 + kTile > w.N) {  // the matrix's last, partial tile column: no scale reads past N

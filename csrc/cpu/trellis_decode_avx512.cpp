@@ -123,13 +123,16 @@ TM_AVX512_TARGET void decode_block(const TView& w, const float* X, int64_t ldx, 
   // barrier per tile keeps them in memory: without it the compiler forwards the copied vectors
   // into lane permutes (the codebook lookups' port) or hoists all 16 M of them into stack spills.
   alignas(64) float xt[M * kTile];
+  TileAheadPrefetcher ahead(w, tn0, nt);
   for (int64_t tk = 0; tk < w.tiles_k; ++tk) {
+    ahead.start_row(tk);
     const int64_t k0 = tk * kTile;
     const float* srow = w.scales + (k0 / w.group_size) * w.N;
     const uint8_t* tile = w.packed + (tk * w.tiles_n + tn0) * w.packed_bytes;
     for (int i = 0; i < M; ++i) _mm512_store_ps(xt + i * kTile, _mm512_loadu_ps(X + i * ldx + k0));
     for (int64_t j = 0; j < nt; ++j, tile += w.packed_bytes) {
       asm volatile("" : : "r"(xt) : "memory");
+      ahead.next();
       const int64_t n0 = c0 + j * kTile;
       // The matrix's last, partial tile column: no scale reads past N, zero scales beyond it.
       const __mmask16 cols = n0 + kTile > w.N ? __mmask16((1u << (w.N - n0)) - 1) : __mmask16(0xffff);
