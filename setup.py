@@ -73,6 +73,12 @@ def build_extension():
         # every x86-64 machine that runs LLMs. TORCH_MARLIN_CPU_BASELINE=1 builds for plain x86-64.
         if os.environ.get("TORCH_MARLIN_CPU_BASELINE") != "1":
             cxx += ["-mavx2", "-mfma", "-mf16c"]
+    if sys.platform.startswith("linux") and "parallel backend: OpenMP" in torch.__config__.parallel_info():
+        # ATen's OpenMP backend inlines at::parallel_for's `omp parallel` region into each caller:
+        # without -fopenmp the CPU kernels run every task on the calling thread. Compiled with it but
+        # not linked with it, the GOMP symbols resolve to the libgomp torch already loaded, so one
+        # thread pool serves both and torch.set_num_threads governs our kernels too.
+        cxx += ["-fopenmp"]
     # No flag for the AVX-512 trellis decode kernel (csrc/cpu/trellis_decode_avx512.cpp): its
     # functions carry target attributes, so the rest of the build keeps the ISA above, and the file
     # compiles to nothing except on x86-64 with GCC or Clang. It runs only where the planner saw
