@@ -91,6 +91,23 @@ inline void add_dependent_launch(cudaLaunchConfig_t& cfg) {
   attr.val.programmaticStreamSerializationAllowed = 1;
 }
 
+// Launches kernel over grid x block with smem_bytes of dynamic shared memory; with dependent it may
+// start before the previous kernel on the stream has finished (its pdl_wait() orders them).
+template <typename... KArgs, typename... Args>
+void launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream,
+                   bool dependent, const char* name, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem_bytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  cfg.attrs = attr;
+  if (dependent) add_dependent_launch(cfg);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+  check_launch(name);
+}
+
 // Launches a tile kernel (decode, wgmma, wgmma_ws) over the plan's grid; with kCluster the K slices
 // of an output tile (grid.z == k_parallel) run as one thread-block cluster; with
 // plan.dependent_launch the kernel may start before the previous one on the stream has finished

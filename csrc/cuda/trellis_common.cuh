@@ -11,6 +11,15 @@ namespace torch_marlin {
 namespace {
 
 // The block's matrix (MoE: gate for blockIdx.z < E, up above) and its expert e, offset to e.
+// An expert id clamped into [0, experts): GPUs do not sync to reject bad ids, so every index they
+// lead to stays in bounds (the routing kernel and the MoE row slots alike).
+__device__ __forceinline__ u32 clamped_expert(int64_t e, u32 experts) {
+  return u32(e < 0 ? 0 : (e >= int64_t(experts) ? int64_t(experts) - 1 : e));
+}
+
+// The MoE's SwiGLU of one intermediate element from its gate and up sums.
+__device__ __forceinline__ float swiglu(float gate, float up) { return gate / (1.f + __expf(-gate)) * up; }
+
 struct TrellisBlockOperand {
   cuda_backend::TrellisMatrixPtrs w;
   u32 which;   // index into args.w / args.out
@@ -25,9 +34,9 @@ __device__ __forceinline__ TrellisBlockOperand trellis_block_operand(const cuda_
   o.slot = o.e = blockIdx.z - o.which * a.experts;
   o.valid = true;
   if (a.row_experts != nullptr) {
-    const int64_t v = a.row_experts_int64 ? static_cast<const int64_t*>(a.row_experts)[o.slot]
-                                          : int64_t(static_cast<const int32_t*>(a.row_experts)[o.slot]);
-    o.e = u32(v < 0 ? 0 : v >= int64_t(a.num_experts) ? int64_t(a.num_experts) - 1 : v);  // clamped, as routed
+    o.e = clamped_expert(a.row_experts_int64 ? static_cast<const int64_t*>(a.row_experts)[o.slot]
+                                             : int64_t(static_cast<const int32_t*>(a.row_experts)[o.slot]),
+                         a.num_experts);
   } else if (a.active_experts != nullptr) {
     const int32_t v = a.active_experts[o.e];
     o.valid = v >= 0;
@@ -55,7 +64,7 @@ __device__ __forceinline__ float trellis_load_act(const cuda_backend::TrellisKer
       gs += gp[p * a.a_part_stride];
       us += up[p * a.a_part_stride];
     }
-    return gs / (1.f + __expf(-gs)) * us;
+    return swiglu(gs, us);
   } else if constexpr (std::is_same<TA, float>::value) {
     return static_cast<const float*>(a.A)[src * a.lda + k];
   } else {

@@ -250,8 +250,8 @@ __global__ void __launch_bounds__(kThreads, EXPERTS ? TM_TRELLIS_CUDA_STREAM_EXP
   // computes its units after the index copies are issued (the group stays, empty).
   const u32 k0 = kb * TM_TRELLIS_TILE, xc = (tid % L::kXUnits) * 8u, r0 = tid / L::kXUnits;
   const bool x_unit = xc < n_stages * kStageK, x_in_k = x_unit && k0 + xc < a.K;
-  const bool swiglu = EXPERTS && a.A2 != nullptr;  // uniform
-  if (!swiglu) {
+  const bool from_partials = EXPERTS && a.A2 != nullptr;  // the down stage (uniform)
+  if (!from_partials) {
     pdl_wait();  // no-op: these launches are not dependent
     const T* src = static_cast<const T*>(a.A) + (x_in_k ? k0 + xc : 0u);
     const u32 dst = smem_u32(x_s + xc);
@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, EXPERTS ? TM_TRELLIS_CUDA_STREAM_EXP
       o.y = Tr<T>::from_f(hi);
       return as_u32(o);
     };
-    if (swiglu) {
+    if (from_partials) {
       // A = silu(sum gate) * sum up over the gate/up K slices in slice order (as trellis_load_act),
       // times su, rounded to T once. The partials are the previous kernel's output.
       pdl_wait();
@@ -305,7 +305,7 @@ __global__ void __launch_bounds__(kThreads, EXPERTS ? TM_TRELLIS_CUDA_STREAM_EXP
             }
           }
 #pragma unroll
-          for (u32 i = 0; i < 8; ++i) v[i] = gs[i] / (1.f + __expf(-gs[i])) * us[i] * su[i];
+          for (u32 i = 0; i < 8; ++i) v[i] = swiglu(gs[i], us[i]) * su[i];
         }
         *reinterpret_cast<uint4*>(x_s + r * L::kXStride + xc) =
             make_uint4(pack(v[0], v[1]), pack(v[2], v[3]), pack(v[4], v[5]), pack(v[6], v[7]));
@@ -438,16 +438,9 @@ void launch_one(const TrellisLaunch& l, const TrellisKernelArgs& a, cudaStream_t
   auto kernel = trellis_stream_kernel<T, BITS, NT, LANES, EXPERTS>;
   using L = StreamLayout<T, BITS, NT>;
   cuda_backend::opt_in_smem(kernel, int(L::bytes(8u * NT)), opted_in);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(l.grid[0], l.grid[1], l.grid[2]);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = L::bytes(a.row_experts != nullptr ? 1u : a.M);  // row slots: one row a block
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  cfg.attrs = attr;
-  if (l.dependent_launch) cuda_backend::add_dependent_launch(cfg);
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
-  cuda_backend::check_launch(l.kernel.c_str());
+  const uint32_t rows = a.row_experts != nullptr ? 1u : a.M;  // row slots: one row a block
+  cuda_backend::launch_kernel(kernel, dim3(l.grid[0], l.grid[1], l.grid[2]), dim3(kThreads), L::bytes(rows), stream,
+                              l.dependent_launch, l.kernel.c_str(), a);
 }
 
 template <typename T, u32 BITS, bool EXPERTS>

@@ -59,15 +59,8 @@ u32 blocks_for(uint64_t count) {
 // One thread an element over the plan's 1-D grid; with l.dependent_launch behind the previous kernel.
 template <typename... KArgs, typename... Args>
 void launch_elementwise(const TrellisLaunch& l, void (*kernel)(KArgs...), cudaStream_t stream, Args... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(l.grid[0]);
-  cfg.blockDim = dim3(TM_TRELLIS_CUDA_ELEMWISE_THREADS);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  cfg.attrs = attr;
-  if (l.dependent_launch) cuda_backend::add_dependent_launch(cfg);
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
-  cuda_backend::check_launch(l.kernel.c_str());
+  cuda_backend::launch_kernel(kernel, dim3(l.grid[0]), dim3(TM_TRELLIS_CUDA_ELEMWISE_THREADS), 0, stream,
+                              l.dependent_launch, l.kernel.c_str(), args...);
 }
 
 }  // namespace

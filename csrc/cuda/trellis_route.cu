@@ -19,8 +19,7 @@ __global__ void __launch_bounds__(TM_TRELLIS_CUDA_ROUTE_THREADS)
   __shared__ int32_t off_s[TM_TRELLIS_CUDA_ROUTE_MAX_EXPERTS + 1];
   const u32 tid = threadIdx.x;
   for (u32 i = tid; i < rows; i += blockDim.x) {
-    const int64_t e = int64_t(ids[i]);
-    e_s[i] = int32_t(e < 0 ? 0 : (e >= int64_t(experts) ? int64_t(experts) - 1 : e));
+    e_s[i] = int32_t(clamped_expert(int64_t(ids[i]), experts));
   }
   __syncthreads();
   for (u32 i = tid; i < rows; i += blockDim.x) {
