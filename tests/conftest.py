@@ -11,6 +11,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
+# Each test process gets its share of the cores for torch's intra-op threads (our CPU kernels run on
+# them): two processes of two threads each on two cores only add switching. Tests about thread
+# counts set theirs and restore it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 # Tests run against the installed package (pip install -e .); make a source checkout importable too.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -151,9 +151,13 @@ def test_gemm_affine_rejects_bad_arguments(mutate, exc, pattern):
 def test_gemm_wide_n_decode_tiles(fmt, M):
     # N >= 256 * 2 * threads gives the CPU decode 256-column tiles (16 strips per pass); 2100 is
     # not a multiple of 16, so the last tile also ends in the scalar remainder path.
+    threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    K, N, g = 256, 2100, 64
-    assert torch_marlin.plan_gemm(fmt, M, K, N, g, caps=dict(compute_units=2))["tile_n"] == 256
-    w = make_weights(fmt, K, N, g, torch.float32)
-    A = torch.randn(M, K)
-    assert_gemm_close(run_gemm(fmt, A, w, g), A, w["ref"])
+    try:
+        K, N, g = 256, 2100, 64
+        assert torch_marlin.plan_gemm(fmt, M, K, N, g, caps=dict(compute_units=2))["tile_n"] == 256
+        w = make_weights(fmt, K, N, g, torch.float32)
+        A = torch.randn(M, K)
+        assert_gemm_close(run_gemm(fmt, A, w, g), A, w["ref"])
+    finally:
+        torch.set_num_threads(threads)
