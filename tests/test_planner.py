@@ -679,6 +679,39 @@ def test_plan_trellis_lane_layout_cuda():
         torch_marlin.plan_trellis(1, 4096, 4096, 3, 128, device="cuda", caps=H100, layout="rows")
 
 
+def test_plan_trellis_wgmma_prefill_cuda():
+    # Lane-layout prefill of 64..256 rows where the device runs sm_90a kernels (caps wgmma) and
+    # the 128-column blocks cover at least half the SMs: the wgmma kernel, 256 rows a block
+    # unless 128-row blocks take fewer waves (a 256-row block counting as two), after a launch that
+    # rewrites the activations (a thread per 16 k of a row, K padded to whole lane chunks).
+    def plan(M, K, N, dtype=torch.float16, caps=H100, **kw):
+        return torch_marlin.plan_trellis(M, K, N, 3, 128, dtype, device="cuda", caps=caps, layout="lanes", **kw)
+
+    p = plan(256, 4096, 14336)
+    assert (p["family"], p["kernel"], p["tile_m"], p["tile_n"], p["grid"], p["threads"], p["k_parallel"]) == (
+        "wgmma", "gemm_trellis_wgmma_lanes_half", 256, 128, (1, 112, 1), (384, 1, 1), 1)
+    assert (p["activations"]["kernel"], p["activations"]["grid"], p["activations"]["threads"]) == (
+        "trellis_wgmma_activations_half", (256, 1, 1), (256, 1, 1))
+    assert plan(200, 200, 12600, torch.bfloat16)["activations"]["grid"] == (-(-200 * 16 // 256), 1, 1)  # K -> 256
+    # 112 column blocks: 128-row blocks at M = 64; at 129 and 256 rows 112 256-row blocks are one
+    # wave, 224 128-row ones two. At M = 200: 67 column blocks (N = 8500) the same; 133 (N = 17024):
+    # 133 256-row blocks take 2 waves, 266 128-row ones 3.
+    assert [plan(M, 4096, 14336)["tile_m"] for M in (64, 129, 256)] == [128, 256, 256]
+    assert [(plan(200, 4096, N)["family"], plan(200, 4096, N)["tile_m"]) for N in (8500, 17024)] == [
+        ("wgmma", 256), ("wgmma", 128)]
+    assert plan(64, 4096, 14336, torch.bfloat16)["kernel"] == "gemm_trellis_wgmma_lanes_bfloat"
+    # Otherwise the lane dequant + cuBLAS: below 64 or above 256 rows, fewer column blocks than
+    # half the SMs (65 of 132, or the 32 of 4096 columns at any M), no sm_90a kernels, fp32.
+    for M, N, dtype, caps in [(63, 14336, torch.float16, H100), (257, 14336, torch.float16, H100),
+                              (256, 8320, torch.float16, H100), (128, 4096, torch.float16, H100),
+                              (256, 14336, torch.float16, dict(compute_units=108)),
+                              (256, 14336, torch.float32, H100)]:
+        assert plan(M, 4096, N, dtype, caps)["family"] == "dequant_blas", (M, N, dtype, caps)
+    assert plan(5, 4096, 4096, family="wgmma")["tile_m"] == 128
+    with pytest.raises(ValueError, match="lane layout run decode .*wgmma .*caps wgmma"):
+        plan(256, 4096, 14336, caps=dict(compute_units=108), family="wgmma")
+
+
 def test_plan_trellis_metal_k_blocks_and_vector_reads():
     # Decode stages K in blocks of 8 tile rows, the tiled kernels one tile row (16) per block; the
     # activation rows are read 4 elements at a time only when their length is a multiple of 4.

@@ -125,6 +125,31 @@ def test_gemm_trellis_decode_k_slices(backend, M, K, wide, slice_tiles, k_parall
     assert torch.equal(C, backend.gemm_trellis(A, *t, K, N, bits, gs))
 
 
+@pytest.mark.parametrize("backend, bits, gs, dtype", cases(list(itertools.product(
+    BITS, [32, 128], [torch.float16, torch.bfloat16])), skip=lambda b, *v: b is not CUDA))
+def test_gemm_trellis_wgmma_prefill(backend, bits, gs, dtype):
+    # The sm_90a prefill kernel on lane-layout indices, where the planner picks it (column blocks
+    # for at least half the SMs, 64..256 rows): 128-row blocks (M = 64: a partial one; M = 200: a
+    # partial second) and a partial 256-row block (M = 130), K with a partial last lane chunk (200,
+    # 264) and several chunks (1040), N with a partial last tile and column block.
+    import torch_marlin
+    tile_rows = set()
+    for M, K, N in ((64, 200, 12600), (200, 1040, 17100), (130, 264, 9000)):
+        plan = torch_marlin.plan_trellis(M, K, N, bits, gs, dtype, device="cuda", layout="lanes")
+        if plan["family"] != "wgmma":
+            assert not plan["wgmma"], plan  # only where the device runs no sm_90a kernels
+            pytest.skip("the trellis wgmma kernel needs sm_90a")
+        assert plan["grid"] == (-(-M // plan["tile_m"]), -(-N // 128), 1)
+        tile_rows.add(plan["tile_m"])
+        t = random_trellis(K, N, bits, gs, seed=M + bits)
+        A = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
+        C = backend.gemm_trellis(A, *with_lanes(t, K, N, bits), K, N, bits, gs)
+        assert C.dtype == dtype and C.shape == (M, N)
+        assert_trellis_gemm_close(C, A, dequant_ref(t, K, N, bits, gs), backend.exact_products)
+        assert torch.equal(C, backend.gemm_trellis(A, *with_lanes(t, K, N, bits), K, N, bits, gs))
+    assert tile_rows == {128, 256}
+
+
 @pytest.mark.parametrize("backend, bits, K, N", cases(
     [(b, K, N) for b, (K, N) in itertools.product(BITS, [(200, 77), (37, 300), (1040, 48)])],
     skip=lambda b, *v: b is not CUDA))

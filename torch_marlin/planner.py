@@ -95,8 +95,10 @@ def plan_trellis(M: int, K: int, N: int, bits: int = 3, group_size: int = 128, d
     ``device``, ``caps`` and ``family`` as for :func:`plan_gemm`. ``layout``: how the indices are laid
     out, ``"tiles"`` (the canonical format) or ``"lanes"`` (the CUDA lane layout,
     :func:`trellis_index_layout`; CUDA only: ``gemm_trellis_decode_lanes_<dtype>`` for fp16/bf16 decode
-    with K % 8 == 0, else ``dequant_trellis_lanes_<dtype>`` and ``dequant_blas``); the plan's
-    ``index_layout`` says which it was made for."""
+    with K % 8 == 0, ``gemm_trellis_wgmma_lanes_<dtype>`` (family ``wgmma``, caps ``wgmma``) for
+    fp16/bf16 prefill of 64..256 rows with at least half as many 128-column blocks as SMs, after
+    the ``activations`` stage that rewrites A for it, else ``dequant_trellis_lanes_<dtype>`` and
+    ``dequant_blas``); the plan's ``index_layout`` says which it was made for."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")
     backend, caps = _backend_and_caps(device, caps)

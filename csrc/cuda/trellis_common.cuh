@@ -72,6 +72,29 @@ __device__ __forceinline__ float trellis_load_act(const cuda_backend::TrellisKer
   }
 }
 
+// A lane's 8 x bits bytes of a CUDA lane-layout chunk in shared memory (8-byte aligned; 16 at 2
+// and 4 bits) as words: the streaming decode and the wgmma prefill.
+template <u32 BITS>
+__device__ __forceinline__ void load_lane_words(const unsigned char* src, u32 (&v)[2 * BITS]) {
+  if constexpr (BITS == 3) {
+#pragma unroll
+    for (u32 i = 0; i < 3; ++i) {
+      const uint2 q = *reinterpret_cast<const uint2*>(src + 8u * i);
+      v[2 * i] = q.x;
+      v[2 * i + 1] = q.y;
+    }
+  } else {
+#pragma unroll
+    for (u32 i = 0; i < BITS / 2; ++i) {
+      const uint4 q = *reinterpret_cast<const uint4*>(src + 16u * i);
+      v[4 * i] = q.x;
+      v[4 * i + 1] = q.y;
+      v[4 * i + 2] = q.z;
+      v[4 * i + 3] = q.w;
+    }
+  }
+}
+
 // The 8 x bits bits of tile row j in a lane's words v of a CUDA lane-layout chunk (its 4 fields,
 // lowest first; docs/trellis.md, "CUDA lane layout"): the streaming decode and the lane dequant.
 template <u32 BITS>

@@ -342,24 +342,7 @@ __global__ void __launch_bounds__(kThreads, EXPERTS ? TM_TRELLIS_CUDA_STREAM_EXP
     const unsigned char* bt = ring + (st % kDepth) * L::kStage;
     u32 lv[2 * BITS];  // the lane's chunk words (lane layout)
     if constexpr (LANES) {
-      const unsigned char* src = bt + lane_off;
-      if constexpr (BITS == 3) {
-#pragma unroll
-        for (u32 i = 0; i < 3; ++i) {
-          const uint2 q = *reinterpret_cast<const uint2*>(src + 8u * i);
-          lv[2 * i] = q.x;
-          lv[2 * i + 1] = q.y;
-        }
-      } else {
-#pragma unroll
-        for (u32 i = 0; i < BITS / 2; ++i) {
-          const uint4 q = *reinterpret_cast<const uint4*>(src + 16u * i);
-          lv[4 * i] = q.x;
-          lv[4 * i + 1] = q.y;
-          lv[4 * i + 2] = q.z;
-          lv[4 * i + 3] = q.w;
-        }
-      }
+      load_lane_words<BITS>(bt + lane_off, lv);
     }
     const T* xt = x_s + st * kStageK + 4u * t;
     auto next_group = [&]() {

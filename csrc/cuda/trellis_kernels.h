@@ -1,5 +1,6 @@
 // Host-side interface of the CUDA trellis kernels (docs/trellis.md, "CUDA"): one family per file,
-// trellis_decode.cu (fp16/bf16 streaming decode GEMM), trellis_mma.cu (fp16/bf16 tensor-core GEMM:
+// trellis_decode.cu (fp16/bf16 streaming decode GEMM), trellis_wgmma.cu (fp16/bf16 prefill on
+// sm_90a), trellis_mma.cu (fp16/bf16 tensor-core GEMM:
 // decode where K % 8 != 0, fused tiles, the MoE's expert stages),
 // trellis_simt.cu (fp32 activations), trellis_dequant.cu (dense W) and trellis_reduce.cu (the
 // ordered sums of K slices and of the MoE's top_k rows). trellis_launch.cu turns a TrellisPlan
@@ -71,6 +72,11 @@ void launch_trellis_mma(const TrellisLaunch& launch, uint32_t bits, uint32_t til
 template <typename T>
 void launch_trellis_stream(const TrellisLaunch& launch, uint32_t bits, uint32_t tile_m, bool lanes,
                            const TrellisKernelArgs& a, cudaStream_t stream);
+// The prefill GEMM on sm_90a (trellis_wgmma.cu; lane layout, tile_m 128 or 256 rows): `act` rewrites
+// A into Ap ([M, K padded to whole lane chunks] in T: times su, k-permuted), `main` multiplies.
+template <typename T>
+void launch_trellis_wgmma(const TrellisLaunch& act, const TrellisLaunch& main, uint32_t bits, uint32_t tile_m,
+                          const TrellisKernelArgs& a, T* Ap, cudaStream_t stream);
 void launch_trellis_simt(const TrellisLaunch& launch, uint32_t bits, bool swiglu, const TrellisKernelArgs& a,
                          cudaStream_t stream);
 // W[K, N] in T (float: the dequant op; __half / __nv_bfloat16: the dequant_blas family's operand).

@@ -61,10 +61,31 @@ void dequant_blas(const TrellisPlan& plan, const TrellisGemmArgs& g, at::Tensor&
   at::mm_out(C, g.A, W);
 }
 
+// The wgmma prefill: the rewritten activations (this call only), then the kernel.
+template <typename T>
+void wgmma_prefill(const TrellisPlan& plan, const TrellisGemmArgs& g, at::Tensor& C, cudaStream_t stream) {
+  const TrellisParams& p = plan.params;
+  TrellisKernelArgs a = base_args(p, plan.main);
+  a.w[0] = a.w[1] = matrix_ptrs(g.w, false);
+  a.A = g.A.data_ptr();
+  a.lda = p.K;
+  a.ldc = p.N;
+  a.out[0] = C.data_ptr();
+  const int64_t Kp = int64_t((p.tiles_k + TM_TRELLIS_LANE_CHUNK_TILES - 1) / TM_TRELLIS_LANE_CHUNK_TILES) *
+                     TM_TRELLIS_LANE_CHUNK_TILES * TM_TRELLIS_TILE;
+  at::Tensor Ap = at::empty({g.M, Kp}, g.A.options());
+  launch_trellis_wgmma<T>(plan.activations, plan.main, p.bits, p.tile_m, a, reinterpret_cast<T*>(Ap.data_ptr()),
+                          stream);
+}
+
 template <typename T>
 void gemm_typed(const TrellisPlan& plan, const TrellisGemmArgs& g, at::Tensor& C, cudaStream_t stream) {
   const TrellisParams& p = plan.params;
   if (plan.family == KernelFamily::DequantBlas) return dequant_blas<T>(plan, g, C, stream);
+  if (plan.family == KernelFamily::Wgmma) {
+    TORCH_CHECK(plan.index_layout == TrellisIndexLayout::Lanes, "torch_marlin: the trellis wgmma plan reads lanes");
+    return wgmma_prefill<T>(plan, g, C, stream);
+  }
   TrellisKernelArgs a = base_args(p, plan.main);
   a.w[0] = a.w[1] = matrix_ptrs(g.w, false);
   a.stage_groups = plan.cuda_stream_stage_groups ? 1u : 0u;

@@ -75,45 +75,6 @@ struct WsSmem {
   static_assert(kStages >= 4 && kBytes <= 227 * 1024, "shared-memory budget");
 };
 
-#define TM_WGMMA_RS64(TY)                                                                        \
-  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                       \
-               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "  \
-               "{%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"                                                     \
-               : TM_D8(0), TM_D8(8), TM_D8(16), TM_D8(24)  \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b))
-#define TM_WGMMA_RS128(TY)                                                                        \
-  asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                       \
-               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "  \
-               "{%64, %65, %66, %67}, %68, 1, 1, 1, 0;\n"                                                     \
-               : TM_D8(0), TM_D8(8), TM_D8(16), TM_D8(24), TM_D8(32), TM_D8(40), TM_D8(48), TM_D8(56)  \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b))
-#define TM_WGMMA_RS256(TY)                                                                        \
-  asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " "                       \
-               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "  \
-               "{%128, %129, %130, %131}, %132, 1, 1, 1, 0;\n"                                                     \
-               : TM_D8(0), TM_D8(8), TM_D8(16), TM_D8(24), TM_D8(32), TM_D8(40), TM_D8(48), TM_D8(56), TM_D8(64), TM_D8(72), TM_D8(80), TM_D8(88), TM_D8(96), TM_D8(104), TM_D8(112), TM_D8(120)  \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b))
-
-// d[BN / 2] += A (64 x 16, registers) x B (16 x BN, shared memory descriptor, K-major).
-template <typename T, int BN>
-__device__ __forceinline__ void wgmma_rs(float* d, const u32 (&a)[4], uint64_t desc_b) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr bool kH = std::is_same<T, __half>::value;
-  if constexpr (BN == 64) {
-    if constexpr (kH) TM_WGMMA_RS64("f16");
-    else TM_WGMMA_RS64("bf16");
-  } else if constexpr (BN == 128) {
-    if constexpr (kH) TM_WGMMA_RS128("f16");
-    else TM_WGMMA_RS128("bf16");
-  } else {
-    if constexpr (kH) TM_WGMMA_RS256("f16");
-    else TM_WGMMA_RS256("bf16");
-  }
-#endif
-}
-#undef TM_WGMMA_RS64
-#undef TM_WGMMA_RS128
-#undef TM_WGMMA_RS256
 
 // 4 bytes (columns e = 0, 1 x packed rows 2 ks, 2 ks + 1) -> the A fragment of one k16 step:
 // a0 = (col 0, k 2t, 2t+1), a1 = (col 1, same k), a2 = (col 0, k 2t+8, 2t+9), a3 = (col 1, same k).

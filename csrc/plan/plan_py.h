@@ -185,8 +185,9 @@ inline py::dict trellis_plan_to_dict(const TrellisPlan& p) {
     d["moe_row_slots"] = p.moe_row_slots;
   }
   const std::pair<const char*, const TrellisLaunch*> stages[] = {
-      {"down", &p.down}, {"combine", &p.combine}, {"route", &p.route}, {"tiled_gate", &p.tiled_gate},
-      {"tiled_up", &p.tiled_up}, {"tiled_down", &p.tiled_down}};
+      {"down", &p.down},           {"combine", &p.combine},   {"route", &p.route},
+      {"activations", &p.activations}, {"tiled_gate", &p.tiled_gate}, {"tiled_up", &p.tiled_up},
+      {"tiled_down", &p.tiled_down}};
   for (const auto& s : stages) {
     if (!s.second->kernel.empty()) d[s.first] = launch_to_dict(*s.second);
   }

@@ -63,6 +63,13 @@ constexpr uint32_t kCudaElemThreads = TM_TRELLIS_CUDA_ELEMWISE_THREADS;
 constexpr uint32_t kCudaMaxKParallel = 32;
 constexpr uint32_t kCudaBlocksPerSm = 4;  // docs/cuda-tuning.md TRELLIS-CUDA-SLICES
 constexpr int64_t kCudaBlasMinM = kDecodeMaxM + 1;  // docs/cuda-tuning.md TRELLIS-CUDA-BLAS
+// Lane-layout prefill on sm_90a (caps.wgmma): the wgmma kernel for kCudaWgmmaMinM..kCudaWgmmaMaxM
+// rows of A where its 128-column blocks alone cover at least half the SMs, dequant + cuBLAS
+// otherwise. It writes no dense weight, which wins while that write is a large part of the GEMM's
+// time (wide layers, few rows), but its tensor cores wait on the decode more than cuBLAS's do, and
+// it does not slice K (docs/cuda-tuning.md TRELLIS-CUDA-WGMMA).
+constexpr int64_t kCudaWgmmaMinM = 64;
+constexpr int64_t kCudaWgmmaMaxM = 256;
 
 // Sets l.k_parallel / l.k_slice_tiles for a launch of `blocks` blocks per K slice over tiles_k
 // tile rows, and multiplies grid[1] by the slice count. max_slice_tiles (0: none) bounds a slice,
@@ -191,9 +198,24 @@ void set_cuda_sliced_launch(TrellisPlan& p, int64_t M, int64_t N, const std::str
   check_cuda_grid(p.main, "plan_trellis_gemm");
 }
 
+// Rows of A a wgmma prefill block takes: 256 unless 128-row blocks take less time counted in waves
+// of one block per SM (a 256-row block costs two 128-row ones; at equal cost the 256-row wgmma
+// decodes each weight once for twice the MACs).
+uint32_t cuda_wgmma_tile_m(int64_t M, uint32_t n_tiles, int sms) {
+  const uint64_t blocks256 = uint64_t(cdiv(M, 256)) * n_tiles, blocks128 = uint64_t(cdiv(M, 128)) * n_tiles;
+  const uint64_t slots = uint64_t(std::max(sms, 1));
+  auto waves = [slots](uint64_t blocks) { return (blocks + slots - 1) / slots; };
+  return M > 128 && 2 * waves(blocks256) <= waves(blocks128) ? 256u : 128u;
+}
+
+bool cuda_wgmma_pays(int64_t M, int64_t N, const DeviceCaps& caps) {
+  return M >= kCudaWgmmaMinM && M <= kCudaWgmmaMaxM && 2 * int64_t(cdiv(N, kCudaTileN)) >= caps.compute_units;
+}
+
 // CUDA with the indices in the lane layout: the streaming decode (fp16/bf16, M <= 16, K % 8 == 0,
-// the same geometry as with tiles), else the lane dequant kernel writes the dense weight in the
-// activation dtype (fp32 too) and at::mm multiplies.
+// the same geometry as with tiles); on sm_90a from kCudaWgmmaMinM rows the wgmma prefill kernel
+// (fp16/bf16); else the lane dequant kernel writes the dense weight in the activation dtype (fp32
+// too) and at::mm multiplies.
 TrellisPlan plan_trellis_gemm_lanes(int64_t M, int64_t K, int64_t N, int64_t bits, int64_t group_size, DType dtype,
                                     const DeviceCaps& caps, KernelFamily force) {
   check_lanes_backend(caps, "plan_trellis_gemm");
@@ -201,15 +223,37 @@ TrellisPlan plan_trellis_gemm_lanes(int64_t M, int64_t K, int64_t N, int64_t bit
   p.caps = caps;
   p.params = base_params(M, K, N, bits, group_size);
   const bool can_decode = M <= kDecodeMaxM && dtype != DType::F32 && K % 8 == 0;
+  const bool can_wgmma = caps.wgmma && dtype != DType::F32;
   if (force == KernelFamily::Auto) {
-    p.family = can_decode ? KernelFamily::Decode : KernelFamily::DequantBlas;
-  } else if (force == KernelFamily::DequantBlas || (force == KernelFamily::Decode && can_decode)) {
+    p.family = can_decode                          ? KernelFamily::Decode
+               : can_wgmma && cuda_wgmma_pays(M, N, caps) ? KernelFamily::Wgmma
+                                                  : KernelFamily::DequantBlas;
+  } else if (force == KernelFamily::DequantBlas || (force == KernelFamily::Decode && can_decode) ||
+             (force == KernelFamily::Wgmma && can_wgmma)) {
     p.family = force;
   } else {
     throw std::invalid_argument(std::string("plan_trellis_gemm: indices in the lane layout run decode (fp16/bf16, ") +
-                                "M <= 16, K % 8 == 0) or dequant_blas, not " + family_name(force));
+                                "M <= 16, K % 8 == 0), wgmma (fp16/bf16, caps wgmma) or dequant_blas, not " +
+                                family_name(force));
   }
   const std::string suffix = std::string("_") + dtype_name(dtype);
+  if (p.family == KernelFamily::Wgmma) {
+    p.index_layout = TrellisIndexLayout::Lanes;
+    const uint32_t n_tiles = cdiv(N, kCudaTileN);
+    set_tiles(p.params, M, N, cuda_wgmma_tile_m(M, n_tiles, caps.compute_units), kCudaTileN);
+    p.params.tile_k = TM_TRELLIS_LANE_CHUNK_TILES * TM_TRELLIS_TILE;
+    p.main.kernel = "gemm_trellis_wgmma_lanes" + suffix;
+    p.main.grid[0] = p.params.m_tiles;
+    p.main.grid[1] = p.params.n_tiles;
+    p.main.threads[0] = TM_TRELLIS_CUDA_WGMMA_THREADS;
+    // A thread per 16 k of each row, K padded to whole lane chunks.
+    const uint64_t runs = uint64_t(M) * cdiv(p.params.tiles_k, TM_TRELLIS_LANE_CHUNK_TILES) * TM_TRELLIS_LANE_CHUNK_TILES;
+    p.activations.kernel = "trellis_wgmma_activations" + suffix;
+    p.activations.grid[0] = uint32_t((runs + kCudaElemThreads - 1) / kCudaElemThreads);
+    p.activations.threads[0] = kCudaElemThreads;
+    check_cuda_grid(p.main, "plan_trellis_gemm");
+    return p;
+  }
   if (p.family == KernelFamily::DequantBlas) {
     set_tiles(p.params, M, N, uint32_t(std::min<int64_t>(M, UINT32_MAX / 2)), N);
     set_lanes_dequant(p, "dequant_trellis_lanes" + suffix, "plan_trellis_gemm");

@@ -45,6 +45,9 @@ struct TrellisPlan {
   // CUDA MoE: the routing in one launch (tokens * top_k <= TM_TRELLIS_CUDA_ROUTE_MAX_ROWS); empty
   // kernel name: routed with ATen ops (trellis_route in csrc/ops/trellis.h), as on every backend.
   TrellisLaunch route;
+  // CUDA wgmma prefill: the launch that rewrites the activations for the kernel's TMA (times su,
+  // k-permuted to the lane layout's order, K padded to whole lane chunks); empty otherwise.
+  TrellisLaunch activations;
   // CUDA MoE decode at one token: one expert slot per routed row (t * top_k + j), whose expert the
   // kernels read from expert_ids, so neither the routing launch nor its indirections run (a
   // token's top_k experts are distinct, so no expert's weights are read twice).

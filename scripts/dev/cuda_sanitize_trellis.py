@@ -8,7 +8,7 @@ last tile column block, K and N not multiples of 16), fused tiles (rows past M),
 fp16 / bf16, the fp32 kernel, dequant_trellis, dequant_blas (the dense fp16 weight + cuBLAS;
 racecheck skips it with --no-blas: cuBLAS's kernels are not ours), every GEMM case and
 dequant_trellis again with the indices in the CUDA lane layout (the streaming decode's and the lane
-dequant's instantiations), and moe_trellis on the streaming decode (8- and 16-row tiles, down
+dequant's instantiations; sm_90a: the wgmma prefill), and moe_trellis on the streaming decode (8- and 16-row tiles, down
 launched behind gate/up), the tensor-core decode and tiles kernels (gate/up in one launch, down
 with K-slice partials of gate/up) and the fp32 kernels. Each result
 is checked against the fp64 reference on the dequantized weights, so a silent wrong answer fails.
@@ -31,6 +31,8 @@ GEMM_CASES = [  # M, K, N, bits, group_size, dtype
     (9, 200, 77, 3, 32, torch.float32),       # fp32 kernel
     (600, 200, 77, 3, 32, torch.float16),     # dequant_blas
     (40, 144, 136, 4, 32, torch.bfloat16),    # dequant_blas, 16-byte stores
+    (64, 200, 12600, 3, 32, torch.float16),   # lanes: wgmma prefill, 128-row blocks, partial chunk and tiles
+    (130, 264, 9000, 2, 128, torch.bfloat16), # lanes: wgmma prefill, 256-row blocks, rows past M
 ]
 MOE_CASES = [  # T, H, I, E, top_k, bits, dtype
     (1, 256, 136, 8, 2, 3, torch.float16),    # streaming decode, 8-row tiles
@@ -63,8 +65,9 @@ def main():
     ok = True
     cuda = lambda ts: [t.cuda() for t in ts]  # noqa: E731
     for M, K, N, bits, gs, dtype in GEMM_CASES:
-        if "--no-blas" in sys.argv and torch_marlin.plan_trellis(M, K, N, bits, gs, dtype,
-                                                                 device="cuda")["family"] == "dequant_blas":
+        if "--no-blas" in sys.argv and all(
+                torch_marlin.plan_trellis(M, K, N, bits, gs, dtype, device="cuda", layout=layout)["family"]
+                == "dequant_blas" for layout in ("tiles", "lanes")):
             continue
         t = rand_trellis(K, N, bits, gs)
         W = tr.dequant_trellis_reference(*t, K, N, bits, gs).double()

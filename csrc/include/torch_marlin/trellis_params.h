@@ -56,6 +56,11 @@ TM_NAMESPACE_BEGIN
 // Its MoE instantiation (expert pointers live in registers, not in the parameter bank) is built for
 // this many resident blocks per SM, and the planner slices the MoE's K to fill one such wave.
 #define TM_TRELLIS_CUDA_STREAM_EXPERT_BLOCKS_PER_SM 3u
+// The prefill kernel on sm_90a (trellis_wgmma.cu; fp16/bf16, lane layout): a producer warpgroup
+// and two consumer warpgroups over TM_TRELLIS_CUDA_TILE_N columns and 128 or 256 rows of A, K in
+// stages of one lane-chunk row (TM_TRELLIS_LANE_CHUNK_TILES tile rows, 128 k). Its activations are
+// first rewritten by a kernel of TM_TRELLIS_CUDA_ELEMWISE_THREADS threads a block, a thread per 16 k.
+#define TM_TRELLIS_CUDA_WGMMA_THREADS 384u
 // dequant_trellis on CUDA (trellis_dequant.cu): a block of 256 threads owns 16 tiles of one tile
 // row; a thread writes one 16-column row of one tile.
 #define TM_TRELLIS_CUDA_DEQUANT_TILES 16u
