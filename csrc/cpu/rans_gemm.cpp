@@ -5,6 +5,7 @@
 //       FP4: acc += s * sum a*v    U4: acc += s * (sum a*q - z * sum a)    Affine: acc += s * sum a*q + b * sum a
 //     with the lane sums added in lane order (deterministic).
 //   staged: the whole layer decoded to a temporary B_packed, then the format's CPU GEMM (plan.gemm).
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <memory>

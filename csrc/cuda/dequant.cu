@@ -3,6 +3,8 @@
 // kernels: each column panel of B (all of N up to 1 GiB; docs/cuda-tuning.md CUDA-DEQUANT-PANEL)
 // is dequantized into a workspace and multiplied by cuBLAS (at::mm_out) into C's columns, which
 // from 129 rows on beats the decode kernel (docs/cuda-tuning.md CUDA-DECODE-MAX-M).
+#include <ATen/ATen.h>
+
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
 

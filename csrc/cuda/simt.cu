@@ -1,4 +1,6 @@
 // The simt kernel: fp32 activations on CUDA cores (correct, not fast).
+#include <ATen/ATen.h>
+
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
 

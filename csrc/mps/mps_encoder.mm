@@ -22,6 +22,7 @@
 #import <Foundation/Foundation.h>
 #import <Metal/Metal.h>
 
+#include <ATen/ATen.h>
 #include <ATen/mps/MPSDevice.h>
 #include <ATen/mps/MPSStream.h>
 

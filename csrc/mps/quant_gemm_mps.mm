@@ -3,6 +3,8 @@
 // (csrc/mps/mps_encoder.mm).
 #ifdef TM_WITH_MPS
 
+#include <ATen/ATen.h>
+
 #include <stdexcept>
 
 #include "mps/mps_encoder.h"

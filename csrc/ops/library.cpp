@@ -3,6 +3,7 @@
 // Op families add themselves with TORCH_LIBRARY_FRAGMENT(marlin, ...) in their own unit. The
 // Python module exposes the planner and the caps the ops plan with (device_caps), so
 // torch_marlin.planner asks the very code the kernels run through.
+#include <ATen/ATen.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 

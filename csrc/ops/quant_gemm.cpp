@@ -8,6 +8,7 @@
 //   dequant_affine(B_packed, scales, offsets, group_size) -> W
 //
 // Fake (meta) kernels live in torch_marlin/ops.py (register_fake handles symbolic shapes).
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

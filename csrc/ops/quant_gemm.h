@@ -2,7 +2,9 @@
 // unit (quant_gemm.cpp) calls. Backends implement these; they never re-check arguments.
 #pragma once
 
-#include <ATen/ATen.h>
+// The Tensor class only: the CUDA kernel files include this through cuda/kernels.h, and all of ATen
+// costs each of them seconds of parsing. Files that call ATen ops include <ATen/ATen.h> themselves.
+#include <ATen/core/Tensor.h>
 
 #include "plan/plan.h"
 

@@ -23,15 +23,16 @@ fi
 # One nvcc per (source, arch), as many at once as there are cores: the sm_90a passes dominate.
 # -cubin: the CUDA front end parses and checks the whole source (host code included) and the device
 # code is compiled and assembled by ptxas (inline PTX checked), but the host object is not built:
-# g++ over the ATen headers was three quarters of the time. The GPU machine's setup.py build is
-# the full compile.
+# g++ over the ATen headers was three quarters of the time. The device code is optimized at -O1
+# (cicc and ptxas): this looks for build breaks, not speed, and -O3 cost a third more time on the
+# wgmma kernels. The GPU machine's setup.py build is the full, optimized compile.
 compile_one() {
   local src=$1 arch=$2 extra=""
   [ "$arch" = sm_90a ] && extra="-DTM_CUDA_SM90A"  # as setup.py defines for 9.0a
   echo "nvcc -arch=$arch $src"
   # shellcheck disable=SC2086
-  "$NVCC" -std=c++20 -O3 --expt-relaxed-constexpr -arch="$arch" -cubin "$src" -I csrc -I csrc/include $TORCH_INC $SHIM \
-    -DTM_WITH_CUDA $extra -o "$OUT/$(basename "$src" .cu)_$arch.cubin" -Xptxas -warn-spills
+  "$NVCC" -std=c++20 -Xcicc -O1 -Xptxas -O1 --expt-relaxed-constexpr -arch="$arch" -cubin "$src" -I csrc \
+    -I csrc/include $TORCH_INC $SHIM -DTM_WITH_CUDA $extra -o "$OUT/$(basename "$src" .cu)_$arch.cubin"
 }
 export -f compile_one; export NVCC TORCH_INC SHIM OUT
 for src in csrc/cuda/*.cu; do for arch in "${ARCHS[@]}"; do echo "$src $arch"; done; done |
