@@ -66,14 +66,13 @@ template <typename T>
 void wgmma_prefill(const TrellisPlan& plan, const TrellisGemmArgs& g, at::Tensor& C, cudaStream_t stream) {
   const TrellisParams& p = plan.params;
   TrellisKernelArgs a = base_args(p, plan.main);
+  a.m_tiles = p.m_tiles;  // this grid is (row tiles, column blocks), not base_args' layout
   a.w[0] = a.w[1] = matrix_ptrs(g.w, false);
   a.A = g.A.data_ptr();
   a.lda = p.K;
   a.ldc = p.N;
   a.out[0] = C.data_ptr();
-  const int64_t Kp = int64_t((p.tiles_k + TM_TRELLIS_LANE_CHUNK_TILES - 1) / TM_TRELLIS_LANE_CHUNK_TILES) *
-                     TM_TRELLIS_LANE_CHUNK_TILES * TM_TRELLIS_TILE;
-  at::Tensor Ap = at::empty({g.M, Kp}, g.A.options());
+  at::Tensor Ap = at::empty({g.M, int64_t(trellis_lane_padded_k(p.tiles_k))}, g.A.options());
   launch_trellis_wgmma<T>(plan.activations, plan.main, p.bits, p.tile_m, a, reinterpret_cast<T*>(Ap.data_ptr()),
                           stream);
 }

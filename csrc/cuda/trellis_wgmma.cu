@@ -355,7 +355,7 @@ void launch_tile(const TrellisLaunch& l, const TrellisKernelArgs& a, const T* Ap
 template <typename T>
 void launch_trellis_wgmma(const TrellisLaunch& act, const TrellisLaunch& l, uint32_t bits, uint32_t tile_m,
                           const TrellisKernelArgs& a, T* Ap, cudaStream_t stream) {
-  const u32 Kp = (a.tiles_k + kChunkTiles - 1u) / kChunkTiles * kStageK;
+  const u32 Kp = trellis_lane_padded_k(a.tiles_k);
   TORCH_CHECK(l.threads[0] == TM_TRELLIS_CUDA_WGMMA_THREADS && (tile_m == 128u || tile_m == 256u) &&
                   l.grid[0] == (a.M + tile_m - 1u) / tile_m &&
                   l.grid[1] == (a.tiles_n + kColTiles - 1u) / kColTiles && l.grid[2] == 1u && a.k_parallel == 1u &&

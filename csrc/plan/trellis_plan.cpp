@@ -201,14 +201,14 @@ void set_cuda_sliced_launch(TrellisPlan& p, int64_t M, int64_t N, const std::str
 // Rows of A a wgmma prefill block takes: 256 unless 128-row blocks take less time counted in waves
 // of one block per SM (a 256-row block costs two 128-row ones; at equal cost the 256-row wgmma
 // decodes each weight once for twice the MACs).
-uint32_t cuda_wgmma_tile_m(int64_t M, uint32_t n_tiles, int sms) {
+uint32_t trellis_wgmma_tile_m(int64_t M, uint32_t n_tiles, int sms) {
   const uint64_t blocks256 = uint64_t(cdiv(M, 256)) * n_tiles, blocks128 = uint64_t(cdiv(M, 128)) * n_tiles;
   const uint64_t slots = uint64_t(std::max(sms, 1));
   auto waves = [slots](uint64_t blocks) { return (blocks + slots - 1) / slots; };
   return M > 128 && 2 * waves(blocks256) <= waves(blocks128) ? 256u : 128u;
 }
 
-bool cuda_wgmma_pays(int64_t M, int64_t N, const DeviceCaps& caps) {
+bool trellis_wgmma_pays(int64_t M, int64_t N, const DeviceCaps& caps) {
   return M >= kCudaWgmmaMinM && M <= kCudaWgmmaMaxM && 2 * int64_t(cdiv(N, kCudaTileN)) >= caps.compute_units;
 }
 
@@ -226,7 +226,7 @@ TrellisPlan plan_trellis_gemm_lanes(int64_t M, int64_t K, int64_t N, int64_t bit
   const bool can_wgmma = caps.wgmma && dtype != DType::F32;
   if (force == KernelFamily::Auto) {
     p.family = can_decode                          ? KernelFamily::Decode
-               : can_wgmma && cuda_wgmma_pays(M, N, caps) ? KernelFamily::Wgmma
+               : can_wgmma && trellis_wgmma_pays(M, N, caps) ? KernelFamily::Wgmma
                                                   : KernelFamily::DequantBlas;
   } else if (force == KernelFamily::DequantBlas || (force == KernelFamily::Decode && can_decode) ||
              (force == KernelFamily::Wgmma && can_wgmma)) {
@@ -240,14 +240,14 @@ TrellisPlan plan_trellis_gemm_lanes(int64_t M, int64_t K, int64_t N, int64_t bit
   if (p.family == KernelFamily::Wgmma) {
     p.index_layout = TrellisIndexLayout::Lanes;
     const uint32_t n_tiles = cdiv(N, kCudaTileN);
-    set_tiles(p.params, M, N, cuda_wgmma_tile_m(M, n_tiles, caps.compute_units), kCudaTileN);
+    set_tiles(p.params, M, N, trellis_wgmma_tile_m(M, n_tiles, caps.compute_units), kCudaTileN);
     p.params.tile_k = TM_TRELLIS_LANE_CHUNK_TILES * TM_TRELLIS_TILE;
     p.main.kernel = "gemm_trellis_wgmma_lanes" + suffix;
     p.main.grid[0] = p.params.m_tiles;
     p.main.grid[1] = p.params.n_tiles;
     p.main.threads[0] = TM_TRELLIS_CUDA_WGMMA_THREADS;
     // A thread per 16 k of each row, K padded to whole lane chunks.
-    const uint64_t runs = uint64_t(M) * cdiv(p.params.tiles_k, TM_TRELLIS_LANE_CHUNK_TILES) * TM_TRELLIS_LANE_CHUNK_TILES;
+    const uint64_t runs = uint64_t(M) * (trellis_lane_padded_k(p.params.tiles_k) / TM_TRELLIS_TILE);
     p.activations.kernel = "trellis_wgmma_activations" + suffix;
     p.activations.grid[0] = uint32_t((runs + kCudaElemThreads - 1) / kCudaElemThreads);
     p.activations.threads[0] = kCudaElemThreads;

@@ -108,6 +108,13 @@ static_assert(alignof(TrellisParams) == 4, "TrellisParams alignment");
 
 // ---- Portable index unpacking (host and MSL agree bit for bit) ----------------------------------
 
+// K padded to whole lane chunks (TM_TRELLIS_LANE_CHUNK_TILES tile rows): the rows the lane layout
+// covers, and the row length of the CUDA wgmma prefill's rewritten activations.
+TM_FN tm_u32 trellis_lane_padded_k(tm_u32 tiles_k) {
+  return (tiles_k + TM_TRELLIS_LANE_CHUNK_TILES - 1u) / TM_TRELLIS_LANE_CHUNK_TILES * TM_TRELLIS_LANE_CHUNK_TILES *
+         TM_TRELLIS_TILE;
+}
+
 // Byte offset of tile (tk, tn) in a [tiles_k, tiles_n, packed_bytes] array.
 TM_FN tm_u32 trellis_tile_offset(tm_u32 tk, tm_u32 tn, tm_u32 tiles_n, tm_u32 packed_bytes) {
   return (tk * tiles_n + tn) * packed_bytes;
