@@ -124,3 +124,27 @@ def cases(values, skip=None):
             vid = "-".join(str(x).replace("torch.", "") for x in v)
             out.append(pytest.param(backend, *v, id=f"{b.id}-{vid}", marks=b.marks))
     return out
+
+
+def assert_chain_matches_synchronized(chain):
+    """``chain(sync)`` runs back-to-back CUDA calls, each reading the previous one's output, with
+    the device synchronized between them when ``sync``. Eagerly and from a CUDA graph (captured
+    once, replayed three times) the result must equal the synchronized chain's bitwise: a kernel
+    launched behind the previous one (programmatic dependent launch) waits for it before it reads."""
+    ref = chain(True).clone()
+    assert ref.isfinite().all() and ref.abs().max() > 0.1
+    eager = chain(False)
+    torch.cuda.synchronize()
+    assert torch.equal(eager, ref)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (per-stream K-slice counters)
+        chain(False)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=side):
+        out = chain(False)
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)

@@ -25,6 +25,8 @@ import torch_marlin  # noqa: F401  (registers torch.ops.marlin)
 from torch_marlin.formats import (dequant_affine_reference, dequant_fp4_reference, dequant_u4_reference,
                                   quantize_affine, quantize_fp4, quantize_u4)
 
+from backends import assert_chain_matches_synchronized
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 MAX_ERR = {torch.float16: 1e-2, torch.bfloat16: 4e-2, torch.float32: 1e-4}
@@ -505,23 +507,7 @@ def test_chain_dependent_launch(fmt, dtype, M, dims):
                 torch.cuda.synchronize()
         return y
 
-    ref = chain(True).clone()
-    assert ref.isfinite().all() and ref.abs().max() > 0.1
-    eager = chain(False)
-    torch.cuda.synchronize()
-    assert torch.equal(eager, ref)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture (per-stream K-slice counters)
-        chain(False)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=side):
-        out = chain(False)
-    for _ in range(3):
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, ref)
+    assert_chain_matches_synchronized(chain)
 
 
 @pytest.mark.parametrize("M,N", [(4, 384), (200, 384), (100, 8192)])

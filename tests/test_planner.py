@@ -547,10 +547,11 @@ def test_plan_trellis_policy_cuda():
     assert (dec["k_parallel"], dec["k_slice_tiles"], dec["grid"]) == (16, 16, (32, 16, 1))
     assert dec["combine"]["kernel"] == "gemm_trellis_reduce_half" and dec["combine"]["grid"] == (16, 1, 1)
     # On devices with griddepcontrol (sm_90 PTX, caps thread_block_clusters) the reduction launches
-    # behind the GEMM kernel (PDL); the GEMM kernel itself launches plainly.
-    assert dec["combine"]["dependent_launch"] and not dec["dependent_launch"]
+    # behind the GEMM kernel (PDL), and the GEMM kernel behind whatever ran before it.
+    assert dec["combine"]["dependent_launch"] and dec["dependent_launch"]
     portable = torch_marlin.plan_trellis(1, 4096, 4096, 3, 128, torch.float16, device="cuda", caps=SM132_PORTABLE)
     assert portable["k_parallel"] == 16 and not portable["combine"]["dependent_launch"]
+    assert not portable["dependent_launch"]
     # A block converts its slice's activations into shared memory once, so a slice holds at most
     # 128 tile rows at 8 rows of M and 64 at 16. 17 slices wanted (32 column blocks): K = 14336
     # takes 16 of 7 stages; K = 28672 16 of 14 stages at M = 1, but 28 of 8 at M = 9.
@@ -564,10 +565,11 @@ def test_plan_trellis_policy_cuda():
     assert dec["cuda_stream_stage_groups"]
     assert not torch_marlin.plan_trellis(1, 4096, 4096, 3, 64, torch.float16, device="cuda",
                                          caps=H100)["cuda_stream_stage_groups"]
-    # K % 8 != 0: the tensor-core kernel at one m16 tile, K in 128-row stages.
+    # K % 8 != 0: the tensor-core kernel at one m16 tile, K in 128-row stages. It has no wait
+    # before its first reads, so it launches plainly.
     odd = torch_marlin.plan_trellis(1, 4100, 4096, 3, 128, torch.bfloat16, device="cuda", caps=H100)
-    assert (odd["kernel"], odd["tile_m"], odd["tile_k"], odd["cuda_stream_decode"]) == (
-        "gemm_trellis_decode_mma_bfloat", 16, 128, False)
+    assert (odd["kernel"], odd["tile_m"], odd["tile_k"], odd["cuda_stream_decode"], odd["dependent_launch"]) == (
+        "gemm_trellis_decode_mma_bfloat", 16, 128, False, False)
     # Fused tiles (forced; more than 16 rows run dequant_blas): 64-row tiles; 5 x 32 blocks are
     # short of 4 per SM, so K goes in 4 slices.
     pre = torch_marlin.plan_trellis(300, 4096, 4096, 2, 128, torch.bfloat16, device="cuda", caps=H100,

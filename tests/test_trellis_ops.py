@@ -13,7 +13,7 @@ import torch
 
 from torch_marlin.formats import trellis as trellis_format
 
-from backends import BACKENDS, CUDA, DEVICE_BACKENDS, cases
+from backends import BACKENDS, CUDA, DEVICE_BACKENDS, assert_chain_matches_synchronized, cases
 from reference import assert_moe_close, assert_trellis_gemm_close, dequant_ref, moe_case, moe_reference, random_trellis
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -123,6 +123,38 @@ def test_gemm_trellis_decode_k_slices(backend, M, K, wide, slice_tiles, k_parall
     C = backend.gemm_trellis(A, *with_lanes(t, K, N, bits), K, N, bits, gs)
     assert_trellis_gemm_close(C, A, dequant_ref(t, K, N, bits, gs), backend.exact_products)
     assert torch.equal(C, backend.gemm_trellis(A, *t, K, N, bits, gs))
+
+
+@pytest.mark.parametrize("backend, layout, M, dtype", cases(list(itertools.product(
+    ["tiles", "lanes"], [1, 16], [torch.float16, torch.bfloat16])), skip=lambda b, *v: b is not CUDA))
+def test_gemm_trellis_chain_dependent_launch(backend, layout, M, dtype):
+    # Back-to-back streaming decodes, each reading the previous one's output: 4096 -> 1024 in many K
+    # slices, 1024 -> 4096 and 2048 -> 2048 in fewer. On sm_90 a decode launches behind the previous
+    # kernel (the last decode or its K-slice reduction), warms L2 with its first indices and waits
+    # for that kernel before it reads. Eagerly and from a CUDA graph the chain must equal the same
+    # calls with the device synchronized between them, bitwise.
+    import torch_marlin
+    bits, gs, dims = 3, 128, [4096, 1024, 4096, 2048, 2048]
+    layers = []
+    for i, (K, N) in enumerate(zip(dims[:-1], dims[1:])):
+        t = random_trellis(K, N, bits, gs, seed=20 + i)
+        t = with_lanes(t, K, N, bits) if layout == "lanes" else t
+        scales = t[1] * (8 / K**0.5)  # outputs stay O(1) along the chain
+        layers.append(((t[0], scales) + tuple(t[2:]), K, N))
+        plan = torch_marlin.plan_trellis(M, K, N, bits, gs, dtype, device="cuda", layout=layout)
+        assert plan["cuda_stream_decode"] and plan["dependent_launch"] == plan["thread_block_clusters"], plan
+    layers = [(tuple(v.cuda() for v in t), K, N) for t, K, N in layers]
+    x = torch.randn(M, dims[0], device="cuda", dtype=dtype)
+
+    def chain(sync):
+        y = x
+        for t, K, N in layers:
+            y = torch.ops.marlin.gemm_trellis(y, *t, K, N, bits, gs)
+            if sync:
+                torch.cuda.synchronize()
+        return y
+
+    assert_chain_matches_synchronized(chain)
 
 
 @pytest.mark.parametrize("backend, bits, gs, dtype", cases(list(itertools.product(

@@ -91,7 +91,7 @@ def plan_trellis(M: int, K: int, N: int, bits: int = 3, group_size: int = 128, d
     read 4 elements at a time; ``tile_n``, ``n_tiles``: the CPU decode's column block and task count;
     ``cpu_avx512``, ``cpu_avx2``: the CPU decode runs the AVX-512 or the AVX2 kernel; ``dependent_launch``,
     also in each stage's dict such as ``combine``: the CUDA launch starts behind the previous kernel
-    (programmatic dependent launch), as the K-slice reduction does on sm_90).
+    (programmatic dependent launch), as the streaming decode and its K-slice reduction do on sm_90).
     ``device``, ``caps`` and ``family`` as for :func:`plan_gemm`. ``layout``: how the indices are laid
     out, ``"tiles"`` (the canonical format) or ``"lanes"`` (the CUDA lane layout,
     :func:`trellis_index_layout`; CUDA only: ``gemm_trellis_decode_lanes_<dtype>`` for fp16/bf16 decode

@@ -141,23 +141,6 @@ __global__ void __launch_bounds__(kThreads, EXPERTS ? TM_TRELLIS_CUDA_STREAM_EXP
   const u32 tiles_per_group = a.group_size / TM_TRELLIS_TILE;
   const u32 chunks_per_row = block_tiles * L::kTileBytes / 16u;
 
-  // Unrolled, so a thread's grid loads are all in flight at once.
-  constexpr u32 kTableStores = L::kCopies == 1u ? L::kTable : L::kTableBytes / 16u;  // one word / four copies
-#pragma unroll
-  for (u32 it = 0; it < (kTableStores + kThreads - 1) / kThreads; ++it) {
-    const u32 q = tid + it * kThreads;
-    if (kTableStores % kThreads != 0 && q >= kTableStores) break;
-    const u32 i = L::kCopies == 1u ? q : q / (L::kCopies / 4u);
-    T2 v;
-    v.x = Tr<T>::from_f(w.grid[i & kMask]);
-    v.y = Tr<T>::from_f(w.grid[i >> BITS]);
-    const u32 word = as_u32(v);
-    if constexpr (L::kCopies == 1u) table[q] = word;
-    else reinterpret_cast<uint4*>(table)[q] = make_uint4(word, word, word, word);
-  }
-  const u32 lane_copy = (lane % L::kCopies) * 4u;  // the lane's byte in each pair's copies
-  const u32 table_lane = table_s + lane_copy;
-
   // This thread's index copies, the same in every stage (tile rows kb + 8s .. of stage s, ring
   // slot s % kDepth): chunk c of tile row r (the block's tiles of a tile row are one contiguous
   // run), or in the lane layout chunk c of the stage's one run, whose tile rows past K are zero.
@@ -182,6 +165,37 @@ __global__ void __launch_bounds__(kThreads, EXPERTS ? TM_TRELLIS_CUDA_STREAM_EXP
       b_src[q] = w.packed + (uint64_t(kb + r) * a.tiles_n + tn0) * L::kTileBytes + c * 16u;
     }
   }
+  // Launched behind the previous kernel on the stream (TrellisLaunch::dependent_launch), the block
+  // brings its first stages' indices into L2 while that kernel finishes, then waits for it before
+  // it reads anything: that kernel may write A, the weights or C. A prefetch only warms L2, the
+  // point of coherence, so indices written by that kernel are still read fresh after the wait. Of
+  // the experts' stages only down launches dependent, on gate/up, and waits below for its partials.
+  if constexpr (!EXPERTS) {
+#pragma unroll
+    for (u32 s = 0; s < kDepth; ++s)
+#pragma unroll
+      for (u32 q = 0; q < L::kBCopies; ++q)
+        if (s < n_stages && s * kStageTiles < b_rows_left[q]) prefetch_l2(b_src[q] + s * b_step);
+    pdl_wait();
+  }
+
+  // Unrolled, so a thread's grid loads are all in flight at once.
+  constexpr u32 kTableStores = L::kCopies == 1u ? L::kTable : L::kTableBytes / 16u;  // one word / four copies
+#pragma unroll
+  for (u32 it = 0; it < (kTableStores + kThreads - 1) / kThreads; ++it) {
+    const u32 q = tid + it * kThreads;
+    if (kTableStores % kThreads != 0 && q >= kTableStores) break;
+    const u32 i = L::kCopies == 1u ? q : q / (L::kCopies / 4u);
+    T2 v;
+    v.x = Tr<T>::from_f(w.grid[i & kMask]);
+    v.y = Tr<T>::from_f(w.grid[i >> BITS]);
+    const u32 word = as_u32(v);
+    if constexpr (L::kCopies == 1u) table[q] = word;
+    else reinterpret_cast<uint4*>(table)[q] = make_uint4(word, word, word, word);
+  }
+  const u32 lane_copy = (lane % L::kCopies) * 4u;  // the lane's byte in each pair's copies
+  const u32 table_lane = table_s + lane_copy;
+
   u32 copied = 0;  // stages copied so far
   auto copy_next_stage = [&]() {
     if (copied >= n_stages) return;
@@ -252,7 +266,6 @@ __global__ void __launch_bounds__(kThreads, EXPERTS ? TM_TRELLIS_CUDA_STREAM_EXP
   const bool x_unit = xc < n_stages * kStageK, x_in_k = x_unit && k0 + xc < a.K;
   const bool from_partials = EXPERTS && a.A2 != nullptr;  // the down stage (uniform)
   if (!from_partials) {
-    pdl_wait();  // no-op: these launches are not dependent
     const T* src = static_cast<const T*>(a.A) + (x_in_k ? k0 + xc : 0u);
     const u32 dst = smem_u32(x_s + xc);
     // Loops to m, not unrolled to the tile's rows: at M = 1 (most decode calls) one pass.

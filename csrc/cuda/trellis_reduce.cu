@@ -11,7 +11,10 @@ namespace {
 template <typename T>
 __global__ void __launch_bounds__(TM_TRELLIS_CUDA_ELEMWISE_THREADS)
     trellis_reduce_kernel(const float* __restrict__ ws, u32 parts, uint64_t count, T* __restrict__ C) {
-  pdl_wait();  // launched behind the GEMM kernel that writes ws (TrellisLaunch::dependent_launch)
+  // The next GEMM may launch now (it waits for this grid before it reads); this one launched behind
+  // the GEMM kernel that writes ws (TrellisLaunch::dependent_launch).
+  pdl_launch_dependents();
+  pdl_wait();
   const uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= count) return;
   float s = 0.f;

@@ -186,6 +186,10 @@ void set_cuda_sliced_launch(TrellisPlan& p, int64_t M, int64_t N, const std::str
   p.main.grid[0] = p.params.n_tiles;
   p.main.grid[1] = p.params.m_tiles;
   p.main.threads[0] = kCudaThreads;
+  // The streaming decode itself launches behind the previous kernel too: its blocks warm L2 with
+  // their first indices and wait for that kernel before they read (docs/cuda-tuning.md
+  // TRELLIS-CUDA-PDL).
+  p.main.dependent_launch = p.cuda_stream_decode && caps.thread_block_clusters != 0;
   // The streaming decode converts a slice's activations into shared memory once: bounded slices.
   cuda_k_split(p.main, p.params.tiles_k, uint64_t(p.params.n_tiles) * p.params.m_tiles, caps.compute_units,
                stage_tiles, p.cuda_stream_decode ? TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES(p.params.tile_m) : 0u);

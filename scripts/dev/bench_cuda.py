@@ -3,6 +3,7 @@
     python scripts/dev/bench_cuda.py [--reps 15] [--out DIR] [--shapes 4096x4096,...] [--ms 1,16,...] [--graph]
                                  [--rotate] [--affine]
     python scripts/dev/bench_cuda.py --trellis [--reps 15] [--out DIR] [--shapes ...] [--ms 1,1024,4096] [--graph]
+                                 [--rotate]
 
 Timing: CUDA events around each call, the 50 MB L2 flushed (a 256 MB memset) before every timed
 repetition, median of --reps repetitions after 3 warm-ups. With --graph every call (ours and the
@@ -22,7 +23,8 @@ affine INT4 (gemm_affine: the same codes and scales with fp16 offsets) and its t
 --trellis times gemm_trellis instead (bench_trellis.md / .csv): at every M, 2, 3 and 4 bits (group
 128), the indices in the canonical tiles and in the CUDA lane layout (the one TrellisLinear keeps on
 CUDA), against the project's FP4 GEMM (gemm_fp4, group 128) and cuBLAS fp16 on the same shape and
-activations, as time ratios (> 1: trellis is faster); then moe_trellis with 64 experts of
+activations, as time ratios (> 1: trellis is faster), each timed as above (--rotate: every one on
+its own copies); then moe_trellis (always after a flush) with 64 experts of
 hidden 2048 x intermediate 1024, 8 active per token, at 1 token, against the time to read the
 active experts' bytes (packed indices + scales + su/sv) at the measured copy bandwidth (< 1.5 is
 the goal).
@@ -125,27 +127,41 @@ def trellis_weights(K, N, bits, experts=None):
 
 
 def bench_trellis(args, shapes, ms, bw, flush):
-    timed = (lambda fn: timer(fn, args.reps, flush, args.graph))
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+
+    def timed(calls):  # one call per weight copy (a single copy without --rotate)
+        if args.rotate:
+            return rotate_timer(calls, args.reps, args.graph)
+        return timer(calls[0], args.reps, flush, args.graph)
+
+    def n_copies(make, nbytes):
+        return copies(make, nbytes, l2) if args.rotate else [make()]
+
     rows = []
     for K, N in shapes:
         torch.manual_seed(0)
-        B = pack_int4(torch.randint(0, 16, (K, N), device="cuda"))
-        s16 = (torch.rand(K // GS, N, device="cuda") * 0.02 + 0.001).half()
-        W16 = torch.randn(N, K, device="cuda", dtype=torch.float16)
-        tw = {bits: trellis_weights(K, N, bits) for bits in (2, 3, 4)}
-        lanes = {bits: (tr.tiles_to_lanes(w[0], K, N, bits),) + w[1:] for bits, (w, _) in tw.items()}
+        Q = n_copies(lambda: (pack_int4(torch.randint(0, 16, (K, N), device="cuda")),
+                              (torch.rand(K // GS, N, device="cuda") * 0.02 + 0.001).half()),
+                     (K // 8) * N * 4 + (K // GS) * N * 2)
+        W16 = n_copies(lambda: torch.randn(N, K, device="cuda", dtype=torch.float16), K * N * 2)
+        tw, lanes, nbytes = {}, {}, {}
+        for bits in (2, 3, 4):
+            nbytes[bits] = trellis_weights(K, N, bits)[1]
+            tw[bits] = n_copies(lambda bits=bits: trellis_weights(K, N, bits)[0], nbytes[bits])
+            lanes[bits] = [(tr.tiles_to_lanes(w[0], K, N, bits),) + w[1:] for w in tw[bits]]
         for M in ms:
             A = torch.randn(M, K, device="cuda", dtype=torch.float16)
-            t_cublas = timed(lambda: F.linear(A, W16))
-            t_fp4 = timed(lambda: torch.ops.marlin.gemm_fp4(A, B, s16, GS))
+            t_cublas = timed([lambda w=w: F.linear(A, w) for w in W16])
+            t_fp4 = timed([lambda q=q: torch.ops.marlin.gemm_fp4(A, q[0], q[1], GS) for q in Q])
             line = f"K={K:6d} N={N:6d} M={M:5d}  cublas {t_cublas:8.1f} us | fp4 {t_fp4:8.1f} us"
-            for bits, (w, nbytes) in tw.items():
-                t = timed(lambda w=w, bits=bits: torch.ops.marlin.gemm_trellis(A, *w, K, N, bits, GS))
+            for bits in (2, 3, 4):
+                t = timed([lambda w=w, bits=bits: torch.ops.marlin.gemm_trellis(A, *w, K, N, bits, GS)
+                           for w in tw[bits]])
                 plan = torch_marlin.plan_trellis(M, K, N, bits, GS, torch.float16, device="cuda")
-                wl = lanes[bits]
-                t_l = timed(lambda wl=wl, bits=bits: torch.ops.marlin.gemm_trellis(A, *wl, K, N, bits, GS))
+                t_l = timed([lambda w=w, bits=bits: torch.ops.marlin.gemm_trellis(A, *w, K, N, bits, GS)
+                             for w in lanes[bits]])
                 plan_l = torch_marlin.plan_trellis(M, K, N, bits, GS, torch.float16, device="cuda", layout="lanes")
-                gbs = nbytes / (t_l * 1e-6) / 1e9
+                gbs = nbytes[bits] / (t_l * 1e-6) / 1e9
                 rows.append(dict(K=K, N=N, M=M, bits=bits, us=round(t_l, 2), weight_GBps=round(gbs, 1),
                                  pct_copy_bw=round(100 * gbs / bw, 1), vs_fp4=round(t_fp4 / t_l, 3),
                                  vs_cublas=round(t_cublas / t_l, 3), tiles_us=round(t, 2), fp4_us=round(t_fp4, 2),
@@ -154,7 +170,7 @@ def bench_trellis(args, shapes, ms, bw, flush):
                 line += (f" | {bits}b lanes {t_l:7.1f} us ({t_fp4 / t_l:5.2f}x fp4, {t_cublas / t_l:5.2f}x cublas),"
                          f" tiles {t:7.1f}")
             print(line, flush=True)
-        del B, s16, W16, tw, lanes
+        del Q, W16, tw, lanes
         torch.cuda.empty_cache()
     # MoE: 64 experts, 8 active, 1 token.
     H, I, E, top_k = 2048, 1024, 64, 8
@@ -165,7 +181,8 @@ def bench_trellis(args, shapes, ms, bw, flush):
         x = torch.randn(1, H, device="cuda", dtype=torch.float16)
         ids = torch.randperm(E, device="cuda")[:top_k].view(1, top_k)
         probs = torch.softmax(torch.randn(1, top_k, device="cuda"), -1)
-        t = timed(lambda: torch.ops.marlin.moe_trellis(x, *gate, *up, *down, ids, probs, I, bits, GS))
+        t = timer(lambda: torch.ops.marlin.moe_trellis(x, *gate, *up, *down, ids, probs, I, bits, GS), args.reps,
+                  flush, args.graph)
         active = top_k * (gb + ub + db)
         t_read = active / (bw * 1e9) * 1e6
         moe_rows.append((bits, t, t_read, active))
