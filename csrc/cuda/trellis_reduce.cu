@@ -1,6 +1,9 @@
 // The ordered sums after the trellis GEMM kernels: the K slices' fp32 partials of a split GEMM,
 // and the MoE's combine (top_k rows of a token, each the sum of its K slices). Fixed order, no
-// atomics: the result does not depend on the schedule.
+// atomics: the result does not depend on the schedule. Both launch behind the kernel that writes
+// their input (PDL), so that input is not read-only for their lifetime: no __restrict__ on the
+// pointers, which would let the compiler read it through the non-coherent path (ld.global.nc;
+// docs/cuda-tuning.md CUDA-PDL).
 #include "cuda/kernels.h"
 #include "cuda/trellis_common.cuh"
 #include "torch_marlin/trellis_params.h"
@@ -10,7 +13,7 @@ namespace {
 
 template <typename T>
 __global__ void __launch_bounds__(TM_TRELLIS_CUDA_ELEMWISE_THREADS)
-    trellis_reduce_kernel(const float* __restrict__ ws, u32 parts, uint64_t count, T* __restrict__ C) {
+    trellis_reduce_kernel(const float* ws, u32 parts, uint64_t count, T* C) {
   // The next GEMM may launch now (it waits for this grid before it reads); this one launched behind
   // the GEMM kernel that writes ws (TrellisLaunch::dependent_launch).
   pdl_launch_dependents();
@@ -24,9 +27,8 @@ __global__ void __launch_bounds__(TM_TRELLIS_CUDA_ELEMWISE_THREADS)
 
 template <typename T>
 __global__ void __launch_bounds__(TM_TRELLIS_CUDA_ELEMWISE_THREADS)
-    trellis_combine_kernel(const float* __restrict__ rows_y, u32 parts, uint64_t part_stride,
-                           const float* __restrict__ probs, const int32_t* __restrict__ slot_row, u32 tokens,
-                           u32 top_k, u32 hidden, T* __restrict__ y) {
+    trellis_combine_kernel(const float* rows_y, u32 parts, uint64_t part_stride, const float* __restrict__ probs,
+                           const int32_t* __restrict__ slot_row, u32 tokens, u32 top_k, u32 hidden, T* y) {
   pdl_wait();  // may be launched behind the down stage that writes rows_y (TrellisLaunch::dependent_launch)
   const uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= uint64_t(tokens) * hidden) return;
