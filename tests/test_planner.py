@@ -561,6 +561,16 @@ def test_plan_trellis_policy_cuda():
         p = torch_marlin.plan_trellis(M, 28672, 4096, 3, 128, torch.float16, device="cuda", caps=H100)
         assert (p["k_parallel"], p["k_slice_tiles"]) == (k_parallel, slice_tiles)
     assert torch_marlin.plan_trellis(9, 4096, 4096, 3, 128, torch.float16, device="cuda", caps=H100)["tile_m"] == 16
+    # 16-row blocks at 3 and 4 bits take slices of at least 3 stages where that leaves two blocks per
+    # SM: 4096 x 4096 in 11 slices instead of 16 of 2 stages; 2 bits, 8-row blocks and layers of
+    # too few column blocks (2048 x 2048: 16 blocks x 6 slices < 264) keep the 4-per-SM split.
+    def split(M, K, N, bits):
+        p = torch_marlin.plan_trellis(M, K, N, bits, 128, torch.float16, device="cuda", caps=H100, layout="lanes")
+        return p["k_parallel"], p["k_slice_tiles"]
+    assert split(16, 4096, 4096, 3) == split(9, 4096, 4096, 4) == (11, 24)
+    assert split(16, 8192, 2048, 3) == (22, 24)
+    assert split(16, 4096, 4096, 2) == split(8, 4096, 4096, 3) == (16, 16)
+    assert split(16, 2048, 2048, 3) == (16, 8)
     # Scale groups of whole 128-row stages fold at stage starts only; smaller groups fold per tile row.
     assert dec["cuda_stream_stage_groups"]
     assert not torch_marlin.plan_trellis(1, 4096, 4096, 3, 64, torch.float16, device="cuda",

@@ -129,12 +129,12 @@ def test_gemm_trellis_decode_k_slices(backend, M, K, wide, slice_tiles, k_parall
     ["tiles", "lanes"], [1, 16], [torch.float16, torch.bfloat16])), skip=lambda b, *v: b is not CUDA))
 def test_gemm_trellis_chain_dependent_launch(backend, layout, M, dtype):
     # Back-to-back streaming decodes, each reading the previous one's output: 4096 -> 1024 in many K
-    # slices, 1024 -> 4096 and 2048 -> 2048 in fewer. On sm_90 a decode launches behind the previous
-    # kernel (the last decode or its K-slice reduction), warms L2 with its first indices and waits
-    # for that kernel before it reads. Eagerly and from a CUDA graph the chain must equal the same
-    # calls with the device synchronized between them, bitwise.
+    # slices, 1024 -> 4096, 4096 -> 4096, 4096 -> 2048 and 2048 -> 2048 in fewer. On sm_90 a decode
+    # launches behind the previous kernel (the last decode or its K-slice reduction), warms L2 with
+    # its first indices and waits for that kernel before it reads. Eagerly and from a CUDA graph the
+    # chain must equal the same calls with the device synchronized between them, bitwise.
     import torch_marlin
-    bits, gs, dims = 3, 128, [4096, 1024, 4096, 2048, 2048]
+    bits, gs, dims = 3, 128, [4096, 1024, 4096, 4096, 2048, 2048]
     layers = []
     for i, (K, N) in enumerate(zip(dims[:-1], dims[1:])):
         t = random_trellis(K, N, bits, gs, seed=20 + i)
@@ -155,6 +155,23 @@ def test_gemm_trellis_chain_dependent_launch(backend, layout, M, dtype):
         return y
 
     assert_chain_matches_synchronized(chain)
+
+
+@pytest.mark.parametrize("backend, bits", cases([3, 4], skip=lambda b, *v: b is not CUDA))
+def test_gemm_trellis_decode_long_slices(backend, bits):
+    # 16 rows at 3 and 4 bits: K slices of at least 3 stages where that leaves two blocks per SM.
+    # 4096 x 4096 (32 column blocks, 32 stages): 11 slices, the last of 2 stages.
+    import torch_marlin
+    K, N, M, gs = 4096, 4096, 16, 128
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plan = torch_marlin.plan_trellis(M, K, N, bits, gs, torch.float16, device="cuda", layout="lanes")
+    if 32 * 11 >= 2 * sms:
+        assert (plan["k_slice_tiles"], plan["k_parallel"]) == (24, 11), plan
+    t = random_trellis(K, N, bits, gs, seed=bits)
+    A = torch.randn(M, K, generator=torch.Generator().manual_seed(4)).half()
+    C = backend.gemm_trellis(A, *with_lanes(t, K, N, bits), K, N, bits, gs)
+    assert_trellis_gemm_close(C, A, dequant_ref(t, K, N, bits, gs), backend.exact_products)
+    assert torch.equal(C, backend.gemm_trellis(A, *t, K, N, bits, gs))
 
 
 @pytest.mark.parametrize("backend, bits, gs, dtype", cases(list(itertools.product(

@@ -71,11 +71,18 @@ constexpr int64_t kCudaBlasMinM = kDecodeMaxM + 1;  // docs/cuda-tuning.md TRELL
 constexpr int64_t kCudaWgmmaMinM = 64;
 constexpr int64_t kCudaWgmmaMaxM = 256;
 
+// The streaming decode's shortest K slice in stages: a 16-row block converts 16 activation rows of
+// its slice and writes 16 partial rows, which slices of one or two stages of 3- or 4-bit indices
+// do not repay; 2-bit stages are short enough that more slices still win (docs/cuda-tuning.md
+// TRELLIS-CUDA-STREAM-SLICES).
+uint32_t cuda_stream_min_slice_stages(uint32_t tile_m, uint32_t bits) { return tile_m == 16u && bits >= 3u ? 3u : 1u; }
+
 // Sets l.k_parallel / l.k_slice_tiles for a launch of `blocks` blocks per K slice over tiles_k
-// tile rows, and multiplies grid[1] by the slice count. max_slice_tiles (0: none) bounds a slice,
-// which may then take more than kCudaMaxKParallel slices.
+// tile rows, and multiplies grid[1] by the slice count. A slice holds at least min_slice_stages
+// stages; max_slice_tiles (0: none) bounds it, which may then take more than kCudaMaxKParallel
+// slices.
 void cuda_k_split(TrellisLaunch& l, uint32_t tiles_k, uint64_t blocks, int sms, uint32_t stage_tiles = kCudaStageTiles,
-                  uint32_t max_slice_tiles = 0, uint32_t one_wave_blocks_per_sm = 0) {
+                  uint32_t max_slice_tiles = 0, uint32_t one_wave_blocks_per_sm = 0, uint32_t min_slice_stages = 1) {
   const uint32_t stages = cdiv(tiles_k, stage_tiles);
   // At least kCudaBlocksPerSm blocks per SM, or (one_wave_blocks_per_sm) at most one wave of that
   // many resident blocks.
@@ -86,6 +93,11 @@ void cuda_k_split(TrellisLaunch& l, uint32_t tiles_k, uint64_t blocks, int sms, 
                                               : (want + blocks - 1) / std::max<uint64_t>(blocks, 1);
   kp = std::min<uint64_t>({kp, stages, kCudaMaxKParallel});
   uint32_t slice_stages = cdiv(stages, int64_t(kp));
+  // Slices of min_slice_stages where that leaves at least two blocks per SM.
+  const uint64_t floor_blocks = 2u * uint64_t(std::max(sms, 1));
+  if (slice_stages < min_slice_stages && blocks * cdiv(stages, int64_t(min_slice_stages)) >= floor_blocks) {
+    slice_stages = min_slice_stages;
+  }
   if (max_slice_tiles != 0) slice_stages = std::min(slice_stages, max_slice_tiles / stage_tiles);
   l.k_slice_tiles = slice_stages * stage_tiles;
   l.k_parallel = cdiv(stages, slice_stages);
@@ -192,7 +204,8 @@ void set_cuda_sliced_launch(TrellisPlan& p, int64_t M, int64_t N, const std::str
   p.main.dependent_launch = p.cuda_stream_decode && caps.thread_block_clusters != 0;
   // The streaming decode converts a slice's activations into shared memory once: bounded slices.
   cuda_k_split(p.main, p.params.tiles_k, uint64_t(p.params.n_tiles) * p.params.m_tiles, caps.compute_units,
-               stage_tiles, p.cuda_stream_decode ? TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES(p.params.tile_m) : 0u);
+               stage_tiles, p.cuda_stream_decode ? TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES(p.params.tile_m) : 0u, 0u,
+               p.cuda_stream_decode ? cuda_stream_min_slice_stages(p.params.tile_m, p.params.bits) : 1u);
   if (p.main.k_parallel > 1) {
     p.combine.kernel = "gemm_trellis_reduce" + suffix;
     p.combine.grid[0] = cdiv(int64_t(M) * N, kCudaElemThreads);
