@@ -114,8 +114,13 @@ def make_int4pack(K, N):
     return packed, sz
 
 
+def trellis_bytes(K, N, bits):
+    """Bytes of one trellis matrix: packed indices, fp32 scales, su, sv and the grid."""
+    return ((K + 15) // 16) * ((N + 15) // 16) * 32 * bits + 4 * (tr.num_groups(K, GS) * N + K + N + (1 << bits))
+
+
 def trellis_weights(K, N, bits, experts=None):
-    """Random trellis tensors on the GPU (timing only) and their bytes."""
+    """Random trellis tensors on the GPU (timing only) and the bytes of one matrix."""
     lead = () if experts is None else (experts,)
     g = tr.num_groups(K, GS)
     packed = torch.randint(0, 256, (*lead, (K + 15) // 16, (N + 15) // 16, 32 * bits), dtype=torch.uint8, device="cuda")
@@ -123,7 +128,7 @@ def trellis_weights(K, N, bits, experts=None):
     grid = torch.randn(*lead, 1 << bits, device="cuda")
     su = torch.randn(*lead, K, device="cuda").sign()
     sv = torch.randn(*lead, N, device="cuda").sign()
-    return (packed, scales, grid, su, sv), packed[0 if experts else ...].numel() + 4 * (g * N + K + N + (1 << bits))
+    return (packed, scales, grid, su, sv), trellis_bytes(K, N, bits)
 
 
 def bench_trellis(args, shapes, ms, bw, flush):
@@ -146,7 +151,7 @@ def bench_trellis(args, shapes, ms, bw, flush):
         W16 = n_copies(lambda: torch.randn(N, K, device="cuda", dtype=torch.float16), K * N * 2)
         tw, lanes, nbytes = {}, {}, {}
         for bits in (2, 3, 4):
-            nbytes[bits] = trellis_weights(K, N, bits)[1]
+            nbytes[bits] = trellis_bytes(K, N, bits)
             tw[bits] = n_copies(lambda bits=bits: trellis_weights(K, N, bits)[0], nbytes[bits])
             lanes[bits] = [(tr.tiles_to_lanes(w[0], K, N, bits),) + w[1:] for w in tw[bits]]
         for M in ms:
