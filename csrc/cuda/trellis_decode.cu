@@ -153,10 +153,14 @@ __global__ void __launch_bounds__(kThreads, EXPERTS ? TM_TRELLIS_CUDA_STREAM_EXP
   for (u32 q = 0; q < L::kBCopies; ++q) {
     const u32 i = tid + q * kThreads;
     if constexpr (LANES) {
-      const bool copier = i < block_tiles * L::kChunkBytes / 16u;
+      // Warp w copies the chunk of its own tile column, the only one it reads, so a stage needs no
+      // block barrier (below).
+      static_assert(L::kBCopies * 32u >= L::kChunkBytes / 16u, "a warp's lanes copy its whole chunk");
+      const u32 unit = lane + q * 32u;
+      const bool copier = active && unit < L::kChunkBytes / 16u;
       b_rows_left[q] = copier ? ke - kb : 0u;
-      b_dst[q] = i * 16u;
-      b_src[q] = w.packed + (uint64_t(kb / kStageTiles) * a.tiles_n + tn0) * L::kChunkBytes + i * 16u;
+      b_dst[q] = warp * L::kChunkBytes + unit * 16u;
+      b_src[q] = w.packed + (uint64_t(kb / kStageTiles) * a.tiles_n + tn0 + warp) * L::kChunkBytes + unit * 16u;
     } else {
       const bool copier = i < kStageTiles * chunks_per_row;
       const u32 r = copier ? i / chunks_per_row : 0u, c = copier ? i - r * chunks_per_row : 0u;
@@ -344,7 +348,11 @@ __global__ void __launch_bounds__(kThreads, EXPERTS ? TM_TRELLIS_CUDA_STREAM_EXP
 
   for (u32 st = 0; st < n_stages; ++st) {
     cp_async_wait<kDepth - 2>();  // stage st has landed (this thread's copies; the activations' group is older)
-    __syncthreads();  // ... everyone's, and the table and activations; stage st - 1's slot is free
+    // ... everyone's, and the table and activations; stage st - 1's slot is free. In the lane layout
+    // a warp copies and reads only its own chunks, so after the first stage (whose barrier also
+    // publishes the table and the activations) the warp's own barrier does.
+    if (!LANES || st == 0) __syncthreads();
+    else __syncwarp();
     copy_next_stage();  // stage st + kDepth - 1
     cp_async_commit();  // possibly empty: the group count stays one per stage
     if (!active) continue;
