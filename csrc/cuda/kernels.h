@@ -147,6 +147,17 @@ void opt_in_smem(Kernel kernel, int bytes, std::atomic<uint64_t>& opted_in) {
   }
 }
 
+// setmaxnreg hands a warp-specialized kernel's warpgroups exactly the registers its launch bound
+// left: before its first launch (opted_in still empty), the compiled count must be that one.
+template <typename Kernel>
+void check_launch_registers(Kernel kernel, int expected, const char* what, const std::atomic<uint64_t>& opted_in) {
+  if (opted_in.load() != 0) return;
+  cudaFuncAttributes attr;
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  TORCH_CHECK(attr.numRegs == expected, "torch_marlin: ", what, " compiled with ", attr.numRegs,
+              " registers a thread, expected ", expected);
+}
+
 // A 2-D TMA descriptor: rows x cols elements (cols contiguous, row stride in bytes), box_rows x
 // box_cols boxes; out-of-range elements of a box read as zero (wgmma_ws.cu).
 CUtensorMap tensor_map_2d(const void* base, CUtensorMapDataType type, int64_t rows, int64_t cols, int64_t row_bytes,

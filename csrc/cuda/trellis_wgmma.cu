@@ -338,12 +338,7 @@ void launch_tile(const TrellisLaunch& l, const TrellisKernelArgs& a, const T* Ap
   using L = WgmmaLayout<T, BITS, BN>;
   static std::atomic<uint64_t> opted_in{0};
   auto kernel = trellis_wgmma_kernel<T, BITS, BN>;
-  if (opted_in.load() == 0) {  // setmaxnreg hands out exactly the registers the launch bound left
-    cudaFuncAttributes attr;
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-    TORCH_CHECK(attr.numRegs == int(kLaunchRegs), "torch_marlin: trellis wgmma kernel compiled with ", attr.numRegs,
-                " registers a thread, expected ", kLaunchRegs);
-  }
+  check_launch_registers(kernel, int(kLaunchRegs), "trellis wgmma kernel", opted_in);
   opt_in_smem(kernel, int(L::kBytes), opted_in);
   const CUtensorMap tmap = activation_tensor_map<T>(Ap, a.M, Kp, BN);
   launch_kernel(kernel, dim3(l.grid[0], l.grid[1], l.grid[2]), dim3(l.threads[0]), L::kBytes, stream,

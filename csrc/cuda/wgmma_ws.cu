@@ -338,12 +338,7 @@ void launch_wgmma_ws_as(const GemmPlan& plan, const CUtensorMap (&maps)[4], u32 
   constexpr int kSmem = WsSmem<BN, NC>::kBytes;
   auto* kernel = wgmma_ws_kernel<T, FMT, BN, NC, kCluster>;
   static std::atomic<uint64_t> opted_in{0};
-  if (opted_in.load() == 0) {  // first launch: the register pool setmaxnreg redistributes (ws_consumer_regs)
-    cudaFuncAttributes attr;
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-    TORCH_CHECK(attr.numRegs == int(ws_launch_regs<NC>()), "torch_marlin: wgmma_ws compiled with ", attr.numRegs,
-                " registers a thread, expected ", ws_launch_regs<NC>());
-  }
+  check_launch_registers(kernel, int(ws_launch_regs<NC>()), "wgmma_ws", opted_in);  // ws_consumer_regs
   opt_in_smem(kernel, kSmem, opted_in);
   launch_tile_kernel<kCluster>(plan, kernel, u32(128 * (NC + 1)), kSmem, o.stream, maps[0], maps[1], maps[2], maps[3],
                                plan.params, n_tile0, o.bias, o.C, o.ws, o.counters);

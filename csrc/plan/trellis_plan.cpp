@@ -266,7 +266,7 @@ TrellisPlan plan_trellis_gemm_lanes(int64_t M, int64_t K, int64_t N, int64_t bit
     // A thread per 16 k of each row, K padded to whole lane chunks.
     const uint64_t runs = uint64_t(M) * (trellis_lane_padded_k(p.params.tiles_k) / TM_TRELLIS_TILE);
     p.activations.kernel = "trellis_wgmma_activations" + suffix;
-    p.activations.grid[0] = uint32_t((runs + kCudaElemThreads - 1) / kCudaElemThreads);
+    p.activations.grid[0] = cdiv(int64_t(runs), kCudaElemThreads);
     p.activations.threads[0] = kCudaElemThreads;
     check_cuda_grid(p.main, "plan_trellis_gemm");
     return p;
