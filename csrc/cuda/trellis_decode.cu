@@ -151,7 +151,6 @@ __global__ void __launch_bounds__(kThreads, EXPERTS ? TM_TRELLIS_CUDA_STREAM_EXP
   u32 b_dst[L::kBCopies], b_rows_left[L::kBCopies];  // tile rows of the slice from this chunk's row on
 #pragma unroll
   for (u32 q = 0; q < L::kBCopies; ++q) {
-    const u32 i = tid + q * kThreads;
     if constexpr (LANES) {
       // Warp w copies the chunk of its own tile column, the only one it reads, so a stage needs no
       // block barrier (below).
@@ -162,6 +161,7 @@ __global__ void __launch_bounds__(kThreads, EXPERTS ? TM_TRELLIS_CUDA_STREAM_EXP
       b_dst[q] = warp * L::kChunkBytes + unit * 16u;
       b_src[q] = w.packed + (uint64_t(kb / kStageTiles) * a.tiles_n + tn0 + warp) * L::kChunkBytes + unit * 16u;
     } else {
+      const u32 i = tid + q * kThreads;
       const bool copier = i < kStageTiles * chunks_per_row;
       const u32 r = copier ? i / chunks_per_row : 0u, c = copier ? i - r * chunks_per_row : 0u;
       b_rows_left[q] = copier ? ke - kb - r : 0u;

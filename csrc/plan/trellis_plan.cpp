@@ -62,6 +62,8 @@ constexpr uint32_t kCudaSimtThreads = TM_TRELLIS_CUDA_SIMT_THREADS;
 constexpr uint32_t kCudaElemThreads = TM_TRELLIS_CUDA_ELEMWISE_THREADS;
 constexpr uint32_t kCudaMaxKParallel = 32;
 constexpr uint32_t kCudaBlocksPerSm = 4;  // docs/cuda-tuning.md TRELLIS-CUDA-SLICES
+// The fewest blocks per SM that longer slices (min_slice_stages) may leave (TRELLIS-CUDA-STREAM-SLICES).
+constexpr uint32_t kCudaLongSliceMinBlocksPerSm = 2;
 constexpr int64_t kCudaBlasMinM = kDecodeMaxM + 1;  // docs/cuda-tuning.md TRELLIS-CUDA-BLAS
 // Lane-layout prefill on sm_90a (caps.wgmma): the wgmma kernel for kCudaWgmmaMinM..kCudaWgmmaMaxM
 // rows of A where its 128-column blocks alone cover at least half the SMs, dequant + cuBLAS
@@ -93,8 +95,8 @@ void cuda_k_split(TrellisLaunch& l, uint32_t tiles_k, uint64_t blocks, int sms, 
                                               : (want + blocks - 1) / std::max<uint64_t>(blocks, 1);
   kp = std::min<uint64_t>({kp, stages, kCudaMaxKParallel});
   uint32_t slice_stages = cdiv(stages, int64_t(kp));
-  // Slices of min_slice_stages where that leaves at least two blocks per SM.
-  const uint64_t floor_blocks = 2u * uint64_t(std::max(sms, 1));
+  // Slices of min_slice_stages where that leaves at least kCudaLongSliceMinBlocksPerSm blocks per SM.
+  const uint64_t floor_blocks = uint64_t(kCudaLongSliceMinBlocksPerSm) * uint64_t(std::max(sms, 1));
   if (slice_stages < min_slice_stages && blocks * cdiv(stages, int64_t(min_slice_stages)) >= floor_blocks) {
     slice_stages = min_slice_stages;
   }

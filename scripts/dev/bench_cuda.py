@@ -90,6 +90,16 @@ def copies(make, nbytes, l2_bytes):
     return [make() for _ in range(max(2, -(-4 * l2_bytes // nbytes)))]
 
 
+def weight_copies(make, nbytes, rotate):
+    """The copies a kernel is timed on: enough to total 4x the L2 with --rotate, otherwise one."""
+    return copies(make, nbytes, torch.cuda.get_device_properties(0).L2_cache_size) if rotate else [make()]
+
+
+def fp4_bytes(K, N):
+    """Bytes of one FP4 weight: packed codes and fp16 group scales (group GS)."""
+    return (K // 8) * N * 4 + (K // GS) * N * 2
+
+
 def copy_bandwidth():
     n = 1 << 30
     src = torch.empty(n, dtype=torch.uint8, device="cuda")
@@ -116,11 +126,12 @@ def make_int4pack(K, N):
 
 def trellis_bytes(K, N, bits):
     """Bytes of one trellis matrix: packed indices, fp32 scales, su, sv and the grid."""
-    return ((K + 15) // 16) * ((N + 15) // 16) * 32 * bits + 4 * (tr.num_groups(K, GS) * N + K + N + (1 << bits))
+    tiles = ((K + tr.TILE - 1) // tr.TILE) * ((N + tr.TILE - 1) // tr.TILE)
+    return tiles * tr.packed_bytes_per_tile(bits) + 4 * (tr.num_groups(K, GS) * N + K + N + (1 << bits))
 
 
 def trellis_weights(K, N, bits, experts=None):
-    """Random trellis tensors on the GPU (timing only) and the bytes of one matrix."""
+    """Random trellis tensors on the GPU (timing only)."""
     lead = () if experts is None else (experts,)
     g = tr.num_groups(K, GS)
     packed = torch.randint(0, 256, (*lead, (K + 15) // 16, (N + 15) // 16, 32 * bits), dtype=torch.uint8, device="cuda")
@@ -128,31 +139,26 @@ def trellis_weights(K, N, bits, experts=None):
     grid = torch.randn(*lead, 1 << bits, device="cuda")
     su = torch.randn(*lead, K, device="cuda").sign()
     sv = torch.randn(*lead, N, device="cuda").sign()
-    return (packed, scales, grid, su, sv), trellis_bytes(K, N, bits)
+    return packed, scales, grid, su, sv
 
 
 def bench_trellis(args, shapes, ms, bw, flush):
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-
     def timed(calls):  # one call per weight copy (a single copy without --rotate)
         if args.rotate:
             return rotate_timer(calls, args.reps, args.graph)
         return timer(calls[0], args.reps, flush, args.graph)
 
-    def n_copies(make, nbytes):
-        return copies(make, nbytes, l2) if args.rotate else [make()]
-
     rows = []
     for K, N in shapes:
         torch.manual_seed(0)
-        Q = n_copies(lambda: (pack_int4(torch.randint(0, 16, (K, N), device="cuda")),
-                              (torch.rand(K // GS, N, device="cuda") * 0.02 + 0.001).half()),
-                     (K // 8) * N * 4 + (K // GS) * N * 2)
-        W16 = n_copies(lambda: torch.randn(N, K, device="cuda", dtype=torch.float16), K * N * 2)
+        Q = weight_copies(lambda: (pack_int4(torch.randint(0, 16, (K, N), device="cuda")),
+                                   (torch.rand(K // GS, N, device="cuda") * 0.02 + 0.001).half()),
+                          fp4_bytes(K, N), args.rotate)
+        W16 = weight_copies(lambda: torch.randn(N, K, device="cuda", dtype=torch.float16), K * N * 2, args.rotate)
         tw, lanes, nbytes = {}, {}, {}
         for bits in (2, 3, 4):
             nbytes[bits] = trellis_bytes(K, N, bits)
-            tw[bits] = n_copies(lambda bits=bits: trellis_weights(K, N, bits)[0], nbytes[bits])
+            tw[bits] = weight_copies(lambda bits=bits: trellis_weights(K, N, bits), nbytes[bits], args.rotate)
             lanes[bits] = [(tr.tiles_to_lanes(w[0], K, N, bits),) + w[1:] for w in tw[bits]]
         for M in ms:
             A = torch.randn(M, K, device="cuda", dtype=torch.float16)
@@ -181,14 +187,13 @@ def bench_trellis(args, shapes, ms, bw, flush):
     H, I, E, top_k = 2048, 1024, 64, 8
     moe_rows = []
     for bits in (2, 3, 4):
-        (gate, gb), (up, ub), (down, db) = (trellis_weights(H, I, bits, E), trellis_weights(H, I, bits, E),
-                                            trellis_weights(I, H, bits, E))
+        gate, up, down = trellis_weights(H, I, bits, E), trellis_weights(H, I, bits, E), trellis_weights(I, H, bits, E)
         x = torch.randn(1, H, device="cuda", dtype=torch.float16)
         ids = torch.randperm(E, device="cuda")[:top_k].view(1, top_k)
         probs = torch.softmax(torch.randn(1, top_k, device="cuda"), -1)
         t = timer(lambda: torch.ops.marlin.moe_trellis(x, *gate, *up, *down, ids, probs, I, bits, GS), args.reps,
                   flush, args.graph)
-        active = top_k * (gb + ub + db)
+        active = top_k * (2 * trellis_bytes(H, I, bits) + trellis_bytes(I, H, bits))
         t_read = active / (bw * 1e9) * 1e6
         moe_rows.append((bits, t, t_read, active))
         print(f"moe_trellis E={E} top_k={top_k} H={H} I={I} bits={bits}: {t:8.1f} us, active weights "
@@ -233,10 +238,9 @@ def main():
     if args.trellis:
         return bench_trellis(args, shapes, ms, bw, flush)
     rows = []
-    l2 = dev.L2_cache_size
     for K, N in shapes:
         torch.manual_seed(0)
-        bytes_fp4 = (K // 8) * N * 4 + (K // GS) * N * 2
+        bytes_fp4 = fp4_bytes(K, N)
         bytes_u4 = bytes_fp4 + (K // GS) * N
         bytes_affine = bytes_fp4 + (K // GS) * N * 2
         bytes_16 = K * N * 2
@@ -248,11 +252,10 @@ def main():
             b16 = (torch.rand(K // GS, N, device="cuda") * -0.2).half()
             return B, s16, z, b16
 
-        n_copies = (lambda make, nbytes: copies(make, nbytes, l2)) if args.rotate else (lambda make, nbytes: [make()])
-        Q = n_copies(quantized, bytes_fp4)
-        W16 = n_copies(lambda: torch.randn(N, K, device="cuda", dtype=torch.float16), bytes_16)
+        Q = weight_copies(quantized, bytes_fp4, args.rotate)
+        W16 = weight_copies(lambda: torch.randn(N, K, device="cuda", dtype=torch.float16), bytes_16, args.rotate)
         try:
-            I4 = n_copies(lambda: make_int4pack(K, N), bytes_u4)
+            I4 = weight_copies(lambda: make_int4pack(K, N), bytes_u4, args.rotate)
         except Exception as exc:  # noqa: BLE001  (report, keep benchmarking the rest)
             print(f"# _weight_int4pack_mm unavailable: {exc}")
             I4 = None
