@@ -2,10 +2,11 @@
 
     python scripts/dev/check_doc_paths.py [ROOT]      # ROOT defaults to the repository root
 
-Scans README.md and docs/*.md (all of the text, code blocks included), and the comments and
-docstrings of the sources under csrc/, metal/, torch_marlin/, scripts/, tests/ (plus setup.py and
-.ci/run). A path is a token that starts with a top-level entry of the repository (csrc/, metal/,
-torch_marlin/, tests/, scripts/, docs/, .ci/, setup.py, README.md), or the target of a markdown
+Scans README.md, docs/*.md and benchmarks/**/*.md (all of the text, code blocks included), and
+the comments and docstrings of the sources under csrc/, metal/, torch_marlin/, scripts/, tests/
+(plus setup.py and .ci/run). A path is a token that starts with a top-level entry of the
+repository (csrc/, metal/, torch_marlin/, tests/, scripts/, docs/, benchmarks/, .ci/, setup.py,
+README.md), or the target of a markdown
 link `[text](target)` relative to the document. Prints `file:line: missing path 'token'` for each
 one that does not exist and exits 1; exits 0 when every path resolves.
 
@@ -31,7 +32,7 @@ import subprocess
 import sys
 import tokenize
 
-TOP = ("csrc", "metal", "torch_marlin", "tests", "scripts", "docs", ".ci")
+TOP = ("csrc", "metal", "torch_marlin", "tests", "scripts", "docs", "benchmarks", ".ci")
 TOP_FILES = ("setup.py", "README.md")
 SOURCE_DIRS = ("csrc", "metal", "torch_marlin", "scripts", "tests")
 EXTRA_SOURCES = ("setup.py", ".ci/run")
@@ -130,7 +131,9 @@ def source_files(root):
 
 def scanned_lines(root):
     """(file, line, text, is_markdown) to search for paths."""
-    for f in ["README.md"] + sorted(os.path.relpath(p, root) for p in glob.glob(os.path.join(root, "docs", "*.md"))):
+    docs = glob.glob(os.path.join(root, "docs", "*.md")) + \
+        glob.glob(os.path.join(root, "benchmarks", "**", "*.md"), recursive=True)
+    for f in ["README.md"] + sorted(os.path.relpath(p, root) for p in docs):
         path = os.path.join(root, f)
         if os.path.isfile(path):
             for no, line in enumerate(open(path, encoding="utf-8").read().split("\n"), 1):
