@@ -302,11 +302,21 @@ class PatchReport:
     unfused: List[Tuple[str, str]] = field(default_factory=list)             # (group, reason)
     entropy_coded: List[Tuple[str, int, float]] = field(default_factory=list)  # (layer, weights, code bits/weight)
     not_entropy_coded: List[Tuple[str, str]] = field(default_factory=list)     # (layer, reason)
+    operation: str = "patch_model"  # or "entropy_code": a report of entropy_code alone
+    already_entropy_coded: int = 0  # entropy_code: RansLinear layers the model held before the call
 
     def __str__(self) -> str:
         how = "" if self.method == "rtn" else f" method={self.method}"
-        lines = [f"patch_model: format={self.format} group_size={self.group_size}{how}: "
-                 f"replaced {len(self.replaced)} Linear layers, skipped {len(self.skipped)}"]
+        if self.operation == "entropy_code":
+            found = len(self.entropy_coded) + len(self.not_entropy_coded)
+            group = f"group_size={self.group_size}" if self.group_size else "mixed group sizes"
+            lines = [f"entropy_code: {found} MarlinLinear layers ({self.format}, {group})" if found else
+                     "entropy_code: no MarlinLinear layer left to code"]
+            if self.already_entropy_coded:
+                lines[0] += f"; {self.already_entropy_coded} layers were entropy-coded already"
+        else:
+            lines = [f"patch_model: format={self.format} group_size={self.group_size}{how}: "
+                     f"replaced {len(self.replaced)} Linear layers, skipped {len(self.skipped)}"]
         if self.replaced:
             ratio = self.float_bytes / max(self.quantized_bytes, 1)
             lines.append(f"  replaced weights: {self.float_bytes / 2**20:.2f} MiB -> "
@@ -511,10 +521,19 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
 def entropy_code(model: nn.Module, progress: bool = True, report: Optional[PatchReport] = None) -> PatchReport:
     """Replaces every ``MarlinLinear`` of ``model`` that the coding supports by its rANS-coded copy
     (:class:`torch_marlin.RansLinear`), in place, e.g. after :func:`torch_marlin.from_pretrained`;
-    returns ``report`` (a new one when None) with ``entropy_coded`` / ``not_entropy_coded`` filled."""
-    if report is None:
-        report = PatchReport(format="", group_size=0)
+    returns ``report`` (a new one when None) with ``entropy_coded`` / ``not_entropy_coded`` filled.
+    A model with neither ``MarlinLinear`` nor ``RansLinear`` layers (a float model) raises ``ValueError``."""
     layers = {name: mod for name, mod in model.named_modules() if type(mod) is MarlinLinear}
+    if report is None:
+        coded = sum(isinstance(mod, RansLinear) for mod in model.modules())
+        if not layers and not coded:
+            raise ValueError("entropy_code: the model has no MarlinLinear layer to code (a float model?); quantize "
+                             "it first with torch_marlin.patch_model(model, format=...), or load a quantized "
+                             "checkpoint with torch_marlin.from_pretrained or load_quantized")
+        group_sizes = {mod.group_size for mod in layers.values()}
+        report = PatchReport(format=", ".join(sorted({mod.format for mod in layers.values()})),
+                             group_size=group_sizes.pop() if len(group_sizes) == 1 else 0,
+                             operation="entropy_code", already_entropy_coded=coded)
     _entropy_code(model, layers, report, progress)
     return report
 
