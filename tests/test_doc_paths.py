@@ -39,6 +39,10 @@ def test_planted_bad_references_fail(tmp_path):
         [up](../README.md) [sibling](real.md) [bad sibling]({missing}.md)
         Both `csrc/cuda/k.{{cu,h}}` exist; `csrc/cuda/k.{{cu,cuh}}` half does not.
         """)
+    write(tmp_path, "benchmarks/notes/n.md", f"""\
+        # notes
+        [product docs](../../docs/real.md) [bad](../../docs/{missing}.md), log: benchmarks/notes/{missing}.md
+        """)
     write(tmp_path, "csrc/cuda/k.cu", f"""\
         // streams the weights (csrc/cuda/k.h)
         /* multi-line comment:
@@ -63,6 +67,8 @@ def test_planted_bad_references_fail(tmp_path):
         f"README.md:5: missing path 'docs/{missing}.md'",
         f"docs/real.md:2: missing path '{missing}.md'",
         "docs/real.md:3: missing path 'csrc/cuda/k.cuh'",
+        f"benchmarks/notes/n.md:2: missing path '../../docs/{missing}.md'",
+        f"benchmarks/notes/n.md:2: missing path 'benchmarks/notes/{missing}.md'",
         f"csrc/cuda/k.cu:3: missing path 'scripts/dev/{missing}.py'",
         f"torch_marlin/mod.py:1: missing path 'tests/{missing}.py'",
         f"torch_marlin/mod.py:6: missing path 'metal/{missing}.metal'",
