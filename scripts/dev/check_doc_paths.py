@@ -21,7 +21,9 @@ Rules for tokens that are not plain paths:
   comment line) name that commit's tree: they are checked there with `git cat-file` (the nearest
   such mention before the path counts), and skipped when the commit is not available (a shallow
   clone, no git).
-- `#anchor` suffixes are dropped; URLs are not paths.
+- A markdown link's `#anchor` must name a heading of the linked document (or of the same document
+  for `(#anchor)`), as GitHub writes heading anchors; in code spans and comments the anchor is
+  dropped. URLs are not paths.
 """
 import ast
 import glob
@@ -206,6 +208,24 @@ def spans(line, is_markdown):
     return [(line, False)]
 
 
+def heading_anchors(path, cache={}):
+    """The anchors GitHub gives the headings of a markdown file (code blocks skipped)."""
+    if path not in cache:
+        anchors, counts, fenced = set(), {}, False
+        for line in open(path, encoding="utf-8"):
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+                continue
+            m = None if fenced else re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+            if m:
+                slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+                n = counts.get(slug, 0)
+                counts[slug] = n + 1
+                anchors.add(slug if n == 0 else "%s-%d" % (slug, n))
+        cache[path] = anchors
+    return cache[path]
+
+
 def check(root):
     missing = []
     for f, no, line, is_markdown in scanned_lines(root):
@@ -218,10 +238,15 @@ def check(root):
         if is_markdown:
             for lm in LINK_RE.finditer(line):
                 target = lm.group(1)
-                if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+                if re.match(r"^[a-z]+:", target):
                     continue
-                rel = os.path.normpath(os.path.join(os.path.dirname(f), target.split("#", 1)[0]))
-                found.append((target, None, rel))
+                page, _, anchor = target.partition("#")
+                rel = os.path.normpath(os.path.join(os.path.dirname(f), page)) if page else f
+                if page:
+                    found.append((target, None, rel))
+                if anchor and rel.endswith(".md") and os.path.isfile(os.path.join(root, rel)) \
+                        and anchor not in heading_anchors(os.path.join(root, rel)):
+                    missing.append("%s:%d: missing anchor '%s'" % (f, no, target))
         seen = set()  # a link target is also a path token: report it once
         for token, commit, resolved in found:
             for alt in expand_braces(token):
