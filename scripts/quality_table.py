@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch_marlin  # noqa: E402
 import evaluation  # noqa: E402  (scripts/evaluation.py)
-from torch_marlin.formats.group_quant import AsymmetricU4Quantizer  # noqa: E402
+from torch_marlin.formats.u4 import AsymmetricU4Quantizer  # noqa: E402
 
 OURS = {  # name -> (format, options)
     "fp4": ("fp4", {}), "u4": ("u4", {}), "u4 sym": ("u4", {"symmetric": True}), "affine": ("affine", {}),
@@ -139,7 +139,7 @@ def apply_reference(model, name, skip):
 def stored_bits(model):
     bits = n = 0
     for mod in model.modules():
-        if torch_marlin.patching.layer_type_of(mod) is not None:
+        if torch_marlin.registry.layer_format_of(mod) is not None:
             bits += sum(t.numel() * t.element_size() * 8 for name, t in mod.named_buffers(recurse=False)
                         if name != "bias")
             n += mod.in_features * mod.out_features

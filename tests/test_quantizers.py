@@ -15,7 +15,9 @@ from torch_marlin import MarlinLinear, TrellisLinear, patch_model
 from torch_marlin.formats import dequant_fp4_reference, dequant_u4_reference, quantize_fp4, quantize_u4, unpack_int4
 from torch_marlin.formats import dequant_affine_reference, quantize_affine
 from torch_marlin.formats import trellis as tfmt
-from torch_marlin.formats.group_quant import AffineQuantizer, AsymmetricU4Quantizer, Fp4Quantizer, SymmetricU4Quantizer
+from torch_marlin.formats.affine import AffineQuantizer
+from torch_marlin.formats.fp4 import Fp4Quantizer
+from torch_marlin.formats.u4 import AsymmetricU4Quantizer, SymmetricU4Quantizer
 from torch_marlin.formats.gptq_solver import gptq_quantize
 
 from backends import CUDA, MPS
