@@ -40,7 +40,7 @@ class LayerFormat:
     select this format in ``layer`` (MarlinLinear's ``format``). ``options``: the quantizer options
     ``patch_model`` accepts for it. ``shared_options(leader)``: the options that make a layer fusable
     with ``leader``, the first quantized member of its fusion group (trellis: one codebook).
-    ``shard``: how a layer splits across tensor-parallel ranks (torch_marlin/distributed.py); None
+    ``shard``: how a layer splits across tensor-parallel ranks (read by the tensor-parallel loader); None
     where the format has no rule.
     """
     name: str

@@ -1,5 +1,6 @@
-"""Affine INT4: ``w[k, n] = scales[g, n] * q[k, n] + offsets[g, n]``, ``g = k // group_size``,
-``q`` in 0..15 packed as for INT4 (torch_marlin/formats/int4_packing.py), ``scales`` and ``offsets``
+"""The ``affine`` format, INT4 with per-group float offsets:
+``w[k, n] = scales[g, n] * q[k, n] + offsets[g, n]``, ``g = k // group_size``, ``q`` in 0..15
+packed as for INT4 (torch_marlin/formats/int4_packing.py), ``scales`` and ``offsets``
 ``[K/group_size, N]`` floats of one dtype. The format of MLX's 4-bit affine quantization, HQQ,
 GGUF Q4_1, and GPTQ / AWQ with ``offset = -zero * scale``.
 """
@@ -9,7 +10,8 @@ from typing import Optional
 import torch
 
 from .gptq_solver import quantize_weight
-from .group_quant import RANGE_STEPS, Params, least_squares_affine, nonzero_scale, weighted_error
+from .group_quant import (RANGE_STEPS, Params, keep_better, least_squares_affine, nonzero_scale, range_step_codes,
+                          row_weights, weighted_error)
 from .int4_packing import pack_int4, unpack_int4
 
 
@@ -18,7 +20,7 @@ class AffineQuantizer:
     the scale dtype (the offset need not be a multiple of the scale, unlike INT4's zero point).
 
     Range fit: ``scale = (max - min) / 15``, ``offset = min``. The search tries the inverse steps
-    ``(15 + d) / (max - min)`` of :class:`torch_marlin.formats.u4.AsymmetricU4Quantizer`; for each, the codes
+    ``(15 + d) / (max - min)`` of :class:`torch_marlin.formats.u4.ZeroPointQuantizer`; for each, the codes
     ``q = round((w - min) * step)`` get a least-squares fit of ``w ~ scale * q + offset`` and a
     second fit on the codes the first one's (stored) parameters give; a candidate replaces the range
     fit where its squared error, measured with the parameters as stored, is smaller.
@@ -47,21 +49,15 @@ class AffineQuantizer:
         if not self.search:
             return {"scales": best_s, "offsets": best_b}
         best_err = weighted_error(g, self._deq(g, best_s, best_b), wt)
-        rng = hi - lo
-        ones = torch.ones_like(g) if wt is None else torch.ones_like(g) * wt
-        n, sw = ones.sum(-2), (ones * g).sum(-2)
+        ones, n, sw = row_weights(g, wt)
         for d in self.STEPS:
-            inv = torch.where(rng > 0, (15.0 + d) / rng.clamp(min=1e-30), torch.zeros_like(rng))
-            q = torch.round((g - lo.unsqueeze(-2)) * inv.unsqueeze(-2)).clamp(0, 15)
+            q = range_step_codes(g, lo, hi - lo, d)
             for _ in range(2):
                 s, off, ok = least_squares_affine(g, q, ones, n, sw)
                 s, b = self._stored(torch.where(ok, s, best_s)), self._stored(torch.where(ok, off, best_b))
                 q = self._codes(g, s, b)
                 e = weighted_error(g, q * s.unsqueeze(-2) + b.unsqueeze(-2), wt)
-                better = ok & (e < best_err)
-                best_s = torch.where(better, s, best_s)
-                best_b = torch.where(better, b, best_b)
-                best_err = torch.where(better, e, best_err)
+                best_s, best_b, best_err = keep_better(ok & (e < best_err), (best_s, best_b, best_err), (s, b, e))
         return {"scales": best_s, "offsets": best_b}
 
     def quantize(self, x: torch.Tensor, params: Params):

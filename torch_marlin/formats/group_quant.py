@@ -62,6 +62,25 @@ def least_squares_affine(g: torch.Tensor, q: torch.Tensor, weight: torch.Tensor,
     return s, off, ok & (s > 0)
 
 
+def row_weights(g: torch.Tensor, weight) -> tuple:
+    """``(weights broadcast to g, their sum, the weighted sum of g)`` over each group's rows: the
+    sums :func:`least_squares_affine` takes."""
+    ones = torch.ones_like(g) if weight is None else torch.ones_like(g) * weight
+    return ones, ones.sum(-2), (ones * g).sum(-2)
+
+
+def range_step_codes(g: torch.Tensor, lo: torch.Tensor, rng: torch.Tensor, d: float) -> torch.Tensor:
+    """Codes ``round((g - lo) * (15 + d) / rng)`` in 0..15 of one candidate inverse step (all 0 in
+    a group whose range ``rng`` is 0)."""
+    inv = torch.where(rng > 0, (15.0 + d) / rng.clamp(min=1e-30), torch.zeros_like(rng))
+    return torch.round((g - lo.unsqueeze(-2)) * inv.unsqueeze(-2)).clamp(0, 15)
+
+
+def keep_better(better: torch.Tensor, best: tuple, candidate: tuple) -> tuple:
+    """Per group and column, the ``candidate`` tensors where ``better``, else the ``best`` ones."""
+    return tuple(torch.where(better, c, b) for c, b in zip(candidate, best))
+
+
 class ScaleQuantizer:
     """``w = level(code) * scale``: a fixed set of levels and one scale per group and column.
 
@@ -110,9 +129,7 @@ class ScaleQuantizer:
                 s_ls = self._stored(least_squares_scale(g, c, wt, s))
                 for cand, deq in ((s, c * s.unsqueeze(-2)), (s_ls, None)):
                     e = weighted_error(g, self._deq(g, cand) if deq is None else deq, wt)
-                    better = e < best_err
-                    best = torch.where(better, cand, best)
-                    best_err = torch.where(better, e, best_err)
+                    best, best_err = keep_better(e < best_err, (best, best_err), (cand, e))
         return {"scales": best}
 
     def quantize(self, x: torch.Tensor, params: Params):

@@ -1,5 +1,6 @@
-"""INT4 with per-group zero points: ``w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n]``,
-``g = k // group_size``, ``q`` and ``zeros`` in 0..15 (zeros stored as uint8 ``[K/group_size, N]``).
+"""The ``u4`` format, INT4 with per-group integer zero points:
+``w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n]``, ``g = k // group_size``, ``q`` and ``zeros``
+in 0..15 (zeros stored as uint8 ``[K/group_size, N]``).
 Symmetric signed INT4 (S4) is the special case ``zeros == 8`` (offset binary: stored = value + 8).
 """
 
@@ -8,11 +9,12 @@ from typing import Optional
 import torch
 
 from .gptq_solver import quantize_weight
-from .group_quant import RANGE_STEPS, Params, ScaleQuantizer, least_squares_affine, nonzero_scale, weighted_error
+from .group_quant import (RANGE_STEPS, Params, ScaleQuantizer, keep_better, least_squares_affine, nonzero_scale,
+                          range_step_codes, row_weights, weighted_error)
 from .int4_packing import pack_int4, unpack_int4
 
 
-class SymmetricU4Quantizer(ScaleQuantizer):
+class SymmetricZeroPointQuantizer(ScaleQuantizer):
     """Signed INT4 as offset binary (zero point 8): levels ``-8 .. 7`` times the scale.
 
     The first candidate family is the 16-level rule: ``scale = m / -8`` with ``m`` the group's
@@ -39,7 +41,7 @@ class SymmetricU4Quantizer(ScaleQuantizer):
         return p
 
 
-class AsymmetricU4Quantizer:
+class ZeroPointQuantizer:
     """``w = (q - zero) * scale``, ``q`` and ``zero`` integers in 0..15.
 
     Candidates (as in llama.cpp's k-quants): inverse steps ``(15 + d) / (max - min)`` for ``d`` in
@@ -71,21 +73,14 @@ class AsymmetricU4Quantizer:
         if not self.search:
             return {"scales": best_s, "zeros": best_z}
         best_err = weighted_error(g, self._deq(g, best_s, best_z), wt)
-        rng = hi - lo
-        ones = torch.ones_like(g) if wt is None else torch.ones_like(g) * wt
-        n = ones.sum(-2)
-        sw = (ones * g).sum(-2)
+        ones, n, sw = row_weights(g, wt)
         for d in self.STEPS:
-            inv = torch.where(rng > 0, (15.0 + d) / rng.clamp(min=1e-30), torch.zeros_like(rng))
-            q = torch.round((g - lo.unsqueeze(-2)) * inv.unsqueeze(-2)).clamp(0, 15)
+            q = range_step_codes(g, lo, hi - lo, d)
             s, off, ok = least_squares_affine(g, q, ones, n, sw)
             s = self._stored(torch.where(ok, s, best_s))
             z = torch.round(-off / nonzero_scale(s)).clamp(0, 15)
             e = weighted_error(g, self._deq(g, s, z), wt)
-            better = ok & (e < best_err)
-            best_s = torch.where(better, s, best_s)
-            best_z = torch.where(better, z, best_z)
-            best_err = torch.where(better, e, best_err)
+            best_s, best_z, best_err = keep_better(ok & (e < best_err), (best_s, best_z, best_err), (s, z, e))
         return {"scales": best_s, "zeros": best_z}
 
     def quantize(self, x: torch.Tensor, params: Params):
@@ -104,8 +99,8 @@ class AsymmetricU4Quantizer:
         return q, (q - z).mul_(s)
 
 
-def u4_quantizer(symmetric: bool, scale_dtype: torch.dtype = torch.float16, search: bool = True):
-    return (SymmetricU4Quantizer if symmetric else AsymmetricU4Quantizer)(scale_dtype, search)
+def zero_point_quantizer(symmetric: bool, scale_dtype: torch.dtype = torch.float16, search: bool = True):
+    return (SymmetricZeroPointQuantizer if symmetric else ZeroPointQuantizer)(scale_dtype, search)
 
 
 def quantize_u4(w: torch.Tensor, group_size: int = 128, symmetric: bool = False,
@@ -123,7 +118,7 @@ def quantize_u4(w: torch.Tensor, group_size: int = 128, symmetric: bool = False,
     ``gptq_options``: ``act_order``, ``damp``, ``block_size``).
     Returns ``(B_packed int32 [K/8, N], scales [K/group_size, N], zeros uint8 [K/group_size, N])``.
     """
-    q, params = quantize_weight(w, group_size, u4_quantizer(symmetric, scale_dtype, search), hessian, **gptq_options)
+    q, params = quantize_weight(w, group_size, zero_point_quantizer(symmetric, scale_dtype, search), hessian, **gptq_options)
     return pack_int4(q), params["scales"].to(scale_dtype), params["zeros"].to(torch.uint8)
 
 

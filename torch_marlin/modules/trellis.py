@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import ops
+from .. import ops, planner
 from ..formats import trellis as fmt
 
 _PARTS = ("packed_indices", "scales", "grid", "su", "sv")
@@ -32,7 +32,6 @@ _PARTS = ("packed_indices", "scales", "grid", "su", "sv")
 def _device_index_layout(K: int, N: int, bits: int, device: torch.device) -> Optional[str]:
     """The planner's index layout for a layer on ``device``; None on a device without a torch_marlin
     backend (the meta device while loading), which keeps the layout it has."""
-    from .. import planner
     try:
         planner.backend_of(device)
     except ValueError:
