@@ -92,3 +92,27 @@ def test_group_size_rules():
         registry.layer_format("trellis").check_group_size(24)
     with pytest.raises(ValueError, match="format must be one of"):
         registry.layer_format("int3")
+
+
+def test_act_order_members_fuse_with_one_input_order():
+    from torch_marlin import MarlinLinear
+    from torch_marlin.loaders import build_marlin_linear
+
+    g = torch.Generator().manual_seed(0)
+    perm = torch.randperm(64, generator=g)
+
+    def member(n, input_perm):
+        codes = torch.randint(0, 16, (n, 64), generator=g)
+        scales = torch.rand(n, 2, generator=g) + 0.5
+        zeros = torch.randint(0, 16, (n, 2), generator=g)
+        return build_marlin_linear("u4", codes, scales, zeros=zeros, input_perm=input_perm, dtype=torch.float32)
+
+    # Square members (q/k/v of multi-head attention): input_perm is as long as out_features.
+    parts = [member(64, perm), member(64, perm), member(32, perm)]
+    fused, reason = MarlinLinear.concat(parts)
+    assert reason is None and torch.equal(fused.input_perm, perm)
+    x = torch.randn(3, 64)
+    # The same codes and scales per column: only the kernels' fp32 summation order may differ.
+    torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], dim=-1), rtol=1e-5, atol=1e-5)
+    fused, reason = MarlinLinear.concat([parts[0], member(64, torch.randperm(64, generator=g))])
+    assert fused is None and reason == "members gather their inputs in different orders (act-order input_perm)"

@@ -40,8 +40,8 @@ class LayerFormat:
     select this format in ``layer`` (MarlinLinear's ``format``). ``options``: the quantizer options
     ``patch_model`` accepts for it. ``shared_options(leader)``: the options that make a layer fusable
     with ``leader``, the first quantized member of its fusion group (trellis: one codebook).
-    ``shard``: how a layer splits across tensor-parallel ranks (read by the tensor-parallel loader); None
-    where the format has no rule.
+    ``shard``: how a layer splits across tensor-parallel ranks (read by the tensor-parallel
+    loader); None where the format has no rule.
     """
     name: str
     layer: type

@@ -143,8 +143,9 @@ class MarlinLinear(nn.Module):
     @classmethod
     def concat(cls, layers: Sequence["MarlinLinear"]) -> Tuple[Optional["MarlinLinear"], Optional[str]]:
         """``(one layer computing the members' outputs side by side, None)``, or ``(None, reason)``.
-        Groups run along K within a column, so each buffer with ``out_features`` last (all but
-        act-order's ``input_perm``) fuses by concatenating the members' along it."""
+        Groups run along K within a column, so the members' buffers concatenate along
+        ``out_features``; act-order members fuse when they gather their inputs in one order (GPTQ
+        orders rows by the input Hessian, which siblings reading one input share)."""
         entries = [m.checkpoint_entry() for m in layers]
         rest = [{k: v for k, v in e.items() if k != "out_features"} for e in entries]
         if any(r != rest[0] for r in rest[1:]):
@@ -153,15 +154,17 @@ class MarlinLinear(nn.Module):
         devices = {b.device for m in layers for b in m.buffers()}
         if len(devices) != 1:
             return None, f"members are on different devices {sorted(map(str, devices))}"
+        perm = layers[0].input_perm
+        if perm is not None and any(not torch.equal(m.input_perm, perm) for m in layers[1:]):
+            return None, "members gather their inputs in different orders (act-order input_perm)"
         fused = cls.from_checkpoint_entry(dict(entries[0], out_features=sum(e["out_features"] for e in entries)),
                                           devices.pop())
-        parts = {name: [getattr(m, name) for m in layers] for name, _ in fused.named_buffers(recurse=False)}
-        for name, tensors in parts.items():
-            if any(t.shape[-1] != m.out_features for t, m in zip(tensors, layers)):
-                return None, f"buffer '{name}' is not laid out with out_features last"
         with torch.no_grad():
-            for name, tensors in parts.items():
-                getattr(fused, name).copy_(torch.cat(tensors, dim=-1))
+            for name, buffer in fused.named_buffers(recurse=False):
+                if name == "input_perm":
+                    buffer.copy_(perm)
+                else:
+                    buffer.copy_(torch.cat([getattr(m, name) for m in layers], dim=-1))
         fused.validate()
         return fused, None
 
