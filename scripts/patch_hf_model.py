@@ -36,7 +36,8 @@ sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout without install
 
 import torch_marlin  # noqa: E402
 import evaluation  # noqa: E402  (scripts/evaluation.py)
-from torch_marlin.patching import FORMATS, resolve_device  # noqa: E402
+from torch_marlin.patching import resolve_device  # noqa: E402
+from torch_marlin.registry import FORMATS  # noqa: E402
 
 SENTENCES = os.path.join(HERE, "data", "sentences.txt")
 CALIBRATION = os.path.join(HERE, "data", "calibration.txt")
