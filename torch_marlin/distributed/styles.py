@@ -1,0 +1,211 @@
+"""ParallelStyles that put the quantized layers on ``torch.distributed.tensor.parallel``.
+
+``QuantizedColwiseParallel`` and ``QuantizedRowwiseParallel`` subclass PyTorch's ``ColwiseParallel``
+and ``RowwiseParallel``: in a plan for ``parallelize_module`` they shard a torch_marlin layer in place
+with its rule (torch_marlin/distributed/rules.py) and run it on local tensors, and hand any other
+module (``nn.Linear``, ``nn.Embedding``) to PyTorch's own style, so one plan covers a model whose
+float and quantized layers sit side by side. Input and output layouts mean what they mean in
+PyTorch: column-parallel takes a replicated input and gives ``Shard(-1)`` (local columns) by default;
+row-parallel takes ``Shard(-1)`` and gives ``Replicate()``, summing the ranks' partial outputs with one
+all-reduce (a reduce-scatter for ``Shard`` outputs).
+
+The layer computes on plain local tensors, so the step stays free of DTensor dispatch on the hot
+path: a plain input is taken as already laid out as ``input_layouts`` says, a DTensor input is
+redistributed first.
+"""
+
+from functools import partial
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from .rules import become, rule_of, shard_layer
+
+#: Set on a sharded layer: (style, rank, world). A layer loaded already sharded carries it too, so a
+#: style applied to it later only installs the hooks.
+SHARDED_ATTR = "tp_shard"
+
+
+def _rank_world(mesh) -> tuple:
+    if mesh.ndim != 1:
+        raise ValueError(f"tensor parallelism needs a 1-D device mesh, got {mesh.ndim} dimensions "
+                         "(pass mesh['tp'])")
+    return mesh.get_local_rank(), mesh.size()
+
+
+def shard_in_place(module: nn.Module, style: str, rank: int, world: int, name: Optional[str] = None,
+                   splits: Optional[Sequence[int]] = None) -> nn.Module:
+    """Shards a quantized layer in place (unless it already is rank ``rank`` of ``world``'s
+    ``style`` shard) and marks it."""
+    done = getattr(module, SHARDED_ATTR, None)
+    if done is not None:
+        if done != (style, rank, world):
+            raise ValueError(f"{name or type(module).__name__} is already sharded as {done}, not "
+                             f"{(style, rank, world)}")
+        return module
+    from ..fusion import FusedSlice
+
+    if isinstance(module, FusedSlice):
+        raise ValueError(f"{name or 'this module'} is a slice of the fused layer {module.fused_name}: shard the model "
+                         "before fusing (torch_marlin.fusion.fuse_projections after parallelize_module), or shard "
+                         f"{module.fused_name} with QuantizedColwiseParallel(splits=...)")
+    become(module, shard_layer(module, style, rank, world, name or type(module).__name__, splits))
+    setattr(module, SHARDED_ATTR, (style, rank, world))
+    return module
+
+
+def local_colwise_input(input_layout, mod, inputs, mesh):
+    x = inputs[0]
+    if isinstance(x, DTensor):
+        x = x.redistribute(placements=[Replicate()]).to_local()
+    elif input_layout != Replicate():
+        x = DTensor.from_local(x, mesh, [input_layout], run_check=False).redistribute(placements=[Replicate()]).to_local()
+    return (x, *inputs[1:])
+
+
+def colwise_output(output_layout, use_local_output, mod, y, mesh):
+    if use_local_output and output_layout == Shard(-1):
+        return y
+    out = DTensor.from_local(y, mesh, [Shard(y.dim() - 1)], run_check=False)
+    layout = Shard(y.dim() - 1) if output_layout == Shard(-1) else output_layout
+    if out.placements != (layout,):
+        out = out.redistribute(placements=[layout])
+    return out.to_local() if use_local_output else out
+
+
+def local_rowwise_input(input_layout, mod, inputs, mesh):
+    x = inputs[0]
+    if isinstance(x, DTensor):
+        x = x.redistribute(placements=[Shard(x.dim() - 1)]).to_local()
+    elif input_layout == Replicate():
+        rank, _ = _rank_world(mesh)
+        x = x.narrow(-1, rank * mod.in_features, mod.in_features)
+    return (x, *inputs[1:])
+
+
+def rowwise_output(output_layout, use_local_output, mod, y, mesh):
+    if output_layout == Replicate() and use_local_output and not y.requires_grad:
+        # The decode step's one collective per row-parallel layer: no DTensor dispatch around it.
+        dist.all_reduce(y, group=mesh.get_group())
+        return y
+    out = DTensor.from_local(y, mesh, [Partial()], run_check=False)
+    if output_layout != Replicate():
+        output_layout = Shard(output_layout.dim % y.dim()) if isinstance(output_layout, Shard) else output_layout
+    out = out.redistribute(placements=[output_layout])
+    return out.to_local() if use_local_output else out
+
+
+def install_local_forward(module: nn.Module, mesh, style: str, input_layout, output_layout, use_local_output: bool):
+    """Input and output hooks for a sharded quantized layer (PyTorch's ``distribute_module``, with
+    the buffers left as they are: they already hold this rank's shard)."""
+    inp, out = (local_colwise_input, colwise_output) if style == "colwise" else (local_rowwise_input, rowwise_output)
+    return distribute_module(module, mesh, lambda name, mod, mesh: None, partial(inp, input_layout),
+                             partial(out, output_layout, use_local_output))
+
+
+class QuantizedColwiseParallel(ColwiseParallel):
+    """``ColwiseParallel`` that also shards torch_marlin layers. ``splits``: the members' widths of a
+    fused layer (q/k/v, gate/up), split one by one so each rank keeps its heads of every member."""
+
+    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True,
+                 splits: Optional[Sequence[int]] = None):
+        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
+        self.splits = None if splits is None else tuple(int(s) for s in splits)
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if rule_of(module) is None:
+            return super()._apply(module, device_mesh)
+        rank, world = _rank_world(device_mesh)
+        shard_in_place(module, "colwise", rank, world, splits=self.splits)
+        return install_local_forward(module, device_mesh, "colwise", self.input_layouts[0], self.output_layouts[0],
+                                     self.use_local_output)
+
+
+class QuantizedRowwiseParallel(RowwiseParallel):
+    """``RowwiseParallel`` that also shards torch_marlin layers (bias kept by rank 0 alone)."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if rule_of(module) is None:
+            return super()._apply(module, device_mesh)
+        rank, world = _rank_world(device_mesh)
+        shard_in_place(module, "rowwise", rank, world)
+        return install_local_forward(module, device_mesh, "rowwise", self.input_layouts[0], self.output_layouts[0],
+                                     self.use_local_output)
+
+
+#: transformers' plan style names -> our styles (the styles a decoder's q/k/v/o and MLP plans use).
+HF_STYLE_NAMES = {
+    "colwise": lambda: QuantizedColwiseParallel(),
+    "rowwise": lambda: QuantizedRowwiseParallel(),
+    "colwise_rep": lambda: QuantizedColwiseParallel(output_layouts=Replicate()),
+    "colwise_gather_output": lambda: QuantizedColwiseParallel(output_layouts=Replicate()),
+    "rowwise_rep": lambda: QuantizedRowwiseParallel(input_layouts=Replicate()),
+    "rowwise_split_input": lambda: QuantizedRowwiseParallel(input_layouts=Replicate()),
+}
+
+
+def auto_plan(model: nn.Module) -> dict:
+    """A ``parallelize_module`` plan from a transformers model's own tensor-parallel plan
+    (``config.base_model_tp_plan``, under the base model's prefix): our styles for the styles it
+    names. Entries in other styles (embedding, sequence or expert styles) are left out: those
+    modules stay whole on every rank."""
+    config = getattr(model, "config", None)
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if not plan:
+        raise ValueError(f"{type(model).__name__} has no tensor-parallel plan in its config (base_model_tp_plan); "
+                         "pass a plan: {module pattern: QuantizedColwiseParallel() / QuantizedRowwiseParallel()}")
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and not hasattr(model, prefix):
+        prefix = ""
+    return {(f"{prefix}.{k}" if prefix else k): HF_STYLE_NAMES[v]() for k, v in plan.items() if v in HF_STYLE_NAMES}
+
+
+def heads_per_rank(model: nn.Module, world: int) -> None:
+    """Sets the model config's head counts to one rank's (column-parallel q/k/v keep
+    ``heads / world`` heads), so caches built from the config (``StaticCache``) get local shapes.
+    The attention modules already reshape by their input width. ShardError when heads do not split."""
+    from .rules import ShardError
+
+    config = model.config
+    for attr in ("num_attention_heads", "num_key_value_heads"):
+        n = getattr(config, attr, None)
+        if n is not None and n % world:
+            raise ShardError(f"{type(model).__name__}: {attr}={n} does not split over world size {world}")
+    if getattr(config, "head_dim", None) is None:
+        config.head_dim = config.hidden_size // config.num_attention_heads
+    config.num_attention_heads //= world
+    if getattr(config, "num_key_value_heads", None):
+        config.num_key_value_heads //= world
+
+
+def parallelize(model: nn.Module, mesh, plan="auto") -> nn.Module:
+    """``parallelize_module(model, mesh, plan)`` with ``plan="auto"`` from :func:`auto_plan`, the
+    config's head counts made per rank (:func:`heads_per_rank`)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    _, world = _rank_world(mesh)
+    plan = auto_plan(model) if plan == "auto" else plan
+    for name, module in model.named_modules():  # refuse before sharding anything
+        style = _style_for(name, plan)
+        if style is not None and rule_of(module) is not None and getattr(module, SHARDED_ATTR, None) is None:
+            kind = "colwise" if isinstance(style, ColwiseParallel) else "rowwise"
+            rule_of(module).check(module, kind, world, name, getattr(style, "splits", None))
+    parallelize_module(model, mesh, plan)
+    if hasattr(model, "config") and hasattr(model.config, "num_attention_heads"):
+        heads_per_rank(model, world)
+    return model
+
+
+def _style_for(name: str, plan: dict):
+    from fnmatch import fnmatch
+
+    parts = name.split(".")
+    for pattern, style in plan.items():
+        pat = pattern.split(".")
+        if len(pat) == len(parts) and all(fnmatch(p, q) for p, q in zip(parts, pat)):
+            return style
+    return None
