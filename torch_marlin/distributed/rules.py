@@ -29,7 +29,6 @@ from torch import nn
 
 from ..formats import trellis as trellis_fmt
 from ..modules import MarlinLinear, RansLinear, TrellisLinear, TrellisMoE
-from ..modules.rans import coding_unsupported
 
 STYLES = ("colwise", "rowwise")
 
@@ -196,13 +195,9 @@ class RansShardRule(ShardRule):
     again with the same ``channels_per_tile``."""
 
     def check(self, layer, style, world, name, splits=None):
+        # A row shard holds whole groups, and rANS coding needs group sizes in multiples of its 32
+        # lanes: every shard the MarlinLinear rule allows can be coded again.
         MARLIN.check(layer, style, world, name, splits)
-        if style == "rowwise":
-            why = coding_unsupported(layer.in_features // world, layer.group_size)
-            if why is not None:
-                raise ShardError(f"{name}: a row shard of in_features={layer.in_features} over world size {world} "
-                                 f"cannot stay rANS-coded ({why}); load the uncoded checkpoint, shard it, then "
-                                 "torch_marlin.entropy_code the sharded model")
 
     def splits_of(self, layer, style):
         return {n: None for n, t in layer._buffers.items() if t is not None}

@@ -14,13 +14,12 @@ path: a plain input is taken as already laid out as ``input_layouts`` says, a DT
 redistributed first.
 """
 
-from functools import partial
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from .rules import become, rule_of, shard_layer
@@ -100,11 +99,12 @@ def rowwise_output(output_layout, use_local_output, mod, y, mesh):
 
 
 def install_local_forward(module: nn.Module, mesh, style: str, input_layout, output_layout, use_local_output: bool):
-    """Input and output hooks for a sharded quantized layer (PyTorch's ``distribute_module``, with
-    the buffers left as they are: they already hold this rank's shard)."""
+    """Input and output hooks for a sharded quantized layer. Not PyTorch's ``distribute_module``,
+    which makes every buffer a replicated DTensor: these buffers already hold this rank's shard."""
     inp, out = (local_colwise_input, colwise_output) if style == "colwise" else (local_rowwise_input, rowwise_output)
-    return distribute_module(module, mesh, lambda name, mod, mesh: None, partial(inp, input_layout),
-                             partial(out, output_layout, use_local_output))
+    module.register_forward_pre_hook(lambda mod, inputs: inp(input_layout, mod, inputs, mesh))
+    module.register_forward_hook(lambda mod, inputs, y: out(output_layout, use_local_output, mod, y, mesh))
+    return module
 
 
 class QuantizedColwiseParallel(ColwiseParallel):

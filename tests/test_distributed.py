@@ -1,0 +1,244 @@
+"""Tensor parallelism (torch_marlin/distributed/): the sharding rules against the whole layer in one
+process, then two gloo ranks spawned by the test running a small Llama-shaped model against the
+same model in one process."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+import torch_marlin
+from torch_marlin.distributed import ShardError, shard_layer
+from torch_marlin.formats import trellis as trellis_fmt
+
+pytest.importorskip("transformers")
+
+WORLD = 2
+FORMATS = ("fp4", "u4", "affine", "trellis")
+GROUP = 64
+# hidden 256: the trellis rotation works in Hadamard blocks of 128, so each of the two ranks must hold
+# at least 128 features of every split dimension (k/v: 4 heads of 64).
+SHAPE = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False)
+# fp32 everywhere: a row-parallel layer sums two fp32 partial products of K/2 terms where the whole
+# layer sums K terms in one order, a reassociation worth a few ulps of the largest partial sum per
+# layer (K <= 512: relative 512 * 2**-24 ~ 3e-5 at worst, ~1e-6 typically). Two decoder layers and
+# the norms keep that well under 1e-4 relative to the logits' scale; a wrong shard (a column or a
+# group off, a bias added twice) moves logits by their own magnitude.
+RTOL = 1e-4
+
+
+def random_layer(fmt: str, lin: nn.Linear, gen: torch.Generator) -> nn.Module:
+    """A quantized layer of ``lin``'s shape with random codes and scales (quantizing is what other
+    tests check; here only the sharding of whatever the layer holds matters)."""
+    K, N = lin.in_features, lin.out_features
+    bias = lin.bias is not None
+    if fmt == "trellis":
+        layer = torch_marlin.TrellisLinear(K, N, bits=3, group_size=GROUP, bias=bias)
+        layer.packed_indices.copy_(torch.randint(0, 256, layer.packed_indices.shape, generator=gen, dtype=torch.uint8))
+        layer.scales.copy_(torch.rand(layer.scales.shape, generator=gen) * 0.02 + 0.01)
+        layer.grid.copy_(torch.linspace(-2, 2, 8))
+        layer.su.copy_(trellis_fmt.random_signs(K, gen))
+        layer.sv.copy_(trellis_fmt.random_signs(N, gen))
+        layer._sync_index_layout()
+    else:
+        layer = torch_marlin.MarlinLinear(K, N, bias=bias, format=fmt, group_size=GROUP, dtype=torch.float32)
+        layer.B_packed.copy_(torch.randint(-2**31, 2**31 - 1, layer.B_packed.shape, generator=gen, dtype=torch.int32))
+        layer.scales.copy_(torch.rand(layer.scales.shape, generator=gen) * 0.004 + 0.002)
+        if fmt == "u4":
+            layer.zeros.copy_(torch.randint(0, 16, layer.zeros.shape, generator=gen, dtype=torch.uint8))
+        if fmt == "affine":
+            layer.offsets.copy_(torch.randn(layer.offsets.shape, generator=gen) * 0.01)
+    if bias:
+        layer.bias.copy_(torch.randn(N, generator=gen) * 0.1)
+    return layer
+
+
+def random_model(fmt: str, seed: int = 0, bias: bool = False):
+    """A Llama-shaped model whose decoder projections are random ``fmt`` layers (lm_head in float)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(attention_bias=bias, mlp_bias=bias, **SHAPE)).eval()
+    gen = torch.Generator().manual_seed(seed)
+    for name, mod in list(model.model.layers.named_modules()):
+        if isinstance(mod, nn.Linear):
+            parent, _, child = name.rpartition(".")
+            setattr(model.model.layers.get_submodule(parent), child, random_layer(fmt, mod, gen))
+    return model
+
+
+def greedy(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    with torch.inference_mode():
+        for _ in range(new_tokens):
+            logits = model(ids, use_cache=False).logits[:, -1]
+            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
+    return ids
+
+
+def logits_of(model, ids):
+    with torch.inference_mode():
+        return model(ids, use_cache=False).logits
+
+
+def assert_logits_close(out, ref, what):
+    err = (out - ref).abs().max().item()
+    assert err <= RTOL * ref.abs().max().item(), f"{what}: logits differ by {err} (scale {ref.abs().max().item()})"
+
+
+# ---------------------------------------------------------------------------------------------- one process
+
+def _ranks_output(layer, x, style, world=WORLD, splits=None):
+    """The layer's output rebuilt from every rank's shard, as the collectives would."""
+    if style == "rowwise":
+        K = layer.in_features
+        return sum(shard_layer(layer, "rowwise", r, world)(x[:, r * K // world:(r + 1) * K // world])
+                   for r in range(world))
+    outs = [shard_layer(layer, "colwise", r, world, splits=splits)(x) for r in range(world)]
+    if splits is None:
+        return torch.cat(outs, -1)
+    per = [s // world for s in splits]
+    pieces = [o.split(per, -1) for o in outs]  # rank r holds its part of every member
+    return torch.cat([pieces[r][i] for i in range(len(splits)) for r in range(world)], -1)
+
+
+@pytest.mark.parametrize("fmt", FORMATS + ("rans",))
+@pytest.mark.parametrize("style", ("colwise", "rowwise"))
+def test_shards_compute_their_part(fmt, style):
+    gen = torch.Generator().manual_seed(1)
+    lin = nn.Linear(256, 256, bias=True)
+    layer = random_layer("fp4" if fmt == "rans" else fmt, lin, gen)
+    if fmt == "rans":
+        layer = torch_marlin.RansLinear.from_marlin(layer)
+    x = torch.randn(3, 256, generator=gen)
+    with torch.inference_mode():
+        ref = layer(x)
+        out = _ranks_output(layer, x, style)
+    # colwise shards compute the same dot products as the whole layer (equal); rowwise splits each into
+    # two fp32 partial sums (see RTOL).
+    assert_logits_close(out, ref, f"{fmt} {style}")
+    shard = shard_layer(layer, style, 1, WORLD)
+    assert type(shard) is type(layer)
+    if style == "rowwise":
+        assert shard.bias is None and shard_layer(layer, style, 0, WORLD).bias is not None  # the bias is added once
+
+
+@pytest.mark.parametrize("fmt", ("u4", "trellis"))
+def test_fused_layer_splits_per_member(fmt):
+    gen = torch.Generator().manual_seed(2)
+    members = (256, 128, 128) if fmt == "u4" else (256, 256)
+    layer = random_layer(fmt, nn.Linear(256, sum(members), bias=fmt == "u4"), gen)
+    x = torch.randn(2, 256, generator=gen)
+    with torch.inference_mode():
+        assert torch.equal(_ranks_output(layer, x, "colwise", splits=members), layer(x))
+    with pytest.raises(ValueError, match="must sum to out_features"):
+        shard_layer(layer, "colwise", 0, WORLD, splits=(256, 128))
+
+
+def test_act_order_rows_regrouped_per_rank():
+    gen = torch.Generator().manual_seed(3)
+    layer = random_layer("u4", nn.Linear(256, 64), gen)
+    ordered = torch_marlin.MarlinLinear(256, 64, format="u4", group_size=GROUP, dtype=torch.float32, act_order=True)
+    ordered.load_state_dict(dict(layer.state_dict(), input_perm=torch.arange(256)))
+    # Groups stored in the order (rank 1, rank 0, rank 1, rank 0), rows shuffled within each rank's slice.
+    halves = torch.cat([torch.randperm(128, generator=gen), torch.randperm(128, generator=gen) + 128])
+    ordered.input_perm.copy_(halves.view(4, GROUP)[torch.tensor([2, 0, 3, 1])].reshape(-1))
+    x = torch.randn(3, 256, generator=gen)
+    with torch.inference_mode():
+        assert_logits_close(_ranks_output(ordered, x, "rowwise"), ordered(x), "act-order rowwise")
+        assert torch.equal(_ranks_output(ordered, x, "colwise"), ordered(x))
+    ordered.input_perm.copy_(torch.randperm(256, generator=gen))  # GPTQ desc_act: groups span both slices
+    with pytest.raises(ShardError, match="act-order group.*column-parallel"):
+        shard_layer(ordered, "rowwise", 0, WORLD, name="mlp.down_proj")
+
+
+def test_refusals_name_layer_dimension_and_world_size():
+    gen = torch.Generator().manual_seed(4)
+    with pytest.raises(ShardError, match=r"q_proj: out_features=200 does not split over world size 3"):
+        shard_layer(random_layer("fp4", nn.Linear(128, 200), gen), "colwise", 0, 3, name="q_proj")
+    # 192 / 2 = 96 rows: not whole groups of 64
+    with pytest.raises(ShardError, match=r"o_proj: in_features=192 .* world size 2.*group_size=64"):
+        shard_layer(random_layer("u4", nn.Linear(192, 64), gen), "rowwise", 0, 2, name="o_proj")
+    trellis = random_layer("trellis", nn.Linear(256, 128), gen)  # output rotation blocks of 128 over 2 ranks
+    with pytest.raises(ShardError, match=r"k_proj: the output rotation .* blocks of 128.*rotate=False"):
+        shard_layer(trellis, "colwise", 0, 2, name="k_proj")
+    moe = torch_marlin.TrellisMoE(128, 128, 4, top_k=2, group_size=64)
+    with pytest.raises(ShardError, match="leave the MoE block out of the tensor-parallel plan"):
+        shard_layer(moe, "colwise", 0, 2, name="mlp")
+    with pytest.raises(ValueError, match="style must be one of"):
+        shard_layer(random_layer("fp4", nn.Linear(128, 64), gen), "diagonal", 0, 2)
+
+
+# ---------------------------------------------------------------------------------------------- two ranks
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, workdir):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torch_marlin.distributed import QuantizedColwiseParallel, QuantizedRowwiseParallel, parallelize
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        ref = torch.load(os.path.join(workdir, "reference.pt"))
+        ids = ref["ids"]
+        user_plan = {"model.layers.*.self_attn.q_proj": QuantizedColwiseParallel(),
+                     "model.layers.*.self_attn.k_proj": QuantizedColwiseParallel(),
+                     "model.layers.*.self_attn.v_proj": QuantizedColwiseParallel(),
+                     "model.layers.*.self_attn.o_proj": QuantizedRowwiseParallel(),
+                     "model.layers.*.mlp.gate_proj": QuantizedColwiseParallel(),
+                     "model.layers.*.mlp.up_proj": QuantizedColwiseParallel(),
+                     "model.layers.*.mlp.down_proj": QuantizedRowwiseParallel()}
+        for fmt in FORMATS:
+            directory = os.path.join(workdir, fmt)
+            # A user's own plan through parallelize_module (here via parallelize, which also makes the
+            # config's head counts per rank).
+            model = parallelize(torch_marlin.load_quantized(directory), mesh, user_plan)
+            q = model.model.layers[0].self_attn.q_proj
+            assert q.out_features == SHAPE["hidden_size"] // world, f"{fmt}: q_proj not sharded"
+            assert_logits_close(logits_of(model, ids), ref[fmt]["logits"], f"{fmt} rank {rank} (parallelize_module)")
+            if fmt == "fp4":  # the same model entropy-coded: RansLinear shards
+                model = torch_marlin.load_quantized(directory)
+                torch_marlin.entropy_code(model, progress=False)
+                parallelize(model, mesh, user_plan)
+                assert type(model.model.layers[0].mlp.down_proj).__name__ == "RansLinear"
+                assert_logits_close(logits_of(model, ids), ref[fmt]["logits"], f"rans rank {rank}")
+            # The checkpoint read in pieces (safetensors get_slice), the model's own plan.
+            model = torch_marlin.from_pretrained(directory, tp_plan="auto")
+            down = model.model.layers[1].mlp.down_proj
+            assert down.in_features == SHAPE["intermediate_size"] // world
+            assert (down.bias is not None) == (rank == 0 and fmt == "u4")
+            assert_logits_close(logits_of(model, ids), ref[fmt]["logits"], f"{fmt} rank {rank} (from_pretrained)")
+            assert torch.equal(greedy(model, ids, 4), ref[fmt]["tokens"]), f"{fmt} rank {rank}: greedy tokens differ"
+        # Shapes that do not divide: refused before anything is sharded, naming layer, dimension, world size.
+        odd = nn.Sequential(torch_marlin.MarlinLinear(64, 101, format="fp4", group_size=64, dtype=torch.float32))
+        try:
+            parallelize(odd, mesh, {"0": QuantizedColwiseParallel()})
+        except ShardError as e:
+            assert "0: out_features=101 does not split over world size 2" in str(e), str(e)
+        else:
+            raise AssertionError("a 101-column layer was split over 2 ranks")
+        assert odd[0].out_features == 101
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_match_one_process(tmp_path):
+    ids = torch.randint(0, SHAPE["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(5))
+    ref = {"ids": ids}
+    for fmt in FORMATS:
+        model = random_model(fmt, bias=fmt == "u4")
+        torch_marlin.save_quantized(model, str(tmp_path / fmt))
+        ref[fmt] = {"logits": logits_of(model, ids), "tokens": greedy(model, ids, 4)}
+    torch.save(ref, tmp_path / "reference.pt")
+    mp.spawn(_worker, args=(WORLD, _free_port(), str(tmp_path)), nprocs=WORLD, join=True)
