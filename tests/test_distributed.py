@@ -23,6 +23,8 @@ GROUP = 64
 # at least 128 features of every split dimension (k/v: 4 heads of 64).
 SHAPE = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False)
+# A float checkpoint quantized while loading (quantizing takes seconds per layer on the CPU: smaller).
+SMALL = dict(SHAPE, hidden_size=128, intermediate_size=256, vocab_size=256)
 # fp32 everywhere: a row-parallel layer sums two fp32 partial products of K/2 terms where the whole
 # layer sums K terms in one order, a reassociation worth a few ulps of the largest partial sum per
 # layer (K <= 512: relative 512 * 2**-24 ~ 3e-5 at worst, ~1e-6 typically). Two decoder layers and
@@ -181,12 +183,16 @@ def _free_port() -> int:
 
 
 def _worker(rank, world, port, workdir):
+    import warnings
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from torch_marlin.distributed import QuantizedColwiseParallel, QuantizedRowwiseParallel, parallelize
 
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", "Passing `tp_plan` directly", FutureWarning)  # the issue's spelling, kept
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # as torchrun sets them
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
@@ -203,10 +209,11 @@ def _worker(rank, world, port, workdir):
             directory = os.path.join(workdir, fmt)
             # A user's own plan through parallelize_module (here via parallelize, which also makes the
             # config's head counts per rank).
-            model = parallelize(torch_marlin.load_quantized(directory), mesh, user_plan)
-            q = model.model.layers[0].self_attn.q_proj
-            assert q.out_features == SHAPE["hidden_size"] // world, f"{fmt}: q_proj not sharded"
-            assert_logits_close(logits_of(model, ids), ref[fmt]["logits"], f"{fmt} rank {rank} (parallelize_module)")
+            if fmt in ("u4", "trellis"):  # the same styles as from_pretrained below: two formats suffice here
+                model = parallelize(torch_marlin.load_quantized(directory), mesh, user_plan)
+                q = model.model.layers[0].self_attn.q_proj
+                assert q.out_features == SHAPE["hidden_size"] // world, f"{fmt}: q_proj not sharded"
+                assert_logits_close(logits_of(model, ids), ref[fmt]["logits"], f"{fmt} rank {rank} (parallelize_module)")
             if fmt == "fp4":  # the same model entropy-coded: RansLinear shards
                 model = torch_marlin.load_quantized(directory)
                 torch_marlin.entropy_code(model, progress=False)
@@ -220,6 +227,21 @@ def _worker(rank, world, port, workdir):
             assert (down.bias is not None) == (rank == 0 and fmt == "u4")
             assert_logits_close(logits_of(model, ids), ref[fmt]["logits"], f"{fmt} rank {rank} (from_pretrained)")
             assert torch.equal(greedy(model, ids, 4), ref[fmt]["tokens"]), f"{fmt} rank {rank}: greedy tokens differ"
+        # transformers' own tp_plan, through the quantizer's hooks: a torch_marlin checkpoint, each rank
+        # reading its pieces, and a float checkpoint quantized on load (each rank quantizes its shard).
+        from transformers import AutoModelForCausalLM
+
+        for fmt in ("fp4", "trellis"):
+            model = AutoModelForCausalLM.from_pretrained(os.path.join(workdir, fmt), tp_plan="auto")
+            assert model.model.layers[0].mlp.gate_proj.out_features == SHAPE["intermediate_size"] // world
+            assert_logits_close(logits_of(model, ids), ref[fmt]["logits"], f"{fmt} rank {rank} (transformers)")
+        model = AutoModelForCausalLM.from_pretrained(os.path.join(workdir, "float"), tp_plan="auto",
+                                                     quantization_config=torch_marlin.TorchMarlinConfig(
+                                                         format="u4", group_size=GROUP))
+        down = model.model.layers[0].mlp.down_proj
+        assert isinstance(down, torch_marlin.MarlinLinear) and down.in_features == SMALL["intermediate_size"] // world
+        assert_logits_close(logits_of(model, ids), ref["float_u4"], f"u4 on load rank {rank} (transformers)")
+        assert torch.equal(greedy(model, ids, 4), ref["float_u4_tokens"]), f"rank {rank}: greedy tokens differ"
         # Shapes that do not divide: refused before anything is sharded, naming layer, dimension, world size.
         odd = nn.Sequential(torch_marlin.MarlinLinear(64, 101, format="fp4", group_size=64, dtype=torch.float32))
         try:
@@ -240,5 +262,12 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
         model = random_model(fmt, bias=fmt == "u4")
         torch_marlin.save_quantized(model, str(tmp_path / fmt))
         ref[fmt] = {"logits": logits_of(model, ids), "tokens": greedy(model, ids, 4)}
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(6)
+    LlamaForCausalLM(LlamaConfig(**SMALL)).save_pretrained(tmp_path / "float")
+    quantized = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=torch_marlin.TorchMarlinConfig(
+        format="u4", group_size=GROUP))
+    ref["float_u4"], ref["float_u4_tokens"] = logits_of(quantized, ids), greedy(quantized, ids, 4)
     torch.save(ref, tmp_path / "reference.pt")
     mp.spawn(_worker, args=(WORLD, _free_port(), str(tmp_path)), nprocs=WORLD, join=True)

@@ -89,13 +89,34 @@ class TorchMarlinHfQuantizer(HfQuantizer):
             model.set_submodule(name, layer_type_for_entry(entry).empty(entry, "meta"))
         return model
 
+    def update_parallel_plan(self, model, plan):
+        super().update_parallel_plan(model, plan)
+        if _tensor_parallel(model):  # tp_plan: our layers get our styles (torch_marlin/distributed/hf.py)
+            from .distributed import hf as tp_hf
+
+            tp_hf.update_plan(model, plan, self._will_quantize)
+
+    def _will_quantize(self, name, linear) -> bool:
+        from .patching import LAYER_TYPES, _matches
+
+        cfg = self.quantization_config
+        return not self.pre_quantized and _matches(name, cfg.modules_to_not_convert) is None and \
+            LAYER_TYPES[cfg.format].supports(linear, cfg.group_size) is None
+
     def _process_model_after_weight_loading(self, model, **kwargs):
         from .patching import patch_model, quantized_layer_entry
 
         cfg = self.quantization_config
+        linears = {}
+        if _tensor_parallel(model):
+            from .distributed import hf as tp_hf
+
+            linears = tp_hf.localize(model)
         if not self.pre_quantized:
             patch_model(model, format=cfg.format, group_size=cfg.group_size, skip=cfg.modules_to_not_convert,
                         progress=False, **cfg.format_options)
+        if linears:
+            tp_hf.rehook(model, linears)
         cfg.layers = {name: entry for name, mod in model.named_modules()
                       if (entry := quantized_layer_entry(mod)) is not None}
         return model
@@ -106,6 +127,14 @@ class TorchMarlinHfQuantizer(HfQuantizer):
     @property
     def is_trainable(self) -> bool:
         return False
+
+
+def _tensor_parallel(model) -> bool:
+    """Whether transformers is loading ``model`` tensor-parallel (``tp_plan`` under torchrun)."""
+    import torch.distributed as dist
+
+    config = getattr(getattr(model, "config", None), "distributed_config", None)
+    return dist.is_available() and dist.is_initialized() and (getattr(config, "tp_size", 1) or 1) > 1
 
 
 def register() -> None:
