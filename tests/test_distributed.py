@@ -12,7 +12,7 @@ from torch import nn
 
 import torch_marlin
 from torch_marlin.distributed import ShardError, shard_layer
-from torch_marlin.formats import trellis as trellis_fmt
+from torch_marlin.distributed.bench import random_quantized_layer
 
 pytest.importorskip("transformers")
 
@@ -36,27 +36,7 @@ RTOL = 1e-4
 def random_layer(fmt: str, lin: nn.Linear, gen: torch.Generator) -> nn.Module:
     """A quantized layer of ``lin``'s shape with random codes and scales (quantizing is what other
     tests check; here only the sharding of whatever the layer holds matters)."""
-    K, N = lin.in_features, lin.out_features
-    bias = lin.bias is not None
-    if fmt == "trellis":
-        layer = torch_marlin.TrellisLinear(K, N, bits=3, group_size=GROUP, bias=bias)
-        layer.packed_indices.copy_(torch.randint(0, 256, layer.packed_indices.shape, generator=gen, dtype=torch.uint8))
-        layer.scales.copy_(torch.rand(layer.scales.shape, generator=gen) * 0.02 + 0.01)
-        layer.grid.copy_(torch.linspace(-2, 2, 8))
-        layer.su.copy_(trellis_fmt.random_signs(K, gen))
-        layer.sv.copy_(trellis_fmt.random_signs(N, gen))
-        layer._sync_index_layout()
-    else:
-        layer = torch_marlin.MarlinLinear(K, N, bias=bias, format=fmt, group_size=GROUP, dtype=torch.float32)
-        layer.B_packed.copy_(torch.randint(-2**31, 2**31 - 1, layer.B_packed.shape, generator=gen, dtype=torch.int32))
-        layer.scales.copy_(torch.rand(layer.scales.shape, generator=gen) * 0.004 + 0.002)
-        if fmt == "u4":
-            layer.zeros.copy_(torch.randint(0, 16, layer.zeros.shape, generator=gen, dtype=torch.uint8))
-        if fmt == "affine":
-            layer.offsets.copy_(torch.randn(layer.offsets.shape, generator=gen) * 0.01)
-    if bias:
-        layer.bias.copy_(torch.randn(N, generator=gen) * 0.1)
-    return layer
+    return random_quantized_layer(fmt, lin, GROUP, gen)
 
 
 def random_model(fmt: str, seed: int = 0, bias: bool = False):
@@ -242,6 +222,23 @@ def _worker(rank, world, port, workdir):
         assert isinstance(down, torch_marlin.MarlinLinear) and down.in_features == SMALL["intermediate_size"] // world
         assert_logits_close(logits_of(model, ids), ref["float_u4"], f"u4 on load rank {rank} (transformers)")
         assert torch.equal(greedy(model, ids, 4), ref["float_u4_tokens"]), f"rank {rank}: greedy tokens differ"
+        # scripts/bench_e2e.py --tp: each rank's part of the comparison, on these ranks.
+        import sys
+
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+        import bench_e2e
+
+        from torch_marlin.distributed.bench import _rank_main
+
+        args = bench_e2e.build_parser().parse_args(
+            ["--tp", "2", "--device", "cpu", "--layers", "1", "--hidden", "256", "--intermediate", "512", "--heads",
+             "4", "--kv-heads", "4", "--vocab", "256", "--prompt", "2", "--new-tokens", "3", "--batch", "1",
+             "--formats", "float,fp4", "--group-size", "64", "--modes", "eager"])
+        rows = _rank_main(rank, args, bench_e2e.build_model, bench_e2e.llama_config, bench_e2e.time_generation)
+        if rank == 0:
+            assert [(r[0], r[1], r[2], r[3]) for r in rows] == [(f, "eager", 1, n) for f in ("float32", "fp4")
+                                                               for n in (1, 2)], rows
+            assert all(r[4] > 0 and r[5] > 0 and (r[6] > 0) == (r[3] == 2) for r in rows), rows
         # Shapes that do not divide: refused before anything is sharded, naming layer, dimension, world size.
         odd = nn.Sequential(torch_marlin.MarlinLinear(64, 101, format="fp4", group_size=64, dtype=torch.float32))
         try:
