@@ -73,13 +73,13 @@ def assert_logits_close(out, ref, what):
 
 # ---------------------------------------------------------------------------------------------- one process
 
-def _ranks_output(layer, x, style, world=WORLD, splits=None):
+def _ranks_output(layer, x, style, world=WORLD, splits=None, local_float=False):
     """The layer's output rebuilt from every rank's shard, as the collectives would."""
     if style == "rowwise":
         K = layer.in_features
-        return sum(shard_layer(layer, "rowwise", r, world)(x[:, r * K // world:(r + 1) * K // world])
-                   for r in range(world))
-    outs = [shard_layer(layer, "colwise", r, world, splits=splits)(x) for r in range(world)]
+        return sum(shard_layer(layer, "rowwise", r, world, local_float=local_float)(
+            x[:, r * K // world:(r + 1) * K // world]) for r in range(world))
+    outs = [shard_layer(layer, "colwise", r, world, splits=splits, local_float=local_float)(x) for r in range(world)]
     if splits is None:
         return torch.cat(outs, -1)
     per = [s // world for s in splits]
@@ -87,25 +87,25 @@ def _ranks_output(layer, x, style, world=WORLD, splits=None):
     return torch.cat([pieces[r][i] for i in range(len(splits)) for r in range(world)], -1)
 
 
-@pytest.mark.parametrize("fmt", FORMATS + ("rans",))
+@pytest.mark.parametrize("fmt", FORMATS + ("rans", "float"))
 @pytest.mark.parametrize("style", ("colwise", "rowwise"))
 def test_shards_compute_their_part(fmt, style):
     gen = torch.Generator().manual_seed(1)
     lin = nn.Linear(256, 256, bias=True)
-    layer = random_layer("fp4" if fmt == "rans" else fmt, lin, gen)
+    layer = lin if fmt == "float" else random_layer("fp4" if fmt == "rans" else fmt, lin, gen)
     if fmt == "rans":
         layer = torch_marlin.RansLinear.from_marlin(layer)
     x = torch.randn(3, 256, generator=gen)
     with torch.inference_mode():
         ref = layer(x)
-        out = _ranks_output(layer, x, style)
+        out = _ranks_output(layer, x, style, local_float=fmt == "float")
     # colwise shards compute the same dot products as the whole layer (equal); rowwise splits each into
     # two fp32 partial sums (see RTOL).
     assert_logits_close(out, ref, f"{fmt} {style}")
-    shard = shard_layer(layer, style, 1, WORLD)
+    shard = shard_layer(layer, style, 1, WORLD, local_float=fmt == "float")
     assert type(shard) is type(layer)
-    if style == "rowwise":
-        assert shard.bias is None and shard_layer(layer, style, 0, WORLD).bias is not None  # the bias is added once
+    if style == "rowwise":  # the bias is added once
+        assert shard.bias is None and shard_layer(layer, style, 0, WORLD, local_float=fmt == "float").bias is not None
 
 
 @pytest.mark.parametrize("fmt", ("u4", "trellis"))

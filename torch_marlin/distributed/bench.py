@@ -161,7 +161,7 @@ def _spawned(rank, port, args, build_model, llama_config, time_generation, resul
 
 def _rank_main(rank, args, build_model, llama_config, time_generation) -> Optional[List[tuple]]:
     from ..patching import resolve_device
-    from . import parallelize
+    from . import auto_plan, parallelize
     from .loading import init_tp_mesh, local_device
 
     wanted = resolve_device(args.device)
@@ -208,7 +208,8 @@ def _rank_main(rank, args, build_model, llama_config, time_generation) -> Option
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         dist.barrier()
-        model = parallelize(build(fmt), mesh, "auto")
+        model = build(fmt)
+        model = parallelize(model, mesh, auto_plan(model, local_float=True))  # float16 rows without DTensor calls
         if device.type == "cuda":
             torch.cuda.empty_cache()
         measure(model, fmt, world)

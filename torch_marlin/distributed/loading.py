@@ -23,13 +23,14 @@ def init_tp_mesh(device: Optional[torch.device] = None):
 
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
+        raise RuntimeError("tp_plan needs torch.distributed: launch with torchrun --nproc-per-node N, or call "
+                           "torch.distributed.init_process_group first")
+    if device.type == "cuda":  # one GPU per rank, bound before NCCL starts
+        rank = int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else dist.get_rank()
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     if not dist.is_initialized():
-        if "WORLD_SIZE" not in os.environ:
-            raise RuntimeError("tp_plan needs torch.distributed: launch with torchrun --nproc-per-node N, or call "
-                               "torch.distributed.init_process_group first")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
     return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
@@ -74,7 +75,7 @@ def load_quantized_tp(directory: str, tp_plan="auto", mesh=None, verify: bool = 
     for name, entry in cfg["layers"].items():  # every shard checked before any tensor is read
         layer = layer_type_for_entry(entry).empty(entry, "meta")
         style = _style_for(name, plan)
-        kind = None if style is None else ("colwise" if "Colwise" in type(style).__name__ else "rowwise")
+        kind = getattr(style, "kind", None)  # our styles; a layer under any other style is loaded whole
         if kind is not None:
             rule_of(layer).check(layer, kind, world, name, getattr(style, "splits", None))
         layers[name] = (layer, kind)

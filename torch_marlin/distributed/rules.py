@@ -276,6 +276,32 @@ class TrellisShardRule(ShardRule):
         return out
 
 
+class FloatLinearRule(ShardRule):
+    """A float ``nn.Linear`` (weight ``[N, K]``) computed locally like the quantized layers (no
+    DTensor dispatch per call): for inference plans that keep some layers in float."""
+
+    def check(self, layer, style, world, name, splits=None):
+        _check_style(style)
+        if style == "colwise":
+            _check_members(name, layer.out_features, world, splits)
+        else:
+            _divides(name, "in_features", layer.in_features, world)
+
+    def splits_of(self, layer, style):
+        plan = {"weight": Split(0 if style == "colwise" else 1), "bias": Split(0) if style == "colwise" else None}
+        return {k: v for k, v in plan.items() if getattr(layer, k) is not None}
+
+    def build(self, layer, tensors, style, rank, world, name):
+        if style == "rowwise" and rank != 0:
+            tensors = {k: v for k, v in tensors.items() if k != "bias"}
+        w = tensors["weight"]
+        mod = nn.Linear(w.shape[1], w.shape[0], bias="bias" in tensors, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            for key, t in tensors.items():
+                getattr(mod, key).copy_(t)
+        return mod.requires_grad_(layer.weight.requires_grad).train(layer.training)
+
+
 class RefusedRule(ShardRule):
     def __init__(self, why: str):
         self.why = why
@@ -297,8 +323,14 @@ RULES: Dict[type, ShardRule] = {
 }
 
 
-def rule_of(layer: nn.Module) -> Optional[ShardRule]:
-    """The sharding rule of a quantized layer, or None for any other module."""
+LOCAL_FLOAT = FloatLinearRule()
+
+
+def rule_of(layer: nn.Module, local_float: bool = False) -> Optional[ShardRule]:
+    """The sharding rule of a quantized layer (and with ``local_float`` of an ``nn.Linear``), or None
+    for any other module."""
+    if local_float and type(layer) is nn.Linear:
+        return LOCAL_FLOAT
     for cls in type(layer).__mro__:
         if cls in RULES:
             return RULES[cls]
@@ -309,7 +341,9 @@ def buffers_of(layer: nn.Module) -> Dict[str, torch.Tensor]:
     """The layer's tensors as its checkpoint holds them (trellis indices in canonical tiles)."""
     if isinstance(layer, TrellisLinear):
         return TRELLIS.canonical(layer)
-    return {k: v for k, v in layer.named_buffers(recurse=False) if v is not None}
+    tensors = dict(layer.named_parameters(recurse=False))
+    tensors.update(layer.named_buffers(recurse=False))
+    return {k: v.detach() for k, v in tensors.items() if v is not None}
 
 
 def shard_tensors(rule: ShardRule, layer: nn.Module, tensors: Dict[str, torch.Tensor], style: str, rank: int,
@@ -321,13 +355,13 @@ def shard_tensors(rule: ShardRule, layer: nn.Module, tensors: Dict[str, torch.Te
 
 
 def shard_layer(layer: nn.Module, style: str, rank: int, world: int, name: str = "layer",
-                splits: Optional[Sequence[int]] = None) -> nn.Module:
+                splits: Optional[Sequence[int]] = None, local_float: bool = False) -> nn.Module:
     """Rank ``rank`` of ``world``'s share of ``layer``, a new layer of the same class: ``"colwise"``
     computes its ``out_features / world`` columns of the output (per member of a fused layer when
     ``splits`` gives the members' widths), ``"rowwise"`` a partial output from its
     ``in_features / world`` slice of the input, to be summed over the ranks. ShardError when the
-    layer cannot be split so."""
-    rule = rule_of(layer)
+    layer cannot be split so. ``local_float``: an ``nn.Linear`` is split the same way."""
+    rule = rule_of(layer, local_float)
     if rule is None:
         raise TypeError(f"{name}: {type(layer).__name__} is not a torch_marlin quantized layer")
     if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):

@@ -37,7 +37,7 @@ def _rank_world(mesh) -> tuple:
 
 
 def shard_in_place(module: nn.Module, style: str, rank: int, world: int, name: Optional[str] = None,
-                   splits: Optional[Sequence[int]] = None) -> nn.Module:
+                   splits: Optional[Sequence[int]] = None, local_float: bool = False) -> nn.Module:
     """Shards a quantized layer in place (unless it already is rank ``rank`` of ``world``'s
     ``style`` shard) and marks it."""
     done = getattr(module, SHARDED_ATTR, None)
@@ -52,7 +52,7 @@ def shard_in_place(module: nn.Module, style: str, rank: int, world: int, name: O
         raise ValueError(f"{name or 'this module'} is a slice of the fused layer {module.fused_name}: shard the model "
                          "before fusing (torch_marlin.fusion.fuse_projections after parallelize_module), or shard "
                          f"{module.fused_name} with QuantizedColwiseParallel(splits=...)")
-    become(module, shard_layer(module, style, rank, world, name or type(module).__name__, splits))
+    become(module, shard_layer(module, style, rank, world, name or type(module).__name__, splits, local_float))
     setattr(module, SHARDED_ATTR, (style, rank, world))
     return module
 
@@ -107,52 +107,64 @@ def install_local_forward(module: nn.Module, mesh, style: str, input_layout, out
     return module
 
 
-class QuantizedColwiseParallel(ColwiseParallel):
+class _LocalStyle:
+    """The shared ``_apply`` of the two styles: our layers (and float Linears with ``local_float``)
+    sharded in place and run locally; anything else handed to PyTorch's style."""
+    kind = ""
+
+    def _init_local(self, splits, local_float):
+        self.splits = None if splits is None else tuple(int(s) for s in splits)
+        self.local_float = local_float
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if rule_of(module, self.local_float) is None:
+            return super()._apply(module, device_mesh)
+        rank, world = _rank_world(device_mesh)
+        shard_in_place(module, self.kind, rank, world, splits=self.splits, local_float=self.local_float)
+        return install_local_forward(module, device_mesh, self.kind, self.input_layouts[0], self.output_layouts[0],
+                                     self.use_local_output)
+
+
+class QuantizedColwiseParallel(_LocalStyle, ColwiseParallel):
     """``ColwiseParallel`` that also shards torch_marlin layers. ``splits``: the members' widths of a
-    fused layer (q/k/v, gate/up), split one by one so each rank keeps its heads of every member."""
+    fused layer (q/k/v, gate/up), split one by one so each rank keeps its heads of every member.
+    ``local_float``: float ``nn.Linear`` layers too are sharded and run on local tensors (inference:
+    no DTensor dispatch per call) instead of by PyTorch's DTensor ``ColwiseParallel``."""
+    kind = "colwise"
 
     def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True,
-                 splits: Optional[Sequence[int]] = None):
+                 splits: Optional[Sequence[int]] = None, local_float: bool = False):
         super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
-        self.splits = None if splits is None else tuple(int(s) for s in splits)
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        if rule_of(module) is None:
-            return super()._apply(module, device_mesh)
-        rank, world = _rank_world(device_mesh)
-        shard_in_place(module, "colwise", rank, world, splits=self.splits)
-        return install_local_forward(module, device_mesh, "colwise", self.input_layouts[0], self.output_layouts[0],
-                                     self.use_local_output)
+        self._init_local(splits, local_float)
 
 
-class QuantizedRowwiseParallel(RowwiseParallel):
-    """``RowwiseParallel`` that also shards torch_marlin layers (bias kept by rank 0 alone)."""
+class QuantizedRowwiseParallel(_LocalStyle, RowwiseParallel):
+    """``RowwiseParallel`` that also shards torch_marlin layers (bias kept by rank 0 alone);
+    ``local_float`` as for :class:`QuantizedColwiseParallel`."""
+    kind = "rowwise"
 
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        if rule_of(module) is None:
-            return super()._apply(module, device_mesh)
-        rank, world = _rank_world(device_mesh)
-        shard_in_place(module, "rowwise", rank, world)
-        return install_local_forward(module, device_mesh, "rowwise", self.input_layouts[0], self.output_layouts[0],
-                                     self.use_local_output)
+    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True,
+                 local_float: bool = False):
+        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
+        self._init_local(None, local_float)
 
 
 #: transformers' plan style names -> our styles (the styles a decoder's q/k/v/o and MLP plans use).
 HF_STYLE_NAMES = {
-    "colwise": lambda: QuantizedColwiseParallel(),
-    "rowwise": lambda: QuantizedRowwiseParallel(),
-    "colwise_rep": lambda: QuantizedColwiseParallel(output_layouts=Replicate()),
-    "colwise_gather_output": lambda: QuantizedColwiseParallel(output_layouts=Replicate()),
-    "rowwise_rep": lambda: QuantizedRowwiseParallel(input_layouts=Replicate()),
-    "rowwise_split_input": lambda: QuantizedRowwiseParallel(input_layouts=Replicate()),
+    "colwise": lambda **kw: QuantizedColwiseParallel(**kw),
+    "rowwise": lambda **kw: QuantizedRowwiseParallel(**kw),
+    "colwise_rep": lambda **kw: QuantizedColwiseParallel(output_layouts=Replicate(), **kw),
+    "colwise_gather_output": lambda **kw: QuantizedColwiseParallel(output_layouts=Replicate(), **kw),
+    "rowwise_rep": lambda **kw: QuantizedRowwiseParallel(input_layouts=Replicate(), **kw),
+    "rowwise_split_input": lambda **kw: QuantizedRowwiseParallel(input_layouts=Replicate(), **kw),
 }
 
 
-def auto_plan(model: nn.Module) -> dict:
+def auto_plan(model: nn.Module, local_float: bool = False) -> dict:
     """A ``parallelize_module`` plan from a transformers model's own tensor-parallel plan
     (``config.base_model_tp_plan``, under the base model's prefix): our styles for the styles it
-    names. Entries in other styles (embedding, sequence or expert styles) are left out: those
-    modules stay whole on every rank."""
+    names (``local_float`` passed on). Entries in other styles (embedding, sequence or expert
+    styles) are left out: those modules stay whole on every rank."""
     config = getattr(model, "config", None)
     plan = dict(getattr(config, "base_model_tp_plan", None) or {})
     if not plan:
@@ -161,7 +173,8 @@ def auto_plan(model: nn.Module) -> dict:
     prefix = getattr(model, "base_model_prefix", "")
     if prefix and not hasattr(model, prefix):
         prefix = ""
-    return {(f"{prefix}.{k}" if prefix else k): HF_STYLE_NAMES[v]() for k, v in plan.items() if v in HF_STYLE_NAMES}
+    return {(f"{prefix}.{k}" if prefix else k): HF_STYLE_NAMES[v](local_float=local_float) for k, v in plan.items()
+            if v in HF_STYLE_NAMES}
 
 
 def heads_per_rank(model: nn.Module, world: int) -> None:
@@ -191,9 +204,9 @@ def parallelize(model: nn.Module, mesh, plan="auto") -> nn.Module:
     plan = auto_plan(model) if plan == "auto" else plan
     for name, module in model.named_modules():  # refuse before sharding anything
         style = _style_for(name, plan)
-        if style is not None and rule_of(module) is not None and getattr(module, SHARDED_ATTR, None) is None:
-            kind = "colwise" if isinstance(style, ColwiseParallel) else "rowwise"
-            rule_of(module).check(module, kind, world, name, getattr(style, "splits", None))
+        rule = rule_of(module, style.local_float) if isinstance(style, _LocalStyle) else None
+        if rule is not None and getattr(module, SHARDED_ATTR, None) is None:
+            rule.check(module, style.kind, world, name, style.splits)
     parallelize_module(model, mesh, plan)
     if hasattr(model, "config") and hasattr(model.config, "num_attention_heads"):
         heads_per_rank(model, world)
