@@ -3,7 +3,6 @@ process, then two gloo ranks spawned by the test running a small Llama-shaped mo
 same model in one process."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from torch import nn
 
 import torch_marlin
 from torch_marlin.distributed import ShardError, shard_layer
-from torch_marlin.distributed.bench import random_quantized_layer
+from torch_marlin.distributed.bench import free_port, random_quantized_layer
 
 pytest.importorskip("transformers")
 
@@ -156,12 +155,6 @@ def test_refusals_name_layer_dimension_and_world_size():
 
 # ---------------------------------------------------------------------------------------------- two ranks
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, world, port, workdir):
     import warnings
 
@@ -267,4 +260,4 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
         format="u4", group_size=GROUP))
     ref["float_u4"], ref["float_u4_tokens"] = logits_of(quantized, ids), greedy(quantized, ids, 4)
     torch.save(ref, tmp_path / "reference.pt")
-    mp.spawn(_worker, args=(WORLD, _free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(WORLD, free_port(), str(tmp_path)), nprocs=WORLD, join=True)

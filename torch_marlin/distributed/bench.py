@@ -109,7 +109,7 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -138,7 +138,7 @@ def bench_tp(args, parser, build_model: Callable, llama_config: Callable, time_g
 
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_spawned, args=(rank, port, args, build_model, llama_config, time_generation, results))
              for rank in range(args.tp)]
     for p in procs:

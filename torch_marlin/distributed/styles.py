@@ -196,8 +196,9 @@ def heads_per_rank(model: nn.Module, world: int) -> None:
 
 
 def parallelize(model: nn.Module, mesh, plan="auto") -> nn.Module:
-    """``parallelize_module(model, mesh, plan)`` with ``plan="auto"`` from :func:`auto_plan`, the
-    config's head counts made per rank (:func:`heads_per_rank`)."""
+    """``parallelize_module(model, mesh, plan)`` with ``plan="auto"`` from :func:`auto_plan`; every
+    shard the plan asks for is checked before any is made, and when the key projections are split,
+    the config's head counts are made per rank (:func:`heads_per_rank`)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     _, world = _rank_world(mesh)
@@ -208,7 +209,10 @@ def parallelize(model: nn.Module, mesh, plan="auto") -> nn.Module:
         if rule is not None and getattr(module, SHARDED_ATTR, None) is None:
             rule.check(module, style.kind, world, name, style.splits)
     parallelize_module(model, mesh, plan)
-    if hasattr(model, "config") and hasattr(model.config, "num_attention_heads"):
+    # Column-parallel key projections leave each rank its share of the heads.
+    splits_heads = any(k.rpartition(".")[2] in ("k_proj", "qkv_proj") and isinstance(s, ColwiseParallel)
+                       for k, s in plan.items())
+    if splits_heads and hasattr(getattr(model, "config", None), "num_attention_heads"):
         heads_per_rank(model, world)
     return model
 
