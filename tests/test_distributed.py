@@ -162,6 +162,7 @@ def _worker(rank, world, port, workdir):
     from torch.distributed.device_mesh import init_device_mesh
 
     from torch_marlin.distributed import QuantizedColwiseParallel, QuantizedRowwiseParallel, parallelize
+    from torch_marlin.fusion import fuse_projections
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", "Passing `tp_plan` directly", FutureWarning)  # the spelling, kept
@@ -187,6 +188,10 @@ def _worker(rank, world, port, workdir):
                 q = model.model.layers[0].self_attn.q_proj
                 assert q.out_features == SHAPE["hidden_size"] // world, f"{fmt}: q_proj not sharded"
                 assert_logits_close(logits_of(model, ids), ref[fmt]["logits"], f"{fmt} rank {rank} (parallelize_module)")
+                if fmt == "u4":  # fused after sharding: each rank fuses its own shards of q/k/v and gate/up
+                    fused, _ = fuse_projections(model)
+                    assert len(fused) == 2 * SHAPE["num_hidden_layers"], fused
+                    assert_logits_close(logits_of(model, ids), ref[fmt]["logits"], f"fused u4 rank {rank}")
             if fmt == "fp4":  # the same model entropy-coded: RansLinear shards
                 model = torch_marlin.load_quantized(directory)
                 torch_marlin.entropy_code(model, progress=False)
@@ -241,6 +246,14 @@ def _worker(rank, world, port, workdir):
         else:
             raise AssertionError("a 101-column layer was split over 2 ranks")
         assert odd[0].out_features == 101
+        fused = torch_marlin.load_quantized(os.path.join(workdir, "u4"))
+        fuse_projections(fused)
+        try:
+            parallelize(fused, mesh, user_plan)
+        except ValueError as e:
+            assert "q_proj is a slice of the fused layer" in str(e) and "before fusing" in str(e), str(e)
+        else:
+            raise AssertionError("a fused model was sharded through its slices")
     finally:
         dist.destroy_process_group()
 

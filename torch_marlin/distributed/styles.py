@@ -46,15 +46,18 @@ def shard_in_place(module: nn.Module, style: str, rank: int, world: int, name: O
             raise ValueError(f"{name or type(module).__name__} is already sharded as {done}, not "
                              f"{(style, rank, world)}")
         return module
+    become(module, shard_layer(module, style, rank, world, name or type(module).__name__, splits, local_float))
+    setattr(module, SHARDED_ATTR, (style, rank, world))
+    return module
+
+
+def refuse_fused_slice(module: nn.Module, name: Optional[str] = None) -> None:
     from ..fusion import FusedSlice
 
     if isinstance(module, FusedSlice):
         raise ValueError(f"{name or 'this module'} is a slice of the fused layer {module.fused_name}: shard the model "
-                         "before fusing (torch_marlin.fusion.fuse_projections after parallelize_module), or shard "
-                         f"{module.fused_name} with QuantizedColwiseParallel(splits=...)")
-    become(module, shard_layer(module, style, rank, world, name or type(module).__name__, splits, local_float))
-    setattr(module, SHARDED_ATTR, (style, rank, world))
-    return module
+                         "before fusing (torch_marlin.fusion.fuse_projections after parallelize_module fuses each "
+                         "rank's shards)")
 
 
 def local_colwise_input(input_layout, mod, inputs, mesh):
@@ -117,6 +120,7 @@ class _LocalStyle:
         self.local_float = local_float
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        refuse_fused_slice(module)
         if rule_of(module, self.local_float) is None:
             return super()._apply(module, device_mesh)
         rank, world = _rank_world(device_mesh)
@@ -127,7 +131,9 @@ class _LocalStyle:
 
 class QuantizedColwiseParallel(_LocalStyle, ColwiseParallel):
     """``ColwiseParallel`` that also shards torch_marlin layers. ``splits``: the members' widths of a
-    fused layer (q/k/v, gate/up), split one by one so each rank keeps its heads of every member.
+    layer that holds several projections side by side along N (a checkpoint's fused q/k/v or gate/up
+    whose model splits the output itself), split one by one so each rank keeps its heads of every
+    member.
     ``local_float``: float ``nn.Linear`` layers too are sharded and run on local tensors (inference:
     no DTensor dispatch per call) instead of by PyTorch's DTensor ``ColwiseParallel``."""
     kind = "colwise"
@@ -205,6 +211,8 @@ def parallelize(model: nn.Module, mesh, plan="auto") -> nn.Module:
     plan = auto_plan(model) if plan == "auto" else plan
     for name, module in model.named_modules():  # refuse before sharding anything
         style = _style_for(name, plan)
+        if style is not None:
+            refuse_fused_slice(module, name)
         rule = rule_of(module, style.local_float) if isinstance(style, _LocalStyle) else None
         if rule is not None and getattr(module, SHARDED_ATTR, None) is None:
             rule.check(module, style.kind, world, name, style.splits)
