@@ -107,6 +107,21 @@ def test_shards_compute_their_part(fmt, style):
         assert shard.bias is None and shard_layer(layer, style, 0, WORLD, local_float=fmt == "float").bias is not None
 
 
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
+def test_half_precision_shards(dtype):
+    gen = torch.Generator().manual_seed(7)
+    layer = random_layer("affine", nn.Linear(256, 128, bias=True, dtype=dtype), gen)
+    x = torch.randn(2, 3, 256, generator=gen).to(dtype)  # leading batch dimensions
+    with torch.inference_mode():
+        ref = layer(x)
+        assert torch.equal(_ranks_output(layer, x.reshape(6, 256), "colwise").reshape(2, 3, 128), ref)
+        rows = _ranks_output(layer, x.reshape(6, 256), "rowwise").reshape(2, 3, 128)
+    # Each rank rounds its fp32 partial sum to the 16-bit dtype before the sum: two roundings of
+    # half an ulp of the output's magnitude more than the whole layer's one.
+    ulp = torch.finfo(dtype).eps * ref.float().abs().amax()
+    assert (rows.float() - ref.float()).abs().max() <= 2 * ulp
+
+
 @pytest.mark.parametrize("fmt", ("u4", "trellis"))
 def test_fused_layer_splits_per_member(fmt):
     gen = torch.Generator().manual_seed(2)

@@ -160,6 +160,7 @@ def _spawned(rank, port, args, build_model, llama_config, time_generation, resul
 
 
 def _rank_main(rank, args, build_model, llama_config, time_generation) -> Optional[List[tuple]]:
+    from ..fusion import fuse_projections
     from ..patching import resolve_device
     from . import auto_plan, parallelize
     from .loading import init_tp_mesh, local_device
@@ -189,6 +190,12 @@ def _rank_main(rank, args, build_model, llama_config, time_generation) -> Option
         model = build_model(copy.deepcopy(config), dtype, device, args.seed)
         return model if fmt == "float" else randomize_linears(model, fmt, args.group_size, args.seed)
 
+    def build_one_rank(fmt):
+        model = build(fmt)
+        if args.fuse and fmt != "float":
+            fuse_projections(model)
+        return model
+
     def measure(model, fmt, ranks):
         for batch in args.batch:
             for mode in run_modes:
@@ -202,7 +209,7 @@ def _rank_main(rank, args, build_model, llama_config, time_generation) -> Option
 
     for fmt in formats:
         if rank == 0:  # the one-rank baseline: rank 0 alone, the others wait
-            model = build(fmt)
+            model = build_one_rank(fmt)
             measure(model, fmt, 1)
             del model
             if device.type == "cuda":
@@ -210,6 +217,8 @@ def _rank_main(rank, args, build_model, llama_config, time_generation) -> Option
         dist.barrier()
         model = build(fmt)
         model = parallelize(model, mesh, auto_plan(model, local_float=True))  # float16 rows without DTensor calls
+        if args.fuse and fmt != "float":  # each rank fuses its shards of q/k/v and gate/up
+            fuse_projections(model)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         measure(model, fmt, world)
