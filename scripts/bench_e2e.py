@@ -216,7 +216,7 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.tp:
         from torch_marlin.distributed.bench import bench_tp
-        return bench_tp(args, build_parser(), build_model, llama_config, time_generation)
+        return bench_tp(args, build_parser(), argv, build_model, llama_config, time_generation)
     device = resolve_device(args.device)
     shape = SHAPES["cuda" if device.type == "cuda" else "other"]
     for name, default in zip(("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab"), shape):

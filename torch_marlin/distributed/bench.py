@@ -15,6 +15,7 @@ the same ranks right after the decode runs.
 import copy
 import os
 import socket
+import sys
 import time
 from typing import Callable, List, Optional
 
@@ -115,17 +116,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def bench_tp(args, parser, build_model: Callable, llama_config: Callable, time_generation: Callable
+def bench_tp(args, parser, argv, build_model: Callable, llama_config: Callable, time_generation: Callable
              ) -> Optional[list]:
-    """Runs the comparison on ``args.tp`` ranks (bench_e2e's arguments and parser; its model builder,
-    config and timing are passed in). Formats and batch sizes left at the parser's defaults become
-    float and fp4, batch 1 and 16. Returns rank 0's rows: (format, mode, batch, ranks, step ms,
-    tok/s, all-reduce ms per step)."""
+    """Runs the comparison on ``args.tp`` ranks (bench_e2e's arguments, parser and command line; its
+    model builder, config and timing are passed in). Without ``--formats`` / ``--batch`` on the
+    command line: float and fp4, batch 1 and 16. Returns rank 0's rows: (format, mode, batch, ranks,
+    step ms, tok/s, all-reduce ms per step)."""
     if args.tp < 2:
         parser.error(f"--tp needs at least 2 ranks, got {args.tp}")
-    if args.formats == parser.get_default("formats"):
+    given = {a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)}
+    if "--formats" not in given:
         args.formats = "float,fp4"
-    if args.batch == parser.get_default("batch"):
+    if "--batch" not in given:
         args.batch = [1, 16]
     bad = [f for f in args.formats.split(",") if f not in ("float", "fp4", "u4", "affine", "trellis")]
     if bad:
