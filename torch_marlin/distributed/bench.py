@@ -51,7 +51,7 @@ def random_quantized_layer(fmt: str, linear: nn.Linear, group_size: int, generat
         layer.grid.copy_(torch.linspace(-2, 2, 8, device=device))
         layer.su.copy_(trellis_fmt.random_signs(K, generator).to(device))
         layer.sv.copy_(trellis_fmt.random_signs(N, generator).to(device))
-        layer._sync_index_layout()
+        layer.use_device_layout()
     else:
         layer = MarlinLinear(K, N, bias=linear.bias is not None, format=fmt, group_size=group_size, dtype=dtype,
                              device=device)

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES, replace_layer_number_by_wildcard
 from transformers.distributed.tensor_parallel import ColwiseParallel, RowwiseParallel
 
-from .rules import rule_of
+from .layers import rule_of
 from .styles import SHARDED_ATTR, install_local_forward
 
 PENDING_ATTR = "_torch_marlin_tp_pending"  # (style, mesh, layouts) until the layer is built after loading

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .rules import Split, read_pieces, rule_of
+from .layers import rule_of
+from .rules import Split, read_pieces
 from .styles import SHARDED_ATTR, _style_for, auto_plan, parallelize
 
 
@@ -59,7 +60,7 @@ def load_quantized_tp(directory: str, tp_plan="auto", mesh=None, verify: bool = 
     from safetensors import safe_open
 
     from ..checkpoint import _build_hf_skeleton, _open_weights, _read_config, check_layer_shapes
-    from ..patching import layer_type_for_entry
+    from ..registry import empty_layer, use_device_layouts
 
     mesh = mesh if mesh is not None else init_tp_mesh()
     rank, world = mesh.get_local_rank(), mesh.size()
@@ -73,7 +74,7 @@ def load_quantized_tp(directory: str, tp_plan="auto", mesh=None, verify: bool = 
 
     layers = {}
     for name, entry in cfg["layers"].items():  # every shard checked before any tensor is read
-        layer = layer_type_for_entry(entry).empty(entry, "meta")
+        layer = empty_layer(entry, "meta")
         style = _style_for(name, plan)
         kind = getattr(style, "kind", None)  # our styles; a layer under any other style is loaded whole
         if kind is not None:
@@ -86,7 +87,7 @@ def load_quantized_tp(directory: str, tp_plan="auto", mesh=None, verify: bool = 
             prefix = name + "."
             if kind is None:
                 tensors = {k: f.get_tensor(prefix + k) for k, v in layer._buffers.items() if v is not None}
-                new = layer_type_for_entry(cfg["layers"][name]).empty(cfg["layers"][name], "cpu")
+                new = empty_layer(cfg["layers"][name], "cpu")
                 new.load_state_dict(tensors, strict=True)
             else:
                 rule = rule_of(layer)
@@ -108,4 +109,5 @@ def load_quantized_tp(directory: str, tp_plan="auto", mesh=None, verify: bool = 
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     model.to(device)
+    use_device_layouts(model)
     return parallelize(model.eval(), mesh, plan)

@@ -10,12 +10,14 @@ Two ways to split a layer ``y = x @ W^T + b`` (``W`` is ``[N, K]``, stored ``[K,
   slice of the input; the ranks' partial outputs are summed (all-reduce). The slice must hold whole
   quantization groups. The bias is added once: rank 0 keeps it, the other ranks' shards have none.
 
-:data:`RULES` holds, per layer class, which tensors split along which dimension and how a rank's
-pieces become its layer (:class:`ShardRule`); what a format cannot split raises :class:`ShardError`
-naming the layer, the dimension and the world size, and saying what to do instead. The same rule
-serves three entry points: :func:`shard_layer` on a whole layer, the loaders (each rank reads only
-its pieces of the checkpoint, :func:`read_pieces`) and the ParallelStyles below, which plug our layers
-into ``torch.distributed.tensor.parallel.parallelize_module``.
+:class:`ShardRule` says, per layer class, which tensors split along which dimension and how a rank's
+pieces become its layer; each format's entry in torch_marlin/registry.py names its rule
+(``shard``). What a format cannot split raises :class:`ShardError` naming the layer, the
+dimension and the world size, and saying what to do instead. The same rule serves three entry
+points: a whole layer (:func:`torch_marlin.distributed.shard_layer`), the loaders (each rank reads
+only its pieces of the checkpoint, :func:`read_pieces`) and the ParallelStyles
+(torch_marlin/distributed/styles.py), which plug our layers into
+``torch.distributed.tensor.parallel.parallelize_module``.
 
 docs/distributed.md says what shards how.
 """
@@ -28,7 +30,7 @@ import torch
 from torch import nn
 
 from ..formats import trellis as trellis_fmt
-from ..modules import MarlinLinear, RansLinear, TrellisLinear, TrellisMoE
+from ..modules import MarlinLinear, RansLinear, TrellisLinear
 
 STYLES = ("colwise", "rowwise")
 
@@ -111,6 +113,15 @@ class ShardRule:
 
     def features(self, layer: nn.Module, style: str) -> int:
         return layer.out_features if style == "colwise" else layer.in_features
+
+    def __call__(self, layer: nn.Module, style: str, rank: int, world: int, name: str = "layer",
+                 splits: Optional[Sequence[int]] = None) -> nn.Module:
+        """Rank ``rank`` of ``world``'s share of the whole ``layer`` (see :func:`torch_marlin.distributed.shard_layer`)."""
+        if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):
+            raise ValueError(f"{name}: need 0 <= rank < world, got rank={rank!r}, world={world!r}")
+        self.check(layer, style, world, name, splits)
+        pieces = shard_tensors(self, layer, buffers_of(layer), style, rank, world, splits)
+        return self.build(layer, pieces, style, rank, world, name)
 
 
 # ---------------------------------------------------------------------------------------------- MarlinLinear
@@ -267,7 +278,7 @@ class TrellisShardRule(ShardRule):
             for key, t in tensors.items():
                 getattr(mod, key).copy_(t)
         mod.validate()
-        mod._sync_index_layout()
+        mod.use_device_layout()
         return mod.train(layer.training)
 
     def canonical(self, layer: TrellisLinear) -> Dict[str, torch.Tensor]:
@@ -311,30 +322,11 @@ class RefusedRule(ShardRule):
 
 
 MARLIN = MarlinShardRule()
+RANS = RansShardRule()
 TRELLIS = TrellisShardRule()
-#: The sharding rule of each quantized layer class.
-RULES: Dict[type, ShardRule] = {
-    MarlinLinear: MARLIN,
-    RansLinear: RansShardRule(),
-    TrellisLinear: TRELLIS,
-    TrellisMoE: RefusedRule("expert tensors are not sharded (their SwiGLU intermediate is rotated per expert in "
-                            "the MoE kernel); leave the MoE block out of the tensor-parallel plan so every rank "
-                            "holds it whole"),
-}
-
-
+MOE = RefusedRule("expert tensors are not sharded (their SwiGLU intermediate is rotated per expert in the MoE "
+                  "kernel); leave the MoE block out of the tensor-parallel plan so every rank holds it whole")
 LOCAL_FLOAT = FloatLinearRule()
-
-
-def rule_of(layer: nn.Module, local_float: bool = False) -> Optional[ShardRule]:
-    """The sharding rule of a quantized layer (and with ``local_float`` of an ``nn.Linear``), or None
-    for any other module."""
-    if local_float and type(layer) is nn.Linear:
-        return LOCAL_FLOAT
-    for cls in type(layer).__mro__:
-        if cls in RULES:
-            return RULES[cls]
-    return None
 
 
 def buffers_of(layer: nn.Module) -> Dict[str, torch.Tensor]:
@@ -352,23 +344,6 @@ def shard_tensors(rule: ShardRule, layer: nn.Module, tensors: Dict[str, torch.Te
     ranges = feature_ranges(rule.features(layer, style), rank, world, splits if style == "colwise" else None)
     plan = rule.splits_of(layer, style)
     return {k: take(tensors[k], plan[k], ranges) for k in plan}
-
-
-def shard_layer(layer: nn.Module, style: str, rank: int, world: int, name: str = "layer",
-                splits: Optional[Sequence[int]] = None, local_float: bool = False) -> nn.Module:
-    """Rank ``rank`` of ``world``'s share of ``layer``, a new layer of the same class: ``"colwise"``
-    computes its ``out_features / world`` columns of the output (per member of a fused layer when
-    ``splits`` gives the members' widths), ``"rowwise"`` a partial output from its
-    ``in_features / world`` slice of the input, to be summed over the ranks. ShardError when the
-    layer cannot be split so. ``local_float``: an ``nn.Linear`` is split the same way."""
-    rule = rule_of(layer, local_float)
-    if rule is None:
-        raise TypeError(f"{name}: {type(layer).__name__} is not a torch_marlin quantized layer")
-    if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):
-        raise ValueError(f"{name}: need 0 <= rank < world, got rank={rank!r}, world={world!r}")
-    rule.check(layer, style, world, name, splits)
-    pieces = shard_tensors(rule, layer, buffers_of(layer), style, rank, world, splits)
-    return rule.build(layer, pieces, style, rank, world, name)
 
 
 def read_pieces(rule: ShardRule, layer: nn.Module, read: Callable[[str, Optional[Split], list], torch.Tensor],

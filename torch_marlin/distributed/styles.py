@@ -22,7 +22,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from .rules import become, rule_of, shard_layer
+from .layers import rule_of, shard_layer
+from .rules import become
 
 #: Set on a sharded layer: (style, rank, world). A layer loaded already sharded carries it too, so a
 #: style applied to it later only installs the hooks.
