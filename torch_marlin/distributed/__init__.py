@@ -16,12 +16,10 @@ __all__ = ["ShardError", "ShardRule", "Split", *_LAZY]
 
 
 def __getattr__(name):
-    if name == "layers":
-        from . import layers
-        return layers
-    if name == "styles":
-        from . import styles
-        return styles
+    import importlib
+
+    if name in ("layers", "styles"):
+        return importlib.import_module(f"{__name__}.{name}")
     if name in _LAZY:
-        return getattr(__getattr__(_LAZY[name]), name)
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
