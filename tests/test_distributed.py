@@ -164,6 +164,8 @@ def test_refusals_name_layer_dimension_and_world_size():
     moe = torch_marlin.TrellisMoE(128, 128, 4, top_k=2, group_size=64)
     with pytest.raises(ShardError, match="leave the MoE block out of the tensor-parallel plan"):
         shard_layer(moe, "colwise", 0, 2, name="mlp")
+    with pytest.raises(TypeError, match="tp_plan must be 'auto' or a dict"):
+        torch_marlin.from_pretrained(os.path.dirname(__file__), tp_plan="colwise")
     with pytest.raises(ValueError, match="style must be one of"):
         shard_layer(random_layer("fp4", nn.Linear(128, 64), gen), "diagonal", 0, 2)
 

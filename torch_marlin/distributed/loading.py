@@ -14,7 +14,7 @@ from torch import nn
 
 from .layers import rule_of
 from .rules import Split, read_pieces
-from .styles import SHARDED_ATTR, _style_for, auto_plan, parallelize
+from .styles import SHARDED_ATTR, _style_for, auto_plan, check_plan, parallelize
 
 
 def init_tp_mesh(device: Optional[torch.device] = None):
@@ -62,6 +62,7 @@ def load_quantized_tp(directory: str, tp_plan="auto", mesh=None, verify: bool = 
     from ..checkpoint import _build_hf_skeleton, _open_weights, _read_config, check_layer_shapes
     from ..registry import empty_layer, use_device_layouts
 
+    check_plan(tp_plan)
     mesh = mesh if mesh is not None else init_tp_mesh()
     rank, world = mesh.get_local_rank(), mesh.size()
     device = local_device(mesh)

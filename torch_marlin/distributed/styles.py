@@ -209,7 +209,7 @@ def parallelize(model: nn.Module, mesh, plan="auto") -> nn.Module:
     from torch.distributed.tensor.parallel import parallelize_module
 
     _, world = _rank_world(mesh)
-    plan = auto_plan(model) if plan == "auto" else plan
+    plan = auto_plan(model) if check_plan(plan) == "auto" else plan
     for name, module in model.named_modules():  # refuse before sharding anything
         style = _style_for(name, plan)
         if style is not None:
@@ -224,6 +224,17 @@ def parallelize(model: nn.Module, mesh, plan="auto") -> nn.Module:
     if splits_heads and hasattr(getattr(model, "config", None), "num_attention_heads"):
         heads_per_rank(model, world)
     return model
+
+
+def check_plan(plan):
+    """``plan`` itself when it is ``"auto"`` or a dict of module patterns to ParallelStyles, else TypeError."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    if plan == "auto" or (isinstance(plan, dict) and all(isinstance(k, str) and isinstance(v, ParallelStyle)
+                                                          for k, v in plan.items())):
+        return plan
+    raise TypeError(f"tp_plan must be 'auto' or a dict of module patterns to ParallelStyles "
+                    f"(QuantizedColwiseParallel(), QuantizedRowwiseParallel(), ...), got {plan!r}")
 
 
 def _style_for(name: str, plan: dict):

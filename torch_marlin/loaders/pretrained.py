@@ -355,16 +355,16 @@ def from_pretrained(path: str, device=None, dtype: Optional[torch.dtype] = None,
     own device (``device`` is then ignored). A torch_marlin checkpoint is read in pieces, each rank
     only its shards; other sources are loaded whole, then sharded."""
     path = os.fspath(path)
-    source = detect(path)
     if tp_plan is not None:
         from ..distributed import loading, parallelize
 
-        if source == "torch_marlin":
+        loading.check_plan(tp_plan)  # before anything is read
+        if detect(path) == "torch_marlin":
             model = loading.load_quantized_tp(path, tp_plan)
             return model.to(dtype) if dtype is not None else model
         mesh = loading.init_tp_mesh()
-        model = from_pretrained(path, device=loading.local_device(mesh), dtype=dtype)
-        return parallelize(model, mesh, tp_plan)
+        return parallelize(from_pretrained(path, device=loading.local_device(mesh), dtype=dtype), mesh, tp_plan)
+    source = detect(path)
     if source == "torch_marlin":
         from ..checkpoint import load_quantized
 
