@@ -173,6 +173,7 @@ def test_refusals_name_layer_dimension_and_world_size():
 # ---------------------------------------------------------------------------------------------- two ranks
 
 def _worker(rank, world, port, workdir):
+    import datetime
     import warnings
 
     import torch.distributed as dist
@@ -184,7 +185,9 @@ def _worker(rank, world, port, workdir):
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", "Passing `tp_plan` directly", FutureWarning)  # the issue's spelling, kept
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # as torchrun sets them
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # A rank that fails ends the test through mp.spawn; a minute bounds a wait on a collective.
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
     try:
         mesh = init_device_mesh("cpu", (world,))
         ref = torch.load(os.path.join(workdir, "reference.pt"))
@@ -235,6 +238,13 @@ def _worker(rank, world, port, workdir):
                                                          format="u4", group_size=GROUP))
         down = model.model.layers[0].mlp.down_proj
         assert isinstance(down, torch_marlin.MarlinLinear) and down.in_features == SMALL["intermediate_size"] // world
+        try:  # o_proj's row shard (64 of 128 inputs) would cut groups of 128
+            AutoModelForCausalLM.from_pretrained(os.path.join(workdir, "float"), tp_plan="auto",
+                                                 quantization_config=torch_marlin.TorchMarlinConfig(group_size=128))
+        except ShardError as e:
+            assert "model.layers.0.self_attn.o_proj: a row shard of in_features=128 over world size 2" in str(e), str(e)
+        else:
+            raise AssertionError("transformers' tp_plan cut quantization groups")
         assert_logits_close(logits_of(model, ids), ref["float_u4"], f"u4 on load rank {rank} (transformers)")
         assert torch.equal(greedy(model, ids, 4), ref["float_u4_tokens"]), f"rank {rank}: greedy tokens differ"
         # scripts/bench_e2e.py --tp: each rank's part of the comparison, on these ranks.

@@ -94,7 +94,7 @@ class TorchMarlinHfQuantizer(HfQuantizer):
         if _tensor_parallel(model):  # tp_plan: our layers get our styles (torch_marlin/distributed/hf.py)
             from .distributed import hf as tp_hf
 
-            tp_hf.update_plan(model, plan, self._will_quantize)
+            tp_hf.update_plan(model, plan, self._will_quantize, self.quantization_config.group_size)
 
     def _will_quantize(self, name, linear) -> bool:
         from .patching import _matches

@@ -28,6 +28,7 @@ from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES, replace
 from transformers.distributed.tensor_parallel import ColwiseParallel, RowwiseParallel
 
 from .layers import rule_of
+from .rules import LOCAL_FLOAT, ShardError
 from .styles import SHARDED_ATTR, install_local_forward
 
 PENDING_ATTR = "_torch_marlin_tp_pending"  # (style, mesh, layouts) until the layer is built after loading
@@ -41,8 +42,7 @@ class _HfQuantizedStyle:
         if rule is None and type(module) is not nn.Linear:
             return super().install_forward(module, mesh)
         rank, world = mesh.get_local_rank(), mesh.size()
-        if rule is not None:
-            rule.check(module, self.kind, world, type(module).__name__)
+        if rule is not None:  # checked with its name by update_plan
             for name, split in rule.splits_of(module, self.kind).items():
                 if split is not None:
                     module._buffers[name] = distribute_tensor(module._buffers[name], mesh, [Shard(split.dim)],
@@ -75,18 +75,33 @@ for _name, _make in STYLES.values():
         ALL_PARALLEL_STYLES.register(_name, _make())
 
 
-def update_plan(model: nn.Module, plan: Dict[str, str], will_quantize) -> None:
+def update_plan(model: nn.Module, plan: Dict[str, str], will_quantize, group_size: int) -> None:
     """Renames, in place, the rules of ``plan`` (transformers' generic names, ``layers.*.q_proj``)
     that name torch_marlin layers, or Linears ``will_quantize(name, module)`` says the config will
-    quantize, to our styles."""
+    quantize (in groups of ``group_size``), to our styles; then checks every layer they name splits
+    over the world size (ShardError naming the layer before any tensor is read)."""
     ours: Dict[str, bool] = {}
-    for name, module in model.named_modules():
+    modules = list(model.named_modules())
+    for name, module in modules:
         generic = replace_layer_number_by_wildcard(name)
         quantized = rule_of(module) is not None or (type(module) is nn.Linear and will_quantize(name, module))
         ours[generic] = ours.get(generic, True) and quantized
+    renamed = {}
     for key, style in list(plan.items()):
         if style in STYLES and ours.get(key, False):
             plan[key] = STYLES[style][0]
+            renamed[key] = "colwise" if isinstance(ALL_PARALLEL_STYLES[plan[key]], ColwiseParallel) else "rowwise"
+    world = model.config.distributed_config.tp_size
+    for name, module in modules:
+        kind = renamed.get(replace_layer_number_by_wildcard(name))
+        if kind is None:
+            continue
+        rule = rule_of(module, local_float=True)
+        rule.check(module, kind, world, name)
+        if rule is LOCAL_FLOAT and kind == "rowwise" and (module.in_features // world) % group_size:
+            raise ShardError(f"{name}: a row shard of in_features={module.in_features} over world size {world} is "
+                             f"not whole groups of group_size={group_size}; pick a group size dividing "
+                             f"{module.in_features // world} or another world size")
 
 
 def _local(t):
