@@ -178,6 +178,7 @@ def _worker(rank, world, port, workdir):
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from torch_marlin.distributed import QuantizedColwiseParallel, QuantizedRowwiseParallel, parallelize
     from torch_marlin.fusion import fuse_projections
@@ -196,9 +197,10 @@ def _worker(rank, world, port, workdir):
                      "model.layers.*.self_attn.k_proj": QuantizedColwiseParallel(),
                      "model.layers.*.self_attn.v_proj": QuantizedColwiseParallel(),
                      "model.layers.*.self_attn.o_proj": QuantizedRowwiseParallel(),
-                     "model.layers.*.mlp.gate_proj": QuantizedColwiseParallel(),
-                     "model.layers.*.mlp.up_proj": QuantizedColwiseParallel(),
-                     "model.layers.*.mlp.down_proj": QuantizedRowwiseParallel()}
+                     # PyTorch's own styles, as a plan written for the float model has them
+                     "model.layers.*.mlp.gate_proj": ColwiseParallel(),
+                     "model.layers.*.mlp.up_proj": ColwiseParallel(),
+                     "model.layers.*.mlp.down_proj": RowwiseParallel()}
         for fmt in FORMATS:
             directory = os.path.join(workdir, fmt)
             # A user's own plan through parallelize_module (here via parallelize, which also makes the

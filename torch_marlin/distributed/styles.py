@@ -203,13 +203,15 @@ def heads_per_rank(model: nn.Module, world: int) -> None:
 
 
 def parallelize(model: nn.Module, mesh, plan="auto") -> nn.Module:
-    """``parallelize_module(model, mesh, plan)`` with ``plan="auto"`` from :func:`auto_plan`; every
-    shard the plan asks for is checked before any is made, and when the key projections are split,
-    the config's head counts are made per rank (:func:`heads_per_rank`)."""
+    """``parallelize_module(model, mesh, plan)`` with ``plan="auto"`` from :func:`auto_plan`, and
+    PyTorch's own ``ColwiseParallel`` / ``RowwiseParallel`` in a plan taken as ours (so a plan written
+    for the float model shards the quantized one); every shard the plan asks for is checked before
+    any is made, and when the key projections are split, the config's head counts are made per rank
+    (:func:`heads_per_rank`)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     _, world = _rank_world(mesh)
-    plan = auto_plan(model) if check_plan(plan) == "auto" else plan
+    plan = auto_plan(model) if check_plan(plan) == "auto" else {k: _accepting_ours(v) for k, v in plan.items()}
     for name, module in model.named_modules():  # refuse before sharding anything
         style = _style_for(name, plan)
         if style is not None:
@@ -224,6 +226,18 @@ def parallelize(model: nn.Module, mesh, plan="auto") -> nn.Module:
     if splits_heads and hasattr(getattr(model, "config", None), "num_attention_heads"):
         heads_per_rank(model, world)
     return model
+
+
+def _accepting_ours(style):
+    """PyTorch's own ``ColwiseParallel`` / ``RowwiseParallel`` as ours (same layouts): the same for
+    ``nn.Linear``, and able to shard torch_marlin layers."""
+    layouts = lambda: dict(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],  # noqa: E731
+                           use_local_output=style.use_local_output)
+    if type(style) is ColwiseParallel:
+        return QuantizedColwiseParallel(**layouts())
+    if type(style) is RowwiseParallel:
+        return QuantizedRowwiseParallel(**layouts())
+    return style
 
 
 def check_plan(plan):
