@@ -209,7 +209,7 @@ def _worker(rank, world, port, workdir):
                 model = parallelize(torch_marlin.load_quantized(directory), mesh, user_plan)
                 q = model.model.layers[0].self_attn.q_proj
                 assert q.out_features == SHAPE["hidden_size"] // world, f"{fmt}: q_proj not sharded"
-                assert_logits_close(logits_of(model, ids), ref[fmt]["logits"], f"{fmt} rank {rank} (parallelize_module)")
+                assert_logits_close(logits_of(model, ids), ref[fmt]["logits"], f"{fmt} rank {rank} (own plan)")
                 if fmt == "u4":  # fused after sharding: each rank fuses its own shards of q/k/v and gate/up
                     fused, _ = fuse_projections(model)
                     assert len(fused) == 2 * SHAPE["num_hidden_layers"], fused
@@ -298,8 +298,8 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
 
     torch.manual_seed(6)
     LlamaForCausalLM(LlamaConfig(**SMALL)).save_pretrained(tmp_path / "float")
-    quantized = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=torch_marlin.TorchMarlinConfig(
-        format="u4", group_size=GROUP))
+    quantized = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "float", quantization_config=torch_marlin.TorchMarlinConfig(format="u4", group_size=GROUP))
     ref["float_u4"], ref["float_u4_tokens"] = logits_of(quantized, ids), greedy(quantized, ids, 4)
     torch.save(ref, tmp_path / "reference.pt")
     mp.spawn(_worker, args=(WORLD, free_port(), str(tmp_path)), nprocs=WORLD, join=True)

@@ -61,8 +61,10 @@ class HfQuantizedRowwise(_HfQuantizedStyle, RowwiseParallel):
 
 
 STYLES = {
-    "colwise": ("torch_marlin_colwise", lambda: HfQuantizedColwise(input_layouts=Replicate(), output_layouts=Shard(-1))),
-    "rowwise": ("torch_marlin_rowwise", lambda: HfQuantizedRowwise(input_layouts=Shard(-1), output_layouts=Replicate())),
+    "colwise": ("torch_marlin_colwise",
+                lambda: HfQuantizedColwise(input_layouts=Replicate(), output_layouts=Shard(-1))),
+    "rowwise": ("torch_marlin_rowwise",
+                lambda: HfQuantizedRowwise(input_layouts=Shard(-1), output_layouts=Replicate())),
     "colwise_gather_output": ("torch_marlin_colwise_rep",
                               lambda: HfQuantizedColwise(input_layouts=Replicate(), output_layouts=Replicate())),
     "colwise_rep": ("torch_marlin_colwise_rep",

@@ -116,7 +116,8 @@ class ShardRule:
 
     def __call__(self, layer: nn.Module, style: str, rank: int, world: int, name: str = "layer",
                  splits: Optional[Sequence[int]] = None) -> nn.Module:
-        """Rank ``rank`` of ``world``'s share of the whole ``layer`` (see :func:`torch_marlin.distributed.shard_layer`)."""
+        """Rank ``rank`` of ``world``'s share of the whole ``layer``
+        (:func:`torch_marlin.distributed.shard_layer`)."""
         if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):
             raise ValueError(f"{name}: need 0 <= rank < world, got rank={rank!r}, world={world!r}")
         self.check(layer, style, world, name, splits)
@@ -351,7 +352,8 @@ def read_pieces(rule: ShardRule, layer: nn.Module, read: Callable[[str, Optional
     """Rank ``rank``'s pieces read from storage: ``read(buffer name, split, element ranges)`` returns
     the piece (the whole tensor for ``split=None``), so a loader reads only what the rank keeps."""
     ranges = feature_ranges(rule.features(layer, style), rank, world)
-    return {k: read(k, s, None if s is None else element_ranges(s, ranges)) for k, s in rule.splits_of(layer, style).items()}
+    return {k: read(k, s, None if s is None else element_ranges(s, ranges))
+            for k, s in rule.splits_of(layer, style).items()}
 
 
 def become(layer: nn.Module, shard: nn.Module) -> nn.Module:

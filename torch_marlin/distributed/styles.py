@@ -16,7 +16,6 @@ redistributed first.
 
 from typing import Optional, Sequence
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -66,7 +65,8 @@ def local_colwise_input(input_layout, mod, inputs, mesh):
     if isinstance(x, DTensor):
         x = x.redistribute(placements=[Replicate()]).to_local()
     elif input_layout != Replicate():
-        x = DTensor.from_local(x, mesh, [input_layout], run_check=False).redistribute(placements=[Replicate()]).to_local()
+        x = DTensor.from_local(x, mesh, [input_layout], run_check=False)
+        x = x.redistribute(placements=[Replicate()]).to_local()
     return (x, *inputs[1:])
 
 
