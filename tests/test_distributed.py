@@ -266,6 +266,31 @@ def _worker(rank, world, port, workdir):
             assert [(r[0], r[1], r[2], r[3]) for r in rows] == [(f, "eager", 1, n) for f in ("float32", "fp4")
                                                                for n in (1, 2)], rows
             assert all(r[4] > 0 and r[5] > 0 and (r[6] > 0) == (r[3] == 2) for r in rows), rows
+        # Layouts other than the defaults: a gathered column output, a row layer fed the whole input,
+        # a reduce-scattered row output (sequence parallel), a DTensor input.
+        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+        def make():
+            torch.manual_seed(8)  # nn.Linear's bias, which the random layer keeps
+            return nn.Sequential(random_layer("u4", nn.Linear(256, 128), torch.Generator().manual_seed(8)))
+
+        whole = make()
+        x = torch.randn(4, 256, generator=torch.Generator().manual_seed(9))
+        with torch.inference_mode():
+            ref_y = whole(x)
+        cases = ((QuantizedColwiseParallel(output_layouts=Replicate()), x, ref_y),
+                 (QuantizedRowwiseParallel(input_layouts=Replicate()), x, ref_y),
+                 (QuantizedRowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)), x,
+                  ref_y.chunk(world)[rank]),
+                 (QuantizedColwiseParallel(use_local_output=False), distribute_tensor(x, mesh, [Replicate()]),
+                  ref_y))
+        for style, inp, want in cases:
+            layer = make()
+            parallelize(layer, mesh, {"0": style})
+            with torch.inference_mode():
+                y = layer(inp)
+            y = y.full_tensor() if isinstance(y, DTensor) else y
+            assert_logits_close(y, want, f"{style} rank {rank}")
         # Shapes that do not divide: refused before anything is sharded, naming layer, dimension, world size.
         odd = nn.Sequential(torch_marlin.MarlinLinear(64, 101, format="fp4", group_size=64, dtype=torch.float32))
         try:
