@@ -89,7 +89,15 @@ def update_plan(model: nn.Module, plan: Dict[str, str], will_quantize, group_siz
         quantized = rule_of(module) is not None or (type(module) is nn.Linear and will_quantize(name, module))
         ours[generic] = ours.get(generic, True) and quantized
     renamed = {}
+    registered = {name for name, _ in STYLES.values()}
     for key, style in list(plan.items()):
+        if ours.get(key, False) and style in registered:  # renamed already
+            renamed[key] = "colwise" if isinstance(ALL_PARALLEL_STYLES[style], ColwiseParallel) else "rowwise"
+            continue
+        if ours.get(key, False) and style not in STYLES:
+            raise ShardError(f"tp_plan rule {key!r}: {style!r} on torch_marlin layers is not supported (they take "
+                             f"{', '.join(STYLES)}); override the rule with distributed_config="
+                             "DistributedConfig(tp_plan={...}) or leave the layer out of the plan")
         if style in STYLES and ours.get(key, False):
             plan[key] = STYLES[style][0]
             renamed[key] = "colwise" if isinstance(ALL_PARALLEL_STYLES[plan[key]], ColwiseParallel) else "rowwise"
