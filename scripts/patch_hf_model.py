@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout without install
 
 import torch_marlin  # noqa: E402
 import evaluation  # noqa: E402  (scripts/evaluation.py)
+from torch_marlin.fusion import fuse_projections  # noqa: E402
 from torch_marlin.patching import FORMATS, resolve_device  # noqa: E402
 
 SENTENCES = os.path.join(HERE, "data", "sentences.txt")
@@ -129,8 +130,9 @@ def parse_args(argv=None):
         fail(f"--group-size: trellis needs a positive multiple of 16, got {args.group_size}", p)
     if args.entropy_coding and args.format == "trellis":
         fail("--entropy-coding applies to --format fp4, u4 or affine (trellis indices are not coded)", p)
-    if args.fuse and args.save:
-        fail("--fuse and --save: checkpoints are saved unfused (fuse after load_quantized); drop one of them", p)
+    if args.fuse and args.save and (args.format == "trellis" or args.entropy_coding):
+        fail("--fuse with --save: fused trellis and entropy-coded layers cannot be cut back into their members for "
+             "the checkpoint; save without --fuse and fuse after load_quantized", p)
     if args.calibration is None:
         args.calibration = CALIBRATION
     if args.method == "gptq" and not os.path.isfile(args.calibration):
@@ -488,6 +490,8 @@ def compare(args, dev, dtype, fm, qm, tok, kind, report, label, t_start):
         torch_marlin.save_quantized(qm, args.save, tokenizer=tok)
         size = sum(os.path.getsize(os.path.join(args.save, f)) for f in os.listdir(args.save))
         re = torch_marlin.load_quantized(args.save, device=dev)
+        if args.fuse:  # the checkpoint holds the members: fuse them again as qm was
+            fuse_projections(re)
         same = torch.equal(probe(qm), probe(re))
         print(f"\nsaved to {args.save} ({size / 2**20:.1f} MiB); reloaded with load_quantized: "
               f"{'identical outputs' if same else 'OUTPUTS DIFFER'}")

@@ -393,7 +393,8 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
     as one quantized GEMM each, N concatenated (:func:`torch_marlin.fusion.fuse_projections`); the
     members of a group are quantized exactly as unfused ones, except that a format whose members
     must share state to fuse (trellis: one codebook) quantizes the rest of a group with its first
-    member's. Fused models save unfused: fuse after :func:`torch_marlin.load_quantized`.
+    member's. Only the transformers families of :data:`torch_marlin.fusion.SUPPORTED` fuse; the
+    report's ``unfused`` says why a group was not.
 
     ``entropy_coding`` (fp4, u4, affine): after quantizing, each layer's 4-bit codes are stored
     rANS-coded (:class:`torch_marlin.RansLinear`, lossless: the same outputs up to fp32 summation
