@@ -48,7 +48,7 @@ def main_error(capsys, *args):
     (["--format", "trellis", "--group-size", "40"], ["trellis needs a positive multiple of 16, got 40"]),
     (["--format", "fp4", "--bits", "3"], ["--bits applies to --format trellis only"]),
     (["--format", "affine", "--bits", "3"], ["--bits applies to --format trellis only (fp4, u4 and affine"]),
-    (["--fuse", "--save", "/tmp/x"], ["--fuse and --save", "saved unfused"]),
+    (["--fuse", "--save", "/tmp/x", "--entropy-coding"], ["--fuse with --save", "cannot be cut back"]),
     (["--format", "trellis", "--entropy-coding"], ["--entropy-coding applies to --format fp4, u4 or affine"]),
     (["--repeats", "0"], ["--repeats", "must be positive"]),
     (["--format", "int8"], ["--format", "invalid choice"]),
