@@ -95,6 +95,9 @@ def build_parser():
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="activation dtype; auto: float32 on cpu, float16 on mps/cuda")
     p.add_argument("--skip", nargs="*", default=["lm_head"], help="Linear layers kept in float")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="quantize the output projection too, in u4 g64 whatever --format is, untied from the "
+                        "embeddings (patch_model(quantize_lm_head=True); docs/formats.md, \"Quantized lm_head\")")
     p.add_argument("--fuse", action="store_true",
                    help="run q/k/v and gate/up projections as one quantized GEMM each (patch_model(fuse=True))")
     p.add_argument("--entropy-coding", action="store_true",
@@ -408,7 +411,8 @@ def load_prequantized(args, dev, path, dtype, source):
         report.float_bytes += m.in_features * m.out_features * torch.finfo(dtype).bits // 8
         report.quantized_bytes += _module_bytes(m)
     print(f"loaded the {source} checkpoint as it is ({len(layers)} MarlinLinear layers, {first.format} "
-          f"g{first.group_size} first) in {time.perf_counter() - t0:.1f} s; --format/--group-size/--method do not apply")
+          f"g{first.group_size} first) in {time.perf_counter() - t0:.1f} s; --format/--group-size/--method/"
+          "--quantize-lm-head do not apply")
     fm = dequantized_copy(qm)
     label = f"{source} {first.format} g{first.group_size}"
     if args.entropy_coding:
@@ -448,7 +452,7 @@ def run(args, dev, path, dtype, progress, t_start):
         print(f"calibration: {len(lines)} samples from {args.calibration}")
     report = torch_marlin.patch_model(qm, format=args.format, group_size=args.group_size, skip=args.skip, device=dev,
                                       progress=progress, fuse=args.fuse, entropy_coding=args.entropy_coding,
-                                      **opts)
+                                      quantize_lm_head=args.quantize_lm_head, **opts)
     print(report)
     print(f"quantized in {time.perf_counter() - t0:.1f} s")
     if not report.replaced:
@@ -460,7 +464,8 @@ def run(args, dev, path, dtype, progress, t_start):
               "divide their in_features; a smaller group size (e.g. 64) quantizes them")
 
     label = (f"{args.format}{args.bits or ''} g{args.group_size}" + (" gptq" if args.method == "gptq" else "") +
-             (" fused" if args.fuse else "") + (" rans" if args.entropy_coding else ""))
+             (" fused" if args.fuse else "") + (" rans" if args.entropy_coding else "") +
+             (" +lm_head" if args.quantize_lm_head else ""))
     compare(args, dev, dtype, fm, qm, tok, kind, report, label, t_start)
 
 

@@ -20,6 +20,9 @@ from .modules import MarlinLinear, RansLinear, TrellisLinear
 from .modules.rans import coding_unsupported
 
 DEFAULT_SKIP = ("lm_head",)
+# patch_model(quantize_lm_head=True): the output projection's format and group size, chosen on
+# SmolLM2-135M (docs/formats.md, "Quantized lm_head") for its perplexity and top-1 agreement per byte.
+LM_HEAD_FORMAT, LM_HEAD_GROUP_SIZE = "u4", 64
 MARLIN_FORMATS = ("fp4", "u4", "affine")
 METHODS = ("rtn", "gptq")
 
@@ -365,7 +368,7 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
                 skip: Sequence[str] = DEFAULT_SKIP, device=None, dtype: Optional[torch.dtype] = None,
                 strict: bool = False, progress: bool = True, method: str = "rtn", calibration=None,
                 act_order: bool = True, damp: float = 0.01, fuse: bool = False, entropy_coding: bool = False,
-                **format_options) -> PatchReport:
+                quantize_lm_head: bool = False, **format_options) -> PatchReport:
     """Replaces ``model``'s ``nn.Linear`` layers with quantized ones, in place; returns a report.
 
     ``format``: ``"fp4"``, ``"u4"`` or ``"affine"`` (MarlinLinear), ``"trellis"`` (TrellisLinear).
@@ -396,6 +399,12 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
     member's. Only the transformers families of :data:`torch_marlin.fusion.SUPPORTED` fuse; the
     report's ``unfused`` says why a group was not.
 
+    ``quantize_lm_head``: quantize the output projection too (``model.get_output_embeddings()``, else
+    a Linear named ``lm_head``; even where ``skip`` names it), in :data:`LM_HEAD_FORMAT` with
+    :data:`LM_HEAD_GROUP_SIZE` whatever ``format`` is. One tied to the input embeddings is untied
+    first: the embeddings keep their float weights. Off by default: the output projection is the
+    layer whose error every token's choice sees directly.
+
     ``entropy_coding`` (fp4, u4, affine): after quantizing, each layer's 4-bit codes are stored
     rANS-coded (:class:`torch_marlin.RansLinear`, lossless: the same outputs up to fp32 summation
     order, fewer bytes). Layers the coding does not support (``in_features`` or ``group_size`` not a
@@ -423,6 +432,10 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
     if bad:
         raise TypeError(f"format={format!r} takes options {list(lt.options)}, got unexpected {bad}")
     lt.module_class()  # raises a clear error when the module is not part of this build (trellis)
+    head = _output_projection(model) if quantize_lm_head else None
+    if quantize_lm_head and head is None:
+        raise ValueError("quantize_lm_head=True: the model has no output projection (an nn.Linear from "
+                         "get_output_embeddings() or named lm_head)")
     dev = resolve_device(device)
     if dev is not None:
         model.to(dev)
@@ -439,18 +452,28 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
         if type(mod) is not nn.Linear:  # subclasses (e.g. already-quantized wrappers) are left alone
             continue
         pattern = _matches(name, skip)
-        if pattern is not None:
+        reason = (LAYER_TYPES[LM_HEAD_FORMAT] if mod is head else lt).supports(
+            mod, LM_HEAD_GROUP_SIZE if mod is head else group_size)
+        if pattern is not None and mod is not head:
             report.skipped.append((name, f"matches skip pattern {pattern!r}"))
-        elif users.get(id(mod.weight), 0) > 1:
+        elif users.get(id(mod.weight), 0) > 1 and mod is not head:
             report.skipped.append((name, "weight is shared with another module (tied)"))
-        elif lt.supports(mod, group_size) is not None:
-            reason = lt.supports(mod, group_size)
+        elif reason is not None:
             if strict:
                 raise ValueError(f"{name}: {reason}; pass skip=[...] or another group_size")
             report.skipped.append((name, reason))
         else:
             todo.append((name, mod))
 
+    if head is not None and users.get(id(head.weight), 0) > 1 and any(lin is head for _, lin in todo):
+        # Tied to the input embeddings: the projection gets its own copy (GPTQ rewrites the weight it
+        # quantizes in place; the embeddings must keep theirs) and the config says the two are apart.
+        head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
+        config = getattr(model, "config", None)
+        for cfg in {id(c): c for c in (config, getattr(config, "get_text_config", lambda **k: None)())
+                    if c is not None}.values():
+            if hasattr(cfg, "tie_word_embeddings"):
+                cfg.tie_word_embeddings = False
     leader_of = _fuse_leaders([name for name, _ in todo]) if fuse else {}
     quantized: Dict[str, nn.Module] = {}
     bar = None
@@ -460,9 +483,15 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
 
     def quantize(name: str, lin: nn.Linear, **calibrated) -> nn.Module:
         layer_dtype = dtype if dtype is not None else lin.weight.dtype
+        if lin is head:
+            new = LAYER_TYPES[LM_HEAD_FORMAT].quantize(lin, LM_HEAD_GROUP_SIZE, layer_dtype, **calibrated)
+            return finish(name, lin, new)
         leader = quantized.get(leader_of.get(name, name))
         shared = lt.shared_options(leader) if leader is not None else {}
         new = lt.quantize(lin, group_size, layer_dtype, **format_options, **shared, **calibrated)
+        return finish(name, lin, new)
+
+    def finish(name: str, lin: nn.Linear, new: nn.Module) -> nn.Module:
         quantized[name] = new
         new.train(lin.training)
         report.float_bytes += _module_bytes(lin)
@@ -507,6 +536,12 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
     if fuse:
         report.fused, report.unfused = fuse_projections(model)
     return report
+
+
+def _output_projection(model: nn.Module) -> Optional[nn.Linear]:
+    get = getattr(model, "get_output_embeddings", None)
+    out = get() if callable(get) else getattr(model, "lm_head", None)
+    return out if type(out) is nn.Linear else None
 
 
 def entropy_code(model: nn.Module, progress: bool = True, report: Optional[PatchReport] = None) -> PatchReport:
