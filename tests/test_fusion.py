@@ -181,6 +181,16 @@ def test_save_quantized_writes_the_members_and_loads_fused_or_not(tmp_path):
     assert isinstance(model.model.layers[0].self_attn.q_proj, ColumnSlice)  # saving left the model fused
 
 
+def test_a_fused_model_copies():
+    model = tiny_model("gemma2")
+    torch_marlin.patch_model(model, format="fp4", group_size=32, progress=False, fuse=True)
+    other = copy.deepcopy(model)
+    attn, original = other.model.layers[0].self_attn, model.model.layers[0].self_attn
+    assert type(attn) is type(original) and attn.qkv_proj is not original.qkv_proj
+    with torch.inference_mode():
+        assert torch.equal(other(ids()).logits, model(ids()).logits)
+
+
 def test_save_refuses_a_fused_layer_that_cannot_be_cut_apart(tmp_path):
     model = tiny_model("llama")
     torch_marlin.patch_model(model, format="trellis", group_size=32, progress=False, fuse=True, rotate=False)
