@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from torch_marlin.patching import layer_type_of
+from torch_marlin.registry import layer_format_of
 
 CPU_GEMM_OPS = ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul")
 
@@ -75,11 +75,11 @@ class StepProfile:
 
 
 def is_linear(module: nn.Module) -> bool:
-    return type(module) is nn.Linear or layer_type_of(module) is not None
+    return type(module) is nn.Linear or layer_format_of(module) is not None
 
 
 def kind_of(module: nn.Module) -> str:
-    lt = layer_type_of(module)
+    lt = layer_format_of(module)
     if lt is not None:
         return lt.name
     return str(module.weight.dtype).replace("torch.", "")

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import torch_marlin
-from torch_marlin.patching import LAYER_TYPES, LM_HEAD_FORMAT, LM_HEAD_GROUP_SIZE
+from torch_marlin.patching import LM_HEAD_FORMAT, LM_HEAD_GROUP_SIZE
+from torch_marlin.registry import LAYER_FORMATS, layer_format_of
 
 from tiny_models import tiny_model
 
@@ -36,7 +37,7 @@ def test_tied_head_is_quantized_and_the_embeddings_kept(method):
                                       method=method, calibration=calibration)
     head = model.lm_head
     assert ("lm_head", 64, 128) in report.replaced
-    assert torch_marlin.patching.layer_type_of(head).name == LM_HEAD_FORMAT and head.group_size == LM_HEAD_GROUP_SIZE
+    assert layer_format_of(head).name == LM_HEAD_FORMAT and head.group_size == LM_HEAD_GROUP_SIZE
     # GPTQ rewrites the float weight it quantizes: the embeddings must not have been that weight.
     assert torch.equal(model.model.embed_tokens.weight, embeddings)
     assert model.config.tie_word_embeddings is False
@@ -60,7 +61,7 @@ def test_quantized_head_survives_save_and_load(tmp_path):
     torch_marlin.patch_model(model, format="u4", group_size=32, progress=False, quantize_lm_head=True)
     torch_marlin.save_quantized(model, str(tmp_path))
     loaded = torch_marlin.load_quantized(str(tmp_path))
-    assert isinstance(loaded.lm_head, LAYER_TYPES[LM_HEAD_FORMAT].module_class())
+    assert isinstance(loaded.lm_head, LAYER_FORMATS[LM_HEAD_FORMAT].layer)
     assert type(loaded.model.embed_tokens) is torch.nn.Embedding
     with torch.inference_mode():
         assert torch.equal(loaded(ids()).logits, model(ids()).logits)

@@ -18,16 +18,18 @@ attribute names are left unfused with the reason. Phi-3 ships its projections fu
 
 Each part keeps its own per-group quantization (groups run along K within a column, so columns of
 different parts never share a scale): the fused layer's outputs equal the separate layers' outputs
-up to fp32 summation order. How one layer type concatenates is its row of
-:data:`torch_marlin.patching.LAYER_TYPES` (``concat``), so every format fuses the same way.
-:func:`torch_marlin.save_quantized` writes a fused model with its members' keys (the fused layers
-cut back apart along N, :func:`unfused_members`), so a checkpoint loads the same fused or not.
+up to fp32 summation order. How one layer type concatenates is its class's ``concat``
+(torch_marlin/registry.py), so every format fuses the same way. :func:`torch_marlin.save_quantized`
+writes a fused model with its members' keys (the fused layers cut back apart along N,
+:func:`unfused_members`), so a checkpoint loads the same fused or not.
 """
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+
+from .registry import layer_format_of
 
 # (member attribute names, fused attribute name) of Llama-style decoder layers.
 QKV: Tuple[Tuple[str, ...], str] = (("q_proj", "k_proj", "v_proj"), "qkv_proj")
@@ -107,8 +109,6 @@ def fuse_projections(model: nn.Module) -> Tuple[List[Tuple[str, Tuple[str, ...]]
     ``unfused`` lists (group prefix, reason) for groups found but left as they were (a module class
     not in :data:`SUPPORTED`, members of different layer types or options, float members, formats
     whose parts cannot share one layer)."""
-    from .patching import layer_type_of  # the layer-type table imports nothing from here
-
     fused: List[Tuple[str, Tuple[str, ...]]] = []
     unfused: List[Tuple[str, str]] = []
     for parent_name, parent in list(model.named_modules()):
@@ -120,7 +120,7 @@ def fuse_projections(model: nn.Module) -> Tuple[List[Tuple[str, Tuple[str, ...]]
             reason = _why_not(parent, members, mods, fused_attr)
             layer = None
             if reason is None:
-                layer, reason = layer_type_of(mods[0]).concat(mods)
+                layer, reason = layer_format_of(mods[0]).concat(mods)
             if layer is None:
                 unfused.append((prefix + "{" + ",".join(members) + "}", reason))
                 continue
@@ -137,14 +137,12 @@ def fuse_projections(model: nn.Module) -> Tuple[List[Tuple[str, Tuple[str, ...]]
 
 
 def _why_not(parent: nn.Module, members: Sequence[str], mods: Sequence[nn.Module], fused_attr: str) -> Optional[str]:
-    from .patching import layer_type_of
-
     if isinstance(parent, FusedForward) or any(isinstance(m, ColumnSlice) for m in mods):
         return "already fused"
     if SUPPORTED.get(_class_key(type(parent))) != (tuple(members), fused_attr):
         return (f"{type(parent).__name__} is not a module whose forward is known to take a fused output "
                 "(torch_marlin.fusion.SUPPORTED lists the transformers families that fuse)")
-    types = [layer_type_of(m) for m in mods]
+    types = [layer_format_of(m) for m in mods]
     if any(t is None for t in types):
         kinds = ", ".join(type(m).__name__ for m in mods)
         return f"not all members are quantized layers ({kinds})"
@@ -159,9 +157,8 @@ def unfused_members(model: nn.Module) -> Dict[str, Dict[str, nn.Module]]:
     """For every fused layer of ``model``: its name -> {member name: the member as a layer of its
     own}, cut back out of the fused layer along N (new modules; the model is left as it is). What
     :func:`torch_marlin.save_quantized` writes in the fused layers' place. Raises ValueError for a
-    fused layer whose type keeps buffers that are not laid out with ``out_features`` last."""
-    from .patching import layer_type_of
-
+    fused layer whose buffers are not all laid out with ``out_features`` last (trellis tiles,
+    entropy-coded streams)."""
     out: Dict[str, Dict[str, nn.Module]] = {}
     for parent_name, parent in model.named_modules():
         if not isinstance(parent, FusedForward):
@@ -170,9 +167,7 @@ def unfused_members(model: nn.Module) -> Dict[str, Dict[str, nn.Module]]:
         layer = getattr(parent, parent.fused_layer)
         slices = sorted(((n, m) for n, m in parent.named_children() if isinstance(m, ColumnSlice)),
                         key=lambda nm: nm[1].start)
-        lt = layer_type_of(layer)
-        parts, why = (None, f"{type(layer).__name__} is not a quantized layer") if lt is None else \
-            split_out_features(layer, [m.out_features for _, m in slices], lt.describe, lt.empty)
+        parts, why = split_out_features(layer, [m.out_features for _, m in slices])
         if parts is None:
             raise ValueError(f"{prefix}{parent.fused_layer} cannot be cut back into its members ({why}): save the "
                              "model before fusing it (patch_model without fuse=True) and fuse after loading")
@@ -180,55 +175,31 @@ def unfused_members(model: nn.Module) -> Dict[str, Dict[str, nn.Module]]:
     return out
 
 
-def split_out_features(fused: nn.Module, widths: Sequence[int], describe, empty
-                       ) -> Tuple[Optional[List[nn.Module]], Optional[str]]:
-    """The inverse of :func:`concat_out_features`: layers of the given widths holding consecutive
-    column blocks of ``fused``, or ``(None, reason)``."""
-    cfg = describe(fused)
+def split_out_features(fused: nn.Module, widths: Sequence[int]) -> Tuple[Optional[List[nn.Module]], Optional[str]]:
+    """The inverse of a layer class's ``concat`` where every buffer has ``out_features`` last (an
+    act-order ``input_perm``, shared by the members, is copied whole): layers of the given widths
+    holding consecutive column blocks of ``fused``, or ``(None, reason)``."""
+    if layer_format_of(fused) is None:
+        return None, f"{type(fused).__name__} is not a quantized layer"
     if sum(widths) != fused.out_features:
         return None, f"the members' widths {list(widths)} do not add up to out_features={fused.out_features}"
+    entry = fused.checkpoint_entry()
     device = next(fused.buffers()).device
     parts, start = [], 0
     for width in widths:
-        part = empty(dict(cfg, out_features=width), device)
+        part = type(fused).from_checkpoint_entry(dict(entry, out_features=width), device)
         with torch.no_grad():
             for name, buf in part.named_buffers(recurse=False):
                 src = getattr(fused, name)
-                if src.shape[-1] != fused.out_features:
-                    return None, f"buffer '{name}' is not laid out with out_features last"
-                buf.copy_(src.narrow(-1, start, width))
+                if name == "input_perm":
+                    buf.copy_(src)
+                elif src.shape[-1] != fused.out_features or buf.shape[:-1] != src.shape[:-1]:
+                    return None, f"{type(fused).__name__} buffer '{name}' is not laid out with out_features last"
+                else:
+                    buf.copy_(src.narrow(-1, start, width))
         if hasattr(part, "validate"):
             part.validate()
         part.train(fused.training)
         parts.append(part)
         start += width
     return parts, None
-
-
-def concat_out_features(mods: Sequence[nn.Module], describe, empty) -> Tuple[Optional[nn.Module], Optional[str]]:
-    """The generic ``concat`` of the layer-type table: a layer whose every buffer has
-    ``out_features`` as its last dimension (column-major quantization: B_packed, scales, zero points,
-    bias) fuses by concatenating each buffer along it. ``describe``/``empty`` are the type's
-    checkpoint functions, which build the fused layer as an empty one of the summed width."""
-    cfgs = [describe(m) for m in mods]
-    rest = [{k: v for k, v in c.items() if k != "out_features"} for c in cfgs]
-    if any(r != rest[0] for r in rest[1:]):
-        diff = sorted(k for k in rest[0] if any(r.get(k) != rest[0][k] for r in rest[1:]))
-        return None, f"members differ in {diff}"
-    devices = {b.device for m in mods for b in m.buffers()}
-    if len(devices) != 1:
-        return None, f"members are on different devices {sorted(map(str, devices))}"
-    cfg = dict(cfgs[0], out_features=sum(c["out_features"] for c in cfgs))
-    fused = empty(cfg, devices.pop())
-    parts: Dict[str, List[torch.Tensor]] = {}
-    for name, _ in fused.named_buffers(recurse=False):
-        tensors = [getattr(m, name) for m in mods]
-        if any(t.shape[-1] != m.out_features for t, m in zip(tensors, mods)):
-            return None, f"buffer '{name}' is not laid out with out_features last"
-        parts[name] = tensors
-    with torch.no_grad():
-        for name, tensors in parts.items():
-            getattr(fused, name).copy_(torch.cat(tensors, dim=-1))
-    if hasattr(fused, "validate"):
-        fused.validate()
-    return fused, None

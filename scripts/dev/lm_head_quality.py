@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch_marlin  # noqa: E402
 import evaluation  # noqa: E402  (scripts/evaluation.py)
 from quality_table import Evaluator  # noqa: E402
-from torch_marlin.patching import LAYER_TYPES, LM_HEAD_FORMAT, LM_HEAD_GROUP_SIZE  # noqa: E402
+from torch_marlin.patching import LM_HEAD_FORMAT, LM_HEAD_GROUP_SIZE  # noqa: E402
+from torch_marlin.registry import LAYER_FORMATS  # noqa: E402
 
 ROWS = ("fp4:32", "fp4:64", "u4:32", "u4:64", "affine:32", "affine:64")
 
@@ -51,7 +52,7 @@ def main(argv=None):
         head = m.lm_head
         head.weight = torch.nn.Parameter(head.weight.detach().clone())  # untied, as patch_model does
         with torch.no_grad():
-            m.lm_head = LAYER_TYPES[fmt].quantize(head, int(gs), torch.float16)
+            m.lm_head = LAYER_FORMATS[fmt].quantize(head, int(gs), torch.float16)
         assert torch.equal(m.get_input_embeddings().weight, emb)
         results.append((f"lm_head {fmt} g{gs}", f"{head_bytes(m.lm_head) / 2**20:.1f}", ev(m)))
         print(" | ".join(results[-1]), f"({time.perf_counter() - t0:.1f} s)", flush=True)
