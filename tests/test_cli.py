@@ -93,7 +93,7 @@ def test_help_states_every_default():
     options = [a.option_strings[0] for a in patch_hf_model.build_parser()._actions if a.dest != "help"]
     text = " ".join(patch_hf_model.build_parser().format_help().split())
     text = text[text.index("options:"):]
-    assert text.count("(default: ") == len(options) == 17
+    assert text.count("(default: ") == len(options) == 18
     for option, default in [("--model", "minilm"), ("--group-size", "128"), ("--skip", "['lm_head']"),
                             ("--repeats", "3")]:
         assert f"(default: {default})" in text[text.index(f"{option} "):].split(" --")[0], option
