@@ -15,7 +15,11 @@ cluster, more through global memory (a memset of the tile counters, then the las
   4096x6144 (fused q/k/v): 192 x 1 = 192 blocks: 73 % of the slots, 60 SMs with 2 blocks, 72 with 1.
   4096x14336 / 4096x28672: 448 / 896 x 1 (1.7 / 3.4 waves of slots).
 Bytes in flight set the bandwidth of this latency-bound kernel (a lane keeps 4 16-byte loads in
-flight: 2 KB a warp), so idle slots cost bandwidth directly. The variants:
+flight: 2 KB a warp), so idle slots cost bandwidth directly. Earlier evidence
+(benchmarks/notes/cuda-tuning.md): CUDA-DECODE-SLICES found slices of >= 512 rows no faster on
+4096x4096 and a second wave slower on 28672x8192; CUDA-DECODE-CLUSTER found 8-slice clusters up to
+30 % slower on 8192x1024. Those were not the fused 4096x6144 nor rotated graphs at M = 1 with PDL,
+which these variants time (--list names them).
 """
 
 import argparse
@@ -48,8 +52,6 @@ VARIANTS = {
                                 (DECODE_CALL, DECODE_CALL.replace("cuda_tile_slices", "cuda_decode_fill_slices"))]),
     "cluster4": ("up to 4 K slices summed through a cluster (no memset, no global round trip: 4096x1024)",
                  [(CLUSTER, "p.params.k_parallel <= 4")]),
-    "slice512_cluster8": ("slice512 with up to 8 slices through a cluster (4096x1024: 8 slices, 256 blocks, no "
-                          "memset)", [(SLICES, SLICES.replace("{1024,", "{512,")), (CLUSTER, "p.params.k_parallel <= 8")]),
     "fill_cluster4": ("fill and cluster4 (4096x4096 / 14336x4096: 3 slices through a cluster; 4096x6144: 2)",
                       [("void plan_decode(", FILL_FN),
                        (DECODE_CALL, DECODE_CALL.replace("cuda_tile_slices", "cuda_decode_fill_slices")),
@@ -69,7 +71,7 @@ def apply(source: str, name: str) -> str:
 def decode_grid(name: str, M: int, K: int, N: int, sms: int = 132):
     """(tiles, K slices, reduce) that plan_decode makes under a variant: a model of the C++ for --show."""
     min_slice = 512 if "slice512" in name else 1024
-    cluster_max = 8 if "cluster8" in name else 4 if "cluster4" in name else 2
+    cluster_max = 4 if "cluster4" in name else 2
     tile_m = 8 if M <= 8 else 16 if M <= 16 else 32 if M <= 32 else 64
     slots = sms * (1 if tile_m == 64 else 2)
     tiles = -(-M // tile_m) * -(-N // 32)

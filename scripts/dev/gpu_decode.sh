@@ -64,7 +64,7 @@ if has variants; then
   # GEMMs against the dequantized weights and times the shapes; the file is restored at the end.
   cp csrc/plan/plan_cuda.cpp "$SCRATCH/plan_cuda.cpp"
   : > "$OUT/variants.log"
-  for v in ${VARIANTS:-baseline slice512 fill cluster4 slice512_cluster8 fill_cluster4}; do
+  for v in ${VARIANTS:-baseline slice512 fill cluster4 fill_cluster4}; do
     cp "$SCRATCH/plan_cuda.cpp" csrc/plan/plan_cuda.cpp
     python scripts/dev/decode_plan_variants.py --apply "$v" | tee -a "$OUT/variants.log"
     build "$SCRATCH/variant_build.log" > /dev/null || { echo "$v: build failed" | tee -a "$OUT/variants.log"; continue; }
