@@ -87,6 +87,8 @@ def build_parser():
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--dtype", choices=list(DTYPES), help="activations (default: float16, float32 on the CPU)")
     p.add_argument("--fuse", action="store_true", help="quantized models with fused q/k/v and gate/up GEMMs")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="quantized models with lm_head quantized too (patch_model(quantize_lm_head=True))")
     p.add_argument("--profile", action="store_true",
                    help="after each timed run, one decode step's time by part (scripts/step_profile.py)")
     p.add_argument("--profile-steps", type=int, default=3, help="decode steps profiled per run (--profile)")
@@ -148,7 +150,8 @@ def step_bytes(model: nn.Module) -> int:
     is also the output projection)."""
     emb = model.get_input_embeddings().weight
     out = model.get_output_embeddings()
-    tied = out is not None and out.weight.data_ptr() == emb.data_ptr()
+    weight = getattr(out, "weight", None)  # a quantized lm_head has none
+    tied = isinstance(weight, torch.Tensor) and weight.data_ptr() == emb.data_ptr()
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
         if t.data_ptr() in seen or (t is emb and not tied):
@@ -276,7 +279,8 @@ def main(argv=None):
         if fmt == "no_linear":
             skip_linears(model)
         elif fmt != "float":
-            patch_model(model, format=fmt, group_size=args.group_size, progress=False, fuse=args.fuse)
+            patch_model(model, format=fmt, group_size=args.group_size, progress=False, fuse=args.fuse,
+                        quantize_lm_head=args.quantize_lm_head)
         nbytes = step_bytes(model)
         label = str(dtype).replace("torch.", "") if fmt == "float" else fmt
         for batch in args.batch:
@@ -318,7 +322,8 @@ def main(argv=None):
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     print(f"\n{name}, {dtype}, {args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, "
           f"heads {args.heads}/{args.kv_heads}, vocab {args.vocab}, prompt {args.prompt}, {args.new_tokens} new "
-          f"tokens, group size {args.group_size}{', fused projections' if args.fuse else ''}; read bandwidth "
+          f"tokens, group size {args.group_size}{', fused projections' if args.fuse else ''}"
+          f"{', lm_head quantized' if args.quantize_lm_head else ''}; read bandwidth "
           f"{bandwidth / 1e9:.0f} GB/s")
     head = f"| {'format':<8} | {'mode':<10} | {'batch':>5} | {'prefill ms':>10} | {'decode tok/s':>12} | " \
            f"{'floor tok/s':>11} | {'of floor':>8} | {'MiB/step':>8} |"

@@ -97,7 +97,7 @@ def build_parser():
                    help="activation dtype; auto: float32 on cpu, float16 on mps/cuda")
     p.add_argument("--skip", nargs="*", default=["lm_head"], help="Linear layers kept in float")
     p.add_argument("--quantize-lm-head", action="store_true",
-                   help="quantize the output projection too, in u4 g64 whatever --format is, untied from the "
+                   help="quantize the output projection too, in u4 g32 whatever --format is, untied from the "
                         "embeddings (patch_model(quantize_lm_head=True); docs/formats.md, \"Quantized lm_head\")")
     p.add_argument("--fuse", action="store_true",
                    help="run q/k/v and gate/up projections as one quantized GEMM each (patch_model(fuse=True))")

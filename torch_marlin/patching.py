@@ -20,7 +20,7 @@ from .registry import ENTROPY_CODED, ENTROPY_CODED_FORMATS, LayerFormat, layer_f
 DEFAULT_SKIP = ("lm_head",)
 # patch_model(quantize_lm_head=True): the output projection's format and group size, chosen on
 # SmolLM2-135M (docs/formats.md, "Quantized lm_head") for its perplexity and top-1 agreement per byte.
-LM_HEAD_FORMAT, LM_HEAD_GROUP_SIZE = "u4", 64
+LM_HEAD_FORMAT, LM_HEAD_GROUP_SIZE = "u4", 32
 METHODS = ("rtn", "gptq")
 
 

@@ -4,7 +4,8 @@
 # at M = 1 alone (scripts/dev/bench_cuda.py --graph --rotate) -> scripts/bench_e2e.py on the 32-layer
 # 8B shape at batch 1, CUDA graph and compile + graph, float16 / fp4 / u4, fused and not, each run
 # with its step profile (--profile), and the no_linear model -> (STEPS=batches) eager / graph at
-# batch 1, 4, 16 and compile at 4 and 16 -> (STEPS=variants) decode planner variants for M = 1
+# batch 1, 4, 16, compile at 4 and 16, fused fp4 with lm_head quantized -> (STEPS=variants) decode
+# planner variants for M = 1
 # (scripts/dev/decode_plan_variants.py: each applied, rebuilt, checked and timed, then restored).
 # Logs go to $OUT (default ./cuda_results), one file per step. Each step has a time limit so that
 # STEPS=build,test,isolated, STEPS=e2e, STEPS=batches and STEPS=variants each end within 10 minutes
@@ -58,8 +59,9 @@ if has batches; then
   : > "$OUT/batches.log"
   e2e "$OUT/batches.log" 150 --formats float,fp4,u4 --batch 1,4,16 --modes eager,graph
   e2e "$OUT/batches.log" 110 --formats fp4,u4 --fuse --batch 1,4,16 --modes eager,graph
-  e2e "$OUT/batches.log" 170 --formats float,fp4 --batch 4,16 --modes compile
+  e2e "$OUT/batches.log" 120 --formats float,fp4 --batch 16 --modes compile
   e2e "$OUT/batches.log" 120 --formats fp4 --fuse --batch 4,16 --modes compile
+  e2e "$OUT/batches.log" 90 --formats fp4 --fuse --quantize-lm-head --batch 1 --modes graph,compile --profile
 fi
 if has variants; then
   # Each variant edits csrc/plan/plan_cuda.cpp, rebuilds (ninja: that file only), checks the M = 1
