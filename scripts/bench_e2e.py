@@ -93,6 +93,8 @@ def build_parser():
                    help="after each timed run, one decode step's time by part (scripts/step_profile.py)")
     p.add_argument("--profile-steps", type=int, default=3, help="decode steps profiled per run (--profile)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=int, default=0, help="tensor-parallel ranks: the decode step on N ranks against one "
+                   "rank, all-reduce time shown (torch_marlin/distributed/bench.py; docs/distributed.md)")
     return p
 
 
@@ -247,6 +249,9 @@ def profile_run(model, dec, ids, steps, step_s, device, dtype):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if args.tp:
+        from torch_marlin.distributed.bench import bench_tp
+        return bench_tp(args, build_parser(), argv, build_model, llama_config, time_generation)
     device = resolve_device(args.device)
     shape = SHAPES["cuda" if device.type == "cuda" else "other"]
     for name, default in zip(("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab"), shape):
