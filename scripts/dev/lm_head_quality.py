@@ -33,7 +33,7 @@ ROWS = ("fp4:32", "fp4:64", "u4:32", "u4:64", "affine:32", "affine:64")
 
 
 def head_bytes(module):
-    return sum(t.numel() * t.element_size() for t in module.buffers())
+    return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
 
 
 def main(argv=None):
