@@ -238,7 +238,7 @@ def test_macos_builds_every_mps_source(capsys):
                       if f.endswith(".mm"))
     assert mps["sources"] == expected and expected
     assert ("TM_WITH_MPS", "1") in mps["define_macros"]
-    assert mps["extra_link_args"] == ["-framework", "Metal", "-framework", "Foundation"]
+    assert mps["extra_link_args"] == ["-framework", "Metal", "-framework", "Foundation", "-framework", "IOKit"]
     header = os.path.join(mps["include_dirs"][0], build_metal.GENERATED_HEADER)
     assert os.path.exists(header)
     assert '#include "metal_library_sources.h"' in open(os.path.join(ROOT, "csrc", "mps", "mps_encoder.mm")).read()

@@ -122,7 +122,7 @@ def mps_build(root, platform=sys.platform, environ=os.environ, probe=None):
         "sources": sources,
         "define_macros": [("TM_WITH_MPS", "1")],
         "include_dirs": [gen_dir],
-        "extra_link_args": ["-framework", "Metal", "-framework", "Foundation"],
+        "extra_link_args": ["-framework", "Metal", "-framework", "Foundation", "-framework", "IOKit"],
     }
 
 
