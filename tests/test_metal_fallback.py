@@ -123,8 +123,12 @@ def test_other_devices_and_bad_input_do_not_fall_back(broken_native, monkeypatch
     assert metal_fallback.unavailable() == {}
 
 
-def test_run_reporting_names_the_path(broken_native):
+def test_fallback_calls_are_counted(broken_native):
     B, s = torch.zeros(16, 8, dtype=torch.int32), torch.ones(2, 8, dtype=torch.float16)
+    before = metal_fallback.fallback_calls()[0]
     with pytest.warns(metal_fallback.MetalFallbackWarning):
-        out, why = metal_fallback.run_reporting(torch.ops.marlin.dequant_fp4.default, B, s, 64)
-    assert "metal/planted.metal" in why and torch.equal(out, torch.zeros(128, 8, dtype=torch.float16))
+        out = ops.dequant_fp4(B, s, 64)
+        ops.dequant_fp4(B, s, 64)  # tried natively again, falls back again
+    count, why = metal_fallback.fallback_calls()
+    assert count == before + 2 and "metal/planted.metal" in why
+    assert torch.equal(out, torch.zeros(128, 8, dtype=torch.float16))

@@ -39,6 +39,7 @@ class MetalFallbackWarning(RuntimeWarning):
 
 _unavailable = {}  # op name -> the native error's message, for the process
 _warned = []
+_fallback_calls = [0, ""]  # calls that ran a plain-torch path, and the latest native error
 
 
 def unavailable() -> dict:
@@ -46,9 +47,15 @@ def unavailable() -> dict:
     return dict(_unavailable)
 
 
+def fallback_calls():
+    """``(number of calls that ran a plain-torch path so far, the latest one's native error)``."""
+    return tuple(_fallback_calls)
+
+
 def _record(name: str, error: BaseException) -> None:
     message = str(error).strip() or type(error).__name__
     _unavailable.setdefault(name, message)
+    _fallback_calls[:] = [_fallback_calls[0] + 1, message]
     if _warned:
         return
     _warned.append(name)
@@ -66,17 +73,6 @@ def run(op, *args):
     if args[0].device.type not in FALLBACK_DEVICES:
         return op(*args)
     return _run_or_fall_back(op, args)
-
-
-def run_reporting(op, *args):
-    """``(output, None)`` from the native op, or ``(output of the plain-torch path, the native
-    error's message)`` when it raised ``NotImplementedError`` (on any device: the selfcheck's rows)."""
-    name = op._opname
-    try:
-        return op(*args), None
-    except NotImplementedError as e:
-        _record(name, e)
-        return TORCH_PATHS[name](*args), _unavailable[name]
 
 
 def _run_or_fall_back(op, args):
