@@ -92,8 +92,10 @@ template <typename T>
   const uint col0 = tgid.x * kTrDecodeCols;
   const TrDecodeMat mats[2] = {tr_decode_mat(g), tr_decode_mat(u)};
   float acc[2 * kTrDecodeRows];
+  TM_UNROLL
   for (uint m = 0; m < 2u * kTrDecodeRows; ++m) acc[m] = 0.0f;
   tr_decode_core<T, true, 2>(x, sorted_token, r_begin, rows, mats, w, col0, a_s, raw_s, su_s, lid, sgid, lane, acc);
+  TM_UNROLL
   for (uint m = 0; m < kTrDecodeRows; ++m) {
     a_s[(sgid * kTrDecodeRows + m) * kTrDecodeCols + lane] = acc[m];
     a_s[kPart + (sgid * kTrDecodeRows + m) * kTrDecodeCols + lane] = acc[kTrDecodeRows + m];
@@ -134,9 +136,11 @@ template <typename T>
   const uint col0 = tgid.x * kTrDecodeCols;
   const TrDecodeMat mats[1] = {tr_decode_mat(d)};
   float acc[kTrDecodeRows];
+  TM_UNROLL
   for (uint m = 0; m < kTrDecodeRows; ++m) acc[m] = 0.0f;
   tr_decode_core<float, false, 1>(rows_h, nullptr, r_begin, rows, mats, w, col0, a_s, raw_s, su_s, lid, sgid, lane,
                                   acc);
+  TM_UNROLL
   for (uint m = 0; m < kTrDecodeRows; ++m) a_s[(sgid * kTrDecodeRows + m) * kTrDecodeCols + lane] = acc[m];
   threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:tr_moe_down_meet]
   for (uint i = lid; i < kTrDecodeRows * kTrDecodeCols; i += kTrThreads) {
@@ -197,9 +201,12 @@ inline void tr_moe_tiled(device const TX* X, device const int* sorted_token, dev
   const uint sg_col = (sgid % 2u) * 32u;
   const uint mi_count = sg_first_row >= rows ? 0u : min(4u, (rows - sg_first_row + 7u) / 8u);
   threadgroup float* stage = (threadgroup float*)smem + sgid * 64u;
-  for (uint mi = 0; mi < mi_count; ++mi) {
-    for (uint ni = 0; ni < 4u; ++ni) {
-      simdgroup_store(acc[mi * 4u + ni], stage, 8);
+  // A constant trip count with the row guard inside: every acc[] index is a constant.
+  TM_UNROLL
+  for (uint f = 0; f < 16u; ++f) {
+    const uint mi = f / 4u, ni = f % 4u;
+    if (mi < mi_count) {  // uniform across the simdgroup
+      simdgroup_store(acc[f], stage, 8);
       simdgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:tr_moe_tiled_epilogue_ready]
       for (uint i = lane; i < 64u; i += 32u) {
         const uint m = sg_first_row + mi * 8u + i / 8u;

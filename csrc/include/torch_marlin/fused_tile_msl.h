@@ -151,15 +151,17 @@ template <typename T, uint KS>
 inline void prefill_mma(thread simdgroup_matrix<float, 8, 8>* acc, threadgroup const T* sa,
                         threadgroup const T* sb, uint sg_row, uint sg_col) {
   constexpr uint kPitch = prefill_pitch<T>(KS);
+  TM_UNROLL
   for (uint kk = 0; kk < KS; kk += 8u) {
     simdgroup_matrix<T, 8, 8> a[4];
     simdgroup_matrix<T, 8, 8> b[4];
+    TM_UNROLL
     for (uint mi = 0; mi < 4u; ++mi) simdgroup_load(a[mi], sa + (sg_row + mi * 8u) * kPitch + kk, kPitch);
+    TM_UNROLL
     for (uint ni = 0; ni < 4u; ++ni)
       simdgroup_load(b[ni], sb + (sg_col + ni * 8u) * kPitch + kk, kPitch, ulong2(0, 0), true);
-    for (uint mi = 0; mi < 4u; ++mi)
-      for (uint ni = 0; ni < 4u; ++ni)
-        simdgroup_multiply_accumulate(acc[mi * 4u + ni], a[mi], b[ni], acc[mi * 4u + ni]);
+    TM_UNROLL
+    for (uint f = 0; f < 16u; ++f) simdgroup_multiply_accumulate(acc[f], a[f / 4u], b[f % 4u], acc[f]);
   }
 }
 
@@ -181,6 +183,7 @@ inline void prefill_tile_impl(device const T* A, device const uint* B, device co
   const uint sg_col = (sgid % 2u) * 32u;
 
   simdgroup_matrix<float, 8, 8> acc[16];
+  TM_UNROLL
   for (uint i = 0; i < 16u; ++i) acc[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
 
   PrefillFetch<FMT, T, KS> f;
@@ -213,13 +216,12 @@ inline void prefill_tile_impl(device const T* A, device const uint* B, device co
   }
 
   threadgroup float* my_c = c_stage + sgid * 64u;
-  for (uint mi = 0; mi < 4u; ++mi) {
-    for (uint ni = 0; ni < 4u; ++ni) {
-      const uint m = row0 + sg_row + mi * 8u;
-      const uint n = col0 + sg_col + ni * 8u;
-      if (m < p.M && n < p.N)  // uniform across the simdgroup
-        store_fragment<T>(acc[mi * 4u + ni], my_c, bias, C, workspace, p, m, n, k_slice, lane);
-    }
+  TM_UNROLL
+  for (uint f = 0; f < 16u; ++f) {
+    const uint m = row0 + sg_row + (f / 4u) * 8u;
+    const uint n = col0 + sg_col + (f % 4u) * 8u;
+    if (m < p.M && n < p.N)  // uniform across the simdgroup
+      store_fragment<T>(acc[f], my_c, bias, C, workspace, p, m, n, k_slice, lane);
   }
 }
 
