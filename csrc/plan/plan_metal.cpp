@@ -30,12 +30,23 @@ uint32_t prefill_k_step(KernelFamily f, DType d) {
 }
 }  // namespace
 
-// Stripes + K-parallel only pay when the output alone cannot fill the GPU and K is long enough
-// to split (at least 4 slices of 128 rows).
+// Stripes + K slices pay only where they shorten the critical path enough to cover their second
+// dispatch (the K-slice reduction) and the workspace round trip: by a quarter or more. Counted in
+// K rows one core walks, with one tile threadgroup resident per core (a fp32 tile's 21 KiB of
+// the 32 KiB leave no room for a second): the fused kernel walks ceil(tiles / cores) whole tiles
+// of K rows; the striped one spreads tiles x slices work items (slices of >= 128 rows, as it
+// plans them) over the cores, ceil(items / cores) slices of K / slices rows each. With about as
+// many tiles as cores (M <= 64 on a large GPU: 64 tiles on 38 cores) both walk 2 K: no stripes.
 bool metal_striped_pays(int64_t M, int64_t K, int64_t N, const DeviceCaps& caps) {
   constexpr int64_t kStripedMinK = 512;
+  constexpr uint32_t kMinSliceRows = 128;
   const int64_t tiles = int64_t((M + kTile - 1) / kTile) * ((N + kTile - 1) / kTile);
-  return tiles < caps.compute_units * 2 && K >= kStripedMinK;
+  if (tiles >= caps.compute_units * 2 || K < kStripedMinK) return false;
+  const int64_t cores = std::max(1, caps.compute_units);
+  const int64_t slices = k_split_for(tiles, K, kMinSliceRows, caps.compute_units, 2, 1);
+  const int64_t fused_rows = (tiles + cores - 1) / cores * K;
+  const int64_t striped_rows = (tiles * slices + cores - 1) / cores * ((K + slices - 1) / slices);
+  return striped_rows * 4 <= fused_rows * 3;
 }
 
 void plan_metal(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps& caps) {
