@@ -90,6 +90,18 @@ def test_policy_metal_no_stripes_when_tiles_fill_a_large_gpu(M):
     assert plan["family"] == "fused_tiles" and plan["k_parallel"] == 1 and plan["reduce"] == "none"
 
 
+@pytest.mark.parametrize("family", ["fused_tiles", "striped"])
+def test_policy_metal_32_row_tile_up_to_32_rows(family):
+    # M = 17..32 on the 32-row tile (at most 2x the rows it keeps, not 3.8x); from 33 the 64-row tile
+    # (two 32-row tiles would dequantize each B word twice). The staged family keeps 64.
+    for M, tile_m, stem in ((17, 32, "_m32"), (32, 32, "_m32"), (33, 64, ""), (64, 64, "")):
+        plan = torch_marlin.plan_gemm("u4", M, 4096, 512, device="metal", caps=M2_MAX, family=family)
+        assert (plan["tile_m"], plan["m_tiles"]) == (tile_m, -(-M // tile_m))
+        assert plan["kernel"] == f"marlin_gemm_{'fused' if family == 'fused_tiles' else 'striped'}{stem}_u4_half"
+    staged = torch_marlin.plan_gemm("u4", 17, 4096, 512, device="metal", caps=M2_MAX, family="staged_tiles")
+    assert (staged["tile_m"], staged["kernel"]) == (64, "marlin_gemm_u4_half")
+
+
 def test_policy_metal_stripes_where_they_shorten_the_critical_path():
     # 8 tiles on 38 cores: fused walks K; 10 slices of 80 items walk ceil(80 / 38) = 3 tenths of K.
     few = torch_marlin.plan_gemm("fp4", 64, 4096, 512, device="metal", caps=M2_MAX)
