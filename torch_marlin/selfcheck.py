@@ -265,7 +265,8 @@ RANS_KN = ((256, 200), (1024, 1000))
 
 
 def gemm_cases(fmt, dtype, device):
-    """The cheapest candidate shape for each (family, reduce) the planner picks on this device."""
+    """The cheapest candidate shape for each (family, reduce, tile rows) the planner picks on this
+    device."""
     chosen = {}
     for M in GEMM_MS:
         for K, N in GEMM_KN:
@@ -274,7 +275,7 @@ def gemm_cases(fmt, dtype, device):
                     plan = plan_gemm(fmt, M, K, N, gs, dtype, device=device)
                 except ValueError:
                     continue
-                key = (plan["family"], plan.get("reduce", "none"))
+                key = (plan["family"], plan.get("reduce", "none"), plan.get("tile_m"))  # Metal: 32- and 64-row tiles
                 cost = M * K * N
                 if key not in chosen or cost < chosen[key][0]:
                     chosen[key] = (cost, (M, K, N, gs), plan)
