@@ -275,7 +275,9 @@ def gemm_cases(fmt, dtype, device):
                     plan = plan_gemm(fmt, M, K, N, gs, dtype, device=device)
                 except ValueError:
                     continue
-                key = (plan["family"], plan.get("reduce", "none"), plan.get("tile_m"))  # Metal: 32- and 64-row tiles
+                # Metal's prefill families have a 32- and a 64-row tile: both run.
+                tile = plan.get("tile_m") if plan.get("backend") == "metal" and plan["family"] != "decode" else None
+                key = (plan["family"], plan.get("reduce", "none"), tile)
                 cost = M * K * N
                 if key not in chosen or cost < chosen[key][0]:
                     chosen[key] = (cost, (M, K, N, gs), plan)
