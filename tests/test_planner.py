@@ -405,9 +405,9 @@ def test_forced_family_the_backend_lacks_is_refused(device, caps, dtype, family,
     ("cpu", dict(compute_units=4), "decode", "cpu_decode"),
     ("cpu", dict(compute_units=4), "dequant_blas", "cpu_dequant_blas"),
     ("metal", M1, "decode", "marlin_gemv_m8_u4_half"),
-    ("metal", M1, "fused_tiles", "marlin_gemm_fused_u4_half"),
+    ("metal", M1, "fused_tiles", "marlin_gemm_fused_m32_u4_half"),  # 8 rows: the 32-row tile
     ("metal", M1, "staged_tiles", "marlin_gemm_u4_half"),
-    ("metal", M1, "striped", "marlin_gemm_striped_u4_half"),
+    ("metal", M1, "striped", "marlin_gemm_striped_m32_u4_half"),  # 8 rows: the 32-row tile
     ("cuda", H100, "decode", "decode_u4_half"),
     ("cuda", H100, "dequant_blas", "dequant_blas_u4_half"),
     ("cuda", H100, "wgmma", "wgmma_u4_half"),
