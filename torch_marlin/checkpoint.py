@@ -68,22 +68,28 @@ def save_quantized(model: nn.Module, directory: str, tokenizer=None) -> str:
     """
     from safetensors.torch import save_file
 
-    from .fusion import FusedSlice
+    from .fusion import unfused_members
 
-    fused = [name for name, mod in model.named_modules() if isinstance(mod, FusedSlice)]
-    if fused:
-        raise ValueError(f"model has fused projections ({fused[0]}, ...): save it unfused (patch_model without "
-                         "fuse=True) and fuse after load_quantized with torch_marlin.fusion.fuse_projections")
+    # Fused projections are written as their members, so the checkpoint loads fused or not.
+    members = unfused_members(model)
     layers = {}
     for name, mod in model.named_modules():
-        entry = checkpoint_entry(mod)
+        for member, layer in members.get(name, {}).items():
+            layers[member] = checkpoint_entry(layer)
+        entry = None if name in members else checkpoint_entry(mod)
         if entry is not None:
             layers[name] = entry
     if not layers:
         raise ValueError("model has no quantized layers: call torch_marlin.patch_model(model, ...) first")
 
+    state = model.state_dict()
+    for fused_name, parts in members.items():
+        for key in [k for k in state if k.startswith(fused_name + ".")]:
+            del state[key]
+        for member, layer in parts.items():
+            state.update({f"{member}.{k}": v for k, v in layer.state_dict().items()})
     os.makedirs(directory, exist_ok=True)
-    tensors, tied = _dedup_tied(model.state_dict())
+    tensors, tied = _dedup_tied(state)
     weights_path = os.path.join(directory, WEIGHTS_NAME)
     save_file(tensors, weights_path, metadata={"format": "pt", "producer": "torch_marlin"})
 
@@ -193,6 +199,20 @@ def _build_hf_skeleton(directory: str, cfg: dict) -> nn.Module:
     return cls(hf_config)
 
 
+def check_layer_shapes(cfg: dict, header: dict, path: str) -> None:
+    """Config vs tensors, layer by layer, before building anything."""
+    for name, entry in cfg["layers"].items():
+        prefix = name + "."
+        tensors = {k[len(prefix):]: v for k, v in header.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
+        try:
+            check_entry_tensors(entry, tensors)
+        except ValueError as e:
+            raise ValueError(f"{path}: layer '{name}': {e}") from e
+    for alias, target in cfg["tied"].items():
+        if target not in header:
+            raise ValueError(f"{CONFIG_NAME}: tied tensor '{alias}' points at '{target}', which {path} lacks")
+
+
 def load_quantized(directory: str, model: Optional[nn.Module] = None, device=None, verify: bool = True) -> nn.Module:
     """Rebuilds a model saved by :func:`save_quantized`; returns it in eval mode.
 
@@ -206,17 +226,7 @@ def load_quantized(directory: str, model: Optional[nn.Module] = None, device=Non
     cfg = _read_config(directory)
     path, header = _open_weights(directory, cfg, verify)
 
-    # Config vs tensors, layer by layer, before building anything.
-    for name, entry in cfg["layers"].items():
-        prefix = name + "."
-        tensors = {k[len(prefix):]: v for k, v in header.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
-        try:
-            check_entry_tensors(entry, tensors)
-        except ValueError as e:
-            raise ValueError(f"{path}: layer '{name}': {e}") from e
-    for alias, target in cfg["tied"].items():
-        if target not in header:
-            raise ValueError(f"{CONFIG_NAME}: tied tensor '{alias}' points at '{target}', which {path} lacks")
+    check_layer_shapes(cfg, header, path)
 
     if model is None:
         model = _build_hf_skeleton(directory, cfg)
