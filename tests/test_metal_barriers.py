@@ -203,7 +203,7 @@ def test_threadgroup_memory_limit_is_enforced(emu):
         emu.dispatch_raw("selftest_too_much_tg", [1, 1, 1], 128, [out])
 
 
-# docs/metal.md: decode fp32 activations staged per simdgroup, 4 x rows x piece (256 / rows up to
+# benchmarks/notes/metal-kernels.md: decode fp32 activations staged per simdgroup, 4 x rows x piece (256 / rows up to
 # 4 rows, else 64), reused by the meeting's 2 x rows x 128 partials: 1 row 4 KiB, 5 (8) rows
 # 8 KiB, 16 rows 16 KiB. The prefill tiles hold stages of A [64][k_step + pad] and transposed
 # B [64][k_step + pad] (16 bytes of padding per row) plus the fp32 epilogue stage 4x64: fused two

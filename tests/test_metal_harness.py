@@ -85,8 +85,9 @@ DTYPE_NAME = {torch.float16: "half", torch.bfloat16: "bfloat", torch.float32: "f
 
 
 def decode_stem(M, N):
-    """The decode kernel the planner names (docs/metal.md): 16-byte weight loads when N % 4 == 0,
-    one kernel per row count 1, 2, 4, 8, 16 (the next power of two >= M); else the per-column one."""
+    """The decode kernel the planner names (benchmarks/notes/metal-kernels.md, "Kernel table and
+    rules"): 16-byte weight loads when N % 4 == 0, one kernel per row count 1, 2, 4, 8, 16 (the next
+    power of two >= M); else the per-column one."""
     if N % 4:
         return "marlin_gemv_unaligned"
     rows = 1
