@@ -6,7 +6,7 @@
 // (token, slot) pairs by expert gives `sorted_token` (token of each sorted row), `expert_offsets`
 // (expert e owns sorted rows [offsets[e], offsets[e+1])) and `slot_row` (sorted row of (t, j)).
 // Dispatches on one encoder (planned by plan_trellis_moe; buffer order and sequence in
-// csrc/mps/metal_dispatch.h, trellis_moe_dispatches):
+// csrc/plan/metal_dispatch.h, trellis_moe_dispatches):
 //   moe_trellis_gate_up_*  grid (ceil(I/32), E): for an expert with 1..16 routed rows, a
 //                          threadgroup owns 32 intermediate columns and runs the decode core of
 //                          trellis_msl.h over all its rows (gate and up together: one staging of the

@@ -11,9 +11,8 @@
 #include <memory>
 #include <vector>
 
+#include "cpu/cpu_backend.h"
 #include "cpu/rans_cpu.h"
-#include "ops/quant_gemm.h"
-#include "ops/rans.h"
 
 namespace torch_marlin {
 namespace {

@@ -30,7 +30,7 @@ TrellisMatrixPtrs matrix_ptrs(const TrellisWeights& w, bool experts) {
   return p;
 }
 
-TrellisKernelArgs base_args(const TrellisParams& p, const TrellisLaunch& l) {
+TrellisKernelArgs base_args(const TrellisParams& p, const KernelLaunch& l) {
   TrellisKernelArgs a{};
   a.M = p.M;
   a.K = p.K;

@@ -1,5 +1,5 @@
 // MPS backend of the FP4 / INT4 / affine INT4 op family: binds the op's tensors to the dispatch description
-// (csrc/mps/metal_dispatch.h, the same one the Metal-on-CPU harness runs) and encodes it
+// (csrc/plan/metal_dispatch.h, the same one the Metal-on-CPU harness runs) and encodes it
 // (csrc/mps/mps_encoder.mm).
 #ifdef TM_WITH_MPS
 
@@ -7,8 +7,8 @@
 
 #include <stdexcept>
 
+#include "mps/mps_backend.h"
 #include "mps/mps_encoder.h"
-#include "ops/quant_gemm.h"
 
 namespace torch_marlin {
 
