@@ -9,7 +9,7 @@
 
 namespace torch_marlin {
 
-DeviceCaps cpu_device_caps() {
+DeviceCaps CpuBackend::caps(const at::Device&) {
   DeviceCaps c;
   c.backend = Backend::CPU;
   c.compute_units = at::get_num_threads();
@@ -24,26 +24,6 @@ DeviceCaps cpu_device_caps() {
 }
 
 namespace {
-
-struct CpuBackend {
-  static DeviceCaps caps(const at::Device&) { return cpu_device_caps(); }
-  // The CPU families keep their panels in per-thread buffers (panel_buffer.h): no workspace.
-  static void quant_gemm(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at::Tensor&) {
-    quant_gemm_cpu(plan, a, C);
-  }
-  static void quant_dequant(const QuantGemmArgs& a, at::Tensor& W) { quant_dequant_cpu(a, W); }
-  static void trellis_gemm(const TrellisPlan& plan, const TrellisGemmArgs& a, at::Tensor& C) {
-    trellis_gemm_cpu(plan, a, C);
-  }
-  static void trellis_dequant(const TrellisPlan& plan, const TrellisGemmArgs& a, at::Tensor& W) {
-    trellis_dequant_cpu(plan, a, W);
-  }
-  static void trellis_moe(const TrellisPlan& plan, const TrellisMoeArgs& a, at::Tensor& y) {
-    trellis_moe_cpu(plan, a, y);
-  }
-  static void rans_gemm(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) { rans_gemm_cpu(plan, a, C); }
-  static void rans_decode(const RansPlan& plan, const RansCodes& c, at::Tensor& B) { rans_decode_cpu(plan, c, B); }
-};
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rans_encode(const at::Tensor& B, int64_t channels_per_tile) {
   const at::Tensor packed = prepare_rans_encode(B, channels_per_tile);

@@ -101,7 +101,7 @@ __device__ void cluster_reduce(const QuantGemmParams& p, u32 m0, u32 n0, float* 
   }
   cluster.sync();
 #else
-  __trap();  // planned only where the kernels come from sm_90+ PTX (cuda_device_caps)
+  __trap();  // planned only where the kernels come from sm_90+ PTX (CudaBackend::caps)
 #endif
 }
 

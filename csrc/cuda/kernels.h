@@ -68,7 +68,7 @@ template <typename T, uint32_t FMT>
 void launch_dequant(const QuantGemmArgs& a, const PaddedWeights& w, uint32_t n0, uint32_t cols, uint32_t ldw, T* W,
                     cudaStream_t stream);
 
-// The attributes of one decode kernel instantiation: cuda_device_caps reads the PTX version the
+// The attributes of one decode kernel instantiation: CudaBackend::caps reads the PTX version the
 // loaded kernels were compiled from (every kernel file is compiled for the same targets).
 cudaFuncAttributes decode_kernel_attributes();
 

@@ -128,8 +128,8 @@ void dequant_for_format(const QuantGemmArgs& a, at::Tensor& W, cudaStream_t stre
 }  // namespace
 }  // namespace cuda_backend
 
-DeviceCaps cuda_device_caps(int device_index) {
-  const int dev = device_index >= 0 ? device_index : int(c10::cuda::current_device());
+DeviceCaps CudaBackend::caps(const at::Device& device) {
+  const int dev = device.index() >= 0 ? device.index() : int(c10::cuda::current_device());
   // Cached per device: the planner asks on every call.
   static std::mutex mu;
   static std::vector<DeviceCaps> cache;
@@ -166,7 +166,7 @@ DeviceCaps cuda_device_caps(int device_index) {
   return caps;
 }
 
-void quant_gemm_cuda(const GemmPlan& plan, const QuantGemmArgs& args, at::Tensor& C, at::Tensor& workspace) {
+void CudaBackend::quant_gemm(const GemmPlan& plan, const QuantGemmArgs& args, at::Tensor& C, at::Tensor& workspace) {
   const KernelDesc& d = plan.desc;
   const QuantGemmParams& q = plan.params;
   TORCH_CHECK(d.backend == Backend::CUDA && d.format == args.format && d.dtype == args.dtype &&
@@ -184,7 +184,7 @@ void quant_gemm_cuda(const GemmPlan& plan, const QuantGemmArgs& args, at::Tensor
   }
 }
 
-void quant_dequant_cuda(const QuantGemmArgs& args, at::Tensor& W) {
+void CudaBackend::quant_dequant(const QuantGemmArgs& args, at::Tensor& W) {
   const c10::cuda::CUDAGuard guard(args.B.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   switch (args.format) {

@@ -336,7 +336,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       }
   }
 #else
-  __trap();  // planned only where the loaded kernels are sm_90a (cuda_device_caps)
+  __trap();  // planned only where the loaded kernels are sm_90a (CudaBackend::caps)
 #endif
 }
 

@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     }
   }
 #else
-  __trap();  // planned only where the loaded kernels are sm_90a (cuda_device_caps)
+  __trap();  // planned only where the loaded kernels are sm_90a (CudaBackend::caps)
 #endif
 }
 

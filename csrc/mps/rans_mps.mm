@@ -20,7 +20,7 @@ RansCodeBuffers<MpsBuffer> code_buffers(const RansCodes& c) {
 
 }  // namespace
 
-void rans_gemm_mps(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) {
+void MpsBackend::rans_gemm(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) {
   RansGemmBuffers<MpsBuffer> b;
   b.A = mps_buffer(a.A);
   b.code = code_buffers(a.codes);
@@ -42,7 +42,7 @@ void rans_gemm_mps(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) {
   mps_encode(mps_describe([&] { return rans_gemm_dispatches(plan, b, n_words); }));
 }
 
-void rans_decode_mps(const RansPlan& plan, const RansCodes& c, at::Tensor& B_packed) {
+void MpsBackend::rans_decode(const RansPlan& plan, const RansCodes& c, at::Tensor& B_packed) {
   const RansDecodeBuffers<MpsBuffer> b{code_buffers(c), mps_buffer(B_packed)};
   const uint32_t n_words = uint32_t(c.words.numel());
   mps_encode(mps_describe([&] { return rans_decode_dispatches(plan, b, n_words); }));

@@ -8,28 +8,8 @@
 #include "ops/op_entries.h"
 
 namespace torch_marlin {
-namespace {
 
-struct MpsBackend {
-  static DeviceCaps caps(const at::Device&) { return mps_device_caps(); }
-  static void quant_gemm(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at::Tensor& workspace) {
-    quant_gemm_mps(plan, a, C, workspace);
-  }
-  static void quant_dequant(const QuantGemmArgs& a, at::Tensor& W) { quant_dequant_mps(a, W); }
-  static void trellis_gemm(const TrellisPlan& plan, const TrellisGemmArgs& a, at::Tensor& C) {
-    trellis_gemm_mps(plan, a, C);
-  }
-  static void trellis_dequant(const TrellisPlan& plan, const TrellisGemmArgs& a, at::Tensor& W) {
-    trellis_dequant_mps(plan, a, W);
-  }
-  static void trellis_moe(const TrellisPlan& plan, const TrellisMoeArgs& a, at::Tensor& y) {
-    trellis_moe_mps(plan, a, y);
-  }
-  static void rans_gemm(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) { rans_gemm_mps(plan, a, C); }
-  static void rans_decode(const RansPlan& plan, const RansCodes& c, at::Tensor& B) { rans_decode_mps(plan, c, B); }
-};
-
-}  // namespace
+DeviceCaps MpsBackend::caps(const at::Device&) { return mps_device_caps(); }
 
 TORCH_LIBRARY_IMPL(marlin, MPS, m) {
   m.impl("_device_caps", &device_caps_entry<MpsBackend>);

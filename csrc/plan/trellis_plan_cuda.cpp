@@ -209,7 +209,7 @@ void plan_trellis_gemm_lanes(TrellisPlan& p, int64_t M, int64_t K, int64_t N, in
   const std::string suffix = std::string("_") + dtype_name(dtype);
   if (p.family == KernelFamily::Wgmma) return set_lanes_wgmma(p, M, N, suffix, caps);
   if (p.family == KernelFamily::DequantBlas) {
-    set_trellis_tiles(p.params, M, N, uint32_t(std::min<int64_t>(M, UINT32_MAX / 2)), N);
+    set_trellis_tiles(p.params, M, N, uint32_t(std::clamp<int64_t>(M, 1, UINT32_MAX / 2)), N);
     return set_lanes_dequant(p, "dequant_trellis_lanes" + suffix, "plan_trellis_gemm");
   }
   set_trellis_tiles(p.params, M, N, cuda_gemm_kernel_rows(p, true, true, M, group_size), kCudaTileN);
@@ -235,7 +235,7 @@ void plan_trellis_gemm_cuda(TrellisPlan& p, int64_t M, int64_t K, int64_t N, int
   }
   if (p.family == KernelFamily::DequantBlas) {
     // The dequant kernel writes W [K, N] in the activation dtype; at::mm then runs cuBLAS.
-    set_trellis_tiles(p.params, M, N, uint32_t(std::min<int64_t>(M, UINT32_MAX / 2)), N);
+    set_trellis_tiles(p.params, M, N, uint32_t(std::clamp<int64_t>(M, 1, UINT32_MAX / 2)), N);
     return set_tiles_dequant(p, "dequant_trellis" + suffix, "plan_trellis_gemm");
   }
   // Decode streams through trellis_decode.cu where its 16-byte activation copies fit (K % 8 == 0),

@@ -14,7 +14,7 @@ using namespace torch_marlin;
 
 DeviceCaps cpu_caps(const py::dict& caps, const at::Tensor& t, const char* who) {
   const DeviceCaps c = caps_from_dict(Backend::CPU, caps);
-  const DeviceCaps machine = cpu_device_caps();
+  const DeviceCaps machine = CpuBackend::caps(t.device());
   TORCH_CHECK_VALUE(t.device().is_cpu(), who, ": the tensors must be on the CPU, got ", t.device());
   TORCH_CHECK_VALUE(c.avx2 == 0 || machine.avx2 != 0, who,
                     ": caps['avx2'] is set but this build or CPU has no AVX2 kernels");
@@ -29,7 +29,7 @@ at::Tensor gemm_trellis(const py::dict& caps, const at::Tensor& A, const at::Ten
   const at::AutoDispatchBelowADInplaceOrView below_autograd;  // as the ops run (csrc/ops/op_entries.h)
   const DeviceCaps c = cpu_caps(caps, A, "gemm_trellis_cpu_with_caps");
   TrellisGemmCall call = prepare_trellis_gemm(A, packed, scales, grid, su, sv, K, N, bits, group_size, c);
-  if (!call.empty) trellis_gemm_cpu(*call.plan, call.args, call.out);
+  if (!call.empty) CpuBackend::trellis_gemm(*call.plan, call.args, call.out);
   return call.out;
 }
 
@@ -42,7 +42,7 @@ at::Tensor gemm_rans(const py::dict& caps, const at::Tensor& A, const at::Tensor
   const DeviceCaps c = cpu_caps(caps, A, "gemm_rans_cpu_with_caps");
   RansGemmCall call = prepare_rans_gemm(A, RansCodeTensors{words, word_offsets, states, freqs}, scales, zeros, offsets,
                                         format, K, N, group_size, channels_per_tile, bias, c);
-  if (!call.empty) rans_gemm_cpu(*call.plan, call.args, call.out);
+  if (!call.empty) CpuBackend::rans_gemm(*call.plan, call.args, call.out);
   return call.out;
 }
 
@@ -51,7 +51,7 @@ at::Tensor rans_decode(const py::dict& caps, const at::Tensor& words, const at::
                        int64_t channels_per_tile) {
   const DeviceCaps c = cpu_caps(caps, words, "rans_decode_cpu_with_caps");
   RansDecodeCall call = prepare_rans_decode(words, word_offsets, states, freqs, K, N, channels_per_tile, c);
-  rans_decode_cpu(*call.plan, call.args, call.out);
+  CpuBackend::rans_decode(*call.plan, call.args, call.out);
   return call.out;
 }
 
