@@ -750,3 +750,13 @@ def test_affine_plans_as_u4(device, caps):
         assert {k: v for k, v in affine.items() if k not in ("format", "kernel", "scale_group_sums")} == \
             {k: v for k, v in u4.items() if k not in ("format", "kernel", "scale_group_sums")}
         assert not affine["scale_group_sums"]
+
+
+def test_trellis_dequant_blas_plans_empty_activations():
+    # M = 0 reaches the planner only from Python (the ops return empty results unplanned); the
+    # dense-weight plan still takes one-row tiles rather than dividing by a zero tile height.
+    lanes = torch_marlin.plan_trellis(0, 4096, 4096, 3, 128, torch.float32, device="cuda", caps=H100, layout="lanes")
+    assert (lanes["family"], lanes["kernel"], lanes["tile_m"], lanes["m_tiles"]) == \
+        ("dequant_blas", "dequant_trellis_lanes_float", 1, 1)
+    tiles = torch_marlin.plan_trellis(0, 4096, 4096, 3, 128, device="cuda", caps=H100, family="dequant_blas")
+    assert (tiles["kernel"], tiles["tile_m"], tiles["m_tiles"]) == ("dequant_trellis_half", 1, 1)
