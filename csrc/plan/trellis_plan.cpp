@@ -49,7 +49,7 @@ TrellisPlan base_plan(int64_t M, int64_t K, int64_t N, int64_t bits, int64_t gro
 }
 
 // The policy (canonical tiles): decode up to 16 rows, the backend's prefill family above; CUDA
-// fp16/bf16 takes the dense weight + cuBLAS above the decode rows (docs/cuda-tuning.md
+// fp16/bf16 takes the dense weight + cuBLAS above the decode rows (benchmarks/notes/cuda-tuning.md
 // TRELLIS-CUDA-BLAS), so fused_tiles runs there only when forced.
 KernelFamily choose_gemm_family(int64_t M, DType dtype, const DeviceCaps& caps, KernelFamily force) {
   const KernelFamily prefill = trellis_prefill_family(caps.backend);
