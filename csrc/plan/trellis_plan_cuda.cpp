@@ -29,15 +29,15 @@ constexpr uint32_t kCudaStreamStageTiles = TM_TRELLIS_CUDA_STREAM_STAGE_TILES;
 constexpr uint32_t kCudaSimtThreads = TM_TRELLIS_CUDA_SIMT_THREADS;
 constexpr uint32_t kCudaElemThreads = TM_TRELLIS_CUDA_ELEMWISE_THREADS;
 constexpr uint32_t kCudaMaxKParallel = 32;
-constexpr uint32_t kCudaBlocksPerSm = 4;  // docs/cuda-tuning.md TRELLIS-CUDA-SLICES
+constexpr uint32_t kCudaBlocksPerSm = 4;  // benchmarks/notes/cuda-tuning.md TRELLIS-CUDA-SLICES
 // The fewest blocks per SM that longer slices (min_slice_stages) may leave (TRELLIS-CUDA-STREAM-SLICES).
 constexpr uint32_t kCudaLongSliceMinBlocksPerSm = 2;
-constexpr int64_t kCudaBlasMinM = kDecodeMaxM + 1;  // docs/cuda-tuning.md TRELLIS-CUDA-BLAS
+constexpr int64_t kCudaBlasMinM = kDecodeMaxM + 1;  // benchmarks/notes/cuda-tuning.md TRELLIS-CUDA-BLAS
 // Lane-layout prefill on sm_90a (caps.wgmma): the wgmma kernel for kCudaWgmmaMinM..kCudaWgmmaMaxM
 // rows of A where its 128-column blocks alone cover at least half the SMs, dequant + cuBLAS
 // otherwise. It writes no dense weight, which wins while that write is a large part of the GEMM's
 // time (wide layers, few rows), but its tensor cores wait on the decode more than cuBLAS's do, and
-// it does not slice K (docs/cuda-tuning.md TRELLIS-CUDA-WGMMA).
+// it does not slice K (benchmarks/notes/cuda-tuning.md TRELLIS-CUDA-WGMMA).
 constexpr int64_t kCudaWgmmaMinM = 64;
 constexpr int64_t kCudaWgmmaMaxM = 256;
 
@@ -46,7 +46,7 @@ static_assert(TM_TRELLIS_LANE_CHUNK_TILES == TM_TRELLIS_CUDA_STREAM_STAGE_TILES,
 
 // The streaming decode's shortest K slice in stages: a 16-row block converts 16 activation rows of
 // its slice and writes 16 partial rows, which slices of one or two stages of 3- or 4-bit indices
-// do not repay; 2-bit stages are short enough that more slices still win (docs/cuda-tuning.md
+// do not repay; 2-bit stages are short enough that more slices still win (benchmarks/notes/cuda-tuning.md
 // TRELLIS-CUDA-STREAM-SLICES).
 uint32_t cuda_stream_min_slice_stages(uint32_t tile_m, uint32_t bits) { return tile_m == 16u && bits >= 3u ? 3u : 1u; }
 
@@ -122,7 +122,7 @@ void set_tiles_dequant(TrellisPlan& p, const std::string& kernel, const char* wh
 // (column blocks, row tiles x K slices); the slices' fp32 partials summed in slice order
 // (deterministic) into C by gemm_trellis_reduce, which on sm_90 (caps.thread_block_clusters: the
 // PTX has griddepcontrol) launches behind the GEMM kernel (PDL) and so skips the launch gap
-// between them (docs/cuda-tuning.md TRELLIS-CUDA-PDL).
+// between them (benchmarks/notes/cuda-tuning.md TRELLIS-CUDA-PDL).
 void set_cuda_sliced_launch(TrellisPlan& p, int64_t M, int64_t N, const std::string& kernel, const std::string& suffix,
                             const DeviceCaps& caps, uint32_t stage_tiles) {
   p.main.kernel = kernel + suffix;
@@ -130,7 +130,7 @@ void set_cuda_sliced_launch(TrellisPlan& p, int64_t M, int64_t N, const std::str
   p.main.grid[1] = p.params.m_tiles;
   p.main.threads[0] = kCudaThreads;
   // The streaming decode itself launches behind the previous kernel too: its blocks warm L2 with
-  // their first indices and wait for that kernel before they read (docs/cuda-tuning.md
+  // their first indices and wait for that kernel before they read (benchmarks/notes/cuda-tuning.md
   // TRELLIS-CUDA-PDL).
   p.main.dependent_launch = p.cuda_stream_decode && caps.thread_block_clusters != 0;
   // The streaming decode converts a slice's activations into shared memory once: bounded slices.
@@ -271,7 +271,7 @@ void set_moe_stages(TrellisPlan& p, uint64_t rows, uint64_t active, int64_t hidd
   const uint32_t stage_tiles = p.params.tile_k / TM_TRELLIS_TILE;
   const uint32_t max_slice = p.cuda_stream_decode ? TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES(tile_m) : 0u;
   // The streaming kernel's expert blocks: one wave of its resident blocks (more leaves a
-  // second, mostly idle wave; docs/cuda-tuning.md TRELLIS-CUDA-MOE-STREAM).
+  // second, mostly idle wave; benchmarks/notes/cuda-tuning.md TRELLIS-CUDA-MOE-STREAM).
   const uint32_t one_wave = p.cuda_stream_decode ? TM_TRELLIS_CUDA_STREAM_EXPERT_BLOCKS_PER_SM : 0u;
   set_trellis_tiles(p.params, tile_m, intermediate, tile_m, kCudaTileN);
   const char* kind = p.cuda_stream_decode ? "_decode" : decode ? "_decode_mma" : "_tiles";

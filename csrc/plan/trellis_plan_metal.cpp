@@ -70,7 +70,8 @@ void plan_trellis_gemm_metal(TrellisPlan& p, int64_t M, int64_t K, int64_t N, DT
 
 void plan_trellis_dequant_metal(TrellisPlan& p, int64_t K, int64_t N) {
   const TrellisParams& q = p.params;
-  check_metal_indices({uint64_t(K) * uint64_t(N), uint64_t(q.tiles_k) * q.tiles_n * q.packed_bytes}, "plan_trellis_dequant");
+  check_metal_indices({uint64_t(K) * uint64_t(N), uint64_t(q.tiles_k) * q.tiles_n * q.packed_bytes},
+                      "plan_trellis_dequant");
   set_launch(p.main, "dequant_trellis", p.params.tiles_n, p.params.tiles_k, 1, kMetalDequantThreads);
 }
 
