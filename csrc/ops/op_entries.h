@@ -3,7 +3,7 @@
 // TORCH_LIBRARY_IMPL block: the dispatcher picks the backend once, and every entry is the family's
 // backend-free prepare_<family> (checks, output, plan, workspace) followed by the backend's kernel.
 //
-// `Backend` is a struct of static functions with these signatures:
+// `BackendImpl` is a backend's interface struct (CpuBackend, CudaBackend, MpsBackend: static functions):
 //   DeviceCaps caps(const at::Device&)                     the planner's view of the device
 //   void quant_gemm(const GemmPlan&, const QuantGemmArgs&, at::Tensor& C, at::Tensor& workspace)
 //   void quant_dequant(const QuantGemmArgs&, at::Tensor& W)
@@ -30,9 +30,9 @@ namespace torch_marlin {
 std::vector<int64_t> caps_to_ints(const DeviceCaps& caps);
 DeviceCaps caps_from_ints(const std::vector<int64_t>& v);
 
-template <class Backend>
+template <class BackendImpl>
 std::vector<int64_t> device_caps_entry(const at::Tensor& like) {
-  return caps_to_ints(Backend::caps(like.device()));
+  return caps_to_ints(BackendImpl::caps(like.device()));
 }
 
 namespace op_entry_detail {
@@ -40,22 +40,22 @@ namespace op_entry_detail {
 // The ops have no autograd formula (their Autograd kernels fall through, torch_marlin/ops.py); the
 // ATen calls the kernels make (BLAS on dequantized panels, routing) must not record autograd either,
 // or an input that requires grad makes them raise (the modules give the input its gradient).
-template <class Backend>
+template <class BackendImpl>
 at::Tensor quant_gemm(QuantFormat format, const at::Tensor& A, const at::Tensor& B, const at::Tensor& scales,
                       const c10::optional<at::Tensor>& aux, int64_t group_size,
                       const c10::optional<at::Tensor>& bias, const char* op) {
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
-  QuantGemmCall c = prepare_quant_gemm(format, A, B, scales, aux, group_size, bias, Backend::caps(A.device()), op);
-  if (!c.empty) Backend::quant_gemm(*c.plan, c.args, c.out, c.workspace);
+  QuantGemmCall c = prepare_quant_gemm(format, A, B, scales, aux, group_size, bias, BackendImpl::caps(A.device()), op);
+  if (!c.empty) BackendImpl::quant_gemm(*c.plan, c.args, c.out, c.workspace);
   return c.out;
 }
 
-template <class Backend>
+template <class BackendImpl>
 at::Tensor quant_dequant(QuantFormat format, const at::Tensor& B, const at::Tensor& scales,
                          const c10::optional<at::Tensor>& aux, int64_t group_size, const char* op) {
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
   QuantGemmCall c = prepare_quant_dequant(format, B, scales, aux, group_size, op);
-  if (!c.empty) Backend::quant_dequant(c.args, c.out);
+  if (!c.empty) BackendImpl::quant_dequant(c.args, c.out);
   return c.out;
 }
 
@@ -63,68 +63,69 @@ at::Tensor quant_dequant(QuantFormat format, const at::Tensor& B, const at::Tens
 
 // ---- FP4 / INT4 / affine INT4 (schemas: csrc/ops/library.cpp) ----
 
-template <class Backend>
+template <class BackendImpl>
 at::Tensor gemm_fp4(const at::Tensor& A, const at::Tensor& B, const at::Tensor& scales, int64_t group_size,
                     const c10::optional<at::Tensor>& bias) {
-  return op_entry_detail::quant_gemm<Backend>(QuantFormat::FP4, A, B, scales, c10::nullopt, group_size, bias,
+  return op_entry_detail::quant_gemm<BackendImpl>(QuantFormat::FP4, A, B, scales, c10::nullopt, group_size, bias,
                                               "gemm_fp4");
 }
 
-template <class Backend>
+template <class BackendImpl>
 at::Tensor gemm_u4(const at::Tensor& A, const at::Tensor& B, const at::Tensor& scales, const at::Tensor& zeros,
                    int64_t group_size, const c10::optional<at::Tensor>& bias) {
-  return op_entry_detail::quant_gemm<Backend>(QuantFormat::U4, A, B, scales, zeros, group_size, bias, "gemm_u4");
+  return op_entry_detail::quant_gemm<BackendImpl>(QuantFormat::U4, A, B, scales, zeros, group_size, bias, "gemm_u4");
 }
 
-template <class Backend>
+template <class BackendImpl>
 at::Tensor gemm_affine(const at::Tensor& A, const at::Tensor& B, const at::Tensor& scales, const at::Tensor& offsets,
                        int64_t group_size, const c10::optional<at::Tensor>& bias) {
-  return op_entry_detail::quant_gemm<Backend>(QuantFormat::Affine, A, B, scales, offsets, group_size, bias,
+  return op_entry_detail::quant_gemm<BackendImpl>(QuantFormat::Affine, A, B, scales, offsets, group_size, bias,
                                               "gemm_affine");
 }
 
-template <class Backend>
+template <class BackendImpl>
 at::Tensor dequant_fp4(const at::Tensor& B, const at::Tensor& scales, int64_t group_size) {
-  return op_entry_detail::quant_dequant<Backend>(QuantFormat::FP4, B, scales, c10::nullopt, group_size, "dequant_fp4");
+  return op_entry_detail::quant_dequant<BackendImpl>(QuantFormat::FP4, B, scales, c10::nullopt, group_size,
+                                                     "dequant_fp4");
 }
 
-template <class Backend>
+template <class BackendImpl>
 at::Tensor dequant_u4(const at::Tensor& B, const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size) {
-  return op_entry_detail::quant_dequant<Backend>(QuantFormat::U4, B, scales, zeros, group_size, "dequant_u4");
+  return op_entry_detail::quant_dequant<BackendImpl>(QuantFormat::U4, B, scales, zeros, group_size, "dequant_u4");
 }
 
-template <class Backend>
+template <class BackendImpl>
 at::Tensor dequant_affine(const at::Tensor& B, const at::Tensor& scales, const at::Tensor& offsets,
                           int64_t group_size) {
-  return op_entry_detail::quant_dequant<Backend>(QuantFormat::Affine, B, scales, offsets, group_size,
+  return op_entry_detail::quant_dequant<BackendImpl>(QuantFormat::Affine, B, scales, offsets, group_size,
                                                  "dequant_affine");
 }
 
 // ---- trellis ----
 
-template <class Backend>
+template <class BackendImpl>
 at::Tensor gemm_trellis(const at::Tensor& A, const at::Tensor& packed, const at::Tensor& scales,
                         const at::Tensor& grid, const at::Tensor& su, const at::Tensor& sv, int64_t K, int64_t N,
                         int64_t bits, int64_t group_size) {
   const at::AutoDispatchBelowADInplaceOrView below_autograd;  // as in op_entry_detail::quant_gemm
   TrellisGemmCall c =
-      prepare_trellis_gemm(A, packed, scales, grid, su, sv, K, N, bits, group_size, Backend::caps(A.device()));
-  if (!c.empty) Backend::trellis_gemm(*c.plan, c.args, c.out);
+      prepare_trellis_gemm(A, packed, scales, grid, su, sv, K, N, bits, group_size, BackendImpl::caps(A.device()));
+  if (!c.empty) BackendImpl::trellis_gemm(*c.plan, c.args, c.out);
   return c.out;
 }
 
-template <class Backend>
+template <class BackendImpl>
 at::Tensor dequant_trellis(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& grid,
                            const at::Tensor& su, const at::Tensor& sv, int64_t K, int64_t N, int64_t bits,
                            int64_t group_size) {
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
   TrellisGemmCall c =
-      prepare_trellis_dequant(packed, scales, grid, su, sv, K, N, bits, group_size, Backend::caps(packed.device()));
-  Backend::trellis_dequant(*c.plan, c.args, c.out);
+      prepare_trellis_dequant(packed, scales, grid, su, sv, K, N, bits, group_size, BackendImpl::caps(packed.device()));
+  BackendImpl::trellis_dequant(*c.plan, c.args, c.out);
   return c.out;
 }
 
-template <class Backend>
+template <class BackendImpl>
 at::Tensor moe_trellis(const at::Tensor& x, const at::Tensor& gate_packed, const at::Tensor& gate_scales,
                        const at::Tensor& gate_grid, const at::Tensor& gate_su, const at::Tensor& gate_sv,
                        const at::Tensor& up_packed, const at::Tensor& up_scales, const at::Tensor& up_grid,
@@ -136,24 +137,24 @@ at::Tensor moe_trellis(const at::Tensor& x, const at::Tensor& gate_packed, const
   const TrellisMoeWeights w{{gate_packed, gate_scales, gate_grid, gate_su, gate_sv},
                             {up_packed, up_scales, up_grid, up_su, up_sv},
                             {down_packed, down_scales, down_grid, down_su, down_sv}};
-  TrellisMoeCall c =
-      prepare_trellis_moe(x, w, expert_ids, expert_probs, intermediate, bits, group_size, Backend::caps(x.device()));
-  if (!c.empty) Backend::trellis_moe(*c.plan, c.args, c.out);
+  TrellisMoeCall c = prepare_trellis_moe(x, w, expert_ids, expert_probs, intermediate, bits, group_size,
+                                         BackendImpl::caps(x.device()));
+  if (!c.empty) BackendImpl::trellis_moe(*c.plan, c.args, c.out);
   return c.out;
 }
 
 // ---- rANS (rans_encode runs on the host: only the CPU binds it) ----
 
-template <class Backend>
+template <class BackendImpl>
 at::Tensor rans_decode(const at::Tensor& words, const at::Tensor& word_offsets, const at::Tensor& states,
                        const at::Tensor& freqs, int64_t K, int64_t N, int64_t channels_per_tile) {
   RansDecodeCall c = prepare_rans_decode(words, word_offsets, states, freqs, K, N, channels_per_tile,
-                                         Backend::caps(words.device()));
-  Backend::rans_decode(*c.plan, c.args, c.out);
+                                         BackendImpl::caps(words.device()));
+  BackendImpl::rans_decode(*c.plan, c.args, c.out);
   return c.out;
 }
 
-template <class Backend>
+template <class BackendImpl>
 at::Tensor gemm_rans(const at::Tensor& A, const at::Tensor& words, const at::Tensor& word_offsets,
                      const at::Tensor& states, const at::Tensor& freqs, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& offsets,
@@ -161,8 +162,8 @@ at::Tensor gemm_rans(const at::Tensor& A, const at::Tensor& words, const at::Ten
                      const c10::optional<at::Tensor>& bias) {
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
   RansGemmCall c = prepare_rans_gemm(A, RansCodeTensors{words, word_offsets, states, freqs}, scales, zeros, offsets,
-                                     format, K, N, group_size, channels_per_tile, bias, Backend::caps(A.device()));
-  if (!c.empty) Backend::rans_gemm(*c.plan, c.args, c.out);
+                                     format, K, N, group_size, channels_per_tile, bias, BackendImpl::caps(A.device()));
+  if (!c.empty) BackendImpl::rans_gemm(*c.plan, c.args, c.out);
   return c.out;
 }
 
