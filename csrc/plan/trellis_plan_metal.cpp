@@ -9,6 +9,7 @@
 //    in fp32 (a 32-row K block would need 39 KiB with padding), under the 28 KiB budget.
 //  - k_vec4: activation rows (and su) are read 4 elements at a time when their length is a
 //    multiple of 4 (16-byte aligned rows), element by element otherwise.
+#include <algorithm>
 #include <string>
 
 #include "plan/trellis_plan_backends.h"
@@ -34,15 +35,17 @@ void set_launch(KernelLaunch& l, const std::string& kernel, uint32_t x, uint32_t
 
 // The MoE's 64x64-tile stages for experts with more than 16 routed rows. The host cannot size them
 // per expert without a sync: grid.y covers every routed row, and threadgroups past their expert's
-// rows (or of experts with <= 16 rows) exit at once.
+// rows (or of experts with <= 16 rows) exit at once. Slots: at most rows / 17 experts have more
+// than 16 rows (the tiled kernels' experts).
 void set_moe_tiled_stages(TrellisPlan& p, uint64_t rows, int64_t hidden, int64_t intermediate,
                           const std::string& suffix) {
-  const uint32_t row_tiles = ceil_div(int64_t(rows), kMetalPrefillTile), E = p.params.num_experts;
+  const uint32_t row_tiles = ceil_div(int64_t(rows), kMetalPrefillTile);
+  const uint32_t slots = uint32_t(std::min<uint64_t>(p.params.num_experts, rows / (kDecodeMaxM + 1)));
   set_launch(p.tiled_gate, "moe_trellis_tiled_gate" + suffix, ceil_div(intermediate, kMetalPrefillTile), row_tiles,
-             E, kMetalThreads);
-  set_launch(p.tiled_up, "moe_trellis_tiled_up" + suffix, ceil_div(intermediate, kMetalPrefillTile), row_tiles, E,
-             kMetalThreads);
-  set_launch(p.tiled_down, "moe_trellis_tiled_down" + suffix, ceil_div(hidden, kMetalPrefillTile), row_tiles, E,
+             slots, kMetalThreads);
+  set_launch(p.tiled_up, "moe_trellis_tiled_up" + suffix, ceil_div(intermediate, kMetalPrefillTile), row_tiles,
+             slots, kMetalThreads);
+  set_launch(p.tiled_down, "moe_trellis_tiled_down" + suffix, ceil_div(hidden, kMetalPrefillTile), row_tiles, slots,
              kMetalThreads);
 }
 
@@ -75,11 +78,14 @@ void plan_trellis_dequant_metal(TrellisPlan& p, int64_t K, int64_t N) {
   set_launch(p.main, "dequant_trellis", p.params.tiles_n, p.params.tiles_k, 1, kMetalDequantThreads);
 }
 
-// Grid (column blocks, experts): a threadgroup owns one expert's column block and walks that
-// expert's routed rows in chunks of 16, so each expert's weights stream once per block.
+// Grid (column blocks, expert slots): a threadgroup owns one expert's column block and walks that
+// expert's routed rows in chunks of 16, so each expert's weights stream once per block. Only
+// min(E, T*top_k) slots (at most that many experts have rows): slot s runs the s-th expert with
+// rows (metal/trellis_moe.metal, tr_slot_expert), so idle experts cost nothing.
 void plan_trellis_moe_metal(TrellisPlan& p, int64_t tokens, int64_t hidden, int64_t intermediate, DType dtype) {
   const TrellisParams& q = p.params;
   const uint64_t R = uint64_t(tokens) * q.top_k, E = q.num_experts;
+  const uint32_t slots = uint32_t(std::min<uint64_t>(E, std::max<uint64_t>(R, 1)));
   check_metal_indices({R * uint64_t(hidden), R * uint64_t(intermediate), E * q.tiles_k * q.tiles_n * q.packed_bytes,
                        E * q.n_groups * uint64_t(intermediate), E * q.down_n_groups * uint64_t(hidden)},
                       "plan_trellis_moe");
@@ -89,8 +95,8 @@ void plan_trellis_moe_metal(TrellisPlan& p, int64_t tokens, int64_t hidden, int6
   p.params.tile_k = kMetalDecodeTileK;
   p.params.k_vec4 = hidden % 4 == 0 ? 1u : 0u;
   p.params.down_k_vec4 = intermediate % 4 == 0 ? 1u : 0u;
-  set_launch(p.main, "moe_trellis_gate_up" + suffix, p.params.n_tiles, uint32_t(E), 1, kMetalThreads);
-  set_launch(p.down, "moe_trellis_down" + suffix, ceil_div(hidden, kMetalDecodeTileN), uint32_t(E), 1, kMetalThreads);
+  set_launch(p.main, "moe_trellis_gate_up" + suffix, p.params.n_tiles, slots, 1, kMetalThreads);
+  set_launch(p.down, "moe_trellis_down" + suffix, ceil_div(hidden, kMetalDecodeTileN), slots, 1, kMetalThreads);
   if (R > uint64_t(kDecodeMaxM)) set_moe_tiled_stages(p, R, hidden, intermediate, suffix);
   set_launch(p.combine, "moe_trellis_combine" + suffix, ceil_div(int64_t(tokens) * hidden, kMetalCombineThreads), 1,
              1, kMetalCombineThreads);
