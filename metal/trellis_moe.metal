@@ -6,7 +6,7 @@
 // (token, slot) pairs by expert gives `sorted_token` (token of each sorted row), `expert_offsets`
 // (expert e owns sorted rows [offsets[e], offsets[e+1])) and `slot_row` (sorted row of (t, j)).
 // Dispatches on one encoder (planned by plan_trellis_moe; buffer order and sequence in
-// csrc/mps/metal_dispatch.h, trellis_moe_dispatches):
+// csrc/plan/metal_dispatch.h, trellis_moe_dispatches):
 // Expert slots: the decode grids hold min(E, T*top_k) expert slots, not E: slot s runs the s-th
 // expert (in expert order) that has routed rows (tr_slot_expert), spare slots exit at once; the
 // tiled grids hold min(E, T*top_k / 17) slots over the experts with more than 16 rows. At decode

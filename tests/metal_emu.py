@@ -13,7 +13,7 @@ own), links the executor and the planner (csrc/plan/*.cpp), and exposes:
   rans_decode(words, word_offsets, states, freqs, K, N, channels_per_tile, ...) -> B_packed
   describe_gemm(format, M, K, N, group_size, ...), describe_dequant(...), describe_gemm_rans(...),
   describe_rans_decode(...) -> the dispatch list
-      (csrc/mps/metal_dispatch.h, the one the MPS backend encodes) with buffers as names
+      (csrc/plan/metal_dispatch.h, the one the MPS backend encodes) with buffers as names
   dispatch_raw(kernel, grid, threads, buffers, ...), kernel_names(), last_stats()
 
 gemm and dequant run exactly the dispatch list the MPS backend encodes for the same plan.

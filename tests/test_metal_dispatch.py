@@ -1,4 +1,4 @@
-"""The Metal dispatch description (csrc/mps/metal_dispatch.h) is what both the MPS backend and the
+"""The Metal dispatch description (csrc/plan/metal_dispatch.h) is what both the MPS backend and the
 Metal-on-CPU harness run, and it matches the kernels it names.
 
 - every buffer list equals the kernel's [[buffer(i)]] declarations parsed from metal/*.metal

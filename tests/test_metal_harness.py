@@ -5,7 +5,7 @@ K-parallel slices, the planner's Metal policy.
 
 On Linux (CI) the kernels run in the Metal-on-CPU harness (tests/metal_emu.py, docs/metal.md),
 through the same planner (csrc/plan/plan.cpp, Backend::Metal) and the same dispatch description
-(csrc/mps/metal_dispatch.h) the MPS backend encodes. The op matrix over dtype x group size x M
+(csrc/plan/metal_dispatch.h) the MPS backend encodes. The op matrix over dtype x group size x M
 runs on the harness as one backend of the op tests. On a Mac with MPS, TestMPS runs the
 registered ops on the GPU over the same shapes.
 

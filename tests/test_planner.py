@@ -20,7 +20,7 @@ M1 = dict(compute_units=8, max_shared_memory=32768)
 PLAN_KEYS = {
     "family", "kernel", "format", "dtype", "reduce", "reduce_kernel", "grid", "threads", "reduce_grid",
     "reduce_threads", "workspace_bytes", "counters_offset", "tile_m", "tile_n", "tile_k", "m_tiles", "n_tiles", "k_parallel",
-    "k_slice_len", "num_groups", "consumers", "vector_loads", "fold", "padded_n", "tail_n_tiles", "tail_k_parallel",
+    "k_slice_len", "num_groups", "consumers", "vector_loads", "scale_group_sums", "padded_n", "tail_n_tiles", "tail_k_parallel",
     "tail_k_slice_len",
     "dependent_launch", "backend", "compute_units", "max_shared_memory", "wgmma", "thread_block_clusters", "avx2",
     "avx512",
@@ -453,24 +453,24 @@ def test_plan_dict_keys_and_caps_echoed(device, caps):
     assert p["tile_m"] * p["m_tiles"] >= 5 and p["tile_n"] * p["n_tiles"] >= 200
 
 
-def test_plan_dict_decode_fold_and_padded_n():
+def test_plan_dict_decode_scale_group_sums_and_padded_n():
     def cuda(M, N=200, group_size=128, dtype=torch.float16):
         return torch_marlin.plan_gemm("u4", M, 4096, N, group_size, dtype=dtype, device="cuda", caps=SM132_PORTABLE)
     # Folded scales: decode tiles of 8 or 16 rows, a 32-row chunk inside one group.
-    assert [cuda(M)["fold"] for M in (1, 9, 16, 17, 33)] == [True, True, True, False, False]
+    assert [cuda(M)["scale_group_sums"] for M in (1, 9, 16, 17, 33)] == [True, True, True, False, False]
     assert [cuda(M)["tile_m"] for M in (1, 9, 16, 17, 33)] == [8, 16, 16, 32, 64]
-    assert not cuda(1, group_size=16)["fold"] and not cuda(1, group_size=8)["fold"]
-    assert cuda(1, group_size=32)["fold"] and cuda(9, group_size=64)["fold"]
+    assert not cuda(1, group_size=16)["scale_group_sums"] and not cuda(1, group_size=8)["scale_group_sums"]
+    assert cuda(1, group_size=32)["scale_group_sums"] and cuda(9, group_size=64)["scale_group_sums"]
     # The CUDA fp16/bf16 kernels read N rounded up to 16 columns; nothing else pads.
     assert cuda(1)["padded_n"] == 208 and cuda(1, N=4096)["padded_n"] == 4096
     assert cuda(300, N=200)["padded_n"] == 208  # dequant_blas
     assert cuda(1, dtype=torch.float32)["padded_n"] == 0  # simt
     assert torch_marlin.plan_gemm("u4", 1, 4096, 200)["padded_n"] == 0
     assert torch_marlin.plan_gemm("u4", 1, 4096, 200, device="metal", caps=M1)["padded_n"] == 0
-    # Consumers only for wgmma_ws (tile_n / 64); fold only for CUDA decode.
+    # Consumers only for wgmma_ws (tile_n / 64); scale_group_sums only for CUDA decode.
     ws = torch_marlin.plan_gemm("fp4", 64, 4096, 21504, device="cuda", caps=H100)
-    assert (ws["family"], ws["consumers"], ws["tile_n"], ws["fold"]) == ("wgmma_ws", 3, 192, False)
-    assert torch_marlin.plan_gemm("fp4", 1, 4096, 4096, device="metal", caps=M1)["fold"] is False
+    assert (ws["family"], ws["consumers"], ws["tile_n"], ws["scale_group_sums"]) == ("wgmma_ws", 3, 192, False)
+    assert torch_marlin.plan_gemm("fp4", 1, 4096, 4096, device="metal", caps=M1)["scale_group_sums"] is False
     assert cuda(1)["consumers"] == 0
 
 
@@ -797,7 +797,17 @@ def test_affine_plans_as_u4(device, caps):
         u4 = torch_marlin.plan_gemm("u4", M, K, N, g, dtype=dtype, device=device, caps=caps)
         affine = torch_marlin.plan_gemm("affine", M, K, N, g, dtype=dtype, device=device, caps=caps)
         assert affine["format"] == "affine" and affine["kernel"] == u4["kernel"].replace("_u4", "_affine")
-        # CUDA decode does not fold the scales for affine (plan_cuda.cpp plan_decode says why).
-        assert {k: v for k, v in affine.items() if k not in ("format", "kernel", "fold")} == \
-            {k: v for k, v in u4.items() if k not in ("format", "kernel", "fold")}
-        assert not affine["fold"]
+        # CUDA decode does not scale group sums for affine (plan_cuda.cpp plan_decode says why).
+        assert {k: v for k, v in affine.items() if k not in ("format", "kernel", "scale_group_sums")} == \
+            {k: v for k, v in u4.items() if k not in ("format", "kernel", "scale_group_sums")}
+        assert not affine["scale_group_sums"]
+
+
+def test_trellis_dequant_blas_plans_empty_activations():
+    # M = 0 reaches the planner only from Python (the ops return empty results unplanned); the
+    # dense-weight plan still takes one-row tiles rather than dividing by a zero tile height.
+    lanes = torch_marlin.plan_trellis(0, 4096, 4096, 3, 128, torch.float32, device="cuda", caps=H100, layout="lanes")
+    assert (lanes["family"], lanes["kernel"], lanes["tile_m"], lanes["m_tiles"]) == \
+        ("dequant_blas", "dequant_trellis_lanes_float", 1, 1)
+    tiles = torch_marlin.plan_trellis(0, 4096, 4096, 3, 128, device="cuda", caps=H100, family="dequant_blas")
+    assert (tiles["kernel"], tiles["tile_m"], tiles["m_tiles"]) == ("dequant_trellis_half", 1, 1)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import cpu_with_caps
 from backends import BACKENDS, cases
 from reference import assert_gemm_close, make_weights
 from torch_marlin.formats import (dequant_affine_reference, dequant_fp4_reference, dequant_u4_reference, pack_int4,
@@ -294,10 +295,11 @@ def test_cpu_lane_kernels(avx2, fmt, M):
     caps = dict(avx2=avx2, compute_units=2)
     K, N, gs, C = 96, 37, 32, 5
     w, t, W = coded_weights(fmt, K, N, gs, torch.float32, C)
-    assert torch.equal(_C.rans_decode_cpu_with_caps(caps, *t, K, N, C), pack_int4(unpack_int4(w["B"])))
+    hooks = cpu_with_caps.load()
+    assert torch.equal(hooks.rans_decode_cpu_with_caps(caps, *t, K, N, C), pack_int4(unpack_int4(w["B"])))
     A = torch.randn(M, K)
-    out = _C.gemm_rans_cpu_with_caps(caps, A, *t, w["scales"], w["zeros"] if fmt == "u4" else None,
-                                     w["offsets"] if fmt == "affine" else None, fmt, K, N, gs, C, None)
+    out = hooks.gemm_rans_cpu_with_caps(caps, A, *t, w["scales"], w["zeros"] if fmt == "u4" else None,
+                                        w["offsets"] if fmt == "affine" else None, fmt, K, N, gs, C, None)
     assert_gemm_close(out, A, W, None, True, W_mag=w.get("mag"))
     with pytest.raises(ValueError, match="tile 2 is corrupted"):
-        _C.rans_decode_cpu_with_caps(caps, *corrupted(t, 2), K, N, C)
+        hooks.rans_decode_cpu_with_caps(caps, *corrupted(t, 2), K, N, C)

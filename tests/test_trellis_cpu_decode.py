@@ -1,5 +1,5 @@
 """The CPU decode kernels of gemm_trellis (M <= 16): the AVX-512 kernel, the AVX2 kernel and the
-portable one (run on any machine through ``_C.gemm_trellis_cpu_with_caps``, which plans with caps
+portable one (run on any machine through the test module tests/cpu_with_caps.py, which plans with caps
 ``avx2=False, avx512=False``), the planner's choice among them and its CPU decode geometry. Reference and error bounds: tests/reference.py (fp64 matmul on
 the plain-torch dense weight)."""
 
@@ -8,6 +8,7 @@ import torch
 
 import torch_marlin
 from torch_marlin import _C
+import cpu_with_caps
 from reference import assert_trellis_gemm_close, dequant_ref, random_trellis
 
 HAS_AVX2 = _C.device_caps("cpu")["avx2"]
@@ -24,7 +25,7 @@ def caps_for(kernel, threads):
 
 
 def gemm(kernel, A, t, K, N, bits, gs, threads=2):
-    return _C.gemm_trellis_cpu_with_caps(caps_for(kernel, threads), A, *t, K, N, bits, gs)
+    return cpu_with_caps.load().gemm_trellis_cpu_with_caps(caps_for(kernel, threads), A, *t, K, N, bits, gs)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -143,8 +144,9 @@ def test_with_caps_refuses_bad_caps():
     t = random_trellis(32, 32, 2, 32)
     if not HAS_AVX512:
         with pytest.raises(ValueError, match="no AVX-512 kernels"):
-            _C.gemm_trellis_cpu_with_caps(dict(avx512=True), torch.randn(1, 32), *t, 32, 32, 2, 32)
+            cpu_with_caps.load().gemm_trellis_cpu_with_caps(dict(avx512=True), torch.randn(1, 32), *t, 32, 32, 2, 32)
     with pytest.raises(ValueError, match="unknown key"):
-        _C.gemm_trellis_cpu_with_caps(dict(simd=1), torch.randn(1, 32), *t, 32, 32, 2, 32)
+        cpu_with_caps.load().gemm_trellis_cpu_with_caps(dict(simd=1), torch.randn(1, 32), *t, 32, 32, 2, 32)
     with pytest.raises(ValueError, match="packed_indices must have shape"):
-        _C.gemm_trellis_cpu_with_caps(dict(avx2=False), torch.randn(1, 32), t[0][:, :1], *t[1:], 32, 32, 2, 32)
+        cpu_with_caps.load().gemm_trellis_cpu_with_caps(dict(avx2=False), torch.randn(1, 32), t[0][:, :1], *t[1:], 32, 32,
+                                                        2, 32)

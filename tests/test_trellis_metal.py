@@ -1,7 +1,7 @@
 """Trellis Metal kernels (metal/trellis_gemm.metal, metal/trellis_moe.metal) vs torch references,
 run in the Metal-on-CPU harness (tests/trellis_metal_emu.py over csrc/metal_emu/) through the same
 planner entries (plan_trellis_* with Backend::Metal) and dispatch description
-(csrc/mps/metal_dispatch.h) the MPS backend uses. The GEMM over bits x group size x M x dtype runs
+(csrc/plan/metal_dispatch.h) the MPS backend uses. The GEMM over bits x group size x M x dtype runs
 on the harness as one backend of the op tests; here: forced families, thread orders, the MoE paths,
 barrier removal.
 

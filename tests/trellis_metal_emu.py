@@ -13,7 +13,7 @@ translation unit per file), links the executor (csrc/metal_emu/runtime.cpp), the
   kernel_names(), set_dropped_barrier(name), last_stats()
 
 ``weights`` are 5-tuples (packed_indices, scales, grid, su, sv). gemm, dequant and moe run exactly
-the dispatch list (csrc/mps/metal_dispatch.h) the MPS backend encodes. Beside the pristine kernels
+the dispatch list (csrc/plan/metal_dispatch.h) the MPS backend encodes. Beside the pristine kernels
 the module holds a barrier-switch copy (names prefixed ``barrier_switch:``), as tests/metal_emu.py.
 """
 

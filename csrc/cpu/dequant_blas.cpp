@@ -117,7 +117,7 @@ void dequant_blas_gemm_cpu(const GemmPlan& plan, const QuantGemmArgs& a, CpuGemm
   }
 }
 
-void quant_dequant_cpu(const QuantGemmArgs& args, at::Tensor& W) {
+void CpuBackend::quant_dequant(const QuantGemmArgs& args, at::Tensor& W) {
   switch (args.format) {
     case QuantFormat::FP4: dequant_impl<QuantFormat::FP4>(args, W); break;
     case QuantFormat::U4: dequant_impl<QuantFormat::U4>(args, W); break;

@@ -3,7 +3,7 @@
 
 namespace torch_marlin {
 
-void quant_gemm_cpu(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C) {
+void CpuBackend::quant_gemm(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at::Tensor&) {
   CpuGemmOperands o;
   o.A = a.A.to(at::kFloat).contiguous();
   o.scales = a.scales.to(at::kFloat).contiguous();

@@ -14,7 +14,7 @@
 #include <immintrin.h>
 #endif
 
-#include "ops/quant_gemm.h"
+#include "cpu/cpu_backend.h"
 
 namespace torch_marlin {
 

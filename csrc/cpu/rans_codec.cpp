@@ -8,8 +8,8 @@
 #include <memory>
 #include <vector>
 
+#include "cpu/cpu_backend.h"
 #include "cpu/rans_cpu.h"
-#include "ops/rans.h"
 
 namespace torch_marlin {
 namespace {
@@ -187,7 +187,7 @@ void rans_decode_to_packed(const RansCodes& codes, at::Tensor& B_packed, bool ch
   }
 }
 
-void rans_decode_cpu(const RansPlan& plan, const RansCodes& codes, at::Tensor& B_packed) {
+void CpuBackend::rans_decode(const RansPlan& plan, const RansCodes& codes, at::Tensor& B_packed) {
   rans_decode_to_packed(codes, B_packed, /*check=*/true, plan.cpu_avx2);
 }
 

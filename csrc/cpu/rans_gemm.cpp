@@ -11,9 +11,8 @@
 #include <memory>
 #include <vector>
 
+#include "cpu/cpu_backend.h"
 #include "cpu/rans_cpu.h"
-#include "ops/quant_gemm.h"
-#include "ops/rans.h"
 
 namespace torch_marlin {
 namespace {
@@ -153,12 +152,13 @@ void fused_gemm(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) {
 void staged_gemm(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) {
   at::Tensor B = at::empty({a.K / 8, a.N}, a.codes.words.options().dtype(at::kInt));
   rans_decode_to_packed(a.codes, B, /*check=*/false, plan.cpu_avx2);
-  quant_gemm_cpu(plan.gemm, staged_gemm_args(a, B), C);
+  at::Tensor no_workspace;
+  CpuBackend::quant_gemm(plan.gemm, staged_gemm_args(a, B), C, no_workspace);
 }
 
 }  // namespace
 
-void rans_gemm_cpu(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) {
+void CpuBackend::rans_gemm(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) {
   if (plan.family == RansFamily::Fused) {
     fused_gemm(plan, a, C);
   } else {

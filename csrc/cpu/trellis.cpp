@@ -284,7 +284,7 @@ void moe_impl(const TrellisPlan& plan, const TrellisMoeArgs& a, at::Tensor& y) {
 
 }  // namespace
 
-void trellis_gemm_cpu(const TrellisPlan& plan, const TrellisGemmArgs& args, at::Tensor& C) {
+void CpuBackend::trellis_gemm(const TrellisPlan& plan, const TrellisGemmArgs& args, at::Tensor& C) {
   switch (args.bits) {
     case 2: gemm_impl<2>(plan, args, C); break;
     case 3: gemm_impl<3>(plan, args, C); break;
@@ -292,7 +292,7 @@ void trellis_gemm_cpu(const TrellisPlan& plan, const TrellisGemmArgs& args, at::
   }
 }
 
-void trellis_dequant_cpu(const TrellisPlan&, const TrellisGemmArgs& args, at::Tensor& W) {
+void CpuBackend::trellis_dequant(const TrellisPlan&, const TrellisGemmArgs& args, at::Tensor& W) {
   switch (args.bits) {
     case 2: dequant_impl<2>(args, W); break;
     case 3: dequant_impl<3>(args, W); break;
@@ -300,7 +300,7 @@ void trellis_dequant_cpu(const TrellisPlan&, const TrellisGemmArgs& args, at::Te
   }
 }
 
-void trellis_moe_cpu(const TrellisPlan& plan, const TrellisMoeArgs& args, at::Tensor& y) {
+void CpuBackend::trellis_moe(const TrellisPlan& plan, const TrellisMoeArgs& args, at::Tensor& y) {
   switch (args.bits) {
     case 2: moe_impl<2>(plan, args, y); break;
     case 3: moe_impl<3>(plan, args, y); break;

@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "ops/trellis.h"
+#include "cpu/cpu_backend.h"
 
 // x86-64 GCC / Clang builds carry the AVX-512 decode kernel whatever the build's -m flags (its
 // functions carry target attributes); the planner names it only where the CPU runs AVX-512.

@@ -15,11 +15,11 @@
 namespace torch_marlin {
 namespace {
 
-// Scale-free dequant for the folded path (the per-group scale is applied to fp32 partial sums):
+// Scale-free dequant for kScaleGroupSums (the per-group scale is applied to fp32 partial sums):
 // FP4 in fp16 stays at 2^-14 x value (the 2^14 goes into the fp32 scale); bf16 is rescaled here
 // (its 2^-126 form is subnormal, which the tensor cores must not see); U4 is q - z.
 template <typename T, u32 FMT, int P>
-__device__ __forceinline__ u32 dequant_pair_fold(u32 w, typename Tr<T>::T2 z2) {
+__device__ __forceinline__ u32 dequant_pair_unscaled(u32 w, typename Tr<T>::T2 z2) {
   using T2 = typename Tr<T>::T2;
   if constexpr (FMT == TM_FORMAT_FP4) {
     const u32 bits = Tr<T>::template fp4_bits<P>(w);
@@ -101,7 +101,7 @@ __device__ void cluster_reduce(const QuantGemmParams& p, u32 m0, u32 n0, float* 
   }
   cluster.sync();
 #else
-  __trap();  // planned only where the kernels come from sm_90+ PTX (cuda_device_caps)
+  __trap();  // planned only where the kernels come from sm_90+ PTX (CudaBackend::caps)
 #endif
 }
 
@@ -109,7 +109,7 @@ __device__ void cluster_reduce(const QuantGemmParams& p, u32 m0, u32 n0, float* 
 // Decode kernel: M <= 128 (64-row tiles above 64)
 // ---------------------------------------------------------------------------------------------
 // Streams the packed weights once; the loop spends as few instructions per 16-byte chunk as it can
-// (scripts/dev/sass_loop_stats.py: about 95 for FP4/fp16 with M <= 8 and folded scales). On an
+// (scripts/dev/sass_loop_stats.py: about 95 for FP4/fp16 with M <= 8 and scaled group sums). On an
 // H200 it is latency-bound rather than issue-bound.
 //  - Weights are the mma's A operand and activations its B operand (C^T = W^T A^T): a lane's 4
 //    words (4 columns x 8 k) fill 4 m16n8k16 mmas per 8 activation rows, and M <= 8 wastes no
@@ -179,22 +179,22 @@ __device__ __forceinline__ V ld_dec(const V* p) {
 }
 #endif
 
-// NT: n8 tiles of activation rows (M <= 8 NT). kFold (NT <= 2, group_size % 32 == 0, so a chunk
+// NT: n8 tiles of activation rows (M <= 8 NT). kScaleGroupSums (NT <= 2, group_size % 32 == 0, so a chunk
 // never straddles two groups): the mmas of one group accumulate unscaled weights and the group's
 // fp32 scales multiply those partial sums once per group (8 FMAs per n8 tile and group instead of
 // 16 multiplies per chunk); otherwise every weight pair is scaled.
 // kCluster (ReduceKind::Cluster: sm_90, k_parallel <= TM_CUDA_DECODE_MAX_CLUSTER_SLICES): the K
 // slices of a tile form a cluster and reduce through distributed shared memory (cluster_reduce);
 // otherwise through global memory (last_block_reduce, ReduceKind::LastBlock).
-template <typename T, u32 FMT, int NT, bool kFold, bool kCluster>
+template <typename T, u32 FMT, int NT, bool kScaleGroupSums, bool kCluster>
 __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u * NT))
     decode_kernel(QuantGemmParams p, u32 Np, int gs_shift, const T* A, const u32* B, const T* S, const uint8_t* Z,
                   const T* O, const T* bias, T* __restrict__ C, float* __restrict__ ws, int* __restrict__ counters) {
   using T2 = typename Tr<T>::T2;
   // A one chunk ahead, except for 4 n8 tiles: at 2 blocks per SM they leave no registers for it.
   constexpr bool kAhead = NT != 4;
-  static_assert(!kFold || NT <= 2, "folded scales need a second accumulator set");
-  static_assert(!kFold || FMT != TM_FORMAT_AFFINE, "affine is not folded (plan_cuda.cpp plan_decode)");
+  static_assert(!kScaleGroupSums || NT <= 2, "scaled group sums need a second accumulator set");
+  static_assert(!kScaleGroupSums || FMT != TM_FORMAT_AFFINE, "affine scales every weight (plan_cuda.cpp plan_decode)");
   extern __shared__ __align__(16) unsigned char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -244,16 +244,16 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[nt][jp][c] = 0.f;
 
-  // kFold state: this group's partial sums, the fp32 scales of the lane's 4 columns for this group,
+  // kScaleGroupSums state: this group's partial sums, the fp32 scales of the lane's 4 columns for this group,
   // the next group's raw scales and zero points (prefetched), and per column (magic + zero) (U4).
   float accg[NT][2][4];
   float s4f[4];
   uint2 s_next = make_uint2(0, 0);
   u32 z_next = 0;
   T2 zf[4];
-  const u32 cpg = gs / 32u;  // chunks per group (kFold)
-  u32 grp = kFold ? wc0 / cpg : 0u;
-  u32 left = kFold ? cpg - wc0 % cpg : 0u;  // chunks left in the current group
+  const u32 cpg = gs / 32u;  // chunks per group (kScaleGroupSums)
+  u32 grp = kScaleGroupSums ? wc0 / cpg : 0u;
+  u32 left = kScaleGroupSums ? cpg - wc0 % cpg : 0u;  // chunks left in the current group
   auto fetch_scales = [&](u32 gi) {
     const size_t so = size_t(min(gi, num_groups - 1u)) * Np + col;
     s_next = ld_dec(reinterpret_cast<const uint2*>(S + so));
@@ -282,7 +282,7 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
           accg[nt][jp][c] = 0.f;
         }
   };
-  if constexpr (kFold) {
+  if constexpr (kScaleGroupSums) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -302,14 +302,14 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
   };
   auto process = [&](const uint4& words, int i, const uint4 (&av)[NT]) {
     u32 b[4][4];
-    if constexpr (kFold) {
+    if constexpr (kScaleGroupSums) {
       const u32 w[4] = {words.x, words.y, words.z, words.w};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        b[j][0] = dequant_pair_fold<T, FMT, 0>(w[j], zf[j]);
-        b[j][1] = dequant_pair_fold<T, FMT, 1>(w[j], zf[j]);
-        b[j][2] = dequant_pair_fold<T, FMT, 2>(w[j], zf[j]);
-        b[j][3] = dequant_pair_fold<T, FMT, 3>(w[j], zf[j]);
+        b[j][0] = dequant_pair_unscaled<T, FMT, 0>(w[j], zf[j]);
+        b[j][1] = dequant_pair_unscaled<T, FMT, 1>(w[j], zf[j]);
+        b[j][2] = dequant_pair_unscaled<T, FMT, 2>(w[j], zf[j]);
+        b[j][3] = dequant_pair_unscaled<T, FMT, 3>(w[j], zf[j]);
       }
     } else {
       // The group of the lane's 8 rows (group_size % 8 == 0: one group).
@@ -326,7 +326,7 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const APairs x = a_pairs(av[nt]);
-      float(&d)[2][4] = kFold ? accg[nt] : acc[nt];
+      float(&d)[2][4] = kScaleGroupSums ? accg[nt] : acc[nt];
 #pragma unroll
       for (int s = 0; s < 2; ++s)
 #pragma unroll
@@ -335,7 +335,7 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
           Tr<T>::mma(d[jp], a, x.p[2 * s], x.p[2 * s + 1]);
         }
     }
-    if constexpr (kFold) {
+    if constexpr (kScaleGroupSums) {
       if (--left == 0u) {  // warp-uniform: the next chunk starts a new group
         flush();
         take_scales();
@@ -398,7 +398,7 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
     for (int nt = 0; nt < NT; ++nt) av[nt] = ok ? ld_dec(ap[nt] + 4 * n_full) : make_uint4(0, 0, 0, 0);
     process(words, n_full, av);
   }
-  if constexpr (kFold) {
+  if constexpr (kScaleGroupSums) {
     if (left != cpg) flush();
   }
 
@@ -442,11 +442,11 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
 namespace cuda_backend {
 namespace {
 
-template <typename T, u32 FMT, int NT, bool kFold>
+template <typename T, u32 FMT, int NT, bool kScaleGroupSums>
 void launch_decode_as(const GemmPlan& plan, int gs_shift, const GemmOperands<T>& o) {
   with_cluster(plan, [&](auto cluster) {
     constexpr bool kCluster = decltype(cluster)::value;
-    launch_tile_kernel<kCluster>(plan, decode_kernel<T, FMT, NT, kFold, kCluster>, kDecThreads,
+    launch_tile_kernel<kCluster>(plan, decode_kernel<T, FMT, NT, kScaleGroupSums, kCluster>, kDecThreads,
                                  dec_smem_bytes<NT, kCluster>(), o.stream, plan.params, o.Np, gs_shift, o.A, o.B, o.S,
                                  o.Z, o.O, o.bias, o.C, o.ws, o.counters);
   });
@@ -454,16 +454,16 @@ void launch_decode_as(const GemmPlan& plan, int gs_shift, const GemmOperands<T>&
 
 }  // namespace
 
-// NT = desc.tile_m / 8 n8 tiles, kFold = desc.fold, kCluster = (desc.reduce == ReduceKind::Cluster).
+// NT = desc.tile_m / 8 n8 tiles, kScaleGroupSums = desc.scale_group_sums, kCluster = (desc.reduce == ReduceKind::Cluster).
 template <typename T, uint32_t FMT>
 void launch_decode(const GemmPlan& plan, const GemmOperands<T>& o) {
   const KernelDesc& d = plan.desc;
   const QuantGemmParams& q = plan.params;
   TORCH_CHECK((d.tile_m == 8u || d.tile_m == 16u || d.tile_m == 32u || d.tile_m == 64u) && d.tile_m == q.tile_m &&
                   d.tile_n == q.tile_n && q.tile_n == TM_CUDA_DECODE_TILE_N &&
-                  uint64_t(q.M) <= uint64_t(q.tile_m) * q.m_tiles && plan.grid[0] == q.m_tiles &&
-                  plan.grid[1] == q.n_tiles && plan.grid[2] == q.k_parallel && plan.threads[0] == u32(kDecThreads) &&
-                  (!d.fold || (d.tile_m <= 16u && q.group_size % 32u == 0 && FMT != TM_FORMAT_AFFINE)),
+                  uint64_t(q.M) <= uint64_t(q.tile_m) * q.m_tiles && plan.main.grid[0] == q.m_tiles &&
+                  plan.main.grid[1] == q.n_tiles && plan.main.grid[2] == q.k_parallel && plan.main.threads[0] == u32(kDecThreads) &&
+                  (!d.scale_group_sums || (d.tile_m <= 16u && q.group_size % 32u == 0 && FMT != TM_FORMAT_AFFINE)),
               "torch_marlin: bad decode plan");
   const int gs_shift = (q.group_size & (q.group_size - 1u)) == 0 ? __builtin_ctzll(uint64_t(q.group_size)) : -1;
   switch (d.tile_m) {
@@ -471,12 +471,12 @@ void launch_decode(const GemmPlan& plan, const GemmOperands<T>& o) {
     case 32: return launch_decode_as<T, FMT, 4, false>(plan, gs_shift, o);
     case 16:
       if constexpr (FMT != TM_FORMAT_AFFINE) {
-        if (d.fold) return launch_decode_as<T, FMT, 2, true>(plan, gs_shift, o);
+        if (d.scale_group_sums) return launch_decode_as<T, FMT, 2, true>(plan, gs_shift, o);
       }
       return launch_decode_as<T, FMT, 2, false>(plan, gs_shift, o);
     default:
       if constexpr (FMT != TM_FORMAT_AFFINE) {
-        if (d.fold) return launch_decode_as<T, FMT, 1, true>(plan, gs_shift, o);
+        if (d.scale_group_sums) return launch_decode_as<T, FMT, 1, true>(plan, gs_shift, o);
       }
       return launch_decode_as<T, FMT, 1, false>(plan, gs_shift, o);
   }

@@ -20,7 +20,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "ops/quant_gemm.h"
+#include "cuda/cuda_backend.h"
 #include "torch_marlin/quant_gemm_params.h"
 
 namespace torch_marlin {
@@ -68,7 +68,7 @@ template <typename T, uint32_t FMT>
 void launch_dequant(const QuantGemmArgs& a, const PaddedWeights& w, uint32_t n0, uint32_t cols, uint32_t ldw, T* W,
                     cudaStream_t stream);
 
-// The attributes of one decode kernel instantiation: cuda_device_caps reads the PTX version the
+// The attributes of one decode kernel instantiation: CudaBackend::caps reads the PTX version the
 // loaded kernels were compiled from (every kernel file is compiled for the same targets).
 cudaFuncAttributes decode_kernel_attributes();
 
@@ -111,13 +111,13 @@ void launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem_
 
 // Launches a tile kernel (decode, wgmma, wgmma_ws) over the plan's grid; with kCluster the K slices
 // of an output tile (grid.z == k_parallel) run as one thread-block cluster; with
-// plan.dependent_launch the kernel may start before the previous one on the stream has finished
+// plan.main.dependent_launch the kernel may start before the previous one on the stream has finished
 // (its pdl_wait() orders them).
 template <bool kCluster, typename... KArgs, typename... Args>
 void launch_tile_kernel(const GemmPlan& plan, void (*kernel)(KArgs...), uint32_t threads, int smem_bytes,
                         cudaStream_t stream, Args... args) {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(plan.grid[0], plan.grid[1], plan.grid[2]);
+  cfg.gridDim = dim3(plan.main.grid[0], plan.main.grid[1], plan.main.grid[2]);
   cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = size_t(smem_bytes);
   cfg.stream = stream;
@@ -130,9 +130,9 @@ void launch_tile_kernel(const GemmPlan& plan, void (*kernel)(KArgs...), uint32_t
     attr[cfg.numAttrs].val.clusterDim.z = plan.params.k_parallel;
     ++cfg.numAttrs;
   }
-  if (plan.dependent_launch) add_dependent_launch(cfg);
+  if (plan.main.dependent_launch) add_dependent_launch(cfg);
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
-  check_launch(plan.kernel.c_str());
+  check_launch(plan.main.kernel.c_str());
 }
 
 // Opts a kernel in to more than 48 KiB of dynamic shared memory, once per device.

@@ -55,7 +55,7 @@ int* zeroed_tile_counters(const GemmPlan& plan, at::Tensor& ws, cudaStream_t str
   const size_t bytes = size_t(plan.params.m_tiles) * plan.params.n_tiles * sizeof(int);
   TORCH_CHECK(ws.defined() && plan.counters_offset % sizeof(int) == 0 &&
                   plan.counters_offset + bytes <= size_t(ws.numel()) * sizeof(float),
-              "torch_marlin: the K-parallel plan '", plan.kernel, "' has no room for its tile counters");
+              "torch_marlin: the K-parallel plan '", plan.main.kernel, "' has no room for its tile counters");
   int* counters = reinterpret_cast<int*>(static_cast<char*>(ws.data_ptr()) + plan.counters_offset);
   C10_CUDA_CHECK(cudaMemsetAsync(counters, 0, bytes, stream));
   return counters;
@@ -67,7 +67,7 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
   const KernelFamily family = plan.desc.family;
   TORCH_CHECK(family == KernelFamily::Decode || family == KernelFamily::DequantBlas || family == KernelFamily::Wgmma ||
                   family == KernelFamily::WgmmaWs,
-              "torch_marlin: no CUDA fp16/bf16 kernel for the plan '", plan.kernel, "'");
+              "torch_marlin: no CUDA fp16/bf16 kernel for the plan '", plan.main.kernel, "'");
   TORCH_CHECK(plan.padded_n >= a.N && plan.padded_n % 16u == 0, "torch_marlin: bad padded_n ", plan.padded_n,
               " in the CUDA plan for N = ", a.N);
   const PaddedWeights w = padded_weights(a, int64_t(plan.padded_n));
@@ -104,7 +104,7 @@ void gemm_for_format(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C
     case DType::F16: launch_fast<__half, FMT>(plan, a, C, ws, stream); break;
     case DType::BF16: launch_fast<__nv_bfloat16, FMT>(plan, a, C, ws, stream); break;
     case DType::F32:
-      TORCH_CHECK(plan.desc.family == KernelFamily::Simt, "torch_marlin: fp32 plan has kernel '", plan.kernel, "'");
+      TORCH_CHECK(plan.desc.family == KernelFamily::Simt, "torch_marlin: fp32 plan has kernel '", plan.main.kernel, "'");
       launch_simt<FMT>(plan, a, C, stream);
       break;
   }
@@ -128,8 +128,8 @@ void dequant_for_format(const QuantGemmArgs& a, at::Tensor& W, cudaStream_t stre
 }  // namespace
 }  // namespace cuda_backend
 
-DeviceCaps cuda_device_caps(int device_index) {
-  const int dev = device_index >= 0 ? device_index : int(c10::cuda::current_device());
+DeviceCaps CudaBackend::caps(const at::Device& device) {
+  const int dev = device.index() >= 0 ? device.index() : int(c10::cuda::current_device());
   // Cached per device: the planner asks on every call.
   static std::mutex mu;
   static std::vector<DeviceCaps> cache;
@@ -166,7 +166,7 @@ DeviceCaps cuda_device_caps(int device_index) {
   return caps;
 }
 
-void quant_gemm_cuda(const GemmPlan& plan, const QuantGemmArgs& args, at::Tensor& C, at::Tensor& workspace) {
+void CudaBackend::quant_gemm(const GemmPlan& plan, const QuantGemmArgs& args, at::Tensor& C, at::Tensor& workspace) {
   const KernelDesc& d = plan.desc;
   const QuantGemmParams& q = plan.params;
   TORCH_CHECK(d.backend == Backend::CUDA && d.format == args.format && d.dtype == args.dtype &&
@@ -174,7 +174,7 @@ void quant_gemm_cuda(const GemmPlan& plan, const QuantGemmArgs& args, at::Tensor
                   int64_t(q.group_size) == args.group_size && (q.has_bias != 0) == args.bias.defined() &&
                   (plan.workspace_bytes == 0 ||
                    (workspace.defined() && size_t(workspace.numel()) * sizeof(float) >= plan.workspace_bytes)),
-              "torch_marlin: the CUDA plan '", plan.kernel, "' does not match the call");
+              "torch_marlin: the CUDA plan '", plan.main.kernel, "' does not match the call");
   const c10::cuda::CUDAGuard guard(args.A.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   switch (d.format) {
@@ -184,7 +184,7 @@ void quant_gemm_cuda(const GemmPlan& plan, const QuantGemmArgs& args, at::Tensor
   }
 }
 
-void quant_dequant_cuda(const QuantGemmArgs& args, at::Tensor& W) {
+void CudaBackend::quant_dequant(const QuantGemmArgs& args, at::Tensor& W) {
   const c10::cuda::CUDAGuard guard(args.B.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   switch (args.format) {

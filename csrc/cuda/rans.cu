@@ -17,7 +17,6 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
@@ -409,10 +408,12 @@ void decode_to(const RansPlan& plan, const RansCodes& c, at::Tensor& B) {
   cuda_backend::check_launch(plan.decode.kernel.c_str());
 }
 
+}  // namespace
+
 // gemm_rans: fused, or staged (decode to a temporary B_packed from the caching allocator, then the
 // format's CUDA GEMM with the plan's dense GEMM plan). No host synchronization, so it captures in
 // a CUDA graph.
-void rans_gemm_cuda(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) {
+void CudaBackend::rans_gemm(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) {
   const c10::cuda::CUDAGuard guard(a.A.device());
   if (plan.family == RansFamily::Fused) return gemm_fused(plan, a, C);
   at::Tensor B = at::empty({a.K / 8, a.N}, a.A.options().dtype(at::kInt));
@@ -423,21 +424,12 @@ void rans_gemm_cuda(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) 
     workspace = at::empty({int64_t((plan.gemm.workspace_bytes + sizeof(float) - 1) / sizeof(float))},
                           a.A.options().dtype(at::kFloat));
   }
-  quant_gemm_cuda(plan.gemm, q, C, workspace);
+  CudaBackend::quant_gemm(plan.gemm, q, C, workspace);
 }
 
-void rans_decode_cuda(const RansPlan& plan, const RansCodes& c, at::Tensor& B) {
+void CudaBackend::rans_decode(const RansPlan& plan, const RansCodes& c, at::Tensor& B) {
   const c10::cuda::CUDAGuard guard(B.device());
   decode_to(plan, c, B);
-}
-
-const bool kRegistered = (set_rans_kernels(Backend::CUDA, RansKernels{&rans_gemm_cuda, &rans_decode_cuda}), true);
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(marlin, CUDA, m) {
-  m.impl("gemm_rans", &gemm_rans);
-  m.impl("rans_decode", &rans_decode);
 }
 
 }  // namespace torch_marlin

@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(kThreads, EXPERTS ? TM_TRELLIS_CUDA_STREAM_EXP
   unsigned char* ring = smem + L::kRingOffset;
   T* x_s = reinterpret_cast<T*>(smem + L::kXOffset);
 
-  // The K-slice reduction may launch now and wait for this grid (TrellisLaunch::dependent_launch).
+  // The K-slice reduction may launch now and wait for this grid (KernelLaunch::dependent_launch).
   pdl_launch_dependents();
   const u32 tid = threadIdx.x, warp = tid / 32u, lane = tid % 32u, g = lane / 4u, t = lane % 4u;
   // The block's rows: [0, M) of A, or its expert's routed rows [row0, row0 + m) of the sorted row
@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(kThreads, EXPERTS ? TM_TRELLIS_CUDA_STREAM_EXP
       b_src[q] = w.packed + (uint64_t(kb + r) * a.tiles_n + tn0) * L::kTileBytes + c * 16u;
     }
   }
-  // Launched behind the previous kernel on the stream (TrellisLaunch::dependent_launch), the block
+  // Launched behind the previous kernel on the stream (KernelLaunch::dependent_launch), the block
   // brings its first stages' indices into L2 while that kernel finishes, then waits for it before
   // it reads anything: that kernel may write A, the weights or C. A prefetch only warms L2, the
   // point of coherence, so indices written by that kernel are still read fresh after the wait. Of
@@ -437,7 +437,7 @@ __global__ void __launch_bounds__(kThreads, EXPERTS ? TM_TRELLIS_CUDA_STREAM_EXP
 }
 
 template <typename T, u32 BITS, u32 NT, bool LANES, bool EXPERTS>
-void launch_one(const TrellisLaunch& l, const TrellisKernelArgs& a, cudaStream_t stream) {
+void launch_one(const KernelLaunch& l, const TrellisKernelArgs& a, cudaStream_t stream) {
   static std::atomic<uint64_t> opted_in{0};
   auto kernel = trellis_stream_kernel<T, BITS, NT, LANES, EXPERTS>;
   using L = StreamLayout<T, BITS, NT>;
@@ -448,7 +448,7 @@ void launch_one(const TrellisLaunch& l, const TrellisKernelArgs& a, cudaStream_t
 }
 
 template <typename T, u32 BITS, bool EXPERTS>
-void launch_rows(const TrellisLaunch& l, uint32_t tile_m, bool lanes, const TrellisKernelArgs& a,
+void launch_rows(const KernelLaunch& l, uint32_t tile_m, bool lanes, const TrellisKernelArgs& a,
                  cudaStream_t stream) {
   if constexpr (!EXPERTS) {
     if (lanes) {
@@ -466,7 +466,7 @@ void launch_rows(const TrellisLaunch& l, uint32_t tile_m, bool lanes, const Trel
 namespace cuda_backend {
 
 template <typename T>
-void launch_trellis_stream(const TrellisLaunch& l, uint32_t bits, uint32_t tile_m, bool lanes,
+void launch_trellis_stream(const KernelLaunch& l, uint32_t bits, uint32_t tile_m, bool lanes,
                            const TrellisKernelArgs& a, cudaStream_t stream) {
   const bool experts = a.offsets != nullptr || a.row_experts != nullptr;
   TORCH_CHECK(l.threads[0] == kThreads && (tile_m == 8u || tile_m == 16u) && a.M >= 1u && a.M <= tile_m &&
@@ -481,9 +481,9 @@ void launch_trellis_stream(const TrellisLaunch& l, uint32_t bits, uint32_t tile_
   });
 }
 
-template void launch_trellis_stream<__half>(const TrellisLaunch&, uint32_t, uint32_t, bool, const TrellisKernelArgs&,
+template void launch_trellis_stream<__half>(const KernelLaunch&, uint32_t, uint32_t, bool, const TrellisKernelArgs&,
                                             cudaStream_t);
-template void launch_trellis_stream<__nv_bfloat16>(const TrellisLaunch&, uint32_t, uint32_t, bool,
+template void launch_trellis_stream<__nv_bfloat16>(const KernelLaunch&, uint32_t, uint32_t, bool,
                                                    const TrellisKernelArgs&, cudaStream_t);
 
 }  // namespace cuda_backend

@@ -156,7 +156,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename T, u32 BITS>
-void launch_bits(const TrellisLaunch& l, const TrellisParams& p, const cuda_backend::TrellisMatrixPtrs& w, T* W,
+void launch_bits(const KernelLaunch& l, const TrellisParams& p, const cuda_backend::TrellisMatrixPtrs& w, T* W,
                  bool lanes, cudaStream_t stream) {
   if (lanes) trellis_dequant_lanes_kernel<T, BITS><<<dim3(l.grid[0], l.grid[1]), kThreads, 0, stream>>>(w, p, W);
   else trellis_dequant_kernel<T, BITS><<<dim3(l.grid[0], l.grid[1]), kThreads, 0, stream>>>(w, p, W);
@@ -164,7 +164,7 @@ void launch_bits(const TrellisLaunch& l, const TrellisParams& p, const cuda_back
 }
 
 template <typename T>
-void launch_any(const TrellisLaunch& l, const TrellisParams& p, const cuda_backend::TrellisMatrixPtrs& w, T* W,
+void launch_any(const KernelLaunch& l, const TrellisParams& p, const cuda_backend::TrellisMatrixPtrs& w, T* W,
                 bool lanes, cudaStream_t stream) {
   with_trellis_bits(p.bits, [&](auto b) { launch_bits<T, b.value>(l, p, w, W, lanes, stream); });
 }
@@ -174,7 +174,7 @@ void launch_any(const TrellisLaunch& l, const TrellisParams& p, const cuda_backe
 namespace cuda_backend {
 
 template <typename T>
-void launch_trellis_dequant(const TrellisLaunch& l, const TrellisParams& p, const TrellisMatrixPtrs& w, T* W,
+void launch_trellis_dequant(const KernelLaunch& l, const TrellisParams& p, const TrellisMatrixPtrs& w, T* W,
                             cudaStream_t stream) {
   TORCH_CHECK(l.threads[0] == kThreads && l.grid[0] == (p.tiles_n + kTiles - 1) / kTiles && l.grid[1] == p.tiles_k &&
                   p.group_size % TM_TRELLIS_TILE == 0,
@@ -183,7 +183,7 @@ void launch_trellis_dequant(const TrellisLaunch& l, const TrellisParams& p, cons
 }
 
 template <typename T>
-void launch_trellis_dequant_lanes(const TrellisLaunch& l, const TrellisParams& p, const TrellisMatrixPtrs& w, T* W,
+void launch_trellis_dequant_lanes(const KernelLaunch& l, const TrellisParams& p, const TrellisMatrixPtrs& w, T* W,
                                   cudaStream_t stream) {
   constexpr u32 kChunk = TM_TRELLIS_LANE_CHUNK_TILES, kWarpsPerBlock = kThreads / 32u;
   TORCH_CHECK(l.threads[0] == kThreads && l.grid[0] == (p.tiles_n + kWarpsPerBlock - 1) / kWarpsPerBlock &&
@@ -192,17 +192,17 @@ void launch_trellis_dequant_lanes(const TrellisLaunch& l, const TrellisParams& p
   launch_any<T>(l, p, w, W, true, stream);
 }
 
-template void launch_trellis_dequant<float>(const TrellisLaunch&, const TrellisParams&, const TrellisMatrixPtrs&,
+template void launch_trellis_dequant<float>(const KernelLaunch&, const TrellisParams&, const TrellisMatrixPtrs&,
                                             float*, cudaStream_t);
-template void launch_trellis_dequant<__half>(const TrellisLaunch&, const TrellisParams&, const TrellisMatrixPtrs&,
+template void launch_trellis_dequant<__half>(const KernelLaunch&, const TrellisParams&, const TrellisMatrixPtrs&,
                                              __half*, cudaStream_t);
-template void launch_trellis_dequant<__nv_bfloat16>(const TrellisLaunch&, const TrellisParams&,
+template void launch_trellis_dequant<__nv_bfloat16>(const KernelLaunch&, const TrellisParams&,
                                                     const TrellisMatrixPtrs&, __nv_bfloat16*, cudaStream_t);
-template void launch_trellis_dequant_lanes<float>(const TrellisLaunch&, const TrellisParams&, const TrellisMatrixPtrs&,
+template void launch_trellis_dequant_lanes<float>(const KernelLaunch&, const TrellisParams&, const TrellisMatrixPtrs&,
                                                   float*, cudaStream_t);
-template void launch_trellis_dequant_lanes<__half>(const TrellisLaunch&, const TrellisParams&,
+template void launch_trellis_dequant_lanes<__half>(const KernelLaunch&, const TrellisParams&,
                                                    const TrellisMatrixPtrs&, __half*, cudaStream_t);
-template void launch_trellis_dequant_lanes<__nv_bfloat16>(const TrellisLaunch&, const TrellisParams&,
+template void launch_trellis_dequant_lanes<__nv_bfloat16>(const KernelLaunch&, const TrellisParams&,
                                                           const TrellisMatrixPtrs&, __nv_bfloat16*, cudaStream_t);
 
 }  // namespace cuda_backend

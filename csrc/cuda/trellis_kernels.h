@@ -64,43 +64,43 @@ struct TrellisKernelArgs {
 // launch.grid / threads / k_parallel come from the plan; tile_m 16 or 64 selects the decode or
 // the fused-tiles instantiation. T is __half or __nv_bfloat16.
 template <typename T>
-void launch_trellis_mma(const TrellisLaunch& launch, uint32_t bits, uint32_t tile_m, bool swiglu,
+void launch_trellis_mma(const KernelLaunch& launch, uint32_t bits, uint32_t tile_m, bool swiglu,
                         const TrellisKernelArgs& a, cudaStream_t stream);
 // The streaming decode GEMM (trellis_decode.cu): tile_m 8 or 16 rows, K % 8 == 0; the indices in
 // the canonical tiles or (lanes, dense only) the CUDA lane layout. With offsets set it runs the
 // MoE's decode stages (M = tokens * top_k <= tile_m): gate/up, or down when A2 is set.
 template <typename T>
-void launch_trellis_stream(const TrellisLaunch& launch, uint32_t bits, uint32_t tile_m, bool lanes,
+void launch_trellis_stream(const KernelLaunch& launch, uint32_t bits, uint32_t tile_m, bool lanes,
                            const TrellisKernelArgs& a, cudaStream_t stream);
 // The prefill GEMM on sm_90a (trellis_wgmma.cu; lane layout, tile_m 128 or 256 rows): `act` rewrites
 // A into Ap ([M, K padded to whole lane chunks] in T: times su, k-permuted), `main` multiplies.
 template <typename T>
-void launch_trellis_wgmma(const TrellisLaunch& act, const TrellisLaunch& main, uint32_t bits, uint32_t tile_m,
+void launch_trellis_wgmma(const KernelLaunch& act, const KernelLaunch& main, uint32_t bits, uint32_t tile_m,
                           const TrellisKernelArgs& a, T* Ap, cudaStream_t stream);
-void launch_trellis_simt(const TrellisLaunch& launch, uint32_t bits, bool swiglu, const TrellisKernelArgs& a,
+void launch_trellis_simt(const KernelLaunch& launch, uint32_t bits, bool swiglu, const TrellisKernelArgs& a,
                          cudaStream_t stream);
 // W[K, N] in T (float: the dequant op; __half / __nv_bfloat16: the dequant_blas family's operand).
 template <typename T>
-void launch_trellis_dequant(const TrellisLaunch& launch, const TrellisParams& p, const TrellisMatrixPtrs& w, T* W,
+void launch_trellis_dequant(const KernelLaunch& launch, const TrellisParams& p, const TrellisMatrixPtrs& w, T* W,
                             cudaStream_t stream);
 // The same from indices in the CUDA lane layout: a warp per lane chunk.
 template <typename T>
-void launch_trellis_dequant_lanes(const TrellisLaunch& launch, const TrellisParams& p, const TrellisMatrixPtrs& w,
+void launch_trellis_dequant_lanes(const KernelLaunch& launch, const TrellisParams& p, const TrellisMatrixPtrs& w,
                                   T* W, cudaStream_t stream);
 // MoE routing in one block (rows = tokens * top_k <= TM_TRELLIS_CUDA_ROUTE_MAX_ROWS): expert_offsets
 // [E + 1], sorted_token and slot_row as trellis_route (csrc/ops/trellis.h) makes them, and
 // active [min(E, rows)]: the experts with rows in increasing order, then -1.
-void launch_trellis_route(const TrellisLaunch& launch, const void* ids, bool ids_int64, uint32_t rows,
+void launch_trellis_route(const KernelLaunch& launch, const void* ids, bool ids_int64, uint32_t rows,
                           uint32_t top_k, uint32_t experts, int32_t* offsets, int32_t* sorted_token,
                           int32_t* slot_row, int32_t* active, cudaStream_t stream);
 // C[i] = sum over s < parts of ws[s * count + i], in s order, rounded once to T (float, __half, __nv_bfloat16).
 template <typename T>
-void launch_trellis_reduce(const TrellisLaunch& launch, const float* ws, uint32_t parts, uint64_t count, T* C,
+void launch_trellis_reduce(const KernelLaunch& launch, const float* ws, uint32_t parts, uint64_t count, T* C,
                            cudaStream_t stream);
 // y[t, h] = sum_j probs[t, j] * sum_s rows_y[s][slot_row[t * top_k + j], h], j and s in order
 // (slot_row nullptr: row t * top_k + j).
 template <typename T>
-void launch_trellis_combine(const TrellisLaunch& launch, const float* rows_y, uint32_t parts, uint64_t part_stride,
+void launch_trellis_combine(const KernelLaunch& launch, const float* rows_y, uint32_t parts, uint64_t part_stride,
                             const float* probs, const int32_t* slot_row, uint32_t tokens, uint32_t top_k,
                             uint32_t hidden, T* y, cudaStream_t stream);
 

@@ -30,7 +30,7 @@ TrellisMatrixPtrs matrix_ptrs(const TrellisWeights& w, bool experts) {
   return p;
 }
 
-TrellisKernelArgs base_args(const TrellisParams& p, const TrellisLaunch& l) {
+TrellisKernelArgs base_args(const TrellisParams& p, const KernelLaunch& l) {
   TrellisKernelArgs a{};
   a.M = p.M;
   a.K = p.K;
@@ -217,7 +217,7 @@ void moe_typed(const TrellisPlan& plan, const TrellisMoeArgs& m, at::Tensor& y, 
 }  // namespace
 }  // namespace cuda_backend
 
-void trellis_gemm_cuda(const TrellisPlan& plan, const TrellisGemmArgs& a, at::Tensor& C) {
+void CudaBackend::trellis_gemm(const TrellisPlan& plan, const TrellisGemmArgs& a, at::Tensor& C) {
   const c10::cuda::CUDAGuard guard(a.A.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   TORCH_CHECK(plan.caps.backend == Backend::CUDA && int64_t(plan.params.M) == a.M && int64_t(plan.params.K) == a.K &&
@@ -246,7 +246,7 @@ void trellis_gemm_cuda(const TrellisPlan& plan, const TrellisGemmArgs& a, at::Te
   }
 }
 
-void trellis_dequant_cuda(const TrellisPlan& plan, const TrellisGemmArgs& a, at::Tensor& W) {
+void CudaBackend::trellis_dequant(const TrellisPlan& plan, const TrellisGemmArgs& a, at::Tensor& W) {
   const c10::cuda::CUDAGuard guard(W.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const cuda_backend::TrellisMatrixPtrs w = cuda_backend::matrix_ptrs(a.w, false);
@@ -257,7 +257,7 @@ void trellis_dequant_cuda(const TrellisPlan& plan, const TrellisGemmArgs& a, at:
   }
 }
 
-void trellis_moe_cuda(const TrellisPlan& plan, const TrellisMoeArgs& a, at::Tensor& y) {
+void CudaBackend::trellis_moe(const TrellisPlan& plan, const TrellisMoeArgs& a, at::Tensor& y) {
   const c10::cuda::CUDAGuard guard(a.x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   switch (a.dtype) {

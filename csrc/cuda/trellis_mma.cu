@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(kThreads) trellis_mma_kernel(const TrellisKern
   T* a_s = reinterpret_cast<T*>(smem + L::kAOffset);
   unsigned char* b_s = smem + L::kBOffset;
 
-  // The K-slice reduction may launch now and wait for this grid (TrellisLaunch::dependent_launch).
+  // The K-slice reduction may launch now and wait for this grid (KernelLaunch::dependent_launch).
   pdl_launch_dependents();
   const u32 tid = threadIdx.x, warp = tid / 32u, lane = tid % 32u, g = lane / 4u, t = lane % 4u;
   const TrellisBlockOperand op = trellis_block_operand(a);
@@ -254,7 +254,7 @@ __global__ void __launch_bounds__(kThreads) trellis_mma_kernel(const TrellisKern
 }
 
 template <typename T, u32 BITS, u32 MT, bool SWIGLU>
-void launch_one(const TrellisLaunch& l, const TrellisKernelArgs& a, cudaStream_t stream) {
+void launch_one(const KernelLaunch& l, const TrellisKernelArgs& a, cudaStream_t stream) {
   static std::atomic<uint64_t> opted_in{0};
   auto kernel = trellis_mma_kernel<T, BITS, MT, SWIGLU>;
   constexpr int kSmem = int(MmaLayout<T, BITS, MT>::kBytes);
@@ -264,7 +264,7 @@ void launch_one(const TrellisLaunch& l, const TrellisKernelArgs& a, cudaStream_t
 }
 
 template <typename T, u32 BITS>
-void launch_bits(const TrellisLaunch& l, uint32_t tile_m, bool swiglu, const TrellisKernelArgs& a,
+void launch_bits(const KernelLaunch& l, uint32_t tile_m, bool swiglu, const TrellisKernelArgs& a,
                  cudaStream_t stream) {
   const bool decode = tile_m == TM_TRELLIS_CUDA_DECODE_M;
   if (decode && !swiglu) return launch_one<T, BITS, 1, false>(l, a, stream);
@@ -278,7 +278,7 @@ void launch_bits(const TrellisLaunch& l, uint32_t tile_m, bool swiglu, const Tre
 namespace cuda_backend {
 
 template <typename T>
-void launch_trellis_mma(const TrellisLaunch& l, uint32_t bits, uint32_t tile_m, bool swiglu,
+void launch_trellis_mma(const KernelLaunch& l, uint32_t bits, uint32_t tile_m, bool swiglu,
                         const TrellisKernelArgs& a, cudaStream_t stream) {
   TORCH_CHECK(l.threads[0] == kThreads && (tile_m == TM_TRELLIS_CUDA_DECODE_M || tile_m == TM_TRELLIS_CUDA_PREFILL_M) &&
                   a.k_parallel == l.k_parallel && a.k_slice_tiles % kStageTiles == 0 && a.k_slice_tiles > 0,
@@ -286,9 +286,9 @@ void launch_trellis_mma(const TrellisLaunch& l, uint32_t bits, uint32_t tile_m, 
   with_trellis_bits(bits, [&](auto b) { launch_bits<T, b.value>(l, tile_m, swiglu, a, stream); });
 }
 
-template void launch_trellis_mma<__half>(const TrellisLaunch&, uint32_t, uint32_t, bool, const TrellisKernelArgs&,
+template void launch_trellis_mma<__half>(const KernelLaunch&, uint32_t, uint32_t, bool, const TrellisKernelArgs&,
                                          cudaStream_t);
-template void launch_trellis_mma<__nv_bfloat16>(const TrellisLaunch&, uint32_t, uint32_t, bool,
+template void launch_trellis_mma<__nv_bfloat16>(const KernelLaunch&, uint32_t, uint32_t, bool,
                                                 const TrellisKernelArgs&, cudaStream_t);
 
 }  // namespace cuda_backend

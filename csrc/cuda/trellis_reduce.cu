@@ -15,7 +15,7 @@ template <typename T>
 __global__ void __launch_bounds__(TM_TRELLIS_CUDA_ELEMWISE_THREADS)
     trellis_reduce_kernel(const float* ws, u32 parts, uint64_t count, T* C) {
   // The next GEMM may launch now (it waits for this grid before it reads); this one launched behind
-  // the GEMM kernel that writes ws (TrellisLaunch::dependent_launch).
+  // the GEMM kernel that writes ws (KernelLaunch::dependent_launch).
   pdl_launch_dependents();
   pdl_wait();
   const uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -29,7 +29,7 @@ template <typename T>
 __global__ void __launch_bounds__(TM_TRELLIS_CUDA_ELEMWISE_THREADS)
     trellis_combine_kernel(const float* rows_y, u32 parts, uint64_t part_stride, const float* __restrict__ probs,
                            const int32_t* __restrict__ slot_row, u32 tokens, u32 top_k, u32 hidden, T* y) {
-  pdl_wait();  // may be launched behind the down stage that writes rows_y (TrellisLaunch::dependent_launch)
+  pdl_wait();  // may be launched behind the down stage that writes rows_y (KernelLaunch::dependent_launch)
   const uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= uint64_t(tokens) * hidden) return;
   const u32 t = u32(i / hidden), h = u32(i % hidden);
@@ -63,7 +63,7 @@ u32 blocks_for(uint64_t count) {
 
 // One thread an element over the plan's 1-D grid; with l.dependent_launch behind the previous kernel.
 template <typename... KArgs, typename... Args>
-void launch_elementwise(const TrellisLaunch& l, void (*kernel)(KArgs...), cudaStream_t stream, Args... args) {
+void launch_elementwise(const KernelLaunch& l, void (*kernel)(KArgs...), cudaStream_t stream, Args... args) {
   cuda_backend::launch_kernel(kernel, dim3(l.grid[0]), dim3(TM_TRELLIS_CUDA_ELEMWISE_THREADS), 0, stream,
                               l.dependent_launch, l.kernel.c_str(), args...);
 }
@@ -73,7 +73,7 @@ void launch_elementwise(const TrellisLaunch& l, void (*kernel)(KArgs...), cudaSt
 namespace cuda_backend {
 
 template <typename T>
-void launch_trellis_reduce(const TrellisLaunch& l, const float* ws, uint32_t parts, uint64_t count, T* C,
+void launch_trellis_reduce(const KernelLaunch& l, const float* ws, uint32_t parts, uint64_t count, T* C,
                            cudaStream_t stream) {
   TORCH_CHECK(l.threads[0] == TM_TRELLIS_CUDA_ELEMWISE_THREADS && l.grid[0] == blocks_for(count),
               "torch_marlin: the trellis plan '", l.kernel, "' does not match the reduction");
@@ -81,7 +81,7 @@ void launch_trellis_reduce(const TrellisLaunch& l, const float* ws, uint32_t par
 }
 
 template <typename T>
-void launch_trellis_combine(const TrellisLaunch& l, const float* rows_y, uint32_t parts, uint64_t part_stride,
+void launch_trellis_combine(const KernelLaunch& l, const float* rows_y, uint32_t parts, uint64_t part_stride,
                             const float* probs, const int32_t* slot_row, uint32_t tokens, uint32_t top_k,
                             uint32_t hidden, T* y, cudaStream_t stream) {
   TORCH_CHECK(l.threads[0] == TM_TRELLIS_CUDA_ELEMWISE_THREADS && l.grid[0] == blocks_for(uint64_t(tokens) * hidden),
@@ -91,8 +91,8 @@ void launch_trellis_combine(const TrellisLaunch& l, const float* rows_y, uint32_
 }
 
 #define TM_TRELLIS_INSTANTIATE(T)                                                                                  \
-  template void launch_trellis_reduce<T>(const TrellisLaunch&, const float*, uint32_t, uint64_t, T*, cudaStream_t); \
-  template void launch_trellis_combine<T>(const TrellisLaunch&, const float*, uint32_t, uint64_t, const float*,      \
+  template void launch_trellis_reduce<T>(const KernelLaunch&, const float*, uint32_t, uint64_t, T*, cudaStream_t); \
+  template void launch_trellis_combine<T>(const KernelLaunch&, const float*, uint32_t, uint64_t, const float*,      \
                                           const int32_t*, uint32_t, uint32_t, uint32_t, T*, cudaStream_t);
 TM_TRELLIS_INSTANTIATE(float)
 TM_TRELLIS_INSTANTIATE(__half)

@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(TM_TRELLIS_CUDA_ROUTE_THREADS)
 
 namespace cuda_backend {
 
-void launch_trellis_route(const TrellisLaunch& l, const void* ids, bool ids_int64, uint32_t rows, uint32_t top_k,
+void launch_trellis_route(const KernelLaunch& l, const void* ids, bool ids_int64, uint32_t rows, uint32_t top_k,
                           uint32_t experts, int32_t* offsets, int32_t* sorted_token, int32_t* slot_row,
                           int32_t* active, cudaStream_t stream) {
   TORCH_CHECK(rows <= TM_TRELLIS_CUDA_ROUTE_MAX_ROWS && experts <= TM_TRELLIS_CUDA_ROUTE_MAX_EXPERTS &&

@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kThreads) trellis_simt_kernel(const TrellisKer
 
 namespace cuda_backend {
 
-void launch_trellis_simt(const TrellisLaunch& l, uint32_t bits, bool swiglu, const TrellisKernelArgs& a,
+void launch_trellis_simt(const KernelLaunch& l, uint32_t bits, bool swiglu, const TrellisKernelArgs& a,
                          cudaStream_t stream) {
   TORCH_CHECK(l.threads[0] == kThreads && a.k_parallel == 1, "torch_marlin: the trellis plan '", l.kernel,
               "' does not match the fp32 kernel's geometry");

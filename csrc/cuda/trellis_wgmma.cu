@@ -334,7 +334,7 @@ namespace cuda_backend {
 namespace {
 
 template <typename T, u32 BITS, int BN>
-void launch_tile(const TrellisLaunch& l, const TrellisKernelArgs& a, const T* Ap, u32 Kp, cudaStream_t stream) {
+void launch_tile(const KernelLaunch& l, const TrellisKernelArgs& a, const T* Ap, u32 Kp, cudaStream_t stream) {
   using L = WgmmaLayout<T, BITS, BN>;
   static std::atomic<uint64_t> opted_in{0};
   auto kernel = trellis_wgmma_kernel<T, BITS, BN>;
@@ -348,7 +348,7 @@ void launch_tile(const TrellisLaunch& l, const TrellisKernelArgs& a, const T* Ap
 }  // namespace
 
 template <typename T>
-void launch_trellis_wgmma(const TrellisLaunch& act, const TrellisLaunch& l, uint32_t bits, uint32_t tile_m,
+void launch_trellis_wgmma(const KernelLaunch& act, const KernelLaunch& l, uint32_t bits, uint32_t tile_m,
                           const TrellisKernelArgs& a, T* Ap, cudaStream_t stream) {
   const u32 Kp = trellis_lane_padded_k(a.tiles_k);
   TORCH_CHECK(l.threads[0] == TM_TRELLIS_CUDA_WGMMA_THREADS && (tile_m == 128u || tile_m == 256u) &&
@@ -366,9 +366,9 @@ void launch_trellis_wgmma(const TrellisLaunch& act, const TrellisLaunch& l, uint
   });
 }
 
-template void launch_trellis_wgmma<__half>(const TrellisLaunch&, const TrellisLaunch&, uint32_t, uint32_t,
+template void launch_trellis_wgmma<__half>(const KernelLaunch&, const KernelLaunch&, uint32_t, uint32_t,
                                            const TrellisKernelArgs&, __half*, cudaStream_t);
-template void launch_trellis_wgmma<__nv_bfloat16>(const TrellisLaunch&, const TrellisLaunch&, uint32_t, uint32_t,
+template void launch_trellis_wgmma<__nv_bfloat16>(const KernelLaunch&, const KernelLaunch&, uint32_t, uint32_t,
                                                   const TrellisKernelArgs&, __nv_bfloat16*, cudaStream_t);
 
 }  // namespace cuda_backend

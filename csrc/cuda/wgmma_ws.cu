@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     }
   }
 #else
-  __trap();  // planned only where the loaded kernels are sm_90a (cuda_device_caps)
+  __trap();  // planned only where the loaded kernels are sm_90a (CudaBackend::caps)
 #endif
 }
 
@@ -350,8 +350,8 @@ GemmPlan wgmma_ws_tail_plan(const GemmPlan& plan) {
   GemmPlan t = plan;
   t.params.k_parallel = plan.tail_k_parallel;
   t.params.k_slice_len = plan.tail_k_slice_len;
-  t.grid[1] = plan.tail_n_tiles;
-  t.grid[2] = plan.tail_k_parallel;
+  t.main.grid[1] = plan.tail_n_tiles;
+  t.main.grid[2] = plan.tail_k_parallel;
   t.desc.reduce = ReduceKind::Cluster;
   t.tail_n_tiles = 0;
   return t;
@@ -384,7 +384,7 @@ void launch_wgmma_ws_tile(const GemmPlan& plan, const GemmOperands<T>& o) {
     });
   };
   launch(plan, 0);
-  if (plan.tail_n_tiles > 0) launch(wgmma_ws_tail_plan(plan), plan.grid[1]);
+  if (plan.tail_n_tiles > 0) launch(wgmma_ws_tail_plan(plan), plan.main.grid[1]);
 }
 
 }  // namespace
@@ -401,15 +401,15 @@ void launch_wgmma_ws(const GemmPlan& plan, const GemmOperands<T>& o) {
                   d.tile_n == 64u * nc && (d.tile_m < 256u || nc == 2u) && d.tile_m == q.tile_m &&
                   d.tile_n == q.tile_n && q.K % TM_CUDA_WGMMA_K_STEP == 0 &&
                   q.k_slice_len % TM_CUDA_WGMMA_K_STEP == 0 && q.group_size % TM_CUDA_WGMMA_K_STEP == 0 &&
-                  plan.grid[0] == q.m_tiles && plan.grid[1] + plan.tail_n_tiles == q.n_tiles &&
-                  plan.grid[2] == q.k_parallel && plan.threads[0] == 128u * (nc + 1u) &&
+                  plan.main.grid[0] == q.m_tiles && plan.main.grid[1] + plan.tail_n_tiles == q.n_tiles &&
+                  plan.main.grid[2] == q.k_parallel && plan.main.threads[0] == 128u * (nc + 1u) &&
                   (q.k_parallel == 1 ||
                    (d.reduce == ReduceKind::Cluster && q.k_parallel <= TM_CUDA_WGMMA_MAX_SLICES) ||
                    (d.reduce == ReduceKind::LastBlock && plan.tail_n_tiles == 0 &&
                     plan.workspace_bytes >= size_t(q.m_tiles) * q.n_tiles * q.k_parallel * q.tile_m * q.tile_n *
                                                 sizeof(float))) &&
                   (plan.tail_n_tiles == 0 ||
-                   (q.k_parallel == 1 && plan.grid[1] > 0 && plan.tail_k_parallel >= 2u &&
+                   (q.k_parallel == 1 && plan.main.grid[1] > 0 && plan.tail_k_parallel >= 2u &&
                     plan.tail_k_parallel <= TM_CUDA_WGMMA_MAX_SLICES && plan.tail_k_slice_len > 0 &&
                     plan.tail_k_slice_len % TM_CUDA_WGMMA_K_STEP == 0 &&
                     uint64_t(plan.tail_k_slice_len) * plan.tail_k_parallel >= q.K)),

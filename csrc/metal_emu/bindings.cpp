@@ -1,7 +1,7 @@
 // Metal-on-CPU harness of the FP4 / INT4 / affine INT4 kernels (and, through rans_bindings.cpp, the rANS
 // kernels): the torch side. Plans exactly as the MPS
 // backend does (plan_quant_gemm with Backend::Metal), binds the tensors to the same dispatch
-// description (csrc/mps/metal_dispatch.h) the MPS encoder encodes, and runs that list on the CPU
+// description (csrc/plan/metal_dispatch.h) the MPS encoder encodes, and runs that list on the CPU
 // executor (runtime.cpp). Test-time only: built JIT by tests/metal_emu.py, never part of
 // torch_marlin._C.
 #include <ATen/ATen.h>

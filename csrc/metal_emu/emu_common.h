@@ -1,5 +1,5 @@
 // Helpers shared by the harness bindings of the op families (bindings.cpp, trellis_bindings.cpp):
-// running a Metal dispatch description (csrc/mps/metal_dispatch.h, the list the MPS backend
+// running a Metal dispatch description (csrc/plan/metal_dispatch.h, the list the MPS backend
 // encodes) on the CPU executor, and the Python-facing conversions.
 #pragma once
 
@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "mps/metal_dispatch.h"
+#include "plan/metal_dispatch.h"
 #include "plan/plan.h"
 #include "runtime.h"
 #if defined(TM_EMU_TRACE)

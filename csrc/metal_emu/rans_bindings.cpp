@@ -1,7 +1,7 @@
 // Metal-on-CPU harness of the rANS kernels (metal/rans.metal), part of the FP4 / INT4 harness
 // module (the staged family runs rans_decode_packed, then that module's prefill GEMM). Plans as the
 // MPS backend does (plan_rans_gemm with Backend::Metal), binds the tensors to the same dispatch description
-// (csrc/mps/metal_dispatch.h) and runs it on the CPU executor.
+// (csrc/plan/metal_dispatch.h) and runs it on the CPU executor.
 //
 // Bounds: the kernels must never read outside a tile's stream, even when the stream, the states,
 // the frequencies or the offsets are corrupted. The harness copies `words` so that its last byte

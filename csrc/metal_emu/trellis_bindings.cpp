@@ -1,7 +1,7 @@
 // Metal-on-CPU harness of the trellis kernels (metal/trellis_gemm.metal, metal/trellis_moe.metal).
 // Plans exactly as the MPS backend does (plan_trellis_* with Backend::Metal), routes the MoE with
 // the op's own trellis_route, binds the tensors to the same dispatch description
-// (csrc/mps/metal_dispatch.h) the MPS encoder encodes, and runs that list on the CPU executor.
+// (csrc/plan/metal_dispatch.h) the MPS encoder encodes, and runs that list on the CPU executor.
 // Test-time only: built JIT by tests/trellis_metal_emu.py.
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>

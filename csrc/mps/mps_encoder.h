@@ -1,4 +1,4 @@
-// The MPS side of the Metal dispatch description (csrc/mps/metal_dispatch.h): tensors as buffer
+// The MPS side of the Metal dispatch description (csrc/plan/metal_dispatch.h): tensors as buffer
 // handles and one encoder for a whole dispatch list. Objective-C++ only (csrc/mps/*.mm).
 #pragma once
 
@@ -10,7 +10,7 @@
 
 #include <stdexcept>
 
-#include "mps/metal_dispatch.h"
+#include "plan/metal_dispatch.h"
 
 namespace torch_marlin {
 

@@ -43,8 +43,8 @@
 #include <vector>
 
 #include "metal_library_sources.h"  // generated: metal_source_files(), metal_kernel_files()
+#include "mps/mps_backend.h"  // mps_device_caps
 #include "mps/mps_encoder.h"
-#include "ops/quant_gemm.h"  // mps_device_caps
 
 // What the SDK the extension is compiled against declares (the run-time checks are @available):
 // MTLLanguageVersion3_1 from the macOS 14 SDK, MTLCompileOptions.mathMode from the macOS 15 SDK.

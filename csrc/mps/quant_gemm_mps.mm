@@ -1,5 +1,5 @@
 // MPS backend of the FP4 / INT4 / affine INT4 op family: binds the op's tensors to the dispatch description
-// (csrc/mps/metal_dispatch.h, the same one the Metal-on-CPU harness runs) and encodes it
+// (csrc/plan/metal_dispatch.h, the same one the Metal-on-CPU harness runs) and encodes it
 // (csrc/mps/mps_encoder.mm).
 #ifdef TM_WITH_MPS
 
@@ -7,12 +7,12 @@
 
 #include <stdexcept>
 
+#include "mps/mps_backend.h"
 #include "mps/mps_encoder.h"
-#include "ops/quant_gemm.h"
 
 namespace torch_marlin {
 
-void quant_gemm_mps(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at::Tensor& workspace) {
+void MpsBackend::quant_gemm(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at::Tensor& workspace) {
   QuantGemmBuffers<MpsBuffer> b;
   b.A = mps_buffer(a.A);
   b.B = mps_buffer(a.B);
@@ -25,7 +25,7 @@ void quant_gemm_mps(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C,
   mps_encode(mps_describe([&] { return quant_gemm_dispatches(plan, b); }));
 }
 
-void quant_dequant_mps(const QuantGemmArgs& a, at::Tensor& W) {
+void MpsBackend::quant_dequant(const QuantGemmArgs& a, at::Tensor& W) {
   GemmPlan plan;
   try {
     plan = plan_quant_dequant_metal(a.format, a.K, a.N, a.group_size, a.dtype);

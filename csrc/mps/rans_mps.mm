@@ -1,11 +1,11 @@
 // MPS backend of the rANS op family: binds the op's tensors to the dispatch description
-// (csrc/mps/metal_dispatch.h, the same one the Metal-on-CPU harness runs) and encodes it
+// (csrc/plan/metal_dispatch.h, the same one the Metal-on-CPU harness runs) and encodes it
 // (csrc/mps/mps_encoder.mm). The staged family's scratch B_packed and workspace are allocated here,
 // on the op's device, and released by the caching allocator after the encoded work.
 #ifdef TM_WITH_MPS
 
+#include "mps/mps_backend.h"
 #include "mps/mps_encoder.h"
-#include "ops/rans.h"
 
 namespace torch_marlin {
 namespace {
@@ -18,7 +18,9 @@ RansCodeBuffers<MpsBuffer> code_buffers(const RansCodes& c) {
                                     mps_buffer(c.states), mps_buffer(c.freqs)};
 }
 
-void rans_gemm_mps(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) {
+}  // namespace
+
+void MpsBackend::rans_gemm(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) {
   RansGemmBuffers<MpsBuffer> b;
   b.A = mps_buffer(a.A);
   b.code = code_buffers(a.codes);
@@ -40,15 +42,12 @@ void rans_gemm_mps(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) {
   mps_encode(mps_describe([&] { return rans_gemm_dispatches(plan, b, n_words); }));
 }
 
-void rans_decode_mps(const RansPlan& plan, const RansCodes& c, at::Tensor& B_packed) {
+void MpsBackend::rans_decode(const RansPlan& plan, const RansCodes& c, at::Tensor& B_packed) {
   const RansDecodeBuffers<MpsBuffer> b{code_buffers(c), mps_buffer(B_packed)};
   const uint32_t n_words = uint32_t(c.words.numel());
   mps_encode(mps_describe([&] { return rans_decode_dispatches(plan, b, n_words); }));
 }
 
-const bool registered = (set_rans_kernels(Backend::Metal, RansKernels{&rans_gemm_mps, &rans_decode_mps}), true);
-
-}  // namespace
 }  // namespace torch_marlin
 
 #endif  // TM_WITH_MPS

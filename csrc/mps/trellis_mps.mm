@@ -1,10 +1,10 @@
 // MPS backend of the trellis op family: binds the op's tensors to the dispatch description
-// (csrc/mps/metal_dispatch.h, the same one the Metal-on-CPU harness runs) and encodes it
+// (csrc/plan/metal_dispatch.h, the same one the Metal-on-CPU harness runs) and encodes it
 // (csrc/mps/mps_encoder.mm).
 #ifdef TM_WITH_MPS
 
+#include "mps/mps_backend.h"
 #include "mps/mps_encoder.h"
-#include "ops/trellis.h"
 
 namespace torch_marlin {
 namespace {
@@ -16,18 +16,21 @@ TrellisWeightBuffers<MpsBuffer> weight_buffers(const TrellisWeights& w) {
 
 }  // namespace
 
-void trellis_gemm_mps(const TrellisPlan& plan, const TrellisGemmArgs& a, at::Tensor& C) {
+void MpsBackend::trellis_gemm(const TrellisPlan& plan, const TrellisGemmArgs& a, at::Tensor& C) {
   const TrellisGemmBuffers<MpsBuffer> b{mps_buffer(a.A), weight_buffers(a.w), mps_buffer(C)};
   mps_encode(mps_describe([&] { return trellis_gemm_dispatches(plan, b); }));
 }
 
-void trellis_dequant_mps(const TrellisPlan& plan, const TrellisGemmArgs& a, at::Tensor& W) {
+void MpsBackend::trellis_dequant(const TrellisPlan& plan, const TrellisGemmArgs& a, at::Tensor& W) {
   const TrellisDequantBuffers<MpsBuffer> b{weight_buffers(a.w), mps_buffer(W)};
   mps_encode(mps_describe([&] { return trellis_dequant_dispatches(plan, b); }));
 }
 
-void trellis_moe_mps(const TrellisPlan& plan, const TrellisMoeArgs& a, at::Tensor& rows_h, at::Tensor& rows_y,
-                     at::Tensor& y) {
+// The routed rows' f32 scratch lives for this call only: h [T*top_k, intermediate] (the SwiGLU of
+// gate and up), y [T*top_k, hidden] (the down projection before the combine).
+void MpsBackend::trellis_moe(const TrellisPlan& plan, const TrellisMoeArgs& a, at::Tensor& y) {
+  at::Tensor rows_h = at::empty({a.T * a.top_k, a.intermediate}, a.x.options().dtype(at::kFloat));
+  at::Tensor rows_y = at::empty({a.T * a.top_k, a.hidden}, a.x.options().dtype(at::kFloat));
   TrellisMoeBuffers<MpsBuffer> b;
   b.x = mps_buffer(a.x);
   b.sorted_token = mps_buffer(a.sorted_token);

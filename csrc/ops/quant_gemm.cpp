@@ -1,4 +1,5 @@
-// FP4 E2M1 / INT4 / affine INT4 op family: schema, argument checks, plan, backend call, registration.
+// FP4 E2M1 / INT4 / affine INT4 op family: argument checks, plan and workspace (prepare_quant_gemm,
+// prepare_quant_dequant). Schemas: csrc/ops/library.cpp; each backend binds the ops in its binding unit.
 //
 //   gemm_fp4(A, B_packed, scales, group_size, bias=None) -> C
 //   gemm_u4(A, B_packed, scales, zeros, group_size, bias=None) -> C
@@ -9,10 +10,8 @@
 //
 // Fake (meta) kernels live in torch_marlin/ops.py (register_fake handles symbolic shapes).
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
 
-#include "cpu/trellis_cpu.h"
+#include "ops/planned.h"
 #include "ops/quant_gemm.h"
 #include "ops/vector_aligned.h"
 #include "plan/plan_cache.h"
@@ -25,31 +24,6 @@ DType to_dtype(at::ScalarType t) {
     case at::kBFloat16: return DType::BF16;
     case at::kFloat: return DType::F32;
     default: TORCH_CHECK_TYPE(false, "unsupported dtype ", t);
-  }
-}
-
-DeviceCaps device_caps(const at::Device& dev) {
-  switch (dev.type()) {
-    case at::kCPU: {
-      DeviceCaps c;
-      c.backend = Backend::CPU;
-      c.compute_units = at::get_num_threads();
-#if defined(__AVX2__) && defined(__FMA__)
-      static const bool cpu_has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-      c.avx2 = cpu_has_avx2 ? 1 : 0;
-#endif
-#if defined(TM_TRELLIS_AVX512)
-      c.avx512 = cpu_runs_trellis_avx512() ? 1 : 0;
-#endif
-      return c;
-    }
-#ifdef TM_WITH_MPS
-    case at::kMPS: return mps_device_caps();
-#endif
-#ifdef TM_WITH_CUDA
-    case at::kCUDA: return cuda_device_caps(dev.index());
-#endif
-    default: TORCH_CHECK_VALUE(false, "torch_marlin: this build has no kernels for device ", dev);
   }
 }
 
@@ -84,9 +58,7 @@ void check_weights(QuantGemmArgs& a, const at::Tensor& B, const at::Tensor& scal
                    B.scalar_type());
   check_same_device(B, dev, op, "B_packed", ref_name);
   TORCH_CHECK_VALUE(K > 0 && K % TM_PACK_FACTOR == 0, op, ": K must be a positive multiple of 8, got ", K);
-  TORCH_CHECK_VALUE(group_size > 0 && group_size % TM_PACK_FACTOR == 0, op,
-                    ": group_size must be a positive multiple of 8, got ", group_size);
-  TORCH_CHECK_VALUE(K % group_size == 0, op, ": group_size (", group_size, ") must divide K (", K, ")");
+  planned([&] { check_quant_group_size(K, group_size, op); });
   TORCH_CHECK_VALUE(B.size(0) * TM_PACK_FACTOR == K, op, ": A must have K = 8 * B_packed.size(0) = ",
                     B.size(0) * TM_PACK_FACTOR, " columns (A is [M, K], B_packed [K/8, N]), got ", K);
   const int64_t N = B.size(1);  // N = 0 is allowed: the ops return empty results without planning
@@ -144,133 +116,35 @@ QuantGemmArgs check_gemm(QuantFormat format, const at::Tensor& A, const at::Tens
   return a;
 }
 
-at::Tensor run_gemm(const QuantGemmArgs& a) {
-  // The op has no autograd formula (its Autograd kernel falls through); the ATen calls the kernels
-  // make (BLAS on dequantized panels) must not record autograd either, or an input that requires
-  // grad makes them raise (the modules give the input its gradient, torch_marlin/ops.py).
-  const at::AutoDispatchBelowADInplaceOrView below_autograd;
-  at::Tensor C = at::empty({a.M, a.N}, a.A.options());
-  if (a.M == 0 || a.N == 0) return C;
-  const DeviceCaps caps = device_caps(a.A.device());
-  const std::shared_ptr<const GemmPlan> planned =
-      cached_plan_quant_gemm(a.format, a.M, a.K, a.N, a.group_size, a.dtype, a.bias.defined(), caps);
-  const GemmPlan& plan = *planned;
-  // The workspace (K-slice partials, CUDA tile arrival counters, dequantized panels) lives for
-  // this call only, from the caching allocator: under CUDA-graph capture it comes from the graph's
-  // pool and is captured with the kernels, so nothing allocated here outlives the call.
-  at::Tensor workspace;
-  if (plan.workspace_bytes > 0) {
-    workspace = at::empty({int64_t((plan.workspace_bytes + sizeof(float) - 1) / sizeof(float))},
-                          a.A.options().dtype(at::kFloat));
-  }
-  switch (caps.backend) {
-    case Backend::CPU: quant_gemm_cpu(plan, a, C); break;
-#ifdef TM_WITH_MPS
-    case Backend::Metal: quant_gemm_mps(plan, a, C, workspace); break;
-#endif
-#ifdef TM_WITH_CUDA
-    case Backend::CUDA: quant_gemm_cuda(plan, a, C, workspace); break;
-#endif
-    default: TORCH_CHECK(false, "torch_marlin: backend not built");
-  }
-  return C;
-}
-
-at::Tensor run_dequant(const QuantGemmArgs& a) {
-  const at::AutoDispatchBelowADInplaceOrView below_autograd;  // as in run_gemm
-  at::Tensor W = at::empty({a.K, a.N}, a.scales.options());
-  if (a.N == 0) return W;
-  switch (a.B.device().type()) {
-    case at::kCPU: quant_dequant_cpu(a, W); break;
-#ifdef TM_WITH_MPS
-    case at::kMPS: quant_dequant_mps(a, W); break;
-#endif
-#ifdef TM_WITH_CUDA
-    case at::kCUDA: quant_dequant_cuda(a, W); break;
-#endif
-    default: TORCH_CHECK(false, "torch_marlin: no kernels for device ", a.B.device());
-  }
-  return W;
-}
-
-at::Tensor gemm_fp4(const at::Tensor& A, const at::Tensor& B, const at::Tensor& scales, int64_t group_size,
-                    const c10::optional<at::Tensor>& bias) {
-  return run_gemm(check_gemm(QuantFormat::FP4, A, B, scales, c10::nullopt, group_size, bias, "gemm_fp4"));
-}
-
-at::Tensor gemm_u4(const at::Tensor& A, const at::Tensor& B, const at::Tensor& scales, const at::Tensor& zeros,
-                   int64_t group_size, const c10::optional<at::Tensor>& bias) {
-  return run_gemm(check_gemm(QuantFormat::U4, A, B, scales, zeros, group_size, bias, "gemm_u4"));
-}
-
-at::Tensor gemm_affine(const at::Tensor& A, const at::Tensor& B, const at::Tensor& scales,
-                       const at::Tensor& offsets, int64_t group_size, const c10::optional<at::Tensor>& bias) {
-  return run_gemm(check_gemm(QuantFormat::Affine, A, B, scales, offsets, group_size, bias, "gemm_affine"));
-}
-
-QuantGemmArgs check_dequant(QuantFormat format, const at::Tensor& B, const at::Tensor& scales,
-                            const c10::optional<at::Tensor>& aux, int64_t group_size, const char* op) {
-  QuantGemmArgs a;
-  a.format = format;
-  TORCH_CHECK_VALUE(B.dim() == 2, op, ": B_packed must be 2-D [K/8, N], got ", B.dim(), "-D");
-  check_weights(a, B, scales, aux, group_size, B.size(0) * TM_PACK_FACTOR, B.device(), "B_packed", op);
-  a.dtype = to_dtype(scales.scalar_type());
-  return a;
-}
-
-at::Tensor dequant_fp4(const at::Tensor& B, const at::Tensor& scales, int64_t group_size) {
-  return run_dequant(check_dequant(QuantFormat::FP4, B, scales, c10::nullopt, group_size, "dequant_fp4"));
-}
-
-at::Tensor dequant_u4(const at::Tensor& B, const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size) {
-  return run_dequant(check_dequant(QuantFormat::U4, B, scales, zeros, group_size, "dequant_u4"));
-}
-
-at::Tensor dequant_affine(const at::Tensor& B, const at::Tensor& scales, const at::Tensor& offsets,
-                          int64_t group_size) {
-  return run_dequant(check_dequant(QuantFormat::Affine, B, scales, offsets, group_size, "dequant_affine"));
-}
-
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(marlin, m) {
-  m.def("gemm_fp4(Tensor A, Tensor B_packed, Tensor scales, int group_size, Tensor? bias=None) -> Tensor");
-  m.def("gemm_u4(Tensor A, Tensor B_packed, Tensor scales, Tensor zeros, int group_size, Tensor? bias=None) -> Tensor");
-  m.def("dequant_fp4(Tensor B_packed, Tensor scales, int group_size) -> Tensor");
-  m.def("dequant_u4(Tensor B_packed, Tensor scales, Tensor zeros, int group_size) -> Tensor");
-  m.def("gemm_affine(Tensor A, Tensor B_packed, Tensor scales, Tensor offsets, int group_size, Tensor? bias=None) -> Tensor");
-  m.def("dequant_affine(Tensor B_packed, Tensor scales, Tensor offsets, int group_size) -> Tensor");
+QuantGemmCall prepare_quant_gemm(QuantFormat format, const at::Tensor& A, const at::Tensor& B,
+                                 const at::Tensor& scales, const c10::optional<at::Tensor>& aux, int64_t group_size,
+                                 const c10::optional<at::Tensor>& bias, const DeviceCaps& caps, const char* op) {
+  QuantGemmCall c;
+  c.args = check_gemm(format, A, B, scales, aux, group_size, bias, op);
+  const QuantGemmArgs& a = c.args;
+  c.out = at::empty({a.M, a.N}, a.A.options());
+  c.empty = a.M == 0 || a.N == 0;
+  if (c.empty) return c;
+  c.plan = cached_plan_quant_gemm(a.format, a.M, a.K, a.N, a.group_size, a.dtype, a.bias.defined(), caps);
+  if (c.plan->workspace_bytes > 0) {
+    c.workspace = at::empty({int64_t((c.plan->workspace_bytes + sizeof(float) - 1) / sizeof(float))},
+                            a.A.options().dtype(at::kFloat));
+  }
+  return c;
 }
 
-TORCH_LIBRARY_IMPL(marlin, CPU, m) {
-  m.impl("gemm_fp4", &gemm_fp4);
-  m.impl("gemm_u4", &gemm_u4);
-  m.impl("dequant_fp4", &dequant_fp4);
-  m.impl("dequant_u4", &dequant_u4);
-  m.impl("gemm_affine", &gemm_affine);
-  m.impl("dequant_affine", &dequant_affine);
+QuantGemmCall prepare_quant_dequant(QuantFormat format, const at::Tensor& B, const at::Tensor& scales,
+                                    const c10::optional<at::Tensor>& aux, int64_t group_size, const char* op) {
+  QuantGemmCall c;
+  c.args.format = format;
+  TORCH_CHECK_VALUE(B.dim() == 2, op, ": B_packed must be 2-D [K/8, N], got ", B.dim(), "-D");
+  check_weights(c.args, B, scales, aux, group_size, B.size(0) * TM_PACK_FACTOR, B.device(), "B_packed", op);
+  c.args.dtype = to_dtype(scales.scalar_type());
+  c.out = at::empty({c.args.K, c.args.N}, c.args.scales.options());
+  c.empty = c.args.N == 0;
+  return c;
 }
-
-#ifdef TM_WITH_MPS
-TORCH_LIBRARY_IMPL(marlin, MPS, m) {
-  m.impl("gemm_fp4", &gemm_fp4);
-  m.impl("gemm_u4", &gemm_u4);
-  m.impl("dequant_fp4", &dequant_fp4);
-  m.impl("dequant_u4", &dequant_u4);
-  m.impl("gemm_affine", &gemm_affine);
-  m.impl("dequant_affine", &dequant_affine);
-}
-#endif
-
-#ifdef TM_WITH_CUDA
-TORCH_LIBRARY_IMPL(marlin, CUDA, m) {
-  m.impl("gemm_fp4", &gemm_fp4);
-  m.impl("gemm_u4", &gemm_u4);
-  m.impl("dequant_fp4", &dequant_fp4);
-  m.impl("dequant_u4", &dequant_u4);
-  m.impl("gemm_affine", &gemm_affine);
-  m.impl("dequant_affine", &dequant_affine);
-}
-#endif
 
 }  // namespace torch_marlin

@@ -1,11 +1,14 @@
-// FP4 / INT4 / affine INT4 op family: validated arguments and the per-backend entry points the registration
-// unit (quant_gemm.cpp) calls. Backends implement these; they never re-check arguments.
+// FP4 / INT4 / affine INT4 op family: validated arguments and prepare_quant_gemm / prepare_quant_dequant,
+// the backend-free half of every op (checks, output, plan, workspace). Each backend's binding unit
+// (csrc/ops/op_entries.h) runs its kernels on what these return; kernels never re-check arguments.
 #pragma once
 
 // The Tensor class only: the CUDA kernel files include this through cuda/kernels.h, and all of ATen
 // costs each of them seconds of parsing. Files that call ATen ops include <ATen/ATen.h> themselves.
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
 
+#include "ops/prepared_call.h"
 #include "plan/plan.h"
 
 namespace torch_marlin {
@@ -24,28 +27,20 @@ struct QuantGemmArgs {
   at::Tensor bias;           // [N], dtype of A; undefined when absent
 };
 
+// A call ready for a backend: out is C [M, N] for a gemm, W [K, N] for a dequant; the workspace
+// holds the K-slice partials, CUDA tile arrival counters or dequantized panels the plan asks for.
+using QuantGemmCall = PreparedCall<QuantGemmArgs, GemmPlan>;
+
 DType to_dtype(at::ScalarType t);
 
-// Caps of the device the tensors live on (planner input): CPU threads, Metal cores, CUDA SMs.
-// The one source of caps: every op and torch_marlin.planner (through _C.device_caps) read it.
-DeviceCaps device_caps(const at::Device& dev);
+// gemm_fp4 / gemm_u4 / gemm_affine: `aux` is zeros (U4) or offsets (Affine), `caps` the caps of A's
+// device (the backend's query), `op` the op's name for messages.
+QuantGemmCall prepare_quant_gemm(QuantFormat format, const at::Tensor& A, const at::Tensor& B,
+                                 const at::Tensor& scales, const c10::optional<at::Tensor>& aux, int64_t group_size,
+                                 const c10::optional<at::Tensor>& bias, const DeviceCaps& caps, const char* op);
 
-// ---- CPU (csrc/cpu/quant_gemm.cpp: one family per file, decode.cpp, dequant_blas.cpp) ----
-void quant_gemm_cpu(const GemmPlan& plan, const QuantGemmArgs& args, at::Tensor& C);
-void quant_dequant_cpu(const QuantGemmArgs& args, at::Tensor& W);
-
-#ifdef TM_WITH_MPS
-// ---- MPS (csrc/mps/quant_gemm_mps.mm) ----
-DeviceCaps mps_device_caps();
-void quant_gemm_mps(const GemmPlan& plan, const QuantGemmArgs& args, at::Tensor& C, at::Tensor& workspace);
-void quant_dequant_mps(const QuantGemmArgs& args, at::Tensor& W);
-#endif
-
-#ifdef TM_WITH_CUDA
-// ---- CUDA (csrc/cuda/) ----
-DeviceCaps cuda_device_caps(int device_index);
-void quant_gemm_cuda(const GemmPlan& plan, const QuantGemmArgs& args, at::Tensor& C, at::Tensor& workspace);
-void quant_dequant_cuda(const QuantGemmArgs& args, at::Tensor& W);
-#endif
+// dequant_fp4 / dequant_u4 / dequant_affine.
+QuantGemmCall prepare_quant_dequant(QuantFormat format, const at::Tensor& B, const at::Tensor& scales,
+                                    const c10::optional<at::Tensor>& aux, int64_t group_size, const char* op);
 
 }  // namespace torch_marlin

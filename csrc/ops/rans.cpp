@@ -1,4 +1,5 @@
-// rANS op family: schema, argument checks, plan, backend call, CPU registration.
+// rANS op family: argument checks and plan (prepare_rans_encode, prepare_rans_decode,
+// prepare_rans_gemm). Schemas: csrc/ops/library.cpp; each backend binds the ops in its binding unit.
 //
 //   rans_encode(B_packed, channels_per_tile) -> (words, word_offsets, states, freqs)      CPU only
 //   rans_decode(words, word_offsets, states, freqs, K, N, channels_per_tile) -> B_packed
@@ -6,26 +7,18 @@
 //             group_size, channels_per_tile, bias=None) -> C [M, N]
 //
 // Format: docs/formats.md ("rANS-coded 4-bit codes"); channels_per_tile <= 0 means the default
-// ceil(32 * 1024 / K). Fake kernels live in torch_marlin/ops.py. Other backends register the
-// entry points for their dispatch key and set their kernels (csrc/ops/rans.h).
-#include <torch/library.h>
+// ceil(32 * 1024 / K). Fake kernels live in torch_marlin/ops.py.
+#include <ATen/ATen.h>
 
-#include <stdexcept>
 #include <string>
 
-#include "ops/quant_gemm.h"
-#include "ops/rans.h"
 #include "ops/planned.h"
+#include "ops/rans.h"
 #include "ops/vector_aligned.h"
 #include "plan/plan_cache.h"
 
 namespace torch_marlin {
 namespace {
-
-RansKernels& kernels_for(Backend b) {
-  static RansKernels table[3] = {{&rans_gemm_cpu, &rans_decode_cpu}, {}, {}};
-  return table[int(b)];
-}
 
 void check_device(const at::Tensor& t, const at::Device& dev, const char* op, const char* name, const char* ref) {
   TORCH_CHECK_VALUE(t.device() == dev, op, ": ", name, " is on ", t.device(), " but ", ref, " is on ", dev,
@@ -108,14 +101,9 @@ RansCodes check_codes(const at::Tensor& words, const at::Tensor& word_offsets, c
   return c;
 }
 
-const RansKernels& kernels_or_fail(Backend b, const char* op) {
-  const RansKernels& k = kernels_for(b);
-  TORCH_CHECK(k.gemm != nullptr && k.decode != nullptr, "torch_marlin: ", op, " has no ", backend_name(b),
-              " kernels in this build");
-  return k;
-}
+}  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rans_encode(const at::Tensor& B, int64_t channels_per_tile) {
+at::Tensor prepare_rans_encode(const at::Tensor& B, int64_t& channels_per_tile) {
   const char* op = "rans_encode";
   TORCH_CHECK_VALUE(B.device().is_cpu(), op, ": B_packed must be on the CPU (the encoder runs on the host), got ",
                     B.device());
@@ -123,34 +111,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rans_encode(const at:
                    B.scalar_type());
   TORCH_CHECK_VALUE(B.dim() == 2, op, ": B_packed must be 2-D [K/8, N], got ", B.dim(), "-D");
   check_k_n(B.size(0) * 8, B.size(1), op);
-  const int64_t C = resolve_channels(channels_per_tile, B.size(0) * 8, op);
-  return rans_encode_cpu(B.contiguous(), C);
+  channels_per_tile = resolve_channels(channels_per_tile, B.size(0) * 8, op);
+  return B.contiguous();
 }
 
-at::Tensor rans_decode_planned(const DeviceCaps* caps_given, const at::Tensor& words, const at::Tensor& word_offsets,
-                               const at::Tensor& states, const at::Tensor& freqs, int64_t K, int64_t N,
-                               int64_t channels_per_tile) {
+RansDecodeCall prepare_rans_decode(const at::Tensor& words, const at::Tensor& word_offsets, const at::Tensor& states,
+                                   const at::Tensor& freqs, int64_t K, int64_t N, int64_t channels_per_tile,
+                                   const DeviceCaps& caps) {
   const char* op = "rans_decode";
-  const RansCodes c =
-      check_codes(words, word_offsets, states, freqs, K, N, channels_per_tile, words.device(), "words", op);
-  const DeviceCaps caps = caps_given != nullptr ? *caps_given : device_caps(words.device());
-  const RansPlan plan = planned([&] { return plan_rans_decode(K, N, c.channels_per_tile, caps); });
-  const RansKernels& k = kernels_or_fail(caps.backend, op);
-  at::Tensor B = at::empty({K / 8, N}, words.options().dtype(at::kInt));
-  k.decode(plan, c, B);
-  return B;
+  RansDecodeCall c;
+  c.args = check_codes(words, word_offsets, states, freqs, K, N, channels_per_tile, words.device(), "words", op);
+  c.plan = std::make_shared<const RansPlan>(
+      planned([&] { return plan_rans_decode(K, N, c.args.channels_per_tile, caps); }));
+  c.out = at::empty({K / 8, N}, words.options().dtype(at::kInt));
+  return c;
 }
 
-at::Tensor gemm_rans_planned(const DeviceCaps* caps_given, const at::Tensor& A, const at::Tensor& words,
-                             const at::Tensor& word_offsets, const at::Tensor& states, const at::Tensor& freqs,
-                             const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
-                             const c10::optional<at::Tensor>& offsets, c10::string_view format, int64_t K, int64_t N,
-                             int64_t group_size, int64_t channels_per_tile, const c10::optional<at::Tensor>& bias) {
-  // No autograd below the op (its Autograd kernel falls through): the staged family's BLAS call
-  // would raise for an input that requires grad.
-  const at::AutoDispatchBelowADInplaceOrView below_autograd;
+RansGemmCall prepare_rans_gemm(const at::Tensor& A, const RansCodeTensors& codes, const at::Tensor& scales,
+                               const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& offsets,
+                               c10::string_view format, int64_t K, int64_t N, int64_t group_size,
+                               int64_t channels_per_tile, const c10::optional<at::Tensor>& bias,
+                               const DeviceCaps& caps) {
   const char* op = "gemm_rans";
-  RansGemmArgs a;
+  RansGemmCall c;
+  RansGemmArgs& a = c.args;
   const std::string fmt(format.data(), format.size());
   TORCH_CHECK_VALUE(fmt == "fp4" || fmt == "u4" || fmt == "affine", op, ": format must be one of {fp4, u4, affine}, got '",
                     fmt, "'");
@@ -165,7 +149,8 @@ at::Tensor gemm_rans_planned(const DeviceCaps* caps_given, const at::Tensor& A, 
                     ": group_size must be a positive multiple of 32 dividing K = ", K, " (a decode step never ",
                     "straddles two groups), got ", group_size);
   const at::Device dev = A.device();
-  a.codes = check_codes(words, word_offsets, states, freqs, K, N, channels_per_tile, dev, "A", op);
+  a.codes = check_codes(codes.words, codes.word_offsets, codes.states, codes.freqs, K, N, channels_per_tile, dev,
+                        "A", op);
   const int64_t G = K / group_size;
   check_tensor(scales, s, {G, N}, op, "scales", "[K/group_size, N], A's dtype");
   check_device(scales, dev, op, "scales", "A");
@@ -195,82 +180,14 @@ at::Tensor gemm_rans_planned(const DeviceCaps* caps_given, const at::Tensor& A, 
   a.dtype = to_dtype(s);
   a.A = contiguous_aligned(A);
   a.scales = contiguous_aligned(scales);
-  at::Tensor C = at::empty({a.M, N}, A.options());
-  if (a.M == 0) return C;
-  const DeviceCaps caps = caps_given != nullptr ? *caps_given : device_caps(dev);
-  const std::shared_ptr<const RansPlan> plan = planned([&] {
+  c.out = at::empty({a.M, N}, A.options());
+  c.empty = a.M == 0;
+  if (c.empty) return c;
+  c.plan = planned([&] {
     return cached_plan_rans_gemm(a.M, K, N, group_size, a.codes.channels_per_tile, a.format, a.dtype,
                                  a.bias.defined(), caps);
   });
-  kernels_or_fail(caps.backend, op).gemm(*plan, a, C);
-  return C;
+  return c;
 }
-
-void check_cpu_caps(const DeviceCaps& caps, const at::Tensor& t, const char* who) {
-  TORCH_CHECK_VALUE(t.device().is_cpu(), who, ": the tensors must be on the CPU, got ", t.device());
-  TORCH_CHECK_VALUE(caps.backend == Backend::CPU, who, ": caps must be CPU caps");
-  TORCH_CHECK_VALUE(caps.avx2 == 0 || device_caps(t.device()).avx2 != 0, who,
-                    ": caps['avx2'] is set but this build or CPU has no AVX2 kernels");
-}
-
-}  // namespace
-
-void set_rans_kernels(Backend backend, RansKernels kernels) { kernels_for(backend) = kernels; }
-
-at::Tensor rans_decode(const at::Tensor& words, const at::Tensor& word_offsets, const at::Tensor& states,
-                       const at::Tensor& freqs, int64_t K, int64_t N, int64_t channels_per_tile) {
-  return rans_decode_planned(nullptr, words, word_offsets, states, freqs, K, N, channels_per_tile);
-}
-
-at::Tensor gemm_rans(const at::Tensor& A, const at::Tensor& words, const at::Tensor& word_offsets,
-                     const at::Tensor& states, const at::Tensor& freqs, const at::Tensor& scales,
-                     const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& offsets,
-                     c10::string_view format, int64_t K, int64_t N, int64_t group_size, int64_t channels_per_tile,
-                     const c10::optional<at::Tensor>& bias) {
-  return gemm_rans_planned(nullptr, A, words, word_offsets, states, freqs, scales, zeros, offsets, format, K, N,
-                           group_size, channels_per_tile, bias);
-}
-
-at::Tensor gemm_rans_cpu_with_caps(const DeviceCaps& caps, const at::Tensor& A, const at::Tensor& words,
-                                   const at::Tensor& word_offsets, const at::Tensor& states, const at::Tensor& freqs,
-                                   const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
-                                   const c10::optional<at::Tensor>& offsets, c10::string_view format, int64_t K,
-                                   int64_t N, int64_t group_size, int64_t channels_per_tile,
-                                   const c10::optional<at::Tensor>& bias) {
-  check_cpu_caps(caps, A, "gemm_rans_cpu_with_caps");
-  return gemm_rans_planned(&caps, A, words, word_offsets, states, freqs, scales, zeros, offsets, format, K, N,
-                           group_size, channels_per_tile, bias);
-}
-
-at::Tensor rans_decode_cpu_with_caps(const DeviceCaps& caps, const at::Tensor& words, const at::Tensor& word_offsets,
-                                     const at::Tensor& states, const at::Tensor& freqs, int64_t K, int64_t N,
-                                     int64_t channels_per_tile) {
-  check_cpu_caps(caps, words, "rans_decode_cpu_with_caps");
-  return rans_decode_planned(&caps, words, word_offsets, states, freqs, K, N, channels_per_tile);
-}
-
-TORCH_LIBRARY_FRAGMENT(marlin, m) {
-  m.def("rans_encode(Tensor B_packed, int channels_per_tile) -> (Tensor words, Tensor word_offsets, Tensor states, "
-        "Tensor freqs)");
-  m.def("rans_decode(Tensor words, Tensor word_offsets, Tensor states, Tensor freqs, int K, int N, "
-        "int channels_per_tile) -> Tensor");
-  m.def("gemm_rans(Tensor A, Tensor words, Tensor word_offsets, Tensor states, Tensor freqs, Tensor scales, "
-        "Tensor? zeros, Tensor? offsets, str format, int K, int N, int group_size, int channels_per_tile, "
-        "Tensor? bias=None) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(marlin, CPU, m) {
-  m.impl("rans_encode", &rans_encode);
-  m.impl("rans_decode", &rans_decode);
-  m.impl("gemm_rans", &gemm_rans);
-}
-
-#ifdef TM_WITH_MPS
-// The Metal kernels (csrc/mps/rans_mps.mm) add themselves through set_rans_kernels(Backend::Metal).
-TORCH_LIBRARY_IMPL(marlin, MPS, m) {
-  m.impl("rans_decode", &rans_decode);
-  m.impl("gemm_rans", &gemm_rans);
-}
-#endif
 
 }  // namespace torch_marlin

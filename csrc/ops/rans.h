@@ -1,19 +1,14 @@
-// rANS op family: validated arguments, the op entry points and the per-backend kernels the
-// registration unit (rans.cpp) calls. Backends implement the kernels; they never re-check
+// rANS op family: validated arguments and prepare_rans_encode / prepare_rans_decode /
+// prepare_rans_gemm, the backend-free half of every op (checks, output, plan). Each backend's
+// binding unit (csrc/ops/op_entries.h) runs its kernels on what these return; kernels never re-check
 // arguments.
-//
-// Backends other than the CPU add themselves from their own unit, with no link-time dependency
-// in either direction:
-//   static const bool registered = (set_rans_kernels(Backend::CUDA, {&my_gemm, &my_decode}), true);
-//   TORCH_LIBRARY_IMPL(marlin, CUDA, m) { m.impl("gemm_rans", &gemm_rans); m.impl("rans_decode", &rans_decode); }
-// gemm_rans / rans_decode (below) check the arguments, plan with the device's caps and call the
-// kernels set for the plan's backend.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <tuple>
 
+#include "ops/prepared_call.h"
 #include "ops/quant_gemm.h"
 #include "plan/rans_plan.h"
 
@@ -57,45 +52,25 @@ inline QuantGemmArgs staged_gemm_args(const RansGemmArgs& a, const at::Tensor& B
   return q;
 }
 
-// The op entry points (schemas in rans.cpp), for every backend's TORCH_LIBRARY_IMPL.
-at::Tensor gemm_rans(const at::Tensor& A, const at::Tensor& words, const at::Tensor& word_offsets,
-                     const at::Tensor& states, const at::Tensor& freqs, const at::Tensor& scales,
-                     const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& offsets,
-                     c10::string_view format, int64_t K, int64_t N, int64_t group_size, int64_t channels_per_tile,
-                     const c10::optional<at::Tensor>& bias);
-at::Tensor rans_decode(const at::Tensor& words, const at::Tensor& word_offsets, const at::Tensor& states,
-                       const at::Tensor& freqs, int64_t K, int64_t N, int64_t channels_per_tile);
+using RansGemmCall = PreparedCall<RansGemmArgs, RansPlan>;  // out: C [M, N]
+using RansDecodeCall = PreparedCall<RansCodes, RansPlan>;    // out: B_packed int32 [K/8, N]
 
-// gemm_rans / rans_decode on the CPU planned with `caps` instead of the device's: the same checks,
-// plan and kernels (caps.avx2 = 0 runs the portable lane decoder on any machine; 1 is refused where
-// the build or the CPU lacks AVX2). Bound as torch_marlin._C.*_cpu_with_caps for tests.
-at::Tensor gemm_rans_cpu_with_caps(const DeviceCaps& caps, const at::Tensor& A, const at::Tensor& words,
-                                   const at::Tensor& word_offsets, const at::Tensor& states, const at::Tensor& freqs,
-                                   const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
-                                   const c10::optional<at::Tensor>& offsets, c10::string_view format, int64_t K,
-                                   int64_t N, int64_t group_size, int64_t channels_per_tile,
-                                   const c10::optional<at::Tensor>& bias);
-at::Tensor rans_decode_cpu_with_caps(const DeviceCaps& caps, const at::Tensor& words, const at::Tensor& word_offsets,
-                                     const at::Tensor& states, const at::Tensor& freqs, int64_t K, int64_t N,
-                                     int64_t channels_per_tile);
-
-// A backend's kernels. gemm: C [M, N] (A's dtype, allocated) from the plan of plan_rans_gemm;
-// the staged family's dense GEMM (plan.gemm) is the backend's quant GEMM on the decoded B_packed.
-// decode: B_packed int32 [K/8, N] (allocated). Kernels never read outside a tile's stream.
-struct RansKernels {
-  void (*gemm)(const RansPlan& plan, const RansGemmArgs& args, at::Tensor& C) = nullptr;
-  void (*decode)(const RansPlan& plan, const RansCodes& codes, at::Tensor& B_packed) = nullptr;
+// The op's tensors of one coded layer, in schema order.
+struct RansCodeTensors {
+  at::Tensor words, word_offsets, states, freqs;
 };
-void set_rans_kernels(Backend backend, RansKernels kernels);
 
-// ---- CPU (csrc/cpu/rans_codec.cpp, csrc/cpu/rans_gemm.cpp) ----
-// The encoder: B_packed int32 [K/8, N] (contiguous, CPU) -> (words, word_offsets, states, freqs),
-// bit for bit torch_marlin/formats/rans.py `encode`.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rans_encode_cpu(const at::Tensor& B_packed,
-                                                                         int64_t channels_per_tile);
-// Decodes every tile into B_packed; raises ValueError naming the first tile whose stream is
-// corrupted (read past its end, a final state other than L, leftover words that are not padding).
-void rans_decode_cpu(const RansPlan& plan, const RansCodes& codes, at::Tensor& B_packed);
-void rans_gemm_cpu(const RansPlan& plan, const RansGemmArgs& args, at::Tensor& C);
+// rans_encode runs on the host only: checks B_packed, resolves channels_per_tile (<= 0: the default)
+// and returns B_packed contiguous.
+at::Tensor prepare_rans_encode(const at::Tensor& B_packed, int64_t& channels_per_tile);
+// `caps`: the caps of the op's device (the backend's query).
+RansDecodeCall prepare_rans_decode(const at::Tensor& words, const at::Tensor& word_offsets, const at::Tensor& states,
+                                   const at::Tensor& freqs, int64_t K, int64_t N, int64_t channels_per_tile,
+                                   const DeviceCaps& caps);
+RansGemmCall prepare_rans_gemm(const at::Tensor& A, const RansCodeTensors& codes, const at::Tensor& scales,
+                               const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& offsets,
+                               c10::string_view format, int64_t K, int64_t N, int64_t group_size,
+                               int64_t channels_per_tile, const c10::optional<at::Tensor>& bias,
+                               const DeviceCaps& caps);
 
 }  // namespace torch_marlin

@@ -1,9 +1,15 @@
-// Trellis op family: validated arguments and the per-backend entry points the registration unit
-// (trellis.cpp) calls. Backends implement these; they never re-check arguments.
+// Trellis op family: validated arguments and prepare_trellis_gemm / prepare_trellis_dequant /
+// prepare_trellis_moe, the backend-free half of every op (checks, output, routing, plan). Each
+// backend's binding unit (csrc/ops/op_entries.h) runs its kernels on what these return; kernels never
+// re-check arguments.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <array>
+
+#include "ops/prepared_call.h"
+#include "ops/quant_gemm.h"
 #include "plan/trellis_plan.h"
 
 namespace torch_marlin {
@@ -58,33 +64,23 @@ inline void trellis_route(const at::Tensor& expert_ids, int64_t E, TrellisMoeArg
                    .to(at::kInt).contiguous();
 }
 
-// gemm_trellis on the CPU planned with `caps` instead of the device's: the same checks, plan and
-// kernels (caps.avx2 = 0 and caps.avx512 = 0 run the portable kernels on any machine; 1 is refused
-// where the build or the CPU lacks them). Bound as torch_marlin._C.gemm_trellis_cpu_with_caps for tests.
-at::Tensor gemm_trellis_cpu_with_caps(const DeviceCaps& caps, const at::Tensor& A, const at::Tensor& packed,
-                                      const at::Tensor& scales, const at::Tensor& grid, const at::Tensor& su,
-                                      const at::Tensor& sv, int64_t K, int64_t N, int64_t bits, int64_t group_size);
+using TrellisGemmCall = PreparedCall<TrellisGemmArgs, TrellisPlan>;  // out: C [M, N] or W f32 [K, N]
+using TrellisMoeCall = PreparedCall<TrellisMoeArgs, TrellisPlan>;    // out: y [T, hidden]
 
-// ---- CPU (csrc/cpu/trellis.cpp) ----
-void trellis_gemm_cpu(const TrellisPlan& plan, const TrellisGemmArgs& args, at::Tensor& C);
-void trellis_dequant_cpu(const TrellisPlan& plan, const TrellisGemmArgs& args, at::Tensor& W);
-void trellis_moe_cpu(const TrellisPlan& plan, const TrellisMoeArgs& args, at::Tensor& y);
+// The op's tensors of one MoE projection, in schema order: packed_indices, scales, grid, su, sv.
+struct TrellisMoeWeights {
+  std::array<at::Tensor, 5> gate, up, down;
+};
 
-#ifdef TM_WITH_CUDA
-// ---- CUDA (csrc/cuda/trellis_launch.cu) ----
-void trellis_gemm_cuda(const TrellisPlan& plan, const TrellisGemmArgs& args, at::Tensor& C);
-void trellis_dequant_cuda(const TrellisPlan& plan, const TrellisGemmArgs& args, at::Tensor& W);
-void trellis_moe_cuda(const TrellisPlan& plan, const TrellisMoeArgs& args, at::Tensor& y);
-#endif
-
-#ifdef TM_WITH_MPS
-// ---- MPS (csrc/mps/trellis_mps.mm) ----
-// Caps come from mps_device_caps() (csrc/ops/quant_gemm.h). `rows_h` / `rows_y` are f32
-// scratch of [T*top_k, intermediate] / [T*top_k, hidden] the op allocates.
-void trellis_gemm_mps(const TrellisPlan& plan, const TrellisGemmArgs& args, at::Tensor& C);
-void trellis_dequant_mps(const TrellisPlan& plan, const TrellisGemmArgs& args, at::Tensor& W);
-void trellis_moe_mps(const TrellisPlan& plan, const TrellisMoeArgs& args, at::Tensor& rows_h, at::Tensor& rows_y,
-                     at::Tensor& y);
-#endif
+// `caps`: the caps of the op's device (the backend's query).
+TrellisGemmCall prepare_trellis_gemm(const at::Tensor& A, const at::Tensor& packed, const at::Tensor& scales,
+                                     const at::Tensor& grid, const at::Tensor& su, const at::Tensor& sv, int64_t K,
+                                     int64_t N, int64_t bits, int64_t group_size, const DeviceCaps& caps);
+TrellisGemmCall prepare_trellis_dequant(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& grid,
+                                        const at::Tensor& su, const at::Tensor& sv, int64_t K, int64_t N, int64_t bits,
+                                        int64_t group_size, const DeviceCaps& caps);
+TrellisMoeCall prepare_trellis_moe(const at::Tensor& x, const TrellisMoeWeights& w, const at::Tensor& expert_ids,
+                                   const at::Tensor& expert_probs, int64_t intermediate, int64_t bits,
+                                   int64_t group_size, const DeviceCaps& caps);
 
 }  // namespace torch_marlin

@@ -167,6 +167,16 @@ KernelFamily choose_family(int64_t M, int64_t K, int64_t N, int64_t group_size, 
 
 }  // namespace
 
+void check_quant_group_size(int64_t K, int64_t group_size, const char* who) {
+  auto fail = [who](const std::string& what) { throw std::invalid_argument(std::string(who) + ": " + what); };
+  if (group_size <= 0 || group_size % TM_PACK_FACTOR != 0) {
+    fail("group_size must be a positive multiple of 8, got " + std::to_string(group_size));
+  }
+  if (K % group_size != 0) {
+    fail("group_size (" + std::to_string(group_size) + ") must divide K (" + std::to_string(K) + ")");
+  }
+}
+
 namespace {
 
 // The op's own checks (csrc/ops/quant_gemm.cpp), in its words, for callers of the planner alone.
@@ -174,12 +184,7 @@ void check_shape(int64_t M, int64_t K, int64_t N, int64_t group_size) {
   auto fail = [](const std::string& what) { throw std::invalid_argument("plan_quant_gemm: " + what); };
   if (M < 0 || M > UINT32_MAX) fail("M must be in [0, 2^32), got " + std::to_string(M));
   if (K <= 0 || K % TM_PACK_FACTOR != 0) fail("K must be a positive multiple of 8, got " + std::to_string(K));
-  if (group_size <= 0 || group_size % TM_PACK_FACTOR != 0) {
-    fail("group_size must be a positive multiple of 8, got " + std::to_string(group_size));
-  }
-  if (K % group_size != 0) {
-    fail("group_size (" + std::to_string(group_size) + ") must divide K (" + std::to_string(K) + ")");
-  }
+  check_quant_group_size(K, group_size, "plan_quant_gemm");
   if (N <= 0) fail("N must be positive, got " + std::to_string(N) + " (the ops return N = 0 results unplanned)");
   if (K > UINT32_MAX || N > UINT32_MAX) fail("K and N must fit in 32 bits");
 }
@@ -217,7 +222,7 @@ GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, in
     case Backend::CUDA: plan_cuda(p, M, K, N, caps); break;
     case Backend::CPU: plan_cpu(p, M, K, N, caps); break;
   }
-  p.kernel = kernel_name(p.desc);
+  p.main.kernel = kernel_name(p.desc);
   return p;
 }
 

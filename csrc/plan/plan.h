@@ -5,10 +5,12 @@
 // Portable C++17: no torch, no Objective-C, so the harness and the Python policy function
 // (torch_marlin.planner) reach exactly the same code.
 //
-// Files: plan.cpp (entry, validation, the policy's choice of family, names), plan_common.cpp
-// (tiles, K slices, reductions), plan_cpu.cpp, plan_metal.cpp, plan_cuda.cpp (each backend's
-// geometry and tuning constants), trellis_plan.cpp (the trellis op family), plan_cache.cpp (the
-// ops' cache of plans).
+// Every op family plans the same way: <family>_plan.cpp (plan.cpp for the FP4 / INT4 GEMM) holds the
+// entries, the validation and the policy's choice of family; <family>_plan_<backend>.cpp
+// (plan_<backend>.cpp for the GEMM) each backend's geometry and tuning constants; plan_common.cpp
+// the tile and K-slice arithmetic they share. Every plan names its kernels as KernelLaunch values,
+// which the Metal dispatch description (metal_dispatch.h) turns into its ordered dispatches.
+// plan_cache.cpp is the ops' cache of plans.
 #pragma once
 
 #include <cstddef>
@@ -84,8 +86,10 @@ struct KernelDesc {
                            // multiple of it); 0 elsewhere
   uint32_t consumers = 0;  // WgmmaWs: consumer warpgroups (tile_n / 64); 0 otherwise
   bool vector_loads = false;  // Metal decode: 16-byte weight loads (4 adjacent columns), N % 4 == 0
-  bool fold = false;       // CUDA decode with tile_m <= 16 and group_size % 32 == 0: a 32-row chunk
-                           // never straddles two groups (scales folded once per chunk)
+  // CUDA decode with tile_m <= 16 and group_size % 32 == 0 (a 32-row chunk never straddles two
+  // groups), not affine: the mmas of a group sum unscaled weights in fp32 and the group's scales
+  // multiply those sums once, instead of every weight.
+  bool scale_group_sums = false;
   ReduceKind reduce = ReduceKind::None;
 };
 
@@ -100,15 +104,30 @@ const char* format_name(QuantFormat f);  // "fp4", "u4", "affine"
 // tag (decode_fp4_half, ...) or the CPU routine (cpu_decode, ...).
 std::string kernel_name(const KernelDesc& k);
 
+// One kernel launch of a plan, the same for every op family and backend: the kernel's name (the
+// Metal function, the CUDA instantiation's tag or the CPU routine; empty: not planned), its grid
+// (threadgroups on Metal, blocks on CUDA, tasks on the CPU) and threads per threadgroup / block.
+struct KernelLaunch {
+  std::string kernel;
+  uint32_t grid[3] = {1, 1, 1};
+  uint32_t threads[3] = {1, 1, 1};
+  // CUDA trellis tensor-core kernels: K is cut into k_parallel slices of k_slice_tiles tile rows
+  // (16 rows each, a multiple of the stage); slices write fp32 partials that the next launch sums in
+  // slice order. 1 / 0 where the launch does not slice K (the FP4 / INT4 GEMM keeps its K slices in
+  // its params).
+  uint32_t k_parallel = 1;
+  uint32_t k_slice_tiles = 0;
+  // CUDA: launched with programmatic dependent launch behind the previous kernel on the stream,
+  // which lets it start as that kernel's blocks retire; the kernel waits (griddepcontrol.wait)
+  // before it reads that kernel's output.
+  bool dependent_launch = false;
+};
+
 struct GemmPlan {
   KernelDesc desc;
-  DeviceCaps caps;            // what the plan was made for
-  std::string kernel;         // kernel_name(desc)
-  std::string reduce_kernel;  // Metal: the SecondDispatch kernel's function name, else empty
-  uint32_t grid[3] = {1, 1, 1};     // threadgroups (Metal) / blocks (CUDA) / tasks (CPU)
-  uint32_t threads[3] = {1, 1, 1};  // threads per threadgroup / block
-  uint32_t reduce_grid[3] = {1, 1, 1};
-  uint32_t reduce_threads[3] = {1, 1, 1};
+  DeviceCaps caps;      // what the plan was made for
+  KernelLaunch main;    // the GEMM: kernel_name(desc)
+  KernelLaunch reduce;  // Metal SecondDispatch: the reduction of the K slices; empty kernel otherwise
   size_t workspace_bytes = 0;       // fp32 partials [k_parallel][M][N] when k_parallel > 1 (CUDA
                                     // wgmma_ws: whole tiles in fragment order); dequant_blas: the panel
   // CUDA ReduceKind::LastBlock: byte offset in the workspace of the m_tiles * n_tiles int32 arrival
@@ -125,10 +144,13 @@ struct GemmPlan {
   uint32_t tail_n_tiles = 0;
   uint32_t tail_k_parallel = 1;
   uint32_t tail_k_slice_len = 0;
-  // CUDA decode and wgmma_ws on sm_90: launched with programmatic dependent launch (the kernel may
-  // start while the previous one on the stream still runs and waits for it before its first load).
-  bool dependent_launch = false;
+  // main.dependent_launch: CUDA decode and wgmma_ws on sm_90.
 };
+
+// The FP4 / INT4 / affine group-size rule (docs/formats.md): group_size a positive multiple of 8 that
+// divides K. The one check of it: the ops (csrc/ops/quant_gemm.cpp), plan_quant_gemm and
+// plan_quant_dequant_metal call it. Throws std::invalid_argument "<who>: group_size ...".
+void check_quant_group_size(int64_t K, int64_t group_size, const char* who);
 
 // Plans C[M,N] = A[M,K] @ dequant(B)[K,N] (+ bias). Shapes must already be validated by the op.
 // `force` lets tests run a specific family; Auto is the policy. Throws std::invalid_argument for

@@ -1,16 +1,23 @@
 #include "plan/plan_common.h"
 
 #include <algorithm>
+#include <stdexcept>
+#include <string>
 
 namespace torch_marlin {
 
 uint32_t ceil_div(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 1) / b); }
 
+void check_metal_indices(std::initializer_list<uint64_t> extents, const char* who) {
+  for (uint64_t e : extents) {
+    if (e >= (uint64_t(1) << 32)) {
+      throw std::invalid_argument(std::string(who) + ": problem too large for the Metal kernels' 32-bit indices");
+    }
+  }
+}
+
 void set_tiles(GemmPlan& p, int64_t M, int64_t N, uint32_t tile_m, uint32_t tile_n) {
-  p.params.tile_m = tile_m;
-  p.params.tile_n = tile_n;
-  p.params.m_tiles = ceil_div(M, tile_m);
-  p.params.n_tiles = ceil_div(N, tile_n);
+  set_param_tiles(p.params, M, N, tile_m, tile_n);
   p.desc.tile_m = tile_m;
   p.desc.tile_n = tile_n;
 }
@@ -38,9 +45,9 @@ void set_second_dispatch_reduction(GemmPlan& p, const char* reduce_kernel, uint3
   if (q.k_parallel <= 1) return;
   set_partials_workspace(p, size_t(q.M) * q.N);
   p.desc.reduce = ReduceKind::SecondDispatch;
-  p.reduce_kernel = reduce_kernel;
-  p.reduce_threads[0] = threads;
-  p.reduce_grid[0] = ceil_div(int64_t(q.M) * q.N, threads);
+  p.reduce.kernel = reduce_kernel;
+  p.reduce.threads[0] = threads;
+  p.reduce.grid[0] = ceil_div(int64_t(q.M) * q.N, threads);
 }
 
 uint32_t k_split_for(int64_t tiles, int64_t K, uint32_t k_step, int compute_units, int waves,

@@ -1,8 +1,10 @@
-// Planner internals shared by plan.cpp and the per-backend planners (plan_cpu.cpp,
-// plan_metal.cpp, plan_cuda.cpp): tile and K-slice arithmetic, and each backend's entry.
+// Planner internals shared by every family's planner (plan.cpp, trellis_plan.cpp, rans_plan.cpp) and
+// the per-backend geometry (plan_<backend>.cpp, trellis_plan_<backend>.cpp, rans_plan_<backend>.cpp):
+// tile and K-slice arithmetic, index-width checks, and the GEMM's per-backend entries.
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "plan/plan.h"
 
@@ -10,7 +12,20 @@ namespace torch_marlin {
 
 uint32_t ceil_div(int64_t a, int64_t b);
 
-// Output tiles: tile sizes into params and desc, tile counts into params.
+// Output tiles of a params struct (QuantGemmParams, TrellisParams): sizes and counts.
+template <class Params>
+void set_param_tiles(Params& q, int64_t M, int64_t N, uint32_t tile_m, uint32_t tile_n) {
+  q.tile_m = tile_m;
+  q.tile_n = tile_n;
+  q.m_tiles = ceil_div(M, tile_m);
+  q.n_tiles = ceil_div(N, tile_n);
+}
+
+// The Metal kernels index with 32-bit unsigned arithmetic: throws std::invalid_argument (naming
+// `who`) where an element or byte index could wrap (the CPU kernels use 64-bit indices).
+void check_metal_indices(std::initializer_list<uint64_t> extents, const char* who);
+
+// Output tiles of a GEMM plan: tile sizes into params and desc, tile counts into params.
 void set_tiles(GemmPlan& p, int64_t M, int64_t N, uint32_t tile_m, uint32_t tile_n);
 
 // K slices: k_slice_len is a multiple of `k_step` so a slice never splits a kernel iteration;

@@ -34,8 +34,8 @@ namespace {
 // 128: two 64-row passes beat dequant + cuBLAS at M = 96..128 on all five shapes (0.54..0.81x
 // against 0.42..0.57x of cuBLAS), at 160..192 only on some (benchmarks/notes/cuda-tuning.md CUDA-DECODE-MAX-M).
 constexpr int64_t kCudaDecodeMaxM = 128;
-// Decode with folded scales keeps a second accumulator set: 1 or 2 n8 tiles only (tile_m <= 16).
-constexpr uint32_t kCudaDecodeFoldMaxTileM = 16;
+// Decode that scales group sums keeps a second accumulator set: 1 or 2 n8 tiles only (tile_m <= 16).
+constexpr uint32_t kCudaDecodeGroupSumsMaxTileM = 16;
 // Largest dequantized panel dequant_blas makes (the op's transient workspace). One panel of all of
 // N measured fastest (28672 x 8192 at M = 4096: 2783 us whole against 3133 us in two 4096-column
 // panels); the cap bounds the workspace of layers past ~500M weights (benchmarks/notes/cuda-tuning.md
@@ -199,9 +199,9 @@ constexpr int64_t kCudaWgmmaWsSmallMMaxK = 8192;
 // The tile kernels' grid = (row tiles, column tiles, K slices).
 void set_cuda_tile_grid(GemmPlan& p, int64_t K, int64_t k_parallel, uint32_t k_step) {
   set_k_parallel(p, K, uint32_t(k_parallel), k_step);
-  p.grid[0] = p.params.m_tiles;
-  p.grid[1] = p.params.n_tiles;
-  p.grid[2] = p.params.k_parallel;
+  p.main.grid[0] = p.params.m_tiles;
+  p.main.grid[1] = p.params.n_tiles;
+  p.main.grid[2] = p.params.k_parallel;
 }
 int64_t cuda_tiles(const GemmPlan& p) { return int64_t(p.params.m_tiles) * p.params.n_tiles; }
 
@@ -237,9 +237,9 @@ void plan_simt(GemmPlan& p, int64_t M, int64_t K, int64_t N) {
   constexpr uint32_t kRows = 8, kCols = 128;
   set_tiles(p, M, N, kRows, kCols);
   set_k_parallel(p, K, 1, TM_PACK_FACTOR);
-  p.grid[0] = p.params.n_tiles;
-  p.grid[1] = p.params.m_tiles;
-  p.threads[0] = kCols;
+  p.main.grid[0] = p.params.n_tiles;
+  p.main.grid[1] = p.params.m_tiles;
+  p.main.threads[0] = kCols;
 }
 
 // K slices are whole multiples of one 32-row chunk per warp. The kernel is memory-bound and its
@@ -257,17 +257,17 @@ void plan_decode(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps&
   set_cuda_tile_grid(p, K,
                      cuda_tile_slices(cuda_tiles(p), K, int64_t(caps.compute_units) * blocks_per_sm, kCudaDecodeSlices),
                      kCudaDecodeSlices.k_step);
-  p.threads[0] = 32 * TM_CUDA_DECODE_WARPS;
-  // Folding sums a * (q - z) per group on the tensor cores and scales the fp32 sums; an affine
+  p.main.threads[0] = 32 * TM_CUDA_DECODE_WARPS;
+  // scale_group_sums: the tensor cores sum a * (q - z) per group and the fp32 sums are scaled; an affine
   // weight s q + b would also need each row's per-group sum of A for the b term, which the mma
   // layout does not hold, so affine dequantizes every chunk in full (fused multiply-add) instead.
-  p.desc.fold = tile_m <= kCudaDecodeFoldMaxTileM && p.params.group_size % 32 == 0 &&
+  p.desc.scale_group_sums = tile_m <= kCudaDecodeGroupSumsMaxTileM && p.params.group_size % 32 == 0 &&
                 p.desc.format != QuantFormat::Affine;
   set_in_kernel_reduction(p, caps.thread_block_clusters && p.params.k_parallel <= TM_CUDA_DECODE_MAX_CLUSTER_SLICES,
                           size_t(M) * N);
   // PDL needs sm_90 and kernels from sm_90 PTX: the devices that run clusters (benchmarks/notes/cuda-tuning.md
   // CUDA-PDL).
-  p.dependent_launch = caps.thread_block_clusters != 0;
+  p.main.dependent_launch = caps.thread_block_clusters != 0;
 }
 
 // 2 warpgroups over 128 or 256 columns x 128 or 256 rows, 1 block per SM. K slices (of at least 8
@@ -277,7 +277,7 @@ void plan_wgmma(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps& 
   set_tiles(p, M, N, cuda_wgmma_tile_m(M), cuda_wgmma_tile_n(M, K, N, caps.compute_units));
   set_cuda_tile_grid(p, K, cuda_tile_slices(cuda_tiles(p), K, caps.compute_units, kCudaWgmmaSlices),
                      kCudaWgmmaSlices.k_step);
-  p.threads[0] = TM_CUDA_WGMMA_THREADS;
+  p.main.threads[0] = TM_CUDA_WGMMA_THREADS;
   set_in_kernel_reduction(p, true, 0);
 }
 
@@ -292,16 +292,16 @@ void plan_wgmma_ws(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCap
   if (g.tail_cols > 0) {  // the tail's K slices are always summed through a cluster
     QuantGemmParams tail = p.params;
     set_k_slices(tail, K, uint32_t(g.tail_k_parallel), kCudaWgmmaWsSlices.k_step);
-    p.grid[1] -= uint32_t(g.tail_cols);
+    p.main.grid[1] -= uint32_t(g.tail_cols);
     p.tail_n_tiles = uint32_t(g.tail_cols);
     p.tail_k_parallel = tail.k_parallel;
     p.tail_k_slice_len = tail.k_slice_len;
   }
-  p.threads[0] = 128 * (g.consumers + 1);
+  p.main.threads[0] = 128 * (g.consumers + 1);
   // Its partials stay in fragment order, whole tiles.
   set_in_kernel_reduction(p, !g.global_reduce,
                           size_t(p.params.m_tiles) * p.params.n_tiles * p.params.tile_m * p.params.tile_n);
-  p.dependent_launch = true;  // sm_90a only (require_wgmma; benchmarks/notes/cuda-tuning.md CUDA-PDL)
+  p.main.dependent_launch = true;  // sm_90a only (require_wgmma; benchmarks/notes/cuda-tuning.md CUDA-PDL)
 }
 
 // Column panels of B are dequantized into a [K, tile_n] workspace in the activation dtype and

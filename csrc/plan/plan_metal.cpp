@@ -75,9 +75,9 @@ void plan_metal(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps& 
       const uint32_t k_step = gs * ceil_div(kDecodeMinKStep, gs);
       const uint32_t min_steps = ceil_div(kDecodeMinSliceRows, k_step);
       set_k_parallel(p, K, k_split_for(p.params.n_tiles, K, k_step, caps.compute_units, 4, min_steps), k_step);
-      p.grid[0] = p.params.n_tiles;
-      p.grid[1] = p.params.k_parallel;
-      p.threads[0] = TM_METAL_DECODE_THREADS;
+      p.main.grid[0] = p.params.n_tiles;
+      p.main.grid[1] = p.params.k_parallel;
+      p.main.threads[0] = TM_METAL_DECODE_THREADS;
       break;
     }
     case KernelFamily::FusedTiles:
@@ -85,9 +85,9 @@ void plan_metal(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps& 
       set_tiles(p, M, N, p.desc.family == KernelFamily::FusedTiles ? prefill_tile_m(M) : kTile, kTile);
       p.desc.tile_k = prefill_k_step(p.desc.family, p.desc.dtype);
       set_k_parallel(p, K, 1, p.desc.tile_k);
-      p.grid[0] = p.params.n_tiles;
-      p.grid[1] = p.params.m_tiles;
-      p.threads[0] = kThreads;
+      p.main.grid[0] = p.params.n_tiles;
+      p.main.grid[1] = p.params.m_tiles;
+      p.main.threads[0] = kThreads;
       break;
     }
     case KernelFamily::Striped: {
@@ -102,8 +102,8 @@ void plan_metal(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps& 
       // work items: 2 per core, 4 for large outputs.
       const int64_t target = int64_t(caps.compute_units) * (M * N > (1 << 20) ? 4 : 2);
       p.params.num_groups = uint32_t(std::max<int64_t>(1, std::min(work, target)));
-      p.grid[0] = p.params.num_groups;
-      p.threads[0] = kThreads;
+      p.main.grid[0] = p.params.num_groups;
+      p.main.threads[0] = kThreads;
       break;
     }
     default:
@@ -120,10 +120,11 @@ void plan_metal(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps& 
 }
 
 GemmPlan plan_quant_dequant_metal(QuantFormat format, int64_t K, int64_t N, int64_t group_size, DType dtype) {
-  if (K <= 0 || N <= 0 || group_size <= 0 || K % TM_PACK_FACTOR != 0 || group_size % TM_PACK_FACTOR != 0 ||
-      K % group_size != 0 || K > UINT32_MAX || N > UINT32_MAX || (K / TM_PACK_FACTOR) * N > UINT32_MAX) {
+  if (K <= 0 || N <= 0 || K % TM_PACK_FACTOR != 0 || K > UINT32_MAX || N > UINT32_MAX ||
+      (K / TM_PACK_FACTOR) * N > UINT32_MAX) {
     throw std::invalid_argument("plan_quant_dequant_metal: invalid shape");
   }
+  check_quant_group_size(K, group_size, "plan_quant_dequant_metal");
   constexpr uint32_t kDequantThreads = TM_METAL_ELEMENTWISE_THREADS;
   GemmPlan p;
   p.caps = default_metal_caps();
@@ -136,9 +137,9 @@ GemmPlan plan_quant_dequant_metal(QuantFormat format, int64_t K, int64_t N, int6
   p.params.group_size = uint32_t(group_size);
   p.params.k_parallel = 1;
   p.params.k_slice_len = uint32_t(K);
-  p.kernel = std::string("dequant_") + format_name(format) + "_" + dtype_name(dtype);
-  p.grid[0] = ceil_div((K / TM_PACK_FACTOR) * N, kDequantThreads);
-  p.threads[0] = kDequantThreads;
+  p.main.kernel = std::string("dequant_") + format_name(format) + "_" + dtype_name(dtype);
+  p.main.grid[0] = ceil_div((K / TM_PACK_FACTOR) * N, kDequantThreads);
+  p.main.threads[0] = kDequantThreads;
   return p;
 }
 

@@ -122,15 +122,15 @@ inline py::dict plan_to_dict(const GemmPlan& p) {
   const QuantGemmParams& q = p.params;
   py::dict d;
   d["family"] = family_name(p.desc.family);
-  d["kernel"] = p.kernel;
+  d["kernel"] = p.main.kernel;
   d["format"] = format_name(p.desc.format);
   d["dtype"] = dtype_arg_name(p.desc.dtype);
   d["reduce"] = reduce_name(p.desc.reduce);
-  d["reduce_kernel"] = p.reduce_kernel;
-  d["grid"] = dims(p.grid);
-  d["threads"] = dims(p.threads);
-  d["reduce_grid"] = dims(p.reduce_grid);
-  d["reduce_threads"] = dims(p.reduce_threads);
+  d["reduce_kernel"] = p.reduce.kernel;
+  d["grid"] = dims(p.main.grid);
+  d["threads"] = dims(p.main.threads);
+  d["reduce_grid"] = dims(p.reduce.grid);
+  d["reduce_threads"] = dims(p.reduce.threads);
   d["workspace_bytes"] = p.workspace_bytes;
   d["counters_offset"] = p.counters_offset;
   d["tile_m"] = q.tile_m;
@@ -142,18 +142,18 @@ inline py::dict plan_to_dict(const GemmPlan& p) {
   d["k_slice_len"] = q.k_slice_len;
   d["num_groups"] = q.num_groups;
   d["consumers"] = p.desc.consumers;
-  d["fold"] = p.desc.fold;
+  d["scale_group_sums"] = p.desc.scale_group_sums;
   d["vector_loads"] = p.desc.vector_loads;
   d["padded_n"] = p.padded_n;
   d["tail_n_tiles"] = p.tail_n_tiles;
   d["tail_k_parallel"] = p.tail_k_parallel;
   d["tail_k_slice_len"] = p.tail_k_slice_len;
-  d["dependent_launch"] = p.dependent_launch;
+  d["dependent_launch"] = p.main.dependent_launch;
   add_caps(d, p.caps);
   return d;
 }
 
-inline py::dict launch_to_dict(const TrellisLaunch& l) {
+inline py::dict launch_to_dict(const KernelLaunch& l) {
   py::dict d;
   d["kernel"] = l.kernel;
   d["grid"] = dims(l.grid);
@@ -184,7 +184,7 @@ inline py::dict trellis_plan_to_dict(const TrellisPlan& p) {
     d["down_k_vec4"] = p.params.down_k_vec4 != 0;
     d["moe_row_slots"] = p.moe_row_slots;
   }
-  const std::pair<const char*, const TrellisLaunch*> stages[] = {
+  const std::pair<const char*, const KernelLaunch*> stages[] = {
       {"down", &p.down},           {"combine", &p.combine},   {"route", &p.route},
       {"activations", &p.activations}, {"tiled_gate", &p.tiled_gate}, {"tiled_up", &p.tiled_up},
       {"tiled_down", &p.tiled_down}};

@@ -1,8 +1,10 @@
-#include "plan/rans_plan.h"
-
+// The rANS planner's entries: validation (in the ops' words) and the family; each backend's geometry
+// lives in rans_plan_cpu.cpp, rans_plan_metal.cpp and rans_plan_cuda.cpp.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+
+#include "plan/rans_plan_backends.h"
 
 namespace torch_marlin {
 namespace {
@@ -38,41 +40,21 @@ RansParams base_params(int64_t M, int64_t K, int64_t N, int64_t group_size, int6
   return p;
 }
 
-// One task (CPU) or one 32-thread group (a warp, a simdgroup) per tile.
-RansLaunch tile_launch(const std::string& kernel, const RansParams& p, Backend b) {
-  RansLaunch l;
+}  // namespace
+
+KernelLaunch rans_tile_launch(const std::string& kernel, const RansParams& p, Backend b) {
+  KernelLaunch l;
   l.kernel = kernel;
   l.grid[0] = p.tiles;
   l.threads[0] = b == Backend::CPU ? 1u : TM_RANS_LANES;
   return l;
 }
 
-// CUDA: TM_CUDA_RANS_WARPS warps per block, one tile each (csrc/cuda/rans.cu).
-RansLaunch cuda_launch(const std::string& kernel, const RansParams& p) {
-  RansLaunch l;
-  l.kernel = kernel;
-  l.grid[0] = (p.tiles + TM_CUDA_RANS_WARPS - 1u) / TM_CUDA_RANS_WARPS;
-  l.threads[0] = TM_CUDA_RANS_WARPS * TM_RANS_LANES;
-  return l;
-}
-
-// The fused kernels' row count (CUDA and Metal): M rounded up to 1, 2, 4, 8 or 16 (fp32 sums per row in
-// registers; the rows past M repeat row M - 1 and are not stored).
-uint32_t fused_rows(int64_t M) {
+uint32_t rans_fused_rows(int64_t M) {
   uint32_t rows = 1;
   while (int64_t(rows) < M) rows *= 2;
   return rows;
 }
-
-// The Metal kernels index A, C, B_packed and the scales with 32-bit unsigned arithmetic.
-void check_metal_indices(int64_t M, int64_t K, int64_t N) {
-  const int64_t lim = int64_t(1) << 32;
-  if (M * K >= lim || M * N >= lim || (K / 8) * N >= lim) {
-    fail("plan_rans_gemm", "problem too large for the Metal kernels' 32-bit indices");
-  }
-}
-
-}  // namespace
 
 const char* rans_family_name(RansFamily f) { return f == RansFamily::Fused ? "decode" : "staged"; }
 
@@ -93,39 +75,13 @@ RansPlan plan_rans_gemm(int64_t M, int64_t K, int64_t N, int64_t group_size, int
   p.params.format = uint32_t(format);
   p.params.has_bias = has_bias ? 1u : 0u;
   p.family = M <= int64_t(TM_RANS_FUSED_MAX_M) ? RansFamily::Fused : RansFamily::Staged;
-  const std::string fmt = format_name(format);
   if (p.family == RansFamily::Staged) {
     p.gemm = plan_quant_gemm(format, M, K, N, group_size, dtype, has_bias, caps);
   }
   switch (caps.backend) {
-    case Backend::CPU:
-      p.cpu_avx2 = caps.avx2 != 0;
-      p.decode = tile_launch(std::string(p.family == RansFamily::Fused ? "cpu_rans_gemm" : "cpu_rans_decode") +
-                                 (p.cpu_avx2 ? "_avx2" : ""),
-                             p.params, caps.backend);
-      break;
-    case Backend::Metal:
-      // metal/rans.metal, one simdgroup per tile. The fused GEMV keeps R fp32 accumulators per lane,
-      // R the power of two >= M (1, 2, 4, 8, 16), as the FP4 / INT4 decode kernels do: a fixed count
-      // stays in registers, and M = 1 does not pay for 16.
-      check_metal_indices(M, K, N);
-      if (p.family == RansFamily::Fused) {
-        p.tile_m = fused_rows(M);
-        p.decode = tile_launch("rans_gemv_m" + std::to_string(p.tile_m) + "_" + fmt + "_" + dtype_name(dtype),
-                               p.params, caps.backend);
-      } else {
-        p.decode = tile_launch("rans_decode_packed", p.params, caps.backend);
-      }
-      break;
-    case Backend::CUDA:
-      if (p.family == RansFamily::Fused) {
-        p.tile_m = fused_rows(M);
-        p.decode = cuda_launch("gemm_rans_" + fmt + "_" + dtype_name(dtype) + "_m" + std::to_string(p.tile_m),
-                               p.params);
-      } else {
-        p.decode = cuda_launch("rans_decode", p.params);
-      }
-      break;
+    case Backend::CPU: plan_rans_gemm_cpu(p, caps); break;
+    case Backend::Metal: plan_rans_gemm_metal(p, M, K, N, format, dtype); break;
+    case Backend::CUDA: plan_rans_gemm_cuda(p, M, format, dtype); break;
   }
   return p;
 }
@@ -135,18 +91,10 @@ RansPlan plan_rans_decode(int64_t K, int64_t N, int64_t channels_per_tile, const
   p.caps = caps;
   p.params = base_params(0, K, N, 0, channels_per_tile, "plan_rans_decode");
   p.family = RansFamily::Staged;
-  p.cpu_avx2 = caps.backend == Backend::CPU && caps.avx2 != 0;
   switch (caps.backend) {
-    case Backend::CPU:
-      p.decode = tile_launch(p.cpu_avx2 ? "cpu_rans_decode_avx2" : "cpu_rans_decode", p.params, caps.backend);
-      break;
-    case Backend::Metal:
-      check_metal_indices(0, K, N);
-      p.decode = tile_launch("rans_decode_packed", p.params, caps.backend);
-      break;
-    case Backend::CUDA:
-      p.decode = cuda_launch("rans_decode", p.params);
-      break;
+    case Backend::CPU: plan_rans_decode_cpu(p, caps); break;
+    case Backend::Metal: plan_rans_decode_metal(p, K, N); break;
+    case Backend::CUDA: plan_rans_decode_cuda(p); break;
   }
   return p;
 }

@@ -16,16 +16,10 @@ namespace torch_marlin {
 enum class RansFamily : int { Fused = 0, Staged = 1 };
 const char* rans_family_name(RansFamily f);  // "decode" (fused), "staged"
 
-struct RansLaunch {
-  std::string kernel;
-  uint32_t grid[3] = {1, 1, 1};     // threadgroups / blocks / CPU tasks: one per tile
-  uint32_t threads[3] = {1, 1, 1};  // threads per threadgroup / block (32 lanes per tile on GPUs)
-};
-
 struct RansPlan {
   RansFamily family = RansFamily::Fused;
   DeviceCaps caps;     // what the plan was made for
-  RansLaunch decode;   // the fused GEMM, or the decode to B_packed (staged, rans_decode)
+  KernelLaunch decode;   // the fused GEMM, or the decode to B_packed (staged, rans_decode)
   bool cpu_avx2 = false;  // CPU: the AVX2 lane kernel (caps.avx2), else the portable one
   GemmPlan gemm;       // Staged: the dense GEMM on the decoded B_packed (empty kernel otherwise)
   RansParams params{};

@@ -15,22 +15,6 @@ namespace torch_marlin {
 // 16x16 tiles every backend and checkpoint uses, or the CUDA kernels' lane chunks made at load time.
 enum class TrellisIndexLayout { Tiles = 0, Lanes = 1 };
 
-// One kernel launch: name, grid (threadgroups / CPU tasks) and threads per threadgroup.
-struct TrellisLaunch {
-  std::string kernel;
-  uint32_t grid[3] = {1, 1, 1};
-  uint32_t threads[3] = {1, 1, 1};
-  // CUDA tensor-core kernels: K is cut into k_parallel slices of k_slice_tiles tile rows (16 rows
-  // each, a multiple of the stage); slices write fp32 partials that the next stage sums in slice
-  // order. 1 / 0 where the launch does not slice K.
-  uint32_t k_parallel = 1;
-  uint32_t k_slice_tiles = 0;
-  // CUDA: launched with programmatic dependent launch behind the previous kernel on the stream,
-  // which lets it start as that kernel's blocks retire; the kernel waits (griddepcontrol.wait)
-  // before it reads that kernel's output.
-  bool dependent_launch = false;
-};
-
 struct TrellisPlan {
   // Decode (M <= 16, GEMV-style) or the backend's prefill family: Metal StagedTiles (64x64 tiles,
   // double-buffered A and dequantized-B tiles in threadgroup memory), CPU DequantBlas (column
@@ -38,16 +22,16 @@ struct TrellisPlan {
   // count fits one decode chunk in the worst case (tokens * top_k <= 16), else the prefill family
   // (experts past 16 routed rows take it). Dequant plans: Auto (no GEMM).
   KernelFamily family = KernelFamily::Decode;
-  DeviceCaps caps;        // what the plan was made for
-  TrellisLaunch main;     // the GEMM, or the MoE gate/up + SwiGLU stage
-  TrellisLaunch down;     // MoE: down projection of the routed rows (empty kernel otherwise)
-  TrellisLaunch combine;  // MoE: probability-weighted sum of the top_k rows per token
+  DeviceCaps caps;       // what the plan was made for
+  KernelLaunch main;     // the GEMM, or the MoE gate/up + SwiGLU stage
+  KernelLaunch down;     // MoE: down projection of the routed rows (empty kernel otherwise)
+  KernelLaunch combine;  // MoE: probability-weighted sum of the top_k rows per token
   // CUDA MoE: the routing in one launch (tokens * top_k <= TM_TRELLIS_CUDA_ROUTE_MAX_ROWS); empty
   // kernel name: routed with ATen ops (trellis_route in csrc/ops/trellis.h), as on every backend.
-  TrellisLaunch route;
+  KernelLaunch route;
   // CUDA wgmma prefill: the launch that rewrites the activations for the kernel's TMA (times su,
   // k-permuted to the lane layout's order, K padded to whole lane chunks); empty otherwise.
-  TrellisLaunch activations;
+  KernelLaunch activations;
   // CUDA MoE decode at one token: one expert slot per routed row (t * top_k + j), whose expert the
   // kernels read from expert_ids, so neither the routing launch nor its indirections run (a
   // token's top_k experts are distinct, so no expert's weights are read twice).
@@ -55,7 +39,7 @@ struct TrellisPlan {
   // Metal MoE, only when tokens * top_k > 16: 64x64-tile kernels for experts with more than 16
   // routed rows (the GEMV stages skip those). Order on the encoder: main, tiled_gate, tiled_up,
   // down, tiled_down, combine. Empty kernel names when not planned.
-  TrellisLaunch tiled_gate, tiled_up, tiled_down;
+  KernelLaunch tiled_gate, tiled_up, tiled_down;
   uint32_t k_chunk = 0;   // CPU: K rows dequantized per panel (bounded cache footprint)
   // CPU decode: the AVX-512 kernel (caps.avx512), else the AVX2 one (caps.avx2), else the portable
   // one; at most one of the two is set.

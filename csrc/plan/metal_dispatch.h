@@ -1,6 +1,6 @@
 // The Metal dispatch description: the ordered dispatches every op of the Metal backend encodes
-// for a plan, each with its kernel, grid, threadgroup size, buffers in the kernel's [[buffer(i)]]
-// order and the bytes of its params struct (the last buffer slot).
+// for a plan, each a KernelLaunch of the plan (kernel, grid, threadgroup size) with the buffers in
+// the kernel's [[buffer(i)]] order and the bytes of its params struct (the last buffer slot).
 //
 // csrc/mps/*.mm encodes this list on the MPS stream; the Metal-on-CPU harness
 // (csrc/metal_emu/*bindings.cpp) runs the same list on its CPU executor. Both go through the
@@ -129,14 +129,14 @@ struct RansDecodeBuffers {
 namespace metal_dispatch_detail {
 
 template <class Buffer, class Params>
-MetalDispatch<Buffer> make(const std::string& kernel, const uint32_t grid[3], const uint32_t threads[3],
-                           std::vector<Buffer> buffers, const char* params_type, const Params& params) {
-  if (kernel.empty()) throw std::logic_error("Metal dispatch: the plan names no kernel");
+MetalDispatch<Buffer> make(const KernelLaunch& l, std::vector<Buffer> buffers, const char* params_type,
+                           const Params& params) {
+  if (l.kernel.empty()) throw std::logic_error("Metal dispatch: the plan names no kernel");
   MetalDispatch<Buffer> d;
-  d.kernel = kernel;
+  d.kernel = l.kernel;
   for (int i = 0; i < 3; ++i) {
-    d.grid[i] = grid[i];
-    d.threads[i] = threads[i];
+    d.grid[i] = l.grid[i];
+    d.threads[i] = l.threads[i];
   }
   d.buffers = std::move(buffers);
   d.params_type = params_type;
@@ -146,8 +146,8 @@ MetalDispatch<Buffer> make(const std::string& kernel, const uint32_t grid[3], co
 }
 
 template <class Buffer>
-MetalDispatch<Buffer> make(const TrellisLaunch& l, std::vector<Buffer> buffers, const TrellisParams& p) {
-  return make<Buffer>(l.kernel, l.grid, l.threads, std::move(buffers), "TrellisParams", p);
+MetalDispatch<Buffer> make(const KernelLaunch& l, std::vector<Buffer> buffers, const TrellisParams& p) {
+  return make<Buffer>(l, std::move(buffers), "TrellisParams", p);
 }
 
 // The params of a rANS plan with the word count of the call: every kernel clamps the tiles'
@@ -156,7 +156,7 @@ template <class Buffer>
 MetalDispatch<Buffer> make(const RansPlan& plan, std::vector<Buffer> buffers, uint32_t n_words) {
   RansParams p = plan.params;
   p.n_words = n_words;
-  return make<Buffer>(plan.decode.kernel, plan.decode.grid, plan.decode.threads, std::move(buffers), "RansParams", p);
+  return make<Buffer>(plan.decode, std::move(buffers), "RansParams", p);
 }
 
 }  // namespace metal_dispatch_detail
@@ -168,18 +168,17 @@ template <class Buffer>
 MetalDispatches<Buffer> quant_gemm_dispatches(const GemmPlan& plan, const QuantGemmBuffers<Buffer>& b) {
   using metal_dispatch_detail::make;
   const QuantGemmParams& p = plan.params;
-  const bool split_k = p.k_parallel > 1u || !plan.reduce_kernel.empty();
+  const bool split_k = p.k_parallel > 1u || !plan.reduce.kernel.empty();
   if (split_k && !b.workspace) throw std::logic_error("Metal dispatch: K-parallel plan without a workspace");
   const Buffer zeros_or_offsets = b.zeros_or_offsets ? *b.zeros_or_offsets : b.scales;
   const Buffer bias = b.bias ? *b.bias : b.C;
   const Buffer workspace = b.workspace ? *b.workspace : b.C;
   MetalDispatches<Buffer> out;
-  out.push_back(make<Buffer>(plan.kernel, plan.grid, plan.threads, {b.A, b.B, b.scales, zeros_or_offsets, bias, b.C, workspace},
-                     "QuantGemmParams", p));
-  if (!plan.reduce_kernel.empty()) {
+  out.push_back(make<Buffer>(plan.main, {b.A, b.B, b.scales, zeros_or_offsets, bias, b.C, workspace},
+                             "QuantGemmParams", p));
+  if (!plan.reduce.kernel.empty()) {
     const QuantReduceParams rp{p.M, p.N, p.k_parallel, p.has_bias};
-    out.push_back(make<Buffer>(plan.reduce_kernel, plan.reduce_grid, plan.reduce_threads, {workspace, bias, b.C},
-                       "QuantReduceParams", rp));
+    out.push_back(make<Buffer>(plan.reduce, {workspace, bias, b.C}, "QuantReduceParams", rp));
   }
   return out;
 }
@@ -189,7 +188,7 @@ template <class Buffer>
 MetalDispatches<Buffer> quant_dequant_dispatches(const GemmPlan& plan, const QuantDequantBuffers<Buffer>& b) {
   using metal_dispatch_detail::make;
   const Buffer zeros_or_offsets = b.zeros_or_offsets ? *b.zeros_or_offsets : b.scales;
-  return {make<Buffer>(plan.kernel, plan.grid, plan.threads, {b.B, b.scales, zeros_or_offsets, b.W}, "QuantGemmParams", plan.params)};
+  return {make<Buffer>(plan.main, {b.B, b.scales, zeros_or_offsets, b.W}, "QuantGemmParams", plan.params)};
 }
 
 // C = A @ W (plan_trellis_gemm): gemm_trellis_packed_decode_* or gemm_trellis_packed_*.
@@ -220,7 +219,7 @@ MetalDispatches<Buffer> trellis_moe_dispatches(const TrellisPlan& plan, const Tr
   const TrellisWeightBuffers<Buffer>& u = b.up;
   const TrellisWeightBuffers<Buffer>& d = b.down;
   MetalDispatches<Buffer> out;
-  auto tiled = [&](const TrellisLaunch& l, const Buffer& X, const TrellisWeightBuffers<Buffer>& w, const Buffer& o) {
+  auto tiled = [&](const KernelLaunch& l, const Buffer& X, const TrellisWeightBuffers<Buffer>& w, const Buffer& o) {
     if (l.kernel.empty()) return;
     out.push_back(make<Buffer>(l, {X, b.sorted_token, b.expert_offsets, w.packed, w.scales, w.grid, w.su, w.sv, o}, p));
   };
