@@ -180,14 +180,14 @@ $(cat "$DEPS_STAMP")"
     { "$VPY" -m pip install --disable-pip-version-check --no-build-isolation --no-deps -v -e . 2>&1
       echo $? > "$log.rc"; } | awk -v logfile="$log" -v root="$(pwd)/" '
         { print > logfile; fflush(logfile) }
-        /^\[[0-9]+\/[0-9]+\] / {
+        /^ *\[[0-9]+\/[0-9]+\] / {
             src = ""
             for (i = 2; i < NF; i++) if ($i == "-c") { src = $(i + 1); break }
             if (index(src, root) == 1) src = substr(src, length(root) + 1)
             print "  " $1 " " (src == "" ? "compiling" : src); fflush(); next
         }
         / -o [^ ]*\/_C\.[^ ]*\.so( |$)/ { print "  linking torch_marlin/_C"; fflush(); next }
-        /^torch_marlin: / { print "  " $0; fflush() }'
+        /^ *torch_marlin: / { sub(/^ */, ""); print "  " $0; fflush() }'
     rc=$(cat "$log.rc")
     rm -f "$log.rc"
     if [ "$rc" != 0 ]; then
