@@ -174,7 +174,7 @@ $(cat "$DEPS_STAMP")"
     rm -f "$BUILD_STAMP"
     log=$VENV/build.log
     say "building the C++ extension (minutes the first time; one line per compiled file; full log: $log)"
-    # One line per compiled file ("[3/41] csrc/cpu/gemm.cpp"), the link, and setup.py's own
+    # One line per compiled file ("[3/41] csrc/cpu/quant_gemm.cpp"), the link, and setup.py's own
     # "torch_marlin: ..." notes; everything goes to the log. The exit status travels through a file
     # (POSIX sh has no pipefail).
     { "$VPY" -m pip install --disable-pip-version-check --no-build-isolation --no-deps -v -e . 2>&1
@@ -182,7 +182,7 @@ $(cat "$DEPS_STAMP")"
         { print > logfile; fflush(logfile) }
         /^ *\[[0-9]+\/[0-9]+\] / {
             src = ""
-            for (i = 2; i < NF; i++) if ($i == "-c") { src = $(i + 1); break }
+            for (i = 2; i <= NF; i++) if ($i ~ /\.(cpp|cu|mm)$/) { src = $i; break }
             if (index(src, root) == 1) src = substr(src, length(root) + 1)
             print "  " $1 " " (src == "" ? "compiling" : src); fflush(); next
         }
