@@ -40,7 +40,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout without installing
 
 from torch_marlin.generation import StaticDecoder  # noqa: E402
-from torch_marlin.patching import LAYER_TYPES, patch_model, resolve_device  # noqa: E402
+from torch_marlin.patching import patch_model, resolve_device  # noqa: E402
+from torch_marlin.registry import LAYER_FORMATS  # noqa: E402
 
 SHAPES = {  # defaults per device type: (layers, hidden, intermediate, heads, kv heads, vocab)
     "cuda": (32, 4096, 14336, 32, 8, 128256),  # Llama-3-8B
@@ -71,8 +72,8 @@ def build_parser():
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run")
     p.add_argument("--batch", type=int_list, default=[1], help="batch sizes, comma-separated")
-    p.add_argument("--formats", default=",".join(("float",) + tuple(LAYER_TYPES)),
-                   help="comma-separated: float, no_linear and any of " + ", ".join(LAYER_TYPES))
+    p.add_argument("--formats", default=",".join(("float",) + tuple(LAYER_FORMATS)),
+                   help="comma-separated: float, no_linear and any of " + ", ".join(LAYER_FORMATS))
     p.add_argument("--modes", default="eager,graph", help="comma-separated: eager, graph, compile")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--dtype", choices=list(DTYPES), help="activations (default: float16, float32 on the CPU)")
@@ -173,7 +174,7 @@ def format_unsupported(fmt, device, dtype, group_size):
     """None, or why ``fmt`` cannot run on ``device`` (a tiny layer of it is tried there)."""
     try:
         lin = nn.Linear(group_size, 16, bias=False, device=device, dtype=dtype)
-        layer = LAYER_TYPES[fmt].quantize(lin, group_size, dtype)
+        layer = LAYER_FORMATS[fmt].quantize(lin, group_size, dtype)
         with torch.inference_mode():
             layer(torch.zeros(1, group_size, device=device, dtype=dtype))
         return None
@@ -221,10 +222,10 @@ def main(argv=None):
         build_parser().error("--new-tokens must be at least 2 (one prefill token, then decode steps)")
     dtype = DTYPES[args.dtype or ("float32" if device.type == "cpu" else "float16")]
     formats = [f for f in args.formats.split(",") if f]
-    bad = [f for f in formats if f not in ("float", "no_linear") and f not in LAYER_TYPES]
+    bad = [f for f in formats if f not in ("float", "no_linear") and f not in LAYER_FORMATS]
     modes = [m for m in args.modes.split(",") if m]
     if bad or not formats or any(m not in ("eager", "graph", "compile") for m in modes) or not modes:
-        build_parser().error(f"--formats takes float, no_linear and {', '.join(LAYER_TYPES)}; "
+        build_parser().error(f"--formats takes float, no_linear and {', '.join(LAYER_FORMATS)}; "
                              "--modes eager, graph and compile")
     from tqdm.auto import tqdm
 

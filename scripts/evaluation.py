@@ -113,7 +113,15 @@ def perplexity(ids: torch.Tensor, logits: torch.Tensor) -> float:
 
 @torch.no_grad()
 def generate(model, tok, prompt: str, max_new_tokens: int = 32, chat: bool = True, device=None):
-    """Greedy generation: ``(text, new_tokens, seconds)``. ``chat`` applies the tokenizer's chat template."""
+    """Greedy generation: ``(text, new_tokens, seconds)``. ``chat`` applies the tokenizer's chat template.
+
+    The timed run always generates exactly ``max_new_tokens`` tokens (end-of-sequence suppressed), so
+    two models' tokens/s compare runs of one length: a model that stops after 8 tokens would otherwise
+    be timed on a shorter, prefill-dominated run than one that writes 32. ``text`` is the greedy
+    answer as it would end: cut where the unconstrained choice (the argmax of the raw logits) is an
+    end-of-sequence token. Up to that step the suppression changes no choice, so the text is exactly
+    what an unconstrained greedy run writes.
+    """
     dev = device or next(model.parameters()).device
     if chat and getattr(tok, "chat_template", None):
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
@@ -121,13 +129,18 @@ def generate(model, tok, prompt: str, max_new_tokens: int = 32, chat: bool = Tru
     else:
         ids = tok(prompt, return_tensors="pt")["input_ids"]
     ids = ids.to(dev)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = tok.eos_token_id if eos is None else eos
+    eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos, default=0)
     t0 = time.perf_counter()
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, pad_token_id=pad)
+                         min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
+                         return_dict_in_generate=True, output_logits=True)
     dt = time.perf_counter() - t0
-    new = out[0, ids.shape[1]:]
-    return tok.decode(new, skip_special_tokens=True), int(new.numel()), dt
+    new = out.sequences[0, ids.shape[1]:]
+    end = next((i for i, step in enumerate(out.logits) if int(step[0].argmax()) in eos), len(new))
+    return tok.decode(new[:end], skip_special_tokens=True), int(new.numel()), dt
 
 
 def calibration_batches(tok, lines: Sequence[str], batch_size: int = 16, max_length: int = 128) -> List[dict]:

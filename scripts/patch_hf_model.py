@@ -37,7 +37,8 @@ sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout without install
 
 import torch_marlin  # noqa: E402
 import evaluation  # noqa: E402  (scripts/evaluation.py)
-from torch_marlin.patching import FORMATS, resolve_device  # noqa: E402
+from torch_marlin.patching import resolve_device  # noqa: E402
+from torch_marlin.registry import FORMATS  # noqa: E402
 
 SENTENCES = os.path.join(HERE, "data", "sentences.txt")
 CALIBRATION = os.path.join(HERE, "data", "calibration.txt")
@@ -420,7 +421,7 @@ def run_causal(fm, qm, tok, dev, args, rows, lat):
     txt_q, n_q, s_q = evaluation.generate(qm, tok, prompt, args.max_new_tokens)
     # Per-token time of one greedy run each (generation is long enough not to need repeats).
     lat.rows.append(("greedy generation", (s_f / n_f,) * 2, (s_q / n_q,) * 2, s_q / n_q > 1.1 * s_f / n_f))
-    rows.append([f"greedy generation, tokens/s ({n_f} / {n_q} new tokens)", f"{n_f / s_f:.1f}", f"{n_q / s_q:.1f}"])
+    rows.append([f"greedy generation, tokens/s ({n_f} new tokens each)", f"{n_f / s_f:.1f}", f"{n_q / s_q:.1f}"])
     return prompt, (txt_f, txt_q), lambda m: evaluation.causal_lm_logits(m, tok, text[:200])[1]
 
 

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch_marlin  # noqa: E402
 import evaluation  # noqa: E402  (scripts/evaluation.py)
-from torch_marlin.formats.group_quant import AsymmetricU4Quantizer  # noqa: E402
+from torch_marlin.formats.u4 import ZeroPointQuantizer  # noqa: E402
 
 OURS = {  # name -> (format, options)
     "fp4": ("fp4", {}), "u4": ("u4", {}), "u4 sym": ("u4", {"symmetric": True}), "affine": ("affine", {}),
@@ -87,7 +87,7 @@ def q4_k(w: torch.Tensor):
     pad = (-in_f) % 256
     x = torch.nn.functional.pad(w.float(), (0, pad)).reshape(-1, 8, 32)  # [blocks, 8, 32]
     # Per 32 weights: scale and minimum (w ~ scale * q - min, q in 0..15) by the k-quants search.
-    fit = AsymmetricU4Quantizer(torch.float32).fit(x.reshape(-1, 32, 1))
+    fit = ZeroPointQuantizer(torch.float32).fit(x.reshape(-1, 32, 1))
     scale = fit["scales"].reshape(-1, 8)
     mn = (fit["zeros"] * fit["scales"]).reshape(-1, 8)  # = -offset >= 0
     # Six-bit codes for the 8 scales and 8 minimums against fp16 super-block factors.
@@ -139,7 +139,7 @@ def apply_reference(model, name, skip):
 def stored_bits(model):
     bits = n = 0
     for mod in model.modules():
-        if torch_marlin.patching.layer_type_of(mod) is not None:
+        if torch_marlin.registry.layer_format_of(mod) is not None:
             bits += sum(t.numel() * t.element_size() * 8 for name, t in mod.named_buffers(recurse=False)
                         if name != "bias")
             n += mod.in_features * mod.out_features

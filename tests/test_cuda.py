@@ -487,7 +487,7 @@ def test_chain_dependent_launch(fmt, dtype, M, dims):
     # through a cluster), wgmma_ws at 64 and 200 on sm_90a (decode / dequant + cuBLAS elsewhere).
     # On sm_90 decode and wgmma_ws are launched with programmatic dependent launch: a kernel starts
     # while the previous one runs and waits for it before its first load. With ld.global.nc loads
-    # the graph replay of such a decode chain read stale activations (docs/cuda-tuning.md CUDA-PDL).
+    # the graph replay of such a decode chain read stale activations (benchmarks/notes/cuda-tuning.md CUDA-PDL).
     # Eagerly and from a CUDA graph the chain must equal the same calls with the device
     # synchronized between them, bitwise.
     layers = []

@@ -1,6 +1,8 @@
-"""scripts/dev/check_doc_paths.py: every path the docs and code comments name exists, and the
-checker fails, naming file and line, on a tree with planted bad references."""
+"""scripts/dev/check_doc_paths.py: every path the docs and code comments name exists (and every
+heading a markdown link points at), and the checker fails, naming file and line, on a tree with
+planted bad references."""
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -32,12 +34,18 @@ def test_planted_bad_references_fail(tmp_path):
         See docs/real.md and docs/{missing}.md.
         Kernels: `csrc/cuda/*.cu`, `csrc/cuda/<family>.cu`, and `csrc/nothing/*.cu`.
         Generated: `build/generated/x.h`, `torch_marlin/_C.so`.
-        [ok](docs/real.md#section) [bad](docs/{missing}.md) [web](https://example.org/a/b)
+        [ok](docs/real.md#real) [bad](docs/{missing}.md) [web](https://example.org/a/b)
+        [bad anchor](docs/real.md#nowhere) [here](#x) [not here](#nowhere)
+        ## X
         """)
     write(tmp_path, "docs/real.md", f"""\
         # real
         [up](../README.md) [sibling](real.md) [bad sibling]({missing}.md)
         Both `csrc/cuda/k.{{cu,h}}` exist; `csrc/cuda/k.{{cu,cuh}}` half does not.
+        """)
+    write(tmp_path, "benchmarks/notes/n.md", f"""\
+        # notes
+        [product docs](../../docs/real.md) [bad](../../docs/{missing}.md), log: benchmarks/notes/{missing}.md
         """)
     write(tmp_path, "csrc/cuda/k.cu", f"""\
         // streams the weights (csrc/cuda/k.h)
@@ -56,13 +64,17 @@ def test_planted_bad_references_fail(tmp_path):
         ''')
     r = run_checker(tmp_path)
     assert r.returncode == 1, r.stdout + r.stderr
-    reported = sorted(line for line in r.stdout.splitlines() if ": missing path '" in line)
+    reported = sorted(line for line in r.stdout.splitlines() if re.search(": missing (path|anchor) '", line))
     expected = sorted([
         f"README.md:2: missing path 'docs/{missing}.md'",
         "README.md:3: missing path 'csrc/nothing/*.cu'",
         f"README.md:5: missing path 'docs/{missing}.md'",
+        "README.md:6: missing anchor 'docs/real.md#nowhere'",
+        "README.md:6: missing anchor '#nowhere'",
         f"docs/real.md:2: missing path '{missing}.md'",
         "docs/real.md:3: missing path 'csrc/cuda/k.cuh'",
+        f"benchmarks/notes/n.md:2: missing path '../../docs/{missing}.md'",
+        f"benchmarks/notes/n.md:2: missing path 'benchmarks/notes/{missing}.md'",
         f"csrc/cuda/k.cu:3: missing path 'scripts/dev/{missing}.py'",
         f"torch_marlin/mod.py:1: missing path 'tests/{missing}.py'",
         f"torch_marlin/mod.py:6: missing path 'metal/{missing}.metal'",

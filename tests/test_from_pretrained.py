@@ -336,6 +336,11 @@ def test_transformers_loads_saves_and_quantizes_torch_marlin_checkpoints(tiny, t
     assert isinstance(back.model.layers[0].mlp.gate_proj, MarlinLinear) and torch.equal(logits(back), want)
     with pytest.raises(ValueError, match="format must be one of"):
         TorchMarlinConfig(format="int3")
+    # The format's own group-size rule, checked before any weight is read.
+    with pytest.raises(ValueError, match="TorchMarlinConfig: group_size must be a positive multiple of 8, got 12"):
+        TorchMarlinConfig(format="u4", group_size=12)
+    with pytest.raises(ValueError, match="TorchMarlinConfig: group_size must be a positive multiple of 16"):
+        TorchMarlinConfig(format="trellis", group_size=24)
 
 
 def test_transformers_loads_entropy_coded_checkpoints(tiny, tmp_path):

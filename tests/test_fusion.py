@@ -15,11 +15,11 @@ from torch import nn
 
 import torch_marlin
 from torch_marlin.fusion import FusedSlice, fuse_projections
-from torch_marlin.patching import LAYER_TYPES
+from torch_marlin.registry import LAYER_FORMATS
 
 from optional_packages import require
 
-QUANTIZED = [f for f in LAYER_TYPES]
+QUANTIZED = [f for f in LAYER_FORMATS]
 
 
 def close(a, b, rel=1e-5):
@@ -61,8 +61,8 @@ def test_fused_block_equals_unfused_parts(fmt):
 def test_fused_layer_equals_separately_quantized_layers(fmt):
     torch.manual_seed(0)
     lins = [nn.Linear(128, n) for n in (128, 64, 64)]
-    parts = [LAYER_TYPES[fmt].quantize(lin, 32, torch.float32) for lin in lins]
-    fused, reason = LAYER_TYPES[fmt].concat(parts)
+    parts = [LAYER_FORMATS[fmt].quantize(lin, 32, torch.float32) for lin in lins]
+    fused, reason = LAYER_FORMATS[fmt].concat(parts)
     assert reason is None
     x = torch.randn(5, 128)
     with torch.inference_mode():
@@ -72,16 +72,16 @@ def test_fused_layer_equals_separately_quantized_layers(fmt):
 def test_trellis_fused_layer_equals_parts_sharing_a_codebook():
     torch.manual_seed(0)
     lins = [nn.Linear(64, 128, bias=False) for _ in range(3)]
-    first = LAYER_TYPES["trellis"].quantize(lins[0], 32, torch.float32)
-    parts = [first] + [LAYER_TYPES["trellis"].quantize(lin, 32, torch.float32, grid=first.grid) for lin in lins[1:]]
-    fused, reason = LAYER_TYPES["trellis"].concat(parts)
+    first = LAYER_FORMATS["trellis"].quantize(lins[0], 32, torch.float32)
+    parts = [first] + [LAYER_FORMATS["trellis"].quantize(lin, 32, torch.float32, grid=first.grid) for lin in lins[1:]]
+    fused, reason = LAYER_FORMATS["trellis"].concat(parts)
     assert reason is None
     x = torch.randn(3, 64)
     with torch.inference_mode():
         close(fused(x), torch.cat([p(x) for p in parts], dim=-1), rel=1e-4)  # + the fp32 output rotation
     # Parts with their own codebooks stay separate, with the reason.
-    other = LAYER_TYPES["trellis"].quantize(lins[1], 32, torch.float32)
-    fused, reason = LAYER_TYPES["trellis"].concat([first, other])
+    other = LAYER_FORMATS["trellis"].quantize(lins[1], 32, torch.float32)
+    fused, reason = LAYER_FORMATS["trellis"].concat([first, other])
     assert fused is None and "codebooks" in reason
 
 

@@ -83,7 +83,7 @@ def test_mlx_affine_codes_match_mlx_dequantize(group_size):
 def test_mlx_affine_layer_matches_mlx_quantized_matmul():
     mx, (wq, s, b), (twq, ts, tb) = mlx_layer(64)
     bias = torch.randn(N) * 0.1
-    mod = MarlinLinear.from_mlx(twq.view(torch.int32), ts, tb, group_size=64, bias=bias, dtype=torch.float32)
+    mod = from_mlx(twq.view(torch.int32), ts, tb, group_size=64, bias=bias, dtype=torch.float32)
     assert mod.format == "affine" and mod.group_size == 64
     want_w = torch.from_numpy(np.array(mx.dequantize(wq, s, b, group_size=64, bits=4)))
     assert_weight_close(mod, want_w)
@@ -96,7 +96,7 @@ def test_mlx_affine_layer_matches_mlx_quantized_matmul():
 
 def test_mlx_mxfp4_layer_matches_mlx_dequantize():
     mx, (wq, s), (twq, ts) = mlx_layer(32, mode="mxfp4")
-    mod = MarlinLinear.from_mlx(twq.view(torch.int32), ts.to(torch.uint8), None, group_size=32, mode="mxfp4")
+    mod = from_mlx(twq.view(torch.int32), ts.to(torch.uint8), None, group_size=32, mode="mxfp4")
     assert mod.format == "fp4" and mod.scales.dtype == torch.bfloat16
     want = torch.from_numpy(np.array(mx.dequantize(wq, s, group_size=32, bits=4, mode="mxfp4").astype(mx.float32)))
     assert_weight_close(mod, want, exact=True)  # power-of-two scales: exact in bf16
@@ -106,11 +106,11 @@ def test_mlx_mxfp4_layer_matches_mlx_dequantize():
 def test_mlx_rejects_bad_tensors():
     _, _, (twq, ts, tb) = mlx_layer(64)
     with pytest.raises(ValueError, match="bits must be 4"):
-        MarlinLinear.from_mlx(twq.view(torch.int32), ts, tb, group_size=64, bits=8)
+        from_mlx(twq.view(torch.int32), ts, tb, group_size=64, bits=8)
     with pytest.raises(CheckpointError, match=r"scales must have shape \(64, 4\)"):
-        MarlinLinear.from_mlx(twq.view(torch.int32), ts[:, :2], tb, group_size=64)
+        from_mlx(twq.view(torch.int32), ts[:, :2], tb, group_size=64)
     with pytest.raises(CheckpointError, match="int32"):
-        MarlinLinear.from_mlx(twq.to(torch.int64), ts, tb, group_size=64)
+        from_mlx(twq.to(torch.int64), ts, tb, group_size=64)
 
 
 # ---------------------------------------------------------------------------------------------- GGUF
@@ -152,7 +152,7 @@ def test_gguf_layer_matches_gguf_dequantize(type_name, fmt):
     from gguf.quants import dequantize
 
     bias = torch.randn(N).half()
-    mod = MarlinLinear.from_gguf(data, type_name if type_name != "Q4_1" else t, (N, K), bias=bias)
+    mod = from_gguf(data, type_name if type_name != "Q4_1" else t, (N, K), bias=bias)
     assert mod.format == fmt and mod.group_size == 32
     # Q4_0 and MXFP4 keep their scales exactly (fp16 d; powers of two in bf16).
     assert_weight_close(mod, torch.from_numpy(dequantize(data, t)), exact=type_name in ("Q4_0", "MXFP4"))

@@ -20,7 +20,7 @@ from torch import nn
 from torch_marlin import (MarlinLinear, TrellisLinear, import_gptq, load_quantized, marlin_linear_from_gptq,
                           patch_model, save_quantized)
 from torch_marlin.checkpoint import CONFIG_NAME, WEIGHTS_NAME
-from torch_marlin.patching import layer_type_of
+from torch_marlin.registry import layer_format_of
 
 from optional_packages import require
 
@@ -61,7 +61,7 @@ def dequantized_float_copy(model):
     """Float model with every quantized layer replaced by nn.Linear on its pure-torch dequantized weight."""
     ref = copy.deepcopy(model)
     for name, mod in list(ref.named_modules()):
-        if layer_type_of(mod) is not None:
+        if layer_format_of(mod) is not None:
             lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None)
             with torch.no_grad():
                 lin.weight.copy_(mod.dequantized_weight())

@@ -15,7 +15,9 @@ from torch_marlin import MarlinLinear, TrellisLinear, patch_model
 from torch_marlin.formats import dequant_fp4_reference, dequant_u4_reference, quantize_fp4, quantize_u4, unpack_int4
 from torch_marlin.formats import dequant_affine_reference, quantize_affine
 from torch_marlin.formats import trellis as tfmt
-from torch_marlin.formats.group_quant import AffineQuantizer, AsymmetricU4Quantizer, Fp4Quantizer, SymmetricU4Quantizer
+from torch_marlin.formats.affine import AffineQuantizer
+from torch_marlin.formats.fp4 import Fp4Quantizer
+from torch_marlin.formats.u4 import SymmetricZeroPointQuantizer, ZeroPointQuantizer
 from torch_marlin.formats.gptq_solver import gptq_quantize
 
 from backends import CUDA, MPS
@@ -124,8 +126,8 @@ def test_gptq_beats_rtn_on_correlated_hessian(fmt, act_order):
 
 
 @pytest.mark.parametrize("quantizer", [Fp4Quantizer(torch.float32, search=False),
-                                       AsymmetricU4Quantizer(torch.float32, search=False),
-                                       SymmetricU4Quantizer(torch.float32, search=False),
+                                       ZeroPointQuantizer(torch.float32, search=False),
+                                       SymmetricZeroPointQuantizer(torch.float32, search=False),
                                        AffineQuantizer(torch.float32, search=False)])
 def test_act_order_permutation_round_trips(quantizer):
     # A diagonal Hessian feeds no error forward (its inverse Cholesky factor is diagonal), so GPTQ

@@ -133,6 +133,18 @@ def test_patch_model_entropy_coding_and_checkpoint(tmp_path):
     assert torch.equal(loaded(x), coded(x))
 
 
+def test_entropy_code_reports_what_it_coded():
+    m = Tiny()
+    with pytest.raises(ValueError, match="no MarlinLinear layer to code.*patch_model"):
+        torch_marlin.entropy_code(m, progress=False)  # a float model: nothing quantized to code
+    torch_marlin.patch_model(m, format="affine", group_size=32, progress=False)
+    text = str(torch_marlin.entropy_code(m, progress=False))
+    assert text.startswith("entropy_code: 3 MarlinLinear layers (affine, group_size=32)"), text
+    assert "entropy-coded 3 layers" in text and "format=" not in text, text
+    again = str(torch_marlin.entropy_code(m, progress=False))
+    assert again == "entropy_code: no MarlinLinear layer left to code; 3 layers were entropy-coded already", again
+
+
 def test_patch_model_entropy_coding_skips_and_rejects():
     m = Tiny()
     report = torch_marlin.patch_model(m, format="fp4", group_size=8, progress=False, entropy_coding=True)

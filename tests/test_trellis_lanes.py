@@ -130,10 +130,15 @@ def test_module_forced_to_lanes_on_cpu_matches_tiles():
     assert all(torch.equal(sd_lanes[k], sd_tiles[k]) for k in sd_tiles)
     assert lanes.index_layout == "lanes"  # saving converts a copy, not the buffer
     assert torch.equal(lanes.dequantized_weight(), tiles.dequantized_weight())
-    # The CPU wants tiles: forward converts back, then runs the canonical op.
+    # forward never changes the layout: lanes on the CPU raise, until use_device_layout() sets the
+    # CPU's canonical tiles.
     x = torch.randn(2, 3, 200)
-    assert torch.equal(lanes(x), tiles(x))
+    with pytest.raises(ValueError, match="CUDA lane layout"):
+        lanes(x)
+    assert lanes.index_layout == "lanes"
+    lanes.use_device_layout()
     assert lanes.index_layout == "tiles" and torch.equal(lanes.packed_indices, tiles.packed_indices)
+    assert torch.equal(lanes(x), tiles(x))
     with pytest.raises(ValueError, match="layout must be 'tiles' or 'lanes'"):
         lanes._set_index_layout("rows")
 
@@ -143,12 +148,14 @@ MOVES = {"to_cpu": lambda m: m.to("cpu"), "cpu": lambda m: m.cpu(), "float": lam
 
 
 @pytest.mark.parametrize("move", MOVES)
-def test_module_moves_settle_on_the_device_layout(move):
+def test_module_moves_keep_the_layout_until_use_device_layout(move):
     tiles, lanes = make_pair()
     moved = MOVES[move](lanes)
     MOVES[move](tiles)
-    assert moved is lanes and lanes.index_layout == "tiles"
-    assert torch.equal(lanes.packed_indices, tiles.packed_indices)
+    assert moved is lanes and lanes.index_layout == "lanes"
+    assert torch.equal(lanes.canonical_indices(), tiles.packed_indices)
+    lanes.use_device_layout()
+    assert lanes.index_layout == "tiles" and torch.equal(lanes.packed_indices, tiles.packed_indices)
     assert torch.equal(lanes.dequantized_weight(), tiles.dequantized_weight())
 
 
@@ -200,17 +207,17 @@ def test_policy_applies_at_construction_move_and_load(monkeypatch):
 
 
 def test_fusing_members_in_either_layout():
-    from torch_marlin.patching import LAYER_TYPES
+    from torch_marlin.registry import LAYER_FORMATS
     torch.manual_seed(0)
     lins = [nn.Linear(64, 48, bias=False) for _ in range(3)]
-    first = LAYER_TYPES["trellis"].quantize(lins[0], 32, torch.float32, rotate=False)
-    parts = [first] + [LAYER_TYPES["trellis"].quantize(lin, 32, torch.float32, grid=first.grid, rotate=False)
+    first = LAYER_FORMATS["trellis"].quantize(lins[0], 32, torch.float32, rotate=False)
+    parts = [first] + [LAYER_FORMATS["trellis"].quantize(lin, 32, torch.float32, grid=first.grid, rotate=False)
                        for lin in lins[1:]]
-    reference, reason = LAYER_TYPES["trellis"].concat(parts)
+    reference, reason = LAYER_FORMATS["trellis"].concat(parts)
     assert reason is None
     parts[0]._set_index_layout("lanes")
     parts[2]._set_index_layout("lanes")
-    fused, reason = LAYER_TYPES["trellis"].concat(parts)
+    fused, reason = LAYER_FORMATS["trellis"].concat(parts)
     assert reason is None and fused.index_layout == "tiles"
     assert torch.equal(fused.packed_indices, reference.packed_indices)
 
@@ -238,9 +245,12 @@ def test_patched_fused_model_in_lanes_matches():
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     fused._set_index_layout("lanes")
     assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="CUDA lane layout"), torch.inference_mode():
+        model(x)
+    tm.registry.use_device_layouts(model)
+    assert fused.index_layout == "tiles"
     with torch.inference_mode():
         got = model(x)
-    assert fused.index_layout == "tiles"
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
@@ -252,16 +262,20 @@ def test_cuda_conversion_and_module_moves(monkeypatch):
     assert lanes.is_cuda and torch.equal(lanes.cpu(), fmt.tiles_to_lanes(packed, K, N, bits))
     assert torch.equal(fmt.lanes_to_tiles(lanes, K, N, bits).cpu(), packed)
     tiles, _ = make_pair(K, N, bits)
-    # A policy asking for lanes on CUDA only: .cuda() converts there, .cpu() converts back.
+    # A policy asking for lanes on CUDA only: use_device_layout() after .cuda() converts there, after
+    # .cpu() back.
     monkeypatch.setattr(planner, "trellis_index_layout",
                         lambda K, N, bits, device: "lanes" if torch.device(device).type == "cuda" else "tiles",
                         raising=False)
     m = copy.deepcopy(tiles).cuda()
-    assert m.packed_indices.is_cuda and m.index_layout == "lanes"
+    assert m.packed_indices.is_cuda and m.index_layout == "tiles"
+    m.use_device_layout()
+    assert m.index_layout == "lanes"
     assert torch.equal(m.packed_indices.cpu(), fmt.tiles_to_lanes(tiles.packed_indices, K, N, bits))
     assert torch.equal(m.state_dict()["packed_indices"].cpu(), tiles.packed_indices)
     assert torch.equal(m.dequantized_weight().cpu(), tiles.dequantized_weight())
     m.cpu()
+    m.use_device_layout()
     assert m.index_layout == "tiles" and torch.equal(m.packed_indices, tiles.packed_indices)
 
 
@@ -274,6 +288,7 @@ def test_cuda_module_runs_the_lane_kernels(dtype):
     K, N = 264, 80
     tiles, _ = make_pair(K=K, N=N, bits=3, dtype=dtype)
     model = copy.deepcopy(tiles).cuda()
+    model.use_device_layout()
     assert model.index_layout == "lanes"
     packed = tiles.packed_indices.cuda()
     torch.manual_seed(1)

@@ -19,7 +19,7 @@ from .modules import TrellisLinear, TrellisMoE  # noqa: E402
 
 __all__ = ["MarlinLinear", "RansLinear", "plan_gemm", "ops", "TrellisLinear", "TrellisMoE", "plan_trellis",
            "plan_trellis_moe", "plan_rans"]
-__version__ = "0.1.0"
+from .version import __version__  # noqa: E402
 
 # Real models: patching, quantized checkpoints, other tools' checkpoints (none of these imports transformers
 # until called).

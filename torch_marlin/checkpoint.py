@@ -25,7 +25,10 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from .patching import layer_type_for_entry, layer_type_of, quantized_layer_entry, resolve_device
+from .patching import resolve_device
+from .registry import (check_entry_tensors, checkpoint_entry, empty_layer, layer_format_for_entry, layer_format_of,
+                       use_device_layouts)
+from .version import __version__
 
 CONFIG_NAME = "torch_marlin.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -65,7 +68,6 @@ def save_quantized(model: nn.Module, directory: str, tokenizer=None) -> str:
     """
     from safetensors.torch import save_file
 
-    from . import __version__ as tm_version
     from .fusion import FusedSlice
 
     fused = [name for name, mod in model.named_modules() if isinstance(mod, FusedSlice)]
@@ -74,7 +76,7 @@ def save_quantized(model: nn.Module, directory: str, tokenizer=None) -> str:
                          "fuse=True) and fuse after load_quantized with torch_marlin.fusion.fuse_projections")
     layers = {}
     for name, mod in model.named_modules():
-        entry = quantized_layer_entry(mod)
+        entry = checkpoint_entry(mod)
         if entry is not None:
             layers[name] = entry
     if not layers:
@@ -99,7 +101,7 @@ def save_quantized(model: nn.Module, directory: str, tokenizer=None) -> str:
 
     config = {
         "torch_marlin_checkpoint": CHECKPOINT_VERSION,
-        "torch_marlin_version": tm_version,
+        "torch_marlin_version": __version__,
         "model_class": type(model).__name__,
         "model_module": type(model).__module__,
         "weights": {"file": WEIGHTS_NAME, "num_bytes": os.path.getsize(weights_path),
@@ -130,7 +132,7 @@ def _read_config(directory: str) -> dict:
             raise ValueError(f"{path}: missing key '{key}'")
     for name, entry in cfg["layers"].items():
         try:
-            layer_type_for_entry(entry)
+            layer_format_for_entry(entry)
         except ValueError as e:
             raise ValueError(f"{path}: layer '{name}' has {e}") from e
         missing = [k for k in ("in_features", "out_features", "group_size", "bias", "dtype") if k not in entry]
@@ -209,7 +211,7 @@ def load_quantized(directory: str, model: Optional[nn.Module] = None, device=Non
         prefix = name + "."
         tensors = {k[len(prefix):]: v for k, v in header.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
         try:
-            layer_type_for_entry(entry).check_shapes(entry, tensors)
+            check_entry_tensors(entry, tensors)
         except ValueError as e:
             raise ValueError(f"{path}: layer '{name}': {e}") from e
     for alias, target in cfg["tied"].items():
@@ -225,11 +227,11 @@ def load_quantized(directory: str, model: Optional[nn.Module] = None, device=Non
             raise ValueError(f"{CONFIG_NAME} names layer '{name}', which the model does not have") from e
         in_f = getattr(old, "in_features", None)
         out_f = getattr(old, "out_features", None)
-        if not (isinstance(old, nn.Linear) or layer_type_of(old) is not None) or \
+        if not (isinstance(old, nn.Linear) or layer_format_of(old) is not None) or \
                 (in_f, out_f) != (entry["in_features"], entry["out_features"]):
             raise ValueError(f"{CONFIG_NAME}: layer '{name}' is {entry['in_features']}->{entry['out_features']}, "
                              f"the model has {type(old).__name__} {in_f}->{out_f} there")
-        new = layer_type_for_entry(entry).empty(entry, "cpu")
+        new = empty_layer(entry, "cpu")
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
@@ -254,4 +256,5 @@ def load_quantized(directory: str, model: Optional[nn.Module] = None, device=Non
     dev = resolve_device(device)
     if dev is not None:
         model.to(dev)
+        use_device_layouts(model)
     return model.eval()

@@ -11,15 +11,17 @@ its projections different tensors) just runs the fused GEMM again: slower, never
 
 Each part keeps its own per-group quantization (groups run along K within a column, so columns of
 different parts never share a scale): the fused layer's outputs equal the separate layers' outputs
-up to fp32 summation order. How one layer type concatenates is its row of
-:data:`torch_marlin.patching.LAYER_TYPES` (``concat``), so every format fuses the same way.
+up to fp32 summation order. How one layer type concatenates is its class's ``concat``
+(torch_marlin/registry.py), so every format fuses the same way.
 Fusion is a runtime transformation: save checkpoints unfused and fuse after loading.
 """
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+
+from .registry import layer_format_of as layer_type_of
 
 # (member attribute names, fused attribute name): the projections of Llama, Mistral, Qwen, SmolLM,
 # Gemma and Phi-3-style decoder layers (the latter already fused in float).
@@ -85,8 +87,6 @@ def fuse_projections(model: nn.Module, groups: Sequence[Tuple[Sequence[str], str
     Returns ``(fused, unfused)``: ``fused`` lists (fused layer name, member names); ``unfused``
     lists (group prefix, reason) for groups found but left as they were (members of different
     layer types or options, float members, formats whose parts cannot share one layer)."""
-    from .patching import layer_type_of  # the layer-type table imports nothing from here
-
     fused: List[Tuple[str, Tuple[str, ...]]] = []
     unfused: List[Tuple[str, str]] = []
     for parent_name, parent in list(model.named_modules()):
@@ -115,8 +115,6 @@ def fuse_projections(model: nn.Module, groups: Sequence[Tuple[Sequence[str], str
 
 
 def _why_not(parent: nn.Module, members: Sequence[str], mods: Sequence[nn.Module], fused_attr: str) -> Optional[str]:
-    from .patching import layer_type_of
-
     if any(isinstance(m, FusedSlice) for m in mods):
         return "already fused"
     types = [layer_type_of(m) for m in mods]
@@ -128,32 +126,3 @@ def _why_not(parent: nn.Module, members: Sequence[str], mods: Sequence[nn.Module
     if hasattr(parent, fused_attr):
         return f"the module already has an attribute '{fused_attr}'"
     return None
-
-
-def concat_out_features(mods: Sequence[nn.Module], describe, empty) -> Tuple[Optional[nn.Module], Optional[str]]:
-    """The generic ``concat`` of the layer-type table: a layer whose every buffer has
-    ``out_features`` as its last dimension (column-major quantization: B_packed, scales, zero points,
-    bias) fuses by concatenating each buffer along it. ``describe``/``empty`` are the type's
-    checkpoint functions, which build the fused layer as an empty one of the summed width."""
-    cfgs = [describe(m) for m in mods]
-    rest = [{k: v for k, v in c.items() if k != "out_features"} for c in cfgs]
-    if any(r != rest[0] for r in rest[1:]):
-        diff = sorted(k for k in rest[0] if any(r.get(k) != rest[0][k] for r in rest[1:]))
-        return None, f"members differ in {diff}"
-    devices = {b.device for m in mods for b in m.buffers()}
-    if len(devices) != 1:
-        return None, f"members are on different devices {sorted(map(str, devices))}"
-    cfg = dict(cfgs[0], out_features=sum(c["out_features"] for c in cfgs))
-    fused = empty(cfg, devices.pop())
-    parts: Dict[str, List[torch.Tensor]] = {}
-    for name, _ in fused.named_buffers(recurse=False):
-        tensors = [getattr(m, name) for m in mods]
-        if any(t.shape[-1] != m.out_features for t, m in zip(tensors, mods)):
-            return None, f"buffer '{name}' is not laid out with out_features last"
-        parts[name] = tensors
-    with torch.no_grad():
-        for name, tensors in parts.items():
-            getattr(fused, name).copy_(torch.cat(tensors, dim=-1))
-    if hasattr(fused, "validate"):
-        fused.validate()
-    return fused, None

@@ -44,15 +44,15 @@ class TorchMarlinConfig(QuantizationConfigMixin):
         self.post_init()
 
     def post_init(self):
-        from .patching import LAYER_TYPES, layer_type_for_entry
+        from .registry import layer_format, layer_format_for_entry
 
-        if self.format not in LAYER_TYPES:
-            raise ValueError(f"TorchMarlinConfig: format must be one of {tuple(LAYER_TYPES)}, got {self.format!r}")
-        if not isinstance(self.group_size, int) or self.group_size <= 0 or self.group_size % 8 != 0:
-            raise ValueError(f"TorchMarlinConfig: group_size must be a positive multiple of 8, got {self.group_size!r}")
+        try:
+            layer_format(self.format).check_group_size(self.group_size)
+        except ValueError as e:
+            raise ValueError(f"TorchMarlinConfig: {e}") from None
         for name, entry in self.layers.items():
             try:
-                layer_type_for_entry(entry)
+                layer_format_for_entry(entry)
             except ValueError as e:
                 raise ValueError(f"TorchMarlinConfig: layers['{name}'] has {e}") from e
 
@@ -71,7 +71,7 @@ class TorchMarlinHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, **kwargs):
         if not self.pre_quantized:
             return model
-        from .patching import layer_type_for_entry
+        from .registry import empty_layer
 
         layers = self.quantization_config.layers
         if not layers:
@@ -86,18 +86,21 @@ class TorchMarlinHfQuantizer(HfQuantizer):
                     (entry.get("in_features"), entry.get("out_features")):
                 raise ValueError(f"quantization_config: layer '{name}' is {entry.get('in_features')}->"
                                  f"{entry.get('out_features')}, the model has {type(old).__name__} there")
-            model.set_submodule(name, layer_type_for_entry(entry).empty(entry, "meta"))
+            model.set_submodule(name, empty_layer(entry, "meta"))
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        from .patching import patch_model, quantized_layer_entry
+        from .patching import patch_model
+        from .registry import checkpoint_entry, use_device_layouts
 
         cfg = self.quantization_config
-        if not self.pre_quantized:
+        if self.pre_quantized:
+            use_device_layouts(model)
+        else:
             patch_model(model, format=cfg.format, group_size=cfg.group_size, skip=cfg.modules_to_not_convert,
                         progress=False, **cfg.format_options)
         cfg.layers = {name: entry for name, mod in model.named_modules()
-                      if (entry := quantized_layer_entry(mod)) is not None}
+                      if (entry := checkpoint_entry(mod)) is not None}
         return model
 
     def is_serializable(self):

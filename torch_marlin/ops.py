@@ -219,9 +219,6 @@ def moe_trellis(x, gate, up, down, expert_ids, expert_probs, intermediate_size: 
 
 # ---- rANS-coded 4-bit codes (csrc/ops/rans.cpp; docs/formats.md, "rANS-coded 4-bit codes") ---------
 
-_RANS_CODES = ("words", "word_offsets", "states", "freqs")
-
-
 def _rans_tiles(K, N, channels_per_tile):
     C = channels_per_tile if channels_per_tile > 0 else max(1, -(-32 * 1024 // K))
     return -(-N // C)

@@ -17,8 +17,6 @@ import torch
 
 from . import _C
 
-DECODE_MAX_M = 16
-
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _BACKENDS = {"cpu": "cpu", "mps": "metal", "metal": "metal", "cuda": "cuda"}
 

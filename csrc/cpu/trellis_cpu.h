@@ -32,7 +32,7 @@ struct TView {
 // hardware prefetchers stop at 4 KiB pages and restart on every run, which left the AVX-512 decode
 // waiting on DRAM for about half its time with cold weights. Prefetching the tile 64 tiles ahead in
 // the walk's order (into the next run at a run's end) took 3 and 4 bits from 1.0x..1.8x to
-// 2.0x..2.5x of dense fp32 on a Xeon at 2 threads (docs/cuda-tuning.md TRELLIS-CPU-PREFETCH).
+// 2.0x..2.5x of dense fp32 on a Xeon at 2 threads (benchmarks/notes/cuda-tuning.md TRELLIS-CPU-PREFETCH).
 class TileAheadPrefetcher {
  public:
   static constexpr int64_t kAhead = 64;  // tiles

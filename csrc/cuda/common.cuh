@@ -154,7 +154,7 @@ __device__ __forceinline__ T t_from_bits(unsigned short b) {
 // magic + zero point (the value a U4 dequant subtracts from magic | nibble) from the low byte of z.
 // Zero points are 0..15 (docs/formats.md); the kernels use the byte's low 4 bits, as the CPU and
 // Metal kernels do, so an out-of-range byte gives the same value on every backend. One int -> float
-// -> T conversion a zero point (a byte-permute form was no faster: docs/cuda-tuning.md
+// -> T conversion a zero point (a byte-permute form was no faster: benchmarks/notes/cuda-tuning.md
 // U4-ZERO-CONVERT).
 template <typename T>
 __device__ __forceinline__ T magic_zero(u32 z) {
@@ -254,7 +254,7 @@ __device__ __forceinline__ float dequant_scalar(u32 code, float s, float z) {
 }
 
 // Programmatic dependent launch (PDL; GemmPlan::dependent_launch, which the planner sets for
-// decode on the devices that run clusters and for wgmma_ws; docs/cuda-tuning.md CUDA-PDL): a
+// decode on the devices that run clusters and for wgmma_ws; benchmarks/notes/cuda-tuning.md CUDA-PDL): a
 // kernel launched with it may start while the previous kernel on the stream still runs, once
 // every block of that kernel has called pdl_launch_dependents(); pdl_wait() then blocks until that
 // kernel has finished and its writes are visible. Both are no-ops for a kernel launched without it.

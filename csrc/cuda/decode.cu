@@ -1,10 +1,10 @@
-// The decode kernel: small M (up to 128 rows, 64-row tiles above 64; docs/cuda-tuning.md
+// The decode kernel: small M (up to 128 rows, 64-row tiles above 64; benchmarks/notes/cuda-tuning.md
 // CUDA-DECODE-MAX-M). mma.sync m16n8k16 with the dequantized weights as the A operand and the
 // activations (M padded to 8, 16, 32 or 64) as the n dimension. Packed weights stream from global
 // memory into a register ring with 16-byte loads, each word read once per row tile. 8 warps per
 // block split the block's K slice and reduce in shared memory in a fixed order; grid.z K slices
 // are summed in slice order (deterministic, no second launch): on sm_90 with up to 2 slices by a
-// thread-block cluster through distributed shared memory (docs/cuda-tuning.md
+// thread-block cluster through distributed shared memory (benchmarks/notes/cuda-tuning.md
 // CUDA-DECODE-CLUSTER), otherwise the slices write fp32 partials and the last block of each tile
 // to arrive sums them. On sm_90 launched with programmatic dependent launch: it starts behind the
 // previous kernel, prefetches its first weights into L2 and waits for that kernel before its first
@@ -131,7 +131,7 @@ constexpr int dec_smem_bytes() {
 static_assert(TM_CUDA_DECODE_TILE_N == 32u, "a warp's 8 lane groups x 4 columns");
 // Resident blocks per SM: 2 (128 registers a thread), 1 for 8 n8 tiles (up to 255, no spills);
 // TM_CUDA_DECODE_BLOCKS_PER_SM, shared with the planner. The ring is 4 chunks deep. Measured on an
-// H200 (docs/cuda-tuning.md CUDA-DECODE-RING): deeper rings, 3 blocks per SM, 12-warp blocks, a
+// H200 (benchmarks/notes/cuda-tuning.md CUDA-DECODE-RING): deeper rings, 3 blocks per SM, 12-warp blocks, a
 // cp.async shared-memory ring, L2 prefetches and (for 4 / 8 n8 tiles) 128-column blocks sharing A
 // chunks were all as fast or slower; 1 block per SM is faster for 8 tiles (128 registers spilled)
 // and slower for 4.
@@ -139,7 +139,7 @@ constexpr int kDecDepth = 4;
 
 // The decode kernel's global loads. On sm_90 it may run beside the previous kernel on the stream
 // (PDL), which may write A, the weights or the scales until pdl_wait() returns, so it reads them
-// with coherent loads (docs/cuda-tuning.md CUDA-PDL): ld.global.nc requires data read-only for
+// with coherent loads (benchmarks/notes/cuda-tuning.md CUDA-PDL): ld.global.nc requires data read-only for
 // the kernel's whole lifetime, and the compiler may hoist such (invariant) loads above the wait.
 // Below sm_90, no PDL: .nc loads.
 __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {

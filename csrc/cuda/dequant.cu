@@ -1,8 +1,8 @@
 // The dequant kernel: [K, N] (or a column panel of it) in the scales' dtype. It serves the
 // standalone dequant op and dequant_blas, the fp16/bf16 path for M past the decode and wgmma
-// kernels: each column panel of B (all of N up to 1 GiB; docs/cuda-tuning.md CUDA-DEQUANT-PANEL)
+// kernels: each column panel of B (all of N up to 1 GiB; benchmarks/notes/cuda-tuning.md CUDA-DEQUANT-PANEL)
 // is dequantized into a workspace and multiplied by cuBLAS (at::mm_out) into C's columns, which
-// from 129 rows on beats the decode kernel (docs/cuda-tuning.md CUDA-DECODE-MAX-M).
+// from 129 rows on beats the decode kernel (benchmarks/notes/cuda-tuning.md CUDA-DECODE-MAX-M).
 #include <ATen/ATen.h>
 
 #include "cuda/common.cuh"

@@ -22,7 +22,7 @@
 // bytes of the chunk: a mask and a shift-add give its table address (docs/trellis.md, "CUDA lane
 // layout").
 // Group scales multiply fp32 partial sums once per group, sv each output once, as in
-// trellis_mma.cu. Measurements behind the geometry: docs/cuda-tuning.md TRELLIS-CUDA-STREAM.
+// trellis_mma.cu. Measurements behind the geometry: benchmarks/notes/cuda-tuning.md TRELLIS-CUDA-STREAM.
 // The MoE's decode stages (every expert's routed rows fit one 8- or 16-row tile) run the same
 // kernel (EXPERTS) with grid.z over expert slots: gate/up gathers its expert's token rows, down
 // (a.A2 set) builds silu(sum gate) * sum up from the gate/up slices' fp32 partials while staging,
@@ -58,7 +58,7 @@ struct StreamLayout {
   // Copies of the pair table, interleaved word by word; lane l reads copy l % kCopies. 3 bits: 32
   // copies (8 KiB), lane l always in bank l, so a warp's 32 lookups into the 64 pairs cost one
   // pass instead of about two. 4 bits: 16 copies (16 KiB; 32 would cost a block per SM), at most
-  // two lanes a bank: two passes instead of three to four (docs/cuda-tuning.md
+  // two lanes a bank: two passes instead of three to four (benchmarks/notes/cuda-tuning.md
   // TRELLIS-CUDA-TABLE-COPIES). The 16 pairs of 2 bits already sit in 16 distinct banks.
   static constexpr u32 kCopies = BITS == 2 ? 1u : BITS == 3 ? 32u : 16u;
   static constexpr u32 kCopyShift = BITS == 2 ? 0u : BITS == 3 ? 5u : 4u;  // log2(kCopies)

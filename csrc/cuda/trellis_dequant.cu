@@ -6,7 +6,7 @@
 // 16-column row of one tile: it reads that row's 2 x bits index bytes (the 16 threads of a tile
 // read its bytes in order) and writes 16 consecutive outputs with 16-byte stores, so every 32-byte
 // sector of W is written whole by one thread. The block stages its columns' scales and sv once
-// (docs/cuda-tuning.md TRELLIS-CUDA-DEQUANT). Indices in the CUDA lane layout have their own kernel.
+// (benchmarks/notes/cuda-tuning.md TRELLIS-CUDA-DEQUANT). Indices in the CUDA lane layout have their own kernel.
 #include "cuda/kernels.h"
 #include "cuda/trellis_common.cuh"
 #include "torch_marlin/trellis_params.h"

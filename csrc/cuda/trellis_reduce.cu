@@ -3,7 +3,7 @@
 // atomics: the result does not depend on the schedule. Both launch behind the kernel that writes
 // their input (PDL), so that input is not read-only for their lifetime: no __restrict__ on the
 // pointers, which would let the compiler read it through the non-coherent path (ld.global.nc;
-// docs/cuda-tuning.md CUDA-PDL).
+// benchmarks/notes/cuda-tuning.md CUDA-PDL).
 #include "cuda/kernels.h"
 #include "cuda/trellis_common.cuh"
 #include "torch_marlin/trellis_params.h"

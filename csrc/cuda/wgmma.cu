@@ -1,6 +1,6 @@
 // The wgmma kernel (sm_90a): fused dequant into Hopper warpgroup MMAs for the group sizes wgmma_ws
 // does not take (group_size % 64 != 0), 64 < M <= 512 with >= 64 output tiles or long K
-// (docs/cuda-tuning.md CUDA-WGMMA-BAND). Two warpgroups over a 128 x 256, 128 x 128 or 256 x 128
+// (benchmarks/notes/cuda-tuning.md CUDA-WGMMA-BAND). Two warpgroups over a 128 x 256, 128 x 128 or 256 x 128
 // (rows x columns) tile: each stage's weight tile is dequantized once into shared memory (natural
 // k order) and both operands feed wgmma.m64n{128,256}k16 from there; activations by TMA,
 // weights/scales by cp.async; up to 4 K slices summed through a thread-block cluster.

@@ -1,10 +1,10 @@
 // The wgmma_ws kernel (sm_90a): warp-specialized, for M > 32 with group_size % 64 == 0
-// (docs/cuda-tuning.md WS-MIN-M, WS-SMALL-M). A TMA producer warpgroup feeds 2 or 3 consumer
+// (benchmarks/notes/cuda-tuning.md WS-MIN-M, WS-SMALL-M). A TMA producer warpgroup feeds 2 or 3 consumer
 // warpgroups that dequantize straight into wgmma's register A operand (weights = the m64 rows,
 // activations = n); up to 4 K slices: 2 (3 for 256-row tiles) summed through a thread-block
-// cluster, 3..4 by each tile's last block through global memory (docs/cuda-tuning.md
+// cluster, 3..4 by each tile's last block through global memory (benchmarks/notes/cuda-tuning.md
 // WS-CLUSTER-SLICES, WS-GLOBAL-SLICES). A partial last wave of column tiles may run as a second,
-// K-sliced launch (GemmPlan::tail_n_tiles; docs/cuda-tuning.md WS-TAIL). Launched with
+// K-sliced launch (GemmPlan::tail_n_tiles; benchmarks/notes/cuda-tuning.md WS-TAIL). Launched with
 // programmatic dependent launch, like decode on sm_90.
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
@@ -39,7 +39,7 @@ namespace {
 // K slices sum through wgmma_cluster_reduce (cluster dims (1, 1, k_parallel)) or, without a
 // cluster, by the last block of each tile from fragment-order partials in ws. group_size % 64 == 0:
 // one scale row a stage (a second row for group sizes of 32 or 96 cost 10 % at M = 64..128,
-// docs/cuda-tuning.md WS-MIN-M; the wgmma kernel serves them).
+// benchmarks/notes/cuda-tuning.md WS-MIN-M; the wgmma kernel serves them).
 constexpr int kWsMaxConsumers = int(TM_CUDA_WGMMA_WS_MAX_TILE_N) / 64;
 // setmaxnreg moves registers between the warpgroups of a block: the block starts with
 // ws_launch_regs a thread (__launch_bounds__ (128 (NC + 1), 1): the 64 K registers of an SM in
@@ -68,7 +68,7 @@ struct WsSmem {
   static constexpr int kZ = kTN * 2;                       // one zero-point row (U4: kTN bytes) or offset row
                                                            // (affine: kTN * 2 bytes, the scales' dtype)
   static constexpr int kStage = (kA + kW + kS + kZ + 1023) / 1024 * 1024;  // 1024-aligned swizzle atoms
-  // The TMA ring: as many stages as 200 KiB hold, at most 8 (docs/cuda-tuning.md WS-RING).
+  // The TMA ring: as many stages as 200 KiB hold, at most 8 (benchmarks/notes/cuda-tuning.md WS-RING).
   static constexpr int kStages = (200 * 1024) / kStage < 8 ? (200 * 1024) / kStage : 8;
   static constexpr int kPart = BN * kTN * 4;               // fp32 partial tile of the K-slice epilogue
   static constexpr int kBytes = (kStages * kStage > kPart ? kStages * kStage : kPart) + 1024;
@@ -257,7 +257,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
         // K slices without a cluster (ReduceKind::LastBlock): every block leaves its accumulators
         // in ws, fragment by fragment ([tile][slice][BN / 4][threads] float2: coalesced, and the
         // last block reads back exactly its own fragments' elements); the last block sums the
-        // slices in slice order (the cluster path's sums), into acc (docs/cuda-tuning.md
+        // slices in slice order (the cluster path's sums), into acc (benchmarks/notes/cuda-tuning.md
         // WS-EPILOGUE).
         const u32 tile = (blockIdx.y + n_tile0) * gridDim.x + blockIdx.x;
         float2* tws = reinterpret_cast<float2*>(ws) + size_t(tile) * p.k_parallel * (BN / 4) * kConsumers + tid;

@@ -10,7 +10,7 @@ namespace torch_marlin {
 namespace {
 // Decode re-decodes the weights per 4-row chunk and is compute bound: from 9 rows on the
 // dequantize-chunk + BLAS path is faster (4096 x 4096: 6.3 ms decode against ~6 ms at M = 8,
-// 13 ms against 9 ms at M = 16; docs/cuda-tuning.md CPU-DECODE-MAX-M).
+// 13 ms against 9 ms at M = 16; benchmarks/notes/cuda-tuning.md CPU-DECODE-MAX-M).
 constexpr int64_t kCpuDecodePolicyMaxM = 8;
 }  // namespace
 

@@ -1,7 +1,7 @@
 // CUDA policy inputs and geometry (kernels in csrc/cuda/; the launcher instantiates what
 // plan.desc names and decides nothing). Every tuning constant here was measured on an H100 over
 // the five benchmark layer shapes (K x N: 4096 x 4096, 10752 x 4096, 4096 x 12288, 4096 x 21504,
-// 28672 x 8192; FP4, fp16); the rows of docs/cuda-tuning.md hold the data under the IDs cited.
+// 28672 x 8192; FP4, fp16); the rows of benchmarks/notes/cuda-tuning.md hold the data under the IDs cited.
 //  - simt (fp32 activations): a plain CUDA-core kernel, 8 rows x 128 columns per block.
 //  - decode (M <= 128, or up to 16..32 rows where wgmma_ws does not pay): mma.sync m16n8k16 with
 //    the weights as the A operand and M padded to 8/16/32/64 as the n dimension (64-row tiles
@@ -32,13 +32,13 @@ namespace {
 
 // One decode tile of 8, 16, 32 or 64 rows up to 64, then 64-row tiles (a grid dimension) up to
 // 128: two 64-row passes beat dequant + cuBLAS at M = 96..128 on all five shapes (0.54..0.81x
-// against 0.42..0.57x of cuBLAS), at 160..192 only on some (docs/cuda-tuning.md CUDA-DECODE-MAX-M).
+// against 0.42..0.57x of cuBLAS), at 160..192 only on some (benchmarks/notes/cuda-tuning.md CUDA-DECODE-MAX-M).
 constexpr int64_t kCudaDecodeMaxM = 128;
 // Decode with folded scales keeps a second accumulator set: 1 or 2 n8 tiles only (tile_m <= 16).
 constexpr uint32_t kCudaDecodeFoldMaxTileM = 16;
 // Largest dequantized panel dequant_blas makes (the op's transient workspace). One panel of all of
 // N measured fastest (28672 x 8192 at M = 4096: 2783 us whole against 3133 us in two 4096-column
-// panels); the cap bounds the workspace of layers past ~500M weights (docs/cuda-tuning.md
+// panels); the cap bounds the workspace of layers past ~500M weights (benchmarks/notes/cuda-tuning.md
 // CUDA-DEQUANT-PANEL).
 constexpr int64_t kCudaPanelMaxBytes = int64_t(1) << 30;
 
@@ -48,7 +48,7 @@ struct CudaSliceRule {
   int64_t min_slice, max_slices;
   uint32_t k_step;
 };
-// Decode: a slice is whole rounds of the 8 warps' 32-row chunks (docs/cuda-tuning.md
+// Decode: a slice is whole rounds of the 8 warps' 32-row chunks (benchmarks/notes/cuda-tuning.md
 // CUDA-DECODE-SLICES).
 constexpr CudaSliceRule kCudaDecodeSlices{1024, 16, 32 * TM_CUDA_DECODE_WARPS};
 constexpr CudaSliceRule kCudaWgmmaSlices{8 * TM_CUDA_WGMMA_K_STEP, TM_CUDA_WGMMA_MAX_SLICES, TM_CUDA_WGMMA_K_STEP};
@@ -75,7 +75,7 @@ int64_t cuda_tile_slices(int64_t tiles, int64_t K, int64_t slots, const CudaSlic
 // least 80 % full (4096 x 21504 at M = 384 / 512, 3 waves 85 % full: 191 / 200 us against
 // 203 / 241; 4096 x 12288, 2 waves 73 % full: 130 / 136 against 127 / 137). From 768 rows on,
 // dequant + cuBLAS wins on most shapes (1024 rows: 0.65..0.70x against 0.69..0.71x)
-// (docs/cuda-tuning.md CUDA-WGMMA-BAND).
+// (benchmarks/notes/cuda-tuning.md CUDA-WGMMA-BAND).
 constexpr int64_t kCudaWgmmaMinM = 64;          // exclusive: decode below
 constexpr int64_t kCudaWgmmaMaxM = 512;
 constexpr int64_t kCudaWgmmaMinTiles = 64;
@@ -91,7 +91,7 @@ uint32_t cuda_wgmma_tile_m(int64_t M) { return M <= 128 ? 128 : 256; }
 // At M = 64..128: 4096 x 21504 (84 tiles, 1 slice either way) 78.6..83.1 us against 91.6..95.6;
 // 4096 x 4096 and 10752 x 4096 (4 slices either way) 17..21 % faster; 28672 x 8192, where 32 wide
 // tiles need 4 slices instead of 2 (32 clusters of 4 blocks, more than one wave of them), 256..259
-// us against 159..162 (docs/cuda-tuning.md CUDA-WGMMA-WIDE).
+// us against 159..162 (benchmarks/notes/cuda-tuning.md CUDA-WGMMA-WIDE).
 uint32_t cuda_wgmma_tile_n(int64_t M, int64_t K, int64_t N, int64_t slots) {
   if (M > 128) return TM_CUDA_WGMMA_TILE_N;
   const auto slices = [&](int64_t tile_n) {
@@ -105,7 +105,7 @@ uint32_t cuda_wgmma_tile_n(int64_t M, int64_t K, int64_t N, int64_t slots) {
 // With every kernel forced on each shape, it beats every other kernel from 33 rows on, on every
 // shape, up to the largest M measured (4096; 4096 x 21504 there within 2 % of dequant + cuBLAS):
 // e.g. at M = 64 1.19x..2.03x of cuBLAS against decode's 0.92x..1.35x, at M = 1024 0.89x..1.08x
-// against dequant + cuBLAS's 0.69x..0.75x (docs/cuda-tuning.md WS-MIN-M). At 17..32 rows it
+// against dequant + cuBLAS's 0.69x..0.75x (benchmarks/notes/cuda-tuning.md WS-MIN-M). At 17..32 rows it
 // depends on the shape (cuda_wgmma_ws_pays).
 constexpr int64_t kCudaWgmmaWsMinM = 32;  // exclusive: always wgmma_ws above
 // Whole 64-k stages under one scale row.
@@ -118,7 +118,7 @@ uint32_t cuda_wgmma_ws_tile_m(int64_t M) { return M <= 64 ? 64 : (M <= 128 ? 128
 // clusters only where they take at most 3/4 of the SMs: a cluster's blocks must share a GPC, and
 // 32 clusters of 4 (4096 x 4096, M = 64: 20.5 us of kernel time against 13.5 with 3 slices) and
 // 43 clusters of 3 (28672 x 8192 with 192-column tiles: 171 us against 103 for 64 x 2) did not fit
-// in one wave (docs/cuda-tuning.md WS-CLUSTER-SLICES).
+// in one wave (benchmarks/notes/cuda-tuning.md WS-CLUSTER-SLICES).
 int64_t cuda_wgmma_ws_slices(int64_t tiles, int64_t K, int64_t slots) {
   const int64_t kp = cuda_tile_slices(tiles, K, slots, kCudaWgmmaWsClusterSlices);
   return kp >= 3 && tiles * kp * 4 > slots * 3 ? 2 : kp;
@@ -126,7 +126,7 @@ int64_t cuda_wgmma_ws_slices(int64_t tiles, int64_t K, int64_t slots) {
 // The main grid's K slices. 64- and 128-row tiles: fill the SMs with up to 4; 1 or 2 are summed
 // through a cluster, 3 or 4 by the last block of each tile through global memory (no GPC
 // constraint). 256-row tiles keep the cluster rule: their 128 KB partial tiles make the global sum
-// cost more than a fourth slice saves (docs/cuda-tuning.md WS-GLOBAL-SLICES):
+// cost more than a fourth slice saves (benchmarks/notes/cuda-tuning.md WS-GLOBAL-SLICES):
 //  - 32 column tiles of 4096 x 4096 / 10752 x 4096 at M = 64: 4 slices 16.1 / 25.4 us against 3
 //    through clusters 17.3 / 29.7 (3 through global memory 17.7 / 29.3); 10752 x 4096 at M = 128
 //    32.0 against 36.7;
@@ -152,7 +152,7 @@ struct WsGeometry {
 // up to kCudaWgmmaWsTailMaxWaves whole waves: over more the blocks drift apart and the last wave
 // is no longer a step. 4096 x 21504 at M = 256 / 1024 / 2048 (1 / 5 / 10 waves): 86.1 / 265.5 /
 // 506.0 us against 94.4 / 275.6 / 511.2; 4096 x 12288 at M = 512: 83.8 against 91.6; but at
-// M = 4096 (20 waves) 1036 against 1015 (docs/cuda-tuning.md WS-TAIL).
+// M = 4096 (20 waves) 1036 against 1015 (benchmarks/notes/cuda-tuning.md WS-TAIL).
 constexpr int64_t kCudaWgmmaWsTailLaunchStages = 4;
 constexpr int64_t kCudaWgmmaWsTailMaxWaves = 10;
 WsGeometry cuda_wgmma_ws_geometry_for(int64_t M, int64_t K, int64_t N, int64_t slots, uint32_t consumers) {
@@ -178,7 +178,7 @@ WsGeometry cuda_wgmma_ws_geometry_for(int64_t M, int64_t K, int64_t N, int64_t s
 }
 // Consumers: 3 where the 192-column grid runs in fewer stage-waves, counting a 3-consumer stage
 // as 1.37 2-consumer ones (4096 x 21504 at M = 64: 168 tiles in 2 waves of 64 stages, 58.5 us,
-// against 112 tiles in 1 wave, 39.9 us; docs/cuda-tuning.md WS-CONSUMERS). 256-row tiles have
+// against 112 tiles in 1 wave, 39.9 us; benchmarks/notes/cuda-tuning.md WS-CONSUMERS). 256-row tiles have
 // registers for 2 only.
 WsGeometry cuda_wgmma_ws_geometry(int64_t M, int64_t K, int64_t N, int64_t slots) {
   const WsGeometry two = cuda_wgmma_ws_geometry_for(M, K, N, slots, 2);
@@ -193,7 +193,7 @@ WsGeometry cuda_wgmma_ws_geometry(int64_t M, int64_t K, int64_t N, int64_t slots
 // 25.7..25.9 / 36.3..36.6 us against decode's 33.7..34.3 / 46.9..48.8; decode stays faster on
 // 4096 x 4096 (3 slices: 15.4..15.7 against 16.7), 10752 x 4096 (24.6..25.4 against 29.6) and
 // 28672 x 8192 (85.8..88.8 against 92.4..94.0). At M <= 16 decode wins or ties on every shape
-// (docs/cuda-tuning.md WS-SMALL-M).
+// (benchmarks/notes/cuda-tuning.md WS-SMALL-M).
 constexpr int64_t kCudaWgmmaWsSmallMMaxK = 8192;
 
 // The tile kernels' grid = (row tiles, column tiles, K slices).
@@ -249,7 +249,7 @@ void plan_simt(GemmPlan& p, int64_t M, int64_t K, int64_t N) {
 // 32 or 64 rows (1, 2, 4 or 8 n8 mma tiles: the activations are the mma's n dimension); above 64
 // rows, 64-row tiles along grid.x (each streams the weights once more, mostly from L2). Up to
 // TM_CUDA_DECODE_MAX_CLUSTER_SLICES slices are summed through a cluster where the device and
-// build run clusters (docs/cuda-tuning.md CUDA-DECODE-CLUSTER).
+// build run clusters (benchmarks/notes/cuda-tuning.md CUDA-DECODE-CLUSTER).
 void plan_decode(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps& caps) {
   const uint32_t tile_m = M <= 8 ? 8 : (M <= 16 ? 16 : (M <= 32 ? 32 : 64));
   const int64_t blocks_per_sm = TM_CUDA_DECODE_BLOCKS_PER_SM(tile_m);
@@ -265,7 +265,7 @@ void plan_decode(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps&
                 p.desc.format != QuantFormat::Affine;
   set_in_kernel_reduction(p, caps.thread_block_clusters && p.params.k_parallel <= TM_CUDA_DECODE_MAX_CLUSTER_SLICES,
                           size_t(M) * N);
-  // PDL needs sm_90 and kernels from sm_90 PTX: the devices that run clusters (docs/cuda-tuning.md
+  // PDL needs sm_90 and kernels from sm_90 PTX: the devices that run clusters (benchmarks/notes/cuda-tuning.md
   // CUDA-PDL).
   p.dependent_launch = caps.thread_block_clusters != 0;
 }
@@ -301,7 +301,7 @@ void plan_wgmma_ws(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCap
   // Its partials stay in fragment order, whole tiles.
   set_in_kernel_reduction(p, !g.global_reduce,
                           size_t(p.params.m_tiles) * p.params.n_tiles * p.params.tile_m * p.params.tile_n);
-  p.dependent_launch = true;  // sm_90a only (require_wgmma; docs/cuda-tuning.md CUDA-PDL)
+  p.dependent_launch = true;  // sm_90a only (require_wgmma; benchmarks/notes/cuda-tuning.md CUDA-PDL)
 }
 
 // Column panels of B are dequantized into a [K, tile_n] workspace in the activation dtype and

@@ -61,21 +61,21 @@ constexpr uint32_t kCudaStreamStageTiles = TM_TRELLIS_CUDA_STREAM_STAGE_TILES;
 constexpr uint32_t kCudaSimtThreads = TM_TRELLIS_CUDA_SIMT_THREADS;
 constexpr uint32_t kCudaElemThreads = TM_TRELLIS_CUDA_ELEMWISE_THREADS;
 constexpr uint32_t kCudaMaxKParallel = 32;
-constexpr uint32_t kCudaBlocksPerSm = 4;  // docs/cuda-tuning.md TRELLIS-CUDA-SLICES
+constexpr uint32_t kCudaBlocksPerSm = 4;  // benchmarks/notes/cuda-tuning.md TRELLIS-CUDA-SLICES
 // The fewest blocks per SM that longer slices (min_slice_stages) may leave (TRELLIS-CUDA-STREAM-SLICES).
 constexpr uint32_t kCudaLongSliceMinBlocksPerSm = 2;
-constexpr int64_t kCudaBlasMinM = kDecodeMaxM + 1;  // docs/cuda-tuning.md TRELLIS-CUDA-BLAS
+constexpr int64_t kCudaBlasMinM = kDecodeMaxM + 1;  // benchmarks/notes/cuda-tuning.md TRELLIS-CUDA-BLAS
 // Lane-layout prefill on sm_90a (caps.wgmma): the wgmma kernel for kCudaWgmmaMinM..kCudaWgmmaMaxM
 // rows of A where its 128-column blocks alone cover at least half the SMs, dequant + cuBLAS
 // otherwise. It writes no dense weight, which wins while that write is a large part of the GEMM's
 // time (wide layers, few rows), but its tensor cores wait on the decode more than cuBLAS's do, and
-// it does not slice K (docs/cuda-tuning.md TRELLIS-CUDA-WGMMA).
+// it does not slice K (benchmarks/notes/cuda-tuning.md TRELLIS-CUDA-WGMMA).
 constexpr int64_t kCudaWgmmaMinM = 64;
 constexpr int64_t kCudaWgmmaMaxM = 256;
 
 // The streaming decode's shortest K slice in stages: a 16-row block converts 16 activation rows of
 // its slice and writes 16 partial rows, which slices of one or two stages of 3- or 4-bit indices
-// do not repay; 2-bit stages are short enough that more slices still win (docs/cuda-tuning.md
+// do not repay; 2-bit stages are short enough that more slices still win (benchmarks/notes/cuda-tuning.md
 // TRELLIS-CUDA-STREAM-SLICES).
 uint32_t cuda_stream_min_slice_stages(uint32_t tile_m, uint32_t bits) { return tile_m == 16u && bits >= 3u ? 3u : 1u; }
 
@@ -193,7 +193,7 @@ void set_lanes_dequant(TrellisPlan& p, const std::string& kernel, const char* wh
 // (column blocks, row tiles x K slices); the slices' fp32 partials summed in slice order
 // (deterministic) into C by gemm_trellis_reduce, which on sm_90 (caps.thread_block_clusters: the
 // PTX has griddepcontrol) launches behind the GEMM kernel (PDL) and so skips the launch gap
-// between them (docs/cuda-tuning.md TRELLIS-CUDA-PDL).
+// between them (benchmarks/notes/cuda-tuning.md TRELLIS-CUDA-PDL).
 void set_cuda_sliced_launch(TrellisPlan& p, int64_t M, int64_t N, const std::string& kernel, const std::string& suffix,
                             const DeviceCaps& caps, uint32_t stage_tiles) {
   p.main.kernel = kernel + suffix;
@@ -201,7 +201,7 @@ void set_cuda_sliced_launch(TrellisPlan& p, int64_t M, int64_t N, const std::str
   p.main.grid[1] = p.params.m_tiles;
   p.main.threads[0] = kCudaThreads;
   // The streaming decode itself launches behind the previous kernel too: its blocks warm L2 with
-  // their first indices and wait for that kernel before they read (docs/cuda-tuning.md
+  // their first indices and wait for that kernel before they read (benchmarks/notes/cuda-tuning.md
   // TRELLIS-CUDA-PDL).
   p.main.dependent_launch = p.cuda_stream_decode && caps.thread_block_clusters != 0;
   // The streaming decode converts a slice's activations into shared memory once: bounded slices.
@@ -324,7 +324,7 @@ TrellisPlan plan_trellis_gemm(int64_t M, int64_t K, int64_t N, int64_t bits, int
   p.params = base_params(M, K, N, bits, group_size);
   const KernelFamily prefill = trellis_prefill_family(caps.backend);
   // CUDA fp16/bf16: above the decode rows the dense weight + cuBLAS beats the fused tiles
-  // (docs/cuda-tuning.md TRELLIS-CUDA-BLAS); fused_tiles runs there only when forced.
+  // (benchmarks/notes/cuda-tuning.md TRELLIS-CUDA-BLAS); fused_tiles runs there only when forced.
   const bool cuda_blas = caps.backend == Backend::CUDA && dtype != DType::F32;
   if (force == KernelFamily::Auto) {
     p.family = M <= kDecodeMaxM ? KernelFamily::Decode : prefill;
@@ -567,7 +567,7 @@ TrellisPlan plan_trellis_moe(int64_t tokens, int64_t hidden, int64_t intermediat
         const uint32_t stage_tiles = p.params.tile_k / TM_TRELLIS_TILE;
         const uint32_t max_slice = p.cuda_stream_decode ? TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES(tile_m) : 0u;
         // The streaming kernel's expert blocks: one wave of its resident blocks (more leaves a
-        // second, mostly idle wave; docs/cuda-tuning.md TRELLIS-CUDA-MOE-STREAM).
+        // second, mostly idle wave; benchmarks/notes/cuda-tuning.md TRELLIS-CUDA-MOE-STREAM).
         const uint32_t one_wave = p.cuda_stream_decode ? TM_TRELLIS_CUDA_STREAM_EXPERT_BLOCKS_PER_SM : 0u;
         set_tiles(p.params, tile_m, intermediate, tile_m, kCudaTileN);
         const char* kind = p.cuda_stream_decode ? "_decode" : decode ? "_decode_mma" : "_tiles";

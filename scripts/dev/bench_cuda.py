@@ -253,6 +253,8 @@ def main():
             return B, s16, z, b16
 
         Q = weight_copies(quantized, bytes_fp4, args.rotate)
+        C = weight_copies(lambda: torch.empty(2, bytes_fp4 // 2, dtype=torch.uint8, device="cuda"), bytes_fp4,
+                          args.rotate)
         W16 = weight_copies(lambda: torch.randn(N, K, device="cuda", dtype=torch.float16), bytes_16, args.rotate)
         try:
             I4 = weight_copies(lambda: make_int4pack(K, N), bytes_u4, args.rotate)
@@ -270,12 +272,14 @@ def main():
 
             t_cublas = timed([lambda w=w: F.linear(A, w) for w in W16])
             t_fp4 = timed([lambda q=q: torch.ops.marlin.gemm_fp4(A, q[0], q[1], GS) for q in Q])
+            t_copy = timed([lambda c=c: c[1].copy_(c[0]) for c in C])
             t_u4 = timed([lambda q=q: torch.ops.marlin.gemm_u4(A, q[0], q[1], q[2], GS) for q in Q])
             t_i4 = timed([lambda w=w: torch._weight_int4pack_mm(Ab, w[0], GS, w[1]) for w in I4]) if I4 else float("nan")
             t_affine = (timed([lambda q=q: torch.ops.marlin.gemm_affine(A, q[0], q[1], q[3], GS) for q in Q])
                         if args.affine else float("nan"))
             plan = torch_marlin.plan_gemm("fp4", M, K, N, GS, dtype=torch.float16, device="cuda")
             for name, t, nbytes in [("cublas_fp16", t_cublas, bytes_16), ("fp4", t_fp4, bytes_fp4),
+                                    ("copy_fp4_bytes", t_copy, bytes_fp4),
                                     ("u4", t_u4, bytes_u4), ("int4pack_mm", t_i4, bytes_u4)] + \
                     ([("affine", t_affine, bytes_affine)] if args.affine else []):
                 gbs = nbytes / (t * 1e-6) / 1e9
@@ -287,7 +291,7 @@ def main():
                   f"({t_cublas / t_fp4:5.2f}x) | u4 {t_u4:9.1f} us ({t_cublas / t_u4:5.2f}x) | "
                   f"int4pack_mm {t_i4:9.1f} us ({t_cublas / t_i4:5.2f}x) | {plan['kernel']} kp={plan['k_parallel']}"
                   f"{affine}", flush=True)
-        del Q, W16, I4
+        del Q, C, W16, I4
         torch.cuda.empty_cache()
 
     os.makedirs(args.out, exist_ok=True)
@@ -302,15 +306,16 @@ def main():
           f"{'weights rotated over copies of >= 4x L2, back to back' if args.rotate else 'L2 flushed'}"
           f"{', CUDA-graph replays' if args.graph else ''}.", "",
           "| K x N | M | cuBLAS fp16 us | FP4 us | FP4 GB/s (% copy) | FP4 vs cuBLAS | INT4 us | INT4 GB/s (% copy) "
-          "| INT4 vs cuBLAS | int4pack_mm us (vs cuBLAS) |" + (" affine us | affine / INT4 time |" if args.affine else ""),
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if args.affine else "")]
+          "| INT4 vs cuBLAS | int4pack_mm us (vs cuBLAS) | copy of the FP4 bytes us (% copy) | FP4 / copy time |" + (" affine us | affine / INT4 time |" if args.affine else ""),
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if args.affine else "")]
     by = {(r["K"], r["N"], r["M"], r["kernel"]): r for r in rows}
     for K, N in shapes:
         for M in ms:
-            c, a, u, i = (by[(K, N, M, k)] for k in ("cublas_fp16", "fp4", "u4", "int4pack_mm"))
+            c, a, u, i, cp = (by[(K, N, M, k)] for k in ("cublas_fp16", "fp4", "u4", "int4pack_mm", "copy_fp4_bytes"))
             md.append(f"| {K}x{N} | {M} | {c['us']} | {a['us']} | {a['weight_GBps']} ({a['pct_copy_bw']}%) | "
                       f"{a['speedup_vs_cublas']}x | {u['us']} | {u['weight_GBps']} ({u['pct_copy_bw']}%) | "
-                      f"{u['speedup_vs_cublas']}x | {i['us']} ({i['speedup_vs_cublas']}x) |" +
+                      f"{u['speedup_vs_cublas']}x | {i['us']} ({i['speedup_vs_cublas']}x) | {cp['us']} ({cp['pct_copy_bw']}%) | "
+                      f"{a['us'] / cp['us']:.2f} |" +
                       (f" {by[(K, N, M, 'affine')]['us']} | {by[(K, N, M, 'affine')]['us'] / u['us']:.3f} |"
                        if args.affine else ""))
     with open(os.path.join(args.out, "bench_cuda.md"), "w") as f:

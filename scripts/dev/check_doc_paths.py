@@ -2,10 +2,11 @@
 
     python scripts/dev/check_doc_paths.py [ROOT]      # ROOT defaults to the repository root
 
-Scans README.md and docs/*.md (all of the text, code blocks included), and the comments and
-docstrings of the sources under csrc/, metal/, torch_marlin/, scripts/, tests/ (plus setup.py and
-.ci/run). A path is a token that starts with a top-level entry of the repository (csrc/, metal/,
-torch_marlin/, tests/, scripts/, docs/, .ci/, setup.py, README.md), or the target of a markdown
+Scans README.md, docs/*.md and benchmarks/**/*.md (all of the text, code blocks included), and
+the comments and docstrings of the sources under csrc/, metal/, torch_marlin/, scripts/, tests/
+(plus setup.py and .ci/run). A path is a token that starts with a top-level entry of the
+repository (csrc/, metal/, torch_marlin/, tests/, scripts/, docs/, benchmarks/, .ci/, setup.py,
+README.md), or the target of a markdown
 link `[text](target)` relative to the document. Prints `file:line: missing path 'token'` for each
 one that does not exist and exits 1; exits 0 when every path resolves.
 
@@ -20,7 +21,9 @@ Rules for tokens that are not plain paths:
   comment line) name that commit's tree: they are checked there with `git cat-file` (the nearest
   such mention before the path counts), and skipped when the commit is not available (a shallow
   clone, no git).
-- `#anchor` suffixes are dropped; URLs are not paths.
+- A markdown link's `#anchor` must name a heading of the linked document (or of the same document
+  for `(#anchor)`), as GitHub writes heading anchors; in code spans and comments the anchor is
+  dropped. URLs are not paths.
 """
 import ast
 import glob
@@ -31,7 +34,7 @@ import subprocess
 import sys
 import tokenize
 
-TOP = ("csrc", "metal", "torch_marlin", "tests", "scripts", "docs", ".ci")
+TOP = ("csrc", "metal", "torch_marlin", "tests", "scripts", "docs", "benchmarks", ".ci")
 TOP_FILES = ("setup.py", "README.md")
 SOURCE_DIRS = ("csrc", "metal", "torch_marlin", "scripts", "tests")
 EXTRA_SOURCES = ("setup.py", ".ci/run")
@@ -130,7 +133,9 @@ def source_files(root):
 
 def scanned_lines(root):
     """(file, line, text, is_markdown) to search for paths."""
-    for f in ["README.md"] + sorted(os.path.relpath(p, root) for p in glob.glob(os.path.join(root, "docs", "*.md"))):
+    docs = glob.glob(os.path.join(root, "docs", "*.md")) + \
+        glob.glob(os.path.join(root, "benchmarks", "**", "*.md"), recursive=True)
+    for f in ["README.md"] + sorted(os.path.relpath(p, root) for p in docs):
         path = os.path.join(root, f)
         if os.path.isfile(path):
             for no, line in enumerate(open(path, encoding="utf-8").read().split("\n"), 1):
@@ -203,6 +208,24 @@ def spans(line, is_markdown):
     return [(line, False)]
 
 
+def heading_anchors(path, cache={}):
+    """The anchors GitHub gives the headings of a markdown file (code blocks skipped)."""
+    if path not in cache:
+        anchors, counts, fenced = set(), {}, False
+        for line in open(path, encoding="utf-8"):
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+                continue
+            m = None if fenced else re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+            if m:
+                slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+                n = counts.get(slug, 0)
+                counts[slug] = n + 1
+                anchors.add(slug if n == 0 else "%s-%d" % (slug, n))
+        cache[path] = anchors
+    return cache[path]
+
+
 def check(root):
     missing = []
     for f, no, line, is_markdown in scanned_lines(root):
@@ -215,10 +238,15 @@ def check(root):
         if is_markdown:
             for lm in LINK_RE.finditer(line):
                 target = lm.group(1)
-                if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+                if re.match(r"^[a-z]+:", target):
                     continue
-                rel = os.path.normpath(os.path.join(os.path.dirname(f), target.split("#", 1)[0]))
-                found.append((target, None, rel))
+                page, _, anchor = target.partition("#")
+                rel = os.path.normpath(os.path.join(os.path.dirname(f), page)) if page else f
+                if page:
+                    found.append((target, None, rel))
+                if anchor and rel.endswith(".md") and os.path.isfile(os.path.join(root, rel)) \
+                        and anchor not in heading_anchors(os.path.join(root, rel)):
+                    missing.append("%s:%d: missing anchor '%s'" % (f, no, target))
         seen = set()  # a link target is also a path token: report it once
         for token, commit, resolved in found:
             for alt in expand_braces(token):

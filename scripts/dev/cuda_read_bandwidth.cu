@@ -6,7 +6,7 @@
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 scripts/dev/cuda_read_bandwidth.cu -o /tmp/rb && /tmp/rb
 //
 // H200: 34 to 36 us (3.3 to 3.4 TB/s) for every pattern, the decode kernel's floor for this shape
-// (docs/cuda-tuning.md CUDA-DECODE-RING); cuBLAS fp16 reads its 470 MB at about 3.8 TB/s (a longer
+// (benchmarks/notes/cuda-tuning.md CUDA-DECODE-RING); cuBLAS fp16 reads its 470 MB at about 3.8 TB/s (a longer
 // read amortizes the ramp).
 #include <cuda_runtime.h>
 

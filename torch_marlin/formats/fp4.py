@@ -9,13 +9,43 @@ from typing import Optional
 import torch
 
 from .gptq_solver import quantize_weight
-from .group_quant import Fp4Quantizer
+from .group_quant import ScaleQuantizer
 from .int4_packing import pack_int4, unpack_int4
 
 E2M1_VALUES = torch.tensor(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32
 )
-E2M1_MAX = 6.0
+
+
+class Fp4Quantizer(ScaleQuantizer):
+    """E2M1 codes: nearest magnitude (ties to the smaller one), sign in bit 3."""
+
+    def __init__(self, scale_dtype: torch.dtype = torch.float16, search: bool = True):
+        super().__init__(scale_dtype, search)
+        self._vals = E2M1_VALUES
+        self._mags = E2M1_VALUES[:8]
+        self._mids = (self._mags[1:] + self._mags[:-1]) / 2
+
+    def _on(self, device) -> None:
+        if self._mags.device != device:
+            self._vals, self._mags, self._mids = (t.to(device) for t in (self._vals, self._mags, self._mids))
+
+    def levels(self, x: torch.Tensor):
+        self._on(x.device)
+        # bucketize against the midpoints, right=False: a value on a midpoint goes to the lower bucket.
+        code = torch.bucketize(x.abs().contiguous(), self._mids, right=False)
+        code = code + 8 * (x < 0).to(code.dtype)
+        return code, self._vals[code]
+
+    def fit_view(self, g: torch.Tensor) -> torch.Tensor:
+        return g.abs()
+
+    def fit_levels(self, x: torch.Tensor) -> torch.Tensor:
+        self._on(x.device)
+        return self._mags[torch.bucketize(x.contiguous(), self._mids, right=False)]
+
+    def base_scales(self, g: torch.Tensor):
+        return (g.abs().amax(dim=-2) / 6.0,)
 
 
 def pack_fp4_weights(codes: torch.Tensor) -> torch.Tensor:

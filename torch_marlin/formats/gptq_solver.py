@@ -60,10 +60,6 @@ def _inverse_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
     raise ValueError("hessian is not positive definite even after damping; check the calibration inputs")
 
 
-def _row(params: Dict[str, torch.Tensor], g: int) -> Dict[str, torch.Tensor]:
-    return {k: v[g] for k, v in params.items()}
-
-
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, quantizer, act_order: bool = True,
                   damp: float = DEFAULT_DAMP, block_size: int = DEFAULT_BLOCK):
     """Quantizes ``w`` ``[K, N]`` with error feedback under ``hessian`` ``[K, K]``.

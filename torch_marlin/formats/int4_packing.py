@@ -1,6 +1,8 @@
 """The 4-bit container shared by FP4 and INT4: int32 ``[K/8, N]``, 8 codes along K per word,
 LSB first (bits 0-3 hold row k+0, bits 28-31 row k+7). This is GPTQ's ``qweight`` layout."""
 
+from typing import Optional
+
 import torch
 
 PACK_FACTOR = 8
@@ -34,15 +36,22 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return codes.reshape(KW * PACK_FACTOR, N).to(torch.uint8)
 
 
-def check_group_size(K: int, group_size: int) -> None:
-    if group_size <= 0 or group_size % PACK_FACTOR != 0:
-        raise ValueError(f"group_size must be a positive multiple of 8, got {group_size}")
-    if K % group_size != 0:
-        raise ValueError(f"group_size ({group_size}) must divide K ({K})")
+def check_group_size(group_size: int, in_features: Optional[int] = None) -> None:
+    """The 4-bit container's group rule, the one Python check of it: ``group_size`` a positive
+    multiple of 8 and, for a layer, ``in_features`` (K) a positive multiple of it."""
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0 or \
+            group_size % PACK_FACTOR != 0:
+        raise ValueError(f"group_size must be a positive multiple of {PACK_FACTOR}, got {group_size!r}")
+    if in_features is None:
+        return
+    if in_features <= 0 or in_features % PACK_FACTOR != 0:
+        raise ValueError(f"in_features must be a positive multiple of {PACK_FACTOR}, got {in_features}")
+    if in_features % group_size != 0:
+        raise ValueError(f"in_features={in_features} is not a multiple of group_size={group_size}")
 
 
 def group_view(w: torch.Tensor, group_size: int) -> torch.Tensor:
     """``[K, N]`` -> ``[K/group_size, group_size, N]`` (a view, groups along K)."""
     K, N = w.shape
-    check_group_size(K, group_size)
+    check_group_size(group_size, K)
     return w.reshape(K // group_size, group_size, N)

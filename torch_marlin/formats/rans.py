@@ -8,6 +8,7 @@ shapes, not for whole models.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import numpy as np
 
@@ -29,6 +30,16 @@ def default_channels_per_tile(K: int) -> int:
 def check_k(K: int) -> None:
     if K <= 0 or K % LANES != 0:
         raise ValueError(f"rANS coding needs K (in_features) to be a positive multiple of {LANES}, got {K}")
+
+
+def check_group_size(group_size: int, in_features: Optional[int] = None) -> None:
+    """The layers rANS coding takes, beyond the 4-bit container's rule: the 32 lanes decode 32 rows of
+    K a step and a step never straddles a group, so ``in_features`` and ``group_size`` are multiples
+    of 32."""
+    if in_features is not None and in_features % LANES != 0:
+        raise ValueError(f"in_features={in_features} is not a multiple of {LANES}")
+    if group_size % LANES != 0:
+        raise ValueError(f"group_size={group_size} is not a multiple of {LANES}")
 
 
 def frequencies(counts: np.ndarray) -> np.ndarray:

@@ -52,8 +52,9 @@ def check_bits(bits: int) -> None:
         raise ValueError(f"bits must be one of {BITS}, got {bits}")
 
 
-def check_group_size(group_size: int) -> None:
-    if not isinstance(group_size, int) or group_size <= 0 or group_size % TILE != 0:
+def check_group_size(group_size: int, in_features: Optional[int] = None) -> None:
+    """Any ``in_features`` takes the format (K is padded to whole tiles); only the group size is constrained."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or group_size % TILE != 0:
         raise ValueError(f"group_size must be a positive multiple of 16 (a 16x16 tile never straddles groups), "
                          f"got {group_size}")
 

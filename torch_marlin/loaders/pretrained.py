@@ -66,15 +66,6 @@ def detect(path: str) -> str:
                      f"{method!r}; expected gptq, awq or compressed-tensors, or MLX's 'quantization' key)")
 
 
-def is_quantized_checkpoint(path: str) -> bool:
-    """True when :func:`detect` recognizes ``path`` (scripts use this to skip quantizing)."""
-    try:
-        detect(path)
-        return True
-    except (ValueError, FileNotFoundError):
-        return False
-
-
 # ---------------------------------------------------------------------------------------------- safetensors
 
 class SafetensorsDir:

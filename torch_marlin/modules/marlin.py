@@ -1,6 +1,6 @@
 """``MarlinLinear``: a drop-in ``nn.Linear`` with FP4 E2M1, INT4 (zero-point) or affine INT4 weights."""
 
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -50,11 +50,9 @@ class MarlinLinear(nn.Module):
         super().__init__()
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-        if in_features <= 0 or in_features % 8 != 0:
-            raise ValueError(f"in_features must be a positive multiple of 8, got {in_features}")
+        int4_packing.check_group_size(group_size, in_features)
         if out_features <= 0:
             raise ValueError(f"out_features must be positive, got {out_features}")
-        int4_packing.check_group_size(in_features, group_size)
         self.in_features, self.out_features = in_features, out_features
         self.format, self.group_size = format, group_size
         K, N, G = in_features, out_features, in_features // group_size
@@ -126,48 +124,49 @@ class MarlinLinear(nn.Module):
             mod.bias.copy_(linear.bias.detach().to(dtype))
         return mod
 
-    # Loaders of other tools' checkpoints (torch_marlin/loaders/; docs/formats.md says how each maps).
-    @classmethod
-    def from_mlx(cls, weight, scales, biases, group_size: int, bits: int = 4, bias=None, **kw) -> "MarlinLinear":
-        """MLX ``mx.quantize`` tensors (``weight`` uint32 viewed as int32 ``[N, K*bits/32]``, ``scales``
-        and ``biases`` ``[N, K/group_size]``); see :func:`torch_marlin.loaders.mlx.from_mlx`."""
-        from ..loaders.mlx import from_mlx
-        return from_mlx(weight, scales, biases, group_size, bits, bias, **kw)
+    # ---- the checkpoint entry and fusion (torch_marlin/registry.py) ----------------------------
+
+    def checkpoint_entry(self) -> dict:
+        """The layer's JSON-able description in a checkpoint (``torch_marlin.json``)."""
+        return {"type": "MarlinLinear", "format": self.format, "group_size": self.group_size,
+                "in_features": self.in_features, "out_features": self.out_features,
+                "bias": self.bias is not None, "dtype": str(self.scales.dtype).replace("torch.", ""),
+                "act_order": self.input_perm is not None}
 
     @classmethod
-    def from_gguf(cls, data, ggml_type, shape, bias=None, **kw) -> "MarlinLinear":
-        """One GGUF tensor's raw blocks (Q4_0, Q4_1, Q4_K, MXFP4), ``shape = (N, K)``; see
-        :func:`torch_marlin.loaders.gguf.from_gguf`."""
-        from ..loaders.gguf import from_gguf
-        return from_gguf(data, ggml_type, shape, bias, **kw)
+    def from_checkpoint_entry(cls, entry: dict, device) -> "MarlinLinear":
+        """An empty layer of the shape :meth:`checkpoint_entry` describes, for its tensors to load into."""
+        return cls(entry["in_features"], entry["out_features"], bias=entry["bias"], format=entry["format"],
+                   group_size=entry["group_size"], dtype=getattr(torch, entry["dtype"]), device=device,
+                   act_order=entry.get("act_order", False))
 
     @classmethod
-    def from_gptq(cls, qweight, qzeros, scales, g_idx=None, bias=None, **kw) -> "MarlinLinear":
-        """GPTQ ``qweight``/``qzeros``/``scales`` (act-order through ``g_idx``); see
-        :func:`torch_marlin.loaders.gptq.marlin_linear_from_gptq`."""
-        from ..loaders.gptq import marlin_linear_from_gptq
-        return marlin_linear_from_gptq(qweight, qzeros, scales, g_idx, bias, **kw)
-
-    @classmethod
-    def from_awq(cls, qweight, qzeros, scales, bias=None, **kw) -> "MarlinLinear":
-        """AWQ GEMM ``qweight``/``qzeros``/``scales``; see :func:`torch_marlin.loaders.awq.from_awq`."""
-        from ..loaders.awq import from_awq
-        return from_awq(qweight, qzeros, scales, bias, **kw)
-
-    @classmethod
-    def from_compressed_tensors(cls, weight_packed, weight_scale, weight_zero_point=None, weight_shape=None,
-                                weight_g_idx=None, bias=None, **kw) -> "MarlinLinear":
-        """compressed-tensors ``pack-quantized`` W4A16 tensors; see
-        :func:`torch_marlin.loaders.compressed_tensors.from_compressed_tensors`."""
-        from ..loaders.compressed_tensors import from_compressed_tensors
-        return from_compressed_tensors(weight_packed, weight_scale, weight_zero_point, weight_shape, weight_g_idx,
-                                       bias, **kw)
-
-    @classmethod
-    def from_mxfp4(cls, blocks, scales, bias=None, **kw) -> "MarlinLinear":
-        """gpt-oss MXFP4 ``*_blocks``/``*_scales``; see :func:`torch_marlin.loaders.mxfp4.from_mxfp4`."""
-        from ..loaders.mxfp4 import from_mxfp4
-        return from_mxfp4(blocks, scales, bias, **kw)
+    def concat(cls, layers: Sequence["MarlinLinear"]) -> Tuple[Optional["MarlinLinear"], Optional[str]]:
+        """``(one layer computing the members' outputs side by side, None)``, or ``(None, reason)``.
+        Groups run along K within a column, so the members' buffers concatenate along
+        ``out_features``; act-order members fuse when they gather their inputs in one order (GPTQ
+        orders rows by the input Hessian, which siblings reading one input share)."""
+        entries = [m.checkpoint_entry() for m in layers]
+        rest = [{k: v for k, v in e.items() if k != "out_features"} for e in entries]
+        if any(r != rest[0] for r in rest[1:]):
+            diff = sorted(k for k in rest[0] if any(r.get(k) != rest[0][k] for r in rest[1:]))
+            return None, f"members differ in {diff}"
+        devices = {b.device for m in layers for b in m.buffers()}
+        if len(devices) != 1:
+            return None, f"members are on different devices {sorted(map(str, devices))}"
+        perm = layers[0].input_perm
+        if perm is not None and any(not torch.equal(m.input_perm, perm) for m in layers[1:]):
+            return None, "members gather their inputs in different orders (act-order input_perm)"
+        fused = cls.from_checkpoint_entry(dict(entries[0], out_features=sum(e["out_features"] for e in entries)),
+                                          devices.pop())
+        with torch.no_grad():
+            for name, buffer in fused.named_buffers(recurse=False):
+                if name == "input_perm":
+                    buffer.copy_(perm)
+                else:
+                    buffer.copy_(torch.cat([getattr(m, name) for m in layers], dim=-1))
+        fused.validate()
+        return fused, None
 
     def dequantized_weight(self) -> torch.Tensor:
         """The dense fp32 weight ``[out_features, in_features]`` in the original input order (for

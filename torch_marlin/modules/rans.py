@@ -1,7 +1,7 @@
 """``RansLinear``: a ``MarlinLinear`` whose 4-bit codes are stored rANS-coded (lossless)."""
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
@@ -13,15 +13,6 @@ from .marlin import MarlinLinear, _flatten
 _GEMM_RANS = torch.ops.marlin.gemm_rans.default
 _CODE_BUFFERS = ("rans_words", "rans_word_offsets", "rans_states", "rans_freqs")
 _UNCODED_BUFFERS = ("scales", "zeros", "offsets", "bias", "input_perm")  # MarlinLinear's, minus B_packed
-
-
-def coding_unsupported(in_features: int, group_size: int) -> Optional[str]:
-    """Why a layer of this shape cannot be rANS-coded (None when it can)."""
-    if in_features % rans_format.LANES != 0:
-        return f"in_features={in_features} is not a multiple of {rans_format.LANES}"
-    if group_size % rans_format.LANES != 0:
-        return f"group_size={group_size} is not a multiple of {rans_format.LANES}"
-    return None
 
 
 class RansLinear(nn.Module):
@@ -42,9 +33,10 @@ class RansLinear(nn.Module):
                  group_size: int = 128, channels_per_tile: Optional[int] = None, n_words: int = 0,
                  dtype: torch.dtype = torch.float16, device=None, act_order: bool = False):
         super().__init__()
-        why = coding_unsupported(in_features, group_size)
-        if why is not None:
-            raise ValueError(f"RansLinear: {why}")
+        try:
+            rans_format.check_group_size(group_size, in_features)
+        except ValueError as e:
+            raise ValueError(f"RansLinear: {e}") from None
         # The uncoded layer's buffers and checks, minus the codes.
         template = MarlinLinear(in_features, out_features, bias=bias, format=format, group_size=group_size,
                                 dtype=dtype, device="meta", act_order=act_order)
@@ -90,9 +82,10 @@ class RansLinear(nn.Module):
         """A lossless rANS-coded copy of ``layer`` on the same device (encoded on the CPU)."""
         if not isinstance(layer, MarlinLinear):
             raise TypeError(f"RansLinear.from_marlin expects a MarlinLinear, got {type(layer).__name__}")
-        why = coding_unsupported(layer.in_features, layer.group_size)
-        if why is not None:
-            raise ValueError(f"RansLinear.from_marlin: {why}")
+        try:
+            rans_format.check_group_size(layer.group_size, layer.in_features)
+        except ValueError as e:
+            raise ValueError(f"RansLinear.from_marlin: {e}") from None
         C = rans_format.default_channels_per_tile(layer.in_features) if channels_per_tile is None \
             else int(channels_per_tile)
         words, offsets, states, freqs = torch.ops.marlin.rans_encode(layer.B_packed.detach().cpu(), C)
@@ -127,6 +120,28 @@ class RansLinear(nn.Module):
                     getattr(mod, name).copy_(self._buffers[name])
         mod.train(self.training)
         return mod
+
+    # ---- the checkpoint entry and fusion (torch_marlin/registry.py) ----------------------------
+
+    def checkpoint_entry(self) -> dict:
+        """The uncoded layer's entry, marked ``"type": "RansLinear"``, with the coding's sizes."""
+        return dict(MarlinLinear.checkpoint_entry(self), type="RansLinear", channels_per_tile=self.channels_per_tile,
+                    n_words=self.rans_words.numel())
+
+    @classmethod
+    def from_checkpoint_entry(cls, entry: dict, device) -> "RansLinear":
+        return cls(entry["in_features"], entry["out_features"], bias=entry["bias"], format=entry["format"],
+                   group_size=entry["group_size"], channels_per_tile=entry["channels_per_tile"],
+                   n_words=entry["n_words"], dtype=getattr(torch, entry["dtype"]), device=device,
+                   act_order=entry.get("act_order", False))
+
+    @classmethod
+    def concat(cls, layers) -> Tuple[Optional["RansLinear"], Optional[str]]:
+        """The members decoded, concatenated as :meth:`MarlinLinear.concat` does, coded again."""
+        fused, why = MarlinLinear.concat([m.to_marlin() for m in layers])
+        if fused is None:
+            return None, why
+        return cls.from_marlin(fused), None
 
     # ---- sizes and checks -------------------------------------------------------------------
 

@@ -8,29 +8,30 @@ Rotation (``rotate=True``, the default): the stored matrix is the quantization o
 Hadamard transform of the weight, and the module applies the matching transforms to the
 activations, so the layer computes the original linear map (docs/formats.md, "Trellis").
 
-Index layout: ``TrellisLinear`` holds ``packed_indices`` in the layout its device's op reads
-fastest (:func:`torch_marlin.planner.trellis_index_layout`): the canonical tiles, or on CUDA the lane
-layout (docs/trellis.md, "CUDA lane layout"). It converts after ``.to()`` / ``.cuda()`` / ``.cpu()``,
-``from_linear`` and ``load_state_dict``, and in ``forward`` outside tracing and CUDA graph capture;
-``state_dict`` always holds the canonical tiles.
+Index layout: ``TrellisLinear`` holds ``packed_indices`` either as the canonical tiles or, on CUDA,
+in the lane layout its decode kernel reads fastest (docs/trellis.md, "CUDA lane layout"). The layout
+is set where the layer gets its indices: ``from_linear``, ``load_state_dict`` and fusion put them in
+the layout :func:`torch_marlin.planner.trellis_index_layout` picks for the layer's device. It does
+not change in ``forward`` or on ``.to()``: after moving a layer to another device,
+:meth:`TrellisLinear.use_device_layout` converts it (``load_quantized`` and the transformers
+integration do so after placing a model). ``state_dict`` always holds the canonical tiles.
 """
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import ops
+from .. import ops, planner
 from ..formats import trellis as fmt
 
 _PARTS = ("packed_indices", "scales", "grid", "su", "sv")
 
 
-def _index_layout_for(K: int, N: int, bits: int, device: torch.device) -> Optional[str]:
+def _device_index_layout(K: int, N: int, bits: int, device: torch.device) -> Optional[str]:
     """The planner's index layout for a layer on ``device``; None on a device without a torch_marlin
     backend (the meta device while loading), which keeps the layout it has."""
-    from .. import planner
     try:
         planner.backend_of(device)
     except ValueError:
@@ -81,8 +82,7 @@ class TrellisLinear(nn.Module):
         else:
             self.bias = None
         self._lanes_shape = fmt.lanes_shape(K, N, bits)
-        self._index_layouts = {}  # device -> the planner's layout for it (fixed per layer shape)
-        self.register_load_state_dict_post_hook(lambda module, keys: module._validate_and_sync())
+        self.register_load_state_dict_post_hook(lambda module, keys: module._validate_and_use_device_layout())
 
     @property
     def index_layout(self) -> str:
@@ -104,29 +104,16 @@ class TrellisLinear(nn.Module):
         convert = fmt.tiles_to_lanes if layout == "lanes" else fmt.lanes_to_tiles
         self.packed_indices = convert(self.packed_indices, self.in_features, self.out_features, self.bits)
 
-    def _wanted_index_layout(self) -> Optional[str]:
-        device = self.packed_indices.device
-        if device not in self._index_layouts:
-            self._index_layouts[device] = _index_layout_for(self.in_features, self.out_features, self.bits, device)
-        return self._index_layouts[device]
+    def use_device_layout(self) -> None:
+        """Puts ``packed_indices`` in the layout the op reads fastest on the layer's device (the lane
+        layout on CUDA where the planner picks it, else the canonical tiles)."""
+        wanted = _device_index_layout(self.in_features, self.out_features, self.bits, self.packed_indices.device)
+        if wanted is not None:
+            self._set_index_layout(wanted)
 
-    def _sync_index_layout(self) -> None:
-        wanted = self._wanted_index_layout()
-        if wanted is None or wanted == self.index_layout:
-            return
-        # A conversion allocates, which a CUDA graph capture forbids: a captured layer keeps its layout.
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return
-        self._set_index_layout(wanted)
-
-    def _validate_and_sync(self) -> None:
+    def _validate_and_use_device_layout(self) -> None:
         self.validate()
-        self._sync_index_layout()
-
-    def _apply(self, fn, *args, **kwargs):
-        super()._apply(fn, *args, **kwargs)
-        self._sync_index_layout()
-        return self
+        self.use_device_layout()
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -136,7 +123,7 @@ class TrellisLinear(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        # State dicts hold canonical tiles: load into tiles; the post hook converts back after validating.
+        # State dicts hold canonical tiles: load into tiles; the post hook validates, then sets the layout.
         self._set_index_layout("tiles")
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
@@ -170,8 +157,60 @@ class TrellisLinear(nn.Module):
         if linear.bias is not None:
             mod.bias.copy_(linear.bias.detach().to(dtype))
         mod.validate()
-        mod._sync_index_layout()
+        mod.use_device_layout()
         return mod
+
+    # ---- the checkpoint entry and fusion (torch_marlin/registry.py) ----------------------------
+
+    def checkpoint_entry(self) -> dict:
+        """The layer's JSON-able description in a checkpoint (``torch_marlin.json``)."""
+        # Only the bias follows the module dtype; the trellis scales/grid/signs are always fp32.
+        dtype = self.bias.dtype if self.bias is not None else torch.float32
+        return {"type": "TrellisLinear", "format": "trellis", "bits": self.bits, "group_size": self.group_size,
+                "rotate": bool(self.rotate), "in_features": self.in_features, "out_features": self.out_features,
+                "bias": self.bias is not None, "dtype": str(dtype).replace("torch.", "")}
+
+    @classmethod
+    def from_checkpoint_entry(cls, entry: dict, device) -> "TrellisLinear":
+        """An empty layer of the shape :meth:`checkpoint_entry` describes, for its tensors to load into."""
+        return cls(entry["in_features"], entry["out_features"], bits=entry["bits"], group_size=entry["group_size"],
+                   bias=entry["bias"], rotate=entry["rotate"], dtype=getattr(torch, entry["dtype"]), device=device)
+
+    @classmethod
+    def concat(cls, layers: Sequence["TrellisLinear"]) -> Tuple[Optional["TrellisLinear"], Optional[str]]:
+        """``(one layer computing the members' outputs side by side, None)``, or ``(None, reason)``.
+
+        Trellis layers share one codebook (``grid``) and input signs (``su``): members fuse when
+        those agree (patch_model(fuse=True) quantizes a group with its first member's codebook, and
+        one seed gives one ``su`` per K), every N is a whole number of 16-column tiles (indices are
+        packed per 16 x 16 tile) and, when rotated, the fused N has each member's Hadamard block along
+        N, so the output rotation acts on each member's columns alone."""
+        first = layers[0]
+        total = sum(m.out_features for m in layers)
+        entry = dict(first.checkpoint_entry(), out_features=total)
+        if any(dict(m.checkpoint_entry(), out_features=total) != entry for m in layers):
+            return None, "members differ in bits, group size, rotation, bias or dtype"
+        if len({m.grid.device for m in layers}) != 1:
+            return None, "members are on different devices"
+        for m in layers[1:]:
+            if not (torch.equal(m.grid, first.grid) and torch.equal(m.su, first.su)):
+                return None, "members have different codebooks or input signs (quantize them with fuse=True)"
+        if any(m.out_features % fmt.TILE for m in layers):
+            return None, "trellis members fuse only with out_features multiples of 16"
+        if first.rotate and any(fmt.hadamard_block(m.out_features) != fmt.hadamard_block(total) for m in layers):
+            return None, "the members' output rotations have different block sizes"
+        fused = cls.from_checkpoint_entry(entry, first.grid.device)
+        with torch.no_grad():
+            fused.packed_indices.copy_(torch.cat([m.canonical_indices() for m in layers], dim=1))
+            fused.scales.copy_(torch.cat([m.scales for m in layers], dim=-1))
+            fused.sv.copy_(torch.cat([m.sv for m in layers], dim=-1))
+            fused.grid.copy_(first.grid)
+            fused.su.copy_(first.su)
+            if first.bias is not None:
+                fused.bias.copy_(torch.cat([m.bias for m in layers], dim=-1))
+        fused.validate()
+        fused.use_device_layout()
+        return fused, None
 
     def dequantized_weight(self) -> torch.Tensor:
         """The fp32 ``[out_features, in_features]`` weight the layer applies (rotation undone)."""
@@ -184,8 +223,6 @@ class TrellisLinear(nn.Module):
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"TrellisLinear: input must have last dimension in_features={self.in_features}, "
                              f"got shape {tuple(x.shape)}")
-        if not torch.compiler.is_compiling():
-            self._sync_index_layout()
         x2 = x.reshape(-1, self.in_features)
         if self.rotate:
             # Rotate in fp32 and round once to the activation dtype the kernel reads.

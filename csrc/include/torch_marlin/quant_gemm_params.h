@@ -32,7 +32,7 @@ TM_NAMESPACE_BEGIN
 #define TM_CUDA_DECODE_BLOCKS_PER_SM(tile_m) ((tile_m) == 64u ? 1u : 2u)
 // Most K slices the decode plan sums through a thread-block cluster (sm_90, ReduceKind::Cluster);
 // more go through global memory (ReduceKind::LastBlock). Clusters of 4 and 8 blocks measured up to
-// 30 % slower than the global path on the H100 (docs/cuda-tuning.md CUDA-DECODE-CLUSTER).
+// 30 % slower than the global path on the H100 (benchmarks/notes/cuda-tuning.md CUDA-DECODE-CLUSTER).
 #define TM_CUDA_DECODE_MAX_CLUSTER_SLICES 2u
 // ---- CUDA wgmma kernel geometry (sm_90a) -------------------------------------------------------
 // Two warpgroups per block over TM_CUDA_WGMMA_TILE_N columns and 128 or 256 rows (or, with 128
