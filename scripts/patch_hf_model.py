@@ -540,10 +540,8 @@ def run(args, dev, path, dtype, progress, t_start):
     if not report.replaced:
         fail(f"no Linear layer was quantized: --group-size {args.group_size} divides none of the layers' "
              "in_features (try 64 or 32)")
-    not_divisible = [n for n, r in report.skipped if "group_size" in r]
-    if not_divisible:
-        print(f"warning: {len(not_divisible)} layers kept in float because --group-size {args.group_size} does not "
-              "divide their in_features; a smaller group size (e.g. 64) quantizes them")
+    if report.unsupported:
+        print(f"warning: {report.unsupported_warning()}")
 
     label = (f"{args.format}{args.bits or ''} g{args.group_size}" + (" gptq" if args.method == "gptq" else "") +
              (" fused" if args.fuse else "") + (" rans" if args.entropy_coding else ""))

@@ -140,6 +140,16 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, quant
     return out, stacked
 
 
+def check_finite_weight(w: torch.Tensor) -> None:
+    """ValueError naming the first inf or NaN of a ``[K, N]`` weight: no 4-bit grid holds it, and
+    its group's scale would be inf or NaN."""
+    bad = ~torch.isfinite(w)
+    if bool(bad.any()):
+        k, n = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"the weight has {int(bad.sum())} non-finite values (inf or NaN); the first, {float(w[k, n])}, "
+                         f"is weight[{n}, {k}] (output {n}, input {k}): quantizing needs finite weights")
+
+
 def quantize_weight(w: torch.Tensor, group_size: int, quantizer, hessian: Optional[torch.Tensor] = None,
                     **gptq_options):
     """Codes ``[K, N]`` and per-group parameters of a ``[K, N]`` float weight with ``quantizer``:
@@ -148,6 +158,7 @@ def quantize_weight(w: torch.Tensor, group_size: int, quantizer, hessian: Option
     if w.dim() != 2:
         raise ValueError(f"w must be 2-D [K, N], got shape {tuple(w.shape)}")
     wf = w.detach().to(torch.float32)
+    check_finite_weight(wf)
     if hessian is not None:
         return gptq_quantize(wf, hessian, group_size, quantizer, **gptq_options)
     g = group_view(wf, group_size)

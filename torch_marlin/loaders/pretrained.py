@@ -24,6 +24,7 @@ from typing import Callable, Dict, Mapping, Optional
 import torch
 from torch import nn
 
+from ..dtypes import check_float_dtype
 from ..patching import resolve_device
 from .common import CheckpointError
 
@@ -350,6 +351,8 @@ def from_pretrained(path: str, device=None, dtype: Optional[torch.dtype] = None)
     or a device. ``dtype``: of the float tensors and of the scales (default: as stored; GGUF
     scales float16, MXFP4's bfloat16)."""
     path = os.fspath(path)
+    if dtype is not None:
+        check_float_dtype(dtype)
     source = detect(path)
     if source == "torch_marlin":
         from ..checkpoint import load_quantized

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..dtypes import check_float_dtype
 from ..formats import int4_packing
 from ..formats.affine import dequant_affine_reference, quantize_affine
 from ..formats.fp4 import dequant_fp4_reference, quantize_fp4
@@ -51,6 +52,7 @@ class MarlinLinear(nn.Module):
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
         int4_packing.check_group_size(group_size, in_features)
+        check_float_dtype(dtype)
         if out_features <= 0:
             raise ValueError(f"out_features must be positive, got {out_features}")
         self.in_features, self.out_features = in_features, out_features
