@@ -73,10 +73,10 @@ class ZeroPointQuantizer:
         if not self.search:
             return {"scales": best_s, "zeros": best_z}
         best_err = weighted_error(g, self._deq(g, best_s, best_z), wt)
-        ones, n, sw = row_weights(g, wt)
+        rows, n, sw = row_weights(g, wt)
         for d in self.STEPS:
             q = range_step_codes(g, lo, hi - lo, d)
-            s, off, ok = least_squares_affine(g, q, ones, n, sw)
+            s, off, ok = least_squares_affine(g, q, rows, n, sw)
             s = self._stored(torch.where(ok, s, best_s))
             z = torch.round(-off / nonzero_scale(s)).clamp(0, 15)
             e = weighted_error(g, self._deq(g, s, z), wt)
