@@ -79,6 +79,8 @@ def build_parser():
     p.add_argument("--dtype", choices=list(DTYPES), help="activations (default: float16, float32 on the CPU)")
     p.add_argument("--fuse", action="store_true", help="quantized models with fused q/k/v and gate/up GEMMs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=int, default=0, help="tensor-parallel ranks: the decode step on N ranks against one "
+                   "rank, all-reduce time shown (torch_marlin/distributed/bench.py; docs/distributed.md)")
     return p
 
 
@@ -213,6 +215,9 @@ def time_generation(model, device, batch, prompt, new_tokens, mode, seed):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if args.tp:
+        from torch_marlin.distributed.bench import bench_tp
+        return bench_tp(args, build_parser(), argv, build_model, llama_config, time_generation)
     device = resolve_device(args.device)
     shape = SHAPES["cuda" if device.type == "cuda" else "other"]
     for name, default in zip(("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab"), shape):

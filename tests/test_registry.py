@@ -85,7 +85,9 @@ def test_group_size_rules():
     assert registry.layer_format("fp4").unsupported(40, 32) == "in_features=40 is not a multiple of group_size=32"
     assert registry.layer_format("u4").unsupported(64, 32) is None
     assert registry.layer_format("trellis").unsupported(40, 32) is None  # trellis pads K to whole tiles
-    assert registry.ENTROPY_CODED.unsupported(48, 16) == "in_features=48 is not a multiple of 32"
+    assert registry.ENTROPY_CODED.unsupported(48, 32) == \
+        "rANS coding needs K (in_features) to be a positive multiple of 32, got 48"
+    assert registry.ENTROPY_CODED.unsupported(64, 16) == "group_size=16 is not a multiple of 32"
     with pytest.raises(ValueError, match="group_size must be a positive multiple of 8, got 12"):
         registry.layer_format("affine").check_group_size(12)
     with pytest.raises(ValueError, match="positive multiple of 16"):

@@ -203,6 +203,20 @@ def _build_hf_skeleton(directory: str, cfg: dict) -> nn.Module:
     return cls(hf_config)
 
 
+def check_layer_shapes(cfg: dict, header: dict, path: str) -> None:
+    """Config vs tensors, layer by layer, before building anything."""
+    for name, entry in cfg["layers"].items():
+        prefix = name + "."
+        tensors = {k[len(prefix):]: v for k, v in header.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
+        try:
+            check_entry_tensors(entry, tensors)
+        except ValueError as e:
+            raise ValueError(f"{path}: layer '{name}': {e}") from e
+    for alias, target in cfg["tied"].items():
+        if target not in header:
+            raise ValueError(f"{CONFIG_NAME}: tied tensor '{alias}' points at '{target}', which {path} lacks")
+
+
 def load_quantized(directory: str, model: Optional[nn.Module] = None, device=None, verify: bool = True) -> nn.Module:
     """Rebuilds a model saved by :func:`save_quantized`; returns it in eval mode.
 
@@ -216,17 +230,7 @@ def load_quantized(directory: str, model: Optional[nn.Module] = None, device=Non
     cfg = _read_config(directory)
     path, header = _open_weights(directory, cfg)
 
-    # Config vs tensors, layer by layer, before building anything.
-    for name, entry in cfg["layers"].items():
-        prefix = name + "."
-        tensors = {k[len(prefix):]: v for k, v in header.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
-        try:
-            check_entry_tensors(entry, tensors)
-        except ValueError as e:
-            raise ValueError(f"{path}: layer '{name}': {e}") from e
-    for alias, target in cfg["tied"].items():
-        if target not in header:
-            raise ValueError(f"{CONFIG_NAME}: tied tensor '{alias}' points at '{target}', which {path} lacks")
+    check_layer_shapes(cfg, header, path)
 
     if model is None:
         model = _build_hf_skeleton(directory, cfg)

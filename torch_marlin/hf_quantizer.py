@@ -90,11 +90,31 @@ class TorchMarlinHfQuantizer(HfQuantizer):
             model.set_submodule(name, empty_layer(entry, "meta"))
         return model
 
+    def update_parallel_plan(self, model, plan):
+        super().update_parallel_plan(model, plan)
+        if _tensor_parallel(model):  # tp_plan: our layers get our styles (torch_marlin/distributed/hf.py)
+            from .distributed import hf as tp_hf
+
+            tp_hf.update_plan(model, plan, self._will_quantize, self.quantization_config.group_size)
+
+    def _will_quantize(self, name, linear) -> bool:
+        from .patching import _matches
+        from .registry import layer_format
+
+        cfg = self.quantization_config
+        return not self.pre_quantized and _matches(name, cfg.modules_to_not_convert) is None and \
+            layer_format(cfg.format).unsupported(linear.in_features, cfg.group_size) is None
+
     def _process_model_after_weight_loading(self, model, **kwargs):
         from .patching import patch_model
         from .registry import checkpoint_entry, use_device_layouts
 
         cfg = self.quantization_config
+        linears = {}
+        if _tensor_parallel(model):
+            from .distributed import hf as tp_hf
+
+            linears = tp_hf.localize(model)
         if self.pre_quantized:
             use_device_layouts(model)
         else:
@@ -102,6 +122,8 @@ class TorchMarlinHfQuantizer(HfQuantizer):
                                  skip=cfg.modules_to_not_convert, progress=False, **cfg.format_options)
             if report.unsupported:
                 warnings.warn(f"TorchMarlinConfig: {report.unsupported_warning()}", stacklevel=2)
+        if linears:
+            tp_hf.rehook(model, linears)
         cfg.layers = {name: entry for name, mod in model.named_modules()
                       if (entry := checkpoint_entry(mod)) is not None}
         return model
@@ -112,6 +134,14 @@ class TorchMarlinHfQuantizer(HfQuantizer):
     @property
     def is_trainable(self) -> bool:
         return False
+
+
+def _tensor_parallel(model) -> bool:
+    """Whether transformers is loading ``model`` tensor-parallel (``tp_plan`` under torchrun)."""
+    import torch.distributed as dist
+
+    config = getattr(getattr(model, "config", None), "distributed_config", None)
+    return dist.is_available() and dist.is_initialized() and (getattr(config, "tp_size", 1) or 1) > 1
 
 
 def register() -> None:

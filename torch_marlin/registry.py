@@ -21,6 +21,7 @@ from typing import Callable, Dict, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
+from .distributed import rules as sharding
 from .formats import int4_packing
 from .formats import rans as rans_format
 from .formats import trellis as trellis_format
@@ -40,8 +41,9 @@ class LayerFormat:
     select this format in ``layer`` (MarlinLinear's ``format``). ``options``: the quantizer options
     ``patch_model`` accepts for it. ``shared_options(leader)``: the options that make a layer fusable
     with ``leader``, the first quantized member of its fusion group (trellis: one codebook).
-    ``shard``: how a layer splits across tensor-parallel ranks (read by the tensor-parallel
-    loader); None where the format has no rule.
+    ``shard``: how a layer splits across tensor-parallel ranks, a
+    :class:`torch_marlin.distributed.rules.ShardRule` (``shard(layer, style, rank, world)`` is a
+    rank's layer); None where the format has no rule.
     """
     name: str
     layer: type
@@ -73,18 +75,19 @@ class LayerFormat:
 
 
 LAYER_FORMATS: Dict[str, LayerFormat] = {f.name: f for f in (
-    LayerFormat("fp4", MarlinLinear, int4_packing.check_group_size, {"format": "fp4"}),
-    LayerFormat("u4", MarlinLinear, int4_packing.check_group_size, {"format": "u4"}, options=("symmetric",)),
-    LayerFormat("affine", MarlinLinear, int4_packing.check_group_size, {"format": "affine"}),
+    LayerFormat("fp4", MarlinLinear, int4_packing.check_group_size, {"format": "fp4"}, shard=sharding.MARLIN),
+    LayerFormat("u4", MarlinLinear, int4_packing.check_group_size, {"format": "u4"}, options=("symmetric",),
+                shard=sharding.MARLIN),
+    LayerFormat("affine", MarlinLinear, int4_packing.check_group_size, {"format": "affine"}, shard=sharding.MARLIN),
     LayerFormat("trellis", TrellisLinear, trellis_format.check_group_size, options=("bits", "rotate", "seed"),
-                shared_options=lambda leader: {"grid": leader.grid}),
+                shared_options=lambda leader: {"grid": leader.grid}, shard=sharding.TRELLIS),
 )}
 FORMATS = tuple(LAYER_FORMATS)
 
 #: MarlinLinear layers with their 4-bit codes rANS-coded (``patch_model(entropy_coding=True)``): not a
 #: format of their own (each keeps its fp4 / u4 / affine ``format``), so not in LAYER_FORMATS;
 #: checkpoints mark them with ``"type": "RansLinear"``.
-ENTROPY_CODED = LayerFormat("rans", RansLinear, rans_format.check_group_size)
+ENTROPY_CODED = LayerFormat("rans", RansLinear, rans_format.check_group_size, shard=sharding.RANS)
 ENTROPY_CODED_FORMATS = tuple(name for name, f in LAYER_FORMATS.items() if f.layer is MarlinLinear)
 
 

@@ -36,8 +36,8 @@ def check_group_size(group_size: int, in_features: Optional[int] = None) -> None
     """The layers rANS coding takes, beyond the 4-bit container's rule: the 32 lanes decode 32 rows of
     K a step and a step never straddles a group, so ``in_features`` and ``group_size`` are multiples
     of 32."""
-    if in_features is not None and in_features % LANES != 0:
-        raise ValueError(f"in_features={in_features} is not a multiple of {LANES}")
+    if in_features is not None:
+        check_k(in_features)
     if group_size % LANES != 0:
         raise ValueError(f"group_size={group_size} is not a multiple of {LANES}")
 

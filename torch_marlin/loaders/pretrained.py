@@ -345,14 +345,28 @@ def _load_gguf(path: str, device, dtype) -> nn.Module:
 
 # ---------------------------------------------------------------------------------------------- entry point
 
-def from_pretrained(path: str, device=None, dtype: Optional[torch.dtype] = None) -> nn.Module:
+def from_pretrained(path: str, device=None, dtype: Optional[torch.dtype] = None, tp_plan=None) -> nn.Module:
     """The transformers causal LM stored at ``path`` (a directory or a ``.gguf`` file) with its
     quantized Linears as :class:`MarlinLinear`, in eval mode. ``device``: None (cpu), ``"auto"``
     or a device. ``dtype``: of the float tensors and of the scales (default: as stored; GGUF
-    scales float16, MXFP4's bfloat16)."""
+    scales float16, MXFP4's bfloat16).
+
+    ``tp_plan``: ``"auto"`` (the model's own tensor-parallel plan) or a ``parallelize_module`` plan
+    runs the model tensor-parallel over every rank of ``torchrun`` (docs/distributed.md), each on its
+    own device (``device`` is then ignored). A torch_marlin checkpoint is read in pieces, each rank
+    only its shards; other sources are loaded whole, then sharded."""
     path = os.fspath(path)
     if dtype is not None:
         check_float_dtype(dtype)
+    if tp_plan is not None:
+        from ..distributed import loading, parallelize
+
+        loading.check_plan(tp_plan)  # before anything is read
+        if detect(path) == "torch_marlin":
+            model = loading.load_quantized_tp(path, tp_plan)
+            return model.to(dtype) if dtype is not None else model
+        mesh = loading.init_tp_mesh()
+        return parallelize(from_pretrained(path, device=loading.local_device(mesh), dtype=dtype), mesh, tp_plan)
     source = detect(path)
     if source == "torch_marlin":
         from ..checkpoint import load_quantized
