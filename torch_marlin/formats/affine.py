@@ -84,7 +84,7 @@ def quantize_affine(w: torch.Tensor, group_size: int = 128, scale_dtype: torch.d
     ``search=True`` (default) refines ``(scale, offset)`` by least squares over candidate steps
     (:class:`AffineQuantizer`). ``hessian`` ``[K, K]`` switches to
     GPTQ error feedback (torch_marlin/formats/gptq_solver.py; ``gptq_options``: ``act_order``,
-    ``damp``, ``block_size``).
+    ``damp``, ``block_size``; ``progress``: a tqdm bar, also without ``hessian``).
     Returns ``(B_packed int32 [K/8, N], scales [K/group_size, N], offsets [K/group_size, N])``,
     scales and offsets in ``scale_dtype``.
     """

@@ -76,7 +76,7 @@ def quantize_fp4(w: torch.Tensor, group_size: int = 128, scale_dtype: torch.dtyp
     each scale by a least-squares search around ``absmax / 6`` (torch_marlin/formats/group_quant.py);
     ``search=False`` is plain ``absmax / 6``. ``hessian`` ``[K, K]`` (the layer's input second
     moment ``X^T X``) switches to GPTQ error feedback (torch_marlin/formats/gptq_solver.py;
-    ``gptq_options``: ``act_order``, ``damp``, ``block_size``).
+    ``gptq_options``: ``act_order``, ``damp``, ``block_size``; ``progress``: a tqdm bar, also without ``hessian``).
     Returns ``(B_packed int32 [K/8, N], scales [K/group_size, N] of scale_dtype)``.
     """
     code, params = quantize_weight(w, group_size, Fp4Quantizer(scale_dtype, search), hessian, **gptq_options)

@@ -115,7 +115,7 @@ def quantize_u4(w: torch.Tensor, group_size: int = 128, symmetric: bool = False,
     ``scale = m / -8`` with ``m`` the group's largest-magnitude value (sign kept; the scale is
     negative when ``m > 0``), refined by the same search unless ``search=False``.
     ``hessian`` ``[K, K]`` switches to GPTQ error feedback (torch_marlin/formats/gptq_solver.py;
-    ``gptq_options``: ``act_order``, ``damp``, ``block_size``).
+    ``gptq_options``: ``act_order``, ``damp``, ``block_size``; ``progress``: a tqdm bar, also without ``hessian``).
     Returns ``(B_packed int32 [K/8, N], scales [K/group_size, N], zeros uint8 [K/group_size, N])``.
     """
     q, params = quantize_weight(w, group_size, zero_point_quantizer(symmetric, scale_dtype, search), hessian, **gptq_options)
