@@ -11,11 +11,18 @@ the model as built; the quantized formats: torch_marlin.patch_model, lm_head kep
 size and mode it prefills a random prompt and decodes --new-tokens tokens greedily over a static KV
 cache (torch_marlin.generation.StaticDecoder), after one untimed warm-up generation. Modes:
 ``eager``; ``graph``: the decode step captured once as a CUDA graph and replayed (CUDA),
-torch.compile of the model (MPS), none on the CPU; ``compile``: on CUDA the model compiled by
-torch.compile (inductor fuses the norms, rotary embeddings and elementwise work around the
-quantized ops, which it calls as they are) and its decode step captured as a CUDA graph, on MPS
-the same as ``graph``, none on the CPU. The default runs eager and graph; compile costs a
-compilation per model (about a minute for the 32-layer shape).
+the decode step compiled (MPS), none on the CPU; ``compile``: the decode step compiled by
+torch.compile (StaticDecoder(compile=True): inductor fuses the norms, rotary embeddings and
+elementwise work around the quantized ops, which it calls as they are; the prompt runs eagerly),
+on CUDA also captured as a CUDA graph; the same as ``graph`` on MPS; none on the CPU.
+The default runs eager and graph; compile costs a compilation per model and batch size (about a
+minute for the 32-layer shape).
+
+``--profile`` prints, after each timed run, where one decode step's time goes (scripts/step_profile.py):
+each linear layer's GEMM by layer and shape next to the same layer timed alone in this process,
+the other kernels, and the idle time between kernels (the step's time minus its kernels' times).
+On CUDA from the kernels' device times (torch.profiler); on the CPU from the outermost ops' CPU
+times; on MPS the benchmark runs but is not broken down (torch.profiler has no MPS kernel times).
 
 ``no_linear`` is the float model with every linear layer of its decoder layers answering with
 zeros without computing (a view of a buffer: no kernel): its step time is what the model spends
@@ -38,7 +45,9 @@ from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout without installing
+sys.path.insert(0, HERE)
 
+from step_profile import format_profile, profile_step  # noqa: E402  (scripts/step_profile.py)
 from torch_marlin.generation import StaticDecoder  # noqa: E402
 from torch_marlin.patching import patch_model, resolve_device  # noqa: E402
 from torch_marlin.registry import LAYER_FORMATS  # noqa: E402
@@ -78,6 +87,11 @@ def build_parser():
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--dtype", choices=list(DTYPES), help="activations (default: float16, float32 on the CPU)")
     p.add_argument("--fuse", action="store_true", help="quantized models with fused q/k/v and gate/up GEMMs")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="quantized models with lm_head quantized too (patch_model(quantize_lm_head=True))")
+    p.add_argument("--profile", action="store_true",
+                   help="after each timed run, one decode step's time by part (scripts/step_profile.py)")
+    p.add_argument("--profile-steps", type=int, default=3, help="decode steps profiled per run (--profile)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp", type=int, default=0, help="tensor-parallel ranks: the decode step on N ranks against one "
                    "rank, all-reduce time shown (torch_marlin/distributed/bench.py; docs/distributed.md)")
@@ -138,7 +152,8 @@ def step_bytes(model: nn.Module) -> int:
     is also the output projection)."""
     emb = model.get_input_embeddings().weight
     out = model.get_output_embeddings()
-    tied = out is not None and out.weight.data_ptr() == emb.data_ptr()
+    weight = getattr(out, "weight", None)  # a quantized lm_head has none
+    tied = isinstance(weight, torch.Tensor) and weight.data_ptr() == emb.data_ptr()
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
         if t.data_ptr() in seen or (t is emb and not tied):
@@ -194,13 +209,18 @@ def run_mode_of(mode, device):
 
 
 def time_generation(model, device, batch, prompt, new_tokens, mode, seed):
-    """(prefill seconds, decode tokens per second) of one timed run after a warm-up run."""
+    """(prefill seconds, decode tokens per second, the decoder, its prompt) of one timed run after a
+    warm-up run."""
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt), device=device,
                         generator=torch.Generator(device=device).manual_seed(seed))
     compiled = mode in ("compile", "compile_cuda_graph")
-    runner = torch.compile(model, dynamic=False) if compiled else model
-    dec = StaticDecoder(runner, batch, prompt + new_tokens, cuda_graph=mode in ("cuda_graph", "compile_cuda_graph"))
-    dec.generate(ids, min(new_tokens, 3))  # warm-up: kernels, plans, the graph capture
+    if compiled:
+        # Each run compiles its own decoder; the graphs of earlier runs (other models, batch sizes)
+        # are dropped so they do not count against dynamo's recompile limit.
+        torch._dynamo.reset()
+    dec = StaticDecoder(model, batch, prompt + new_tokens, cuda_graph=mode in ("cuda_graph", "compile_cuda_graph"),
+                        compile=compiled)
+    dec.generate(ids, min(new_tokens, 3))  # warm-up: kernels, plans, the compilation, the graph capture
     sync(device)
     t0 = time.perf_counter()
     token = dec.prefill(ids)
@@ -210,7 +230,21 @@ def time_generation(model, device, batch, prompt, new_tokens, mode, seed):
         token = dec.step(token, prompt + i - 1)
     sync(device)
     t2 = time.perf_counter()
-    return t1 - t0, batch * (new_tokens - 1) / (t2 - t1)
+    return t1 - t0, batch * (new_tokens - 1) / (t2 - t1), dec, ids
+
+
+def profile_run(model, dec, ids, steps, step_s, device, dtype):
+    """One decode step's breakdown (scripts/step_profile.py) on the timed run's decoder."""
+    prompt = ids.shape[1]
+    token = dec.prefill(ids)
+    position = [prompt]
+
+    def step():
+        dec.step(token, position[0])
+        position[0] += 1
+
+    steps = max(1, min(steps, (dec.max_length - prompt - 1) // 2))  # a warm-up pass, then the profiled one
+    return profile_step(model, step, ids.shape[0], steps, step_s * 1e6, device, dtype)
 
 
 def main(argv=None):
@@ -236,7 +270,7 @@ def main(argv=None):
 
     config = llama_config(args)
     bandwidth = read_bandwidth(device)
-    rows, notes = [], []
+    rows, notes, profiles = [], [], []
     runs = [(f, b, m) for f in formats for b in args.batch for m in modes]
     bar = tqdm(total=len(runs), desc="bench_e2e", unit="run")
     for fmt in formats:
@@ -250,7 +284,8 @@ def main(argv=None):
         if fmt == "no_linear":
             skip_linears(model)
         elif fmt != "float":
-            patch_model(model, format=fmt, group_size=args.group_size, progress=False, fuse=args.fuse)
+            patch_model(model, format=fmt, group_size=args.group_size, progress=False, fuse=args.fuse,
+                        quantize_lm_head=args.quantize_lm_head)
         nbytes = step_bytes(model)
         label = str(dtype).replace("torch.", "") if fmt == "float" else fmt
         for batch in args.batch:
@@ -261,8 +296,8 @@ def main(argv=None):
                     notes.append(f"{mode}: no {mode} mode on {device.type}")
                 else:
                     try:
-                        prefill_s, tok_s = time_generation(model, device, batch, args.prompt, args.new_tokens,
-                                                           run_mode, args.seed)
+                        prefill_s, tok_s, dec, ids = time_generation(model, device, batch, args.prompt,
+                                                                     args.new_tokens, run_mode, args.seed)
                         floor = batch * bandwidth / nbytes
                         rows.append((label, run_mode, batch, prefill_s * 1e3, tok_s, floor, nbytes))
                         bar.write(f"{label} {run_mode} batch {batch}: prefill {prefill_s * 1e3:.1f} ms, "
@@ -270,6 +305,20 @@ def main(argv=None):
                     except Exception as e:  # a mode that fails on this backend is a result too
                         notes.append(f"{fmt} batch {batch} {run_mode}: failed ({type(e).__name__}: "
                                      f"{str(e).splitlines()[0][:120]})")
+                        dec = None
+                    if dec is not None and args.profile:
+                        what = f"{label}{' fused' if args.fuse and fmt in LAYER_FORMATS else ''} {run_mode} batch {batch}"
+                        if device.type not in ("cuda", "cpu"):
+                            notes.append(f"--profile: no kernel times on {device.type} (timed, not broken down)")
+                        else:
+                            try:
+                                prof = profile_run(model, dec, ids, args.profile_steps, batch / tok_s, device, dtype)
+                                profiles.append(format_profile(what, prof))
+                                bar.write(profiles[-1])
+                            except Exception as e:
+                                notes.append(f"--profile {what}: failed ({type(e).__name__}: "
+                                             f"{str(e).splitlines()[0][:120]})")
+                    dec = None
                 bar.update(1)
         del model
         if device.type == "cuda":
@@ -278,7 +327,8 @@ def main(argv=None):
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     print(f"\n{name}, {dtype}, {args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, "
           f"heads {args.heads}/{args.kv_heads}, vocab {args.vocab}, prompt {args.prompt}, {args.new_tokens} new "
-          f"tokens, group size {args.group_size}{', fused projections' if args.fuse else ''}; read bandwidth "
+          f"tokens, group size {args.group_size}{', fused projections' if args.fuse else ''}"
+          f"{', lm_head quantized' if args.quantize_lm_head else ''}; read bandwidth "
           f"{bandwidth / 1e9:.0f} GB/s")
     head = f"| {'format':<8} | {'mode':<10} | {'batch':>5} | {'prefill ms':>10} | {'decode tok/s':>12} | " \
            f"{'floor tok/s':>11} | {'of floor':>8} | {'MiB/step':>8} |"
@@ -289,6 +339,8 @@ def main(argv=None):
               f"{tok_s / floor:>7.1%} | {nbytes / 2**20:>8.1f} |")
     for note in dict.fromkeys(notes):
         print(f"note: {note}")
+    for text in profiles:
+        print(text)
     return rows
 
 

@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout without install
 
 import torch_marlin  # noqa: E402
 import evaluation  # noqa: E402  (scripts/evaluation.py)
+from torch_marlin.fusion import fuse_projections  # noqa: E402
 from torch_marlin.patching import resolve_device  # noqa: E402
 from torch_marlin.registry import FORMATS  # noqa: E402
 
@@ -96,6 +97,9 @@ def build_parser():
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="activation dtype; auto: float32 on cpu, float16 on mps/cuda")
     p.add_argument("--skip", nargs="*", default=["lm_head"], help="Linear layers kept in float")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="quantize the output projection too, in u4 g32 whatever --format is, untied from the "
+                        "embeddings (patch_model(quantize_lm_head=True); docs/formats.md, \"Quantized lm_head\")")
     p.add_argument("--fuse", action="store_true",
                    help="run q/k/v and gate/up projections as one quantized GEMM each (patch_model(fuse=True))")
     p.add_argument("--entropy-coding", action="store_true",
@@ -131,8 +135,9 @@ def parse_args(argv=None):
         fail(f"--group-size: trellis needs a positive multiple of 16, got {args.group_size}", p)
     if args.entropy_coding and args.format == "trellis":
         fail("--entropy-coding applies to --format fp4, u4 or affine (trellis indices are not coded)", p)
-    if args.fuse and args.save:
-        fail("--fuse and --save: checkpoints are saved unfused (fuse after load_quantized); drop one of them", p)
+    if args.fuse and args.save and (args.format == "trellis" or args.entropy_coding):
+        fail("--fuse with --save: fused trellis and entropy-coded layers cannot be cut back into their members for "
+             "the checkpoint; save without --fuse and fuse after load_quantized", p)
     if args.calibration is not None and args.method != "gptq":
         fail("--calibration applies to --method gptq (rtn uses no data)", p)
     if args.method == "gptq":
@@ -495,7 +500,8 @@ def load_prequantized(args, dev, path, dtype, source):
         report.float_bytes += m.in_features * m.out_features * torch.finfo(dtype).bits // 8
         report.quantized_bytes += _module_bytes(m)
     print(f"loaded the {source} checkpoint as it is ({len(layers)} MarlinLinear layers, {first.format} "
-          f"g{first.group_size} first) in {time.perf_counter() - t0:.1f} s; --format/--group-size/--method do not apply")
+          f"g{first.group_size} first) in {time.perf_counter() - t0:.1f} s; --format/--group-size/--method/"
+          "--quantize-lm-head do not apply")
     fm = dequantized_copy(qm)
     label = f"{source} {first.format} g{first.group_size}"
     if args.entropy_coding:
@@ -534,7 +540,7 @@ def run(args, dev, path, dtype, progress, t_start):
         print(f"calibration: {len(lines)} samples from {args.calibration or CALIBRATION}")
     report = torch_marlin.patch_model(qm, format=args.format, group_size=args.group_size, skip=args.skip, device=dev,
                                       progress=progress, fuse=args.fuse, entropy_coding=args.entropy_coding,
-                                      **opts)
+                                      quantize_lm_head=args.quantize_lm_head, **opts)
     print(report)
     print(f"quantized in {time.perf_counter() - t0:.1f} s")
     if not report.replaced:
@@ -544,7 +550,8 @@ def run(args, dev, path, dtype, progress, t_start):
         print(f"warning: {report.unsupported_warning()}")
 
     label = (f"{args.format}{args.bits or ''} g{args.group_size}" + (" gptq" if args.method == "gptq" else "") +
-             (" fused" if args.fuse else "") + (" rans" if args.entropy_coding else ""))
+             (" fused" if args.fuse else "") + (" rans" if args.entropy_coding else "") +
+             (" +lm_head" if args.quantize_lm_head else ""))
     compare(args, dev, dtype, fm, qm, tok, kind, report, label, t_start)
 
 
@@ -574,6 +581,8 @@ def compare(args, dev, dtype, fm, qm, tok, kind, report, label, t_start):
         torch_marlin.save_quantized(qm, args.save, tokenizer=tok)
         size = sum(os.path.getsize(os.path.join(args.save, f)) for f in os.listdir(args.save))
         re = torch_marlin.load_quantized(args.save, device=dev)
+        if args.fuse:  # the checkpoint holds the members: fuse them again as qm was
+            fuse_projections(re)
         same = torch.equal(probe(qm), probe(re))
         print(f"\nsaved to {args.save} ({size / 2**20:.1f} MiB); reloaded with load_quantized: "
               f"{'identical outputs' if same else 'OUTPUTS DIFFER'}")

@@ -48,7 +48,7 @@ def main_error(capsys, *args):
     (["--format", "trellis", "--group-size", "40"], ["trellis needs a positive multiple of 16, got 40"]),
     (["--format", "fp4", "--bits", "3"], ["--bits applies to --format trellis only"]),
     (["--format", "affine", "--bits", "3"], ["--bits applies to --format trellis only (fp4, u4 and affine"]),
-    (["--fuse", "--save", "/tmp/x"], ["--fuse and --save", "saved unfused"]),
+    (["--fuse", "--save", "/tmp/x", "--entropy-coding"], ["--fuse with --save", "cannot be cut back"]),
     (["--format", "trellis", "--entropy-coding"], ["--entropy-coding applies to --format fp4, u4 or affine"]),
     (["--repeats", "0"], ["--repeats", "must be positive"]),
     (["--format", "int8"], ["--format", "invalid choice"]),
@@ -93,7 +93,7 @@ def test_help_states_every_default():
     options = [a.option_strings[0] for a in patch_hf_model.build_parser()._actions if a.dest != "help"]
     text = " ".join(patch_hf_model.build_parser().format_help().split())
     text = text[text.index("options:"):]
-    assert text.count("(default: ") == len(options) == 17
+    assert text.count("(default: ") == len(options) == 18
     for option, default in [("--model", "minilm"), ("--group-size", "128"), ("--skip", "['lm_head']"),
                             ("--repeats", "3")]:
         assert f"(default: {default})" in text[text.index(f"{option} "):].split(" --")[0], option

@@ -68,22 +68,28 @@ def save_quantized(model: nn.Module, directory: str, tokenizer=None) -> str:
     """
     from safetensors.torch import save_file
 
-    from .fusion import FusedSlice
+    from .fusion import unfused_members
 
-    fused = [name for name, mod in model.named_modules() if isinstance(mod, FusedSlice)]
-    if fused:
-        raise ValueError(f"model has fused projections ({fused[0]}, ...): save it unfused (patch_model without "
-                         "fuse=True) and fuse after load_quantized with torch_marlin.fusion.fuse_projections")
+    # Fused projections are written as their members, so the checkpoint loads fused or not.
+    members = unfused_members(model)
     layers = {}
     for name, mod in model.named_modules():
-        entry = checkpoint_entry(mod)
+        for member, layer in members.get(name, {}).items():
+            layers[member] = checkpoint_entry(layer)
+        entry = None if name in members else checkpoint_entry(mod)
         if entry is not None:
             layers[name] = entry
     if not layers:
         raise ValueError("model has no quantized layers: call torch_marlin.patch_model(model, ...) first")
 
+    state = model.state_dict()
+    for fused_name, parts in members.items():
+        for key in [k for k in state if k.startswith(fused_name + ".")]:
+            del state[key]
+        for member, layer in parts.items():
+            state.update({f"{member}.{k}": v for k, v in layer.state_dict().items()})
     os.makedirs(directory, exist_ok=True)
-    tensors, tied = _dedup_tied(model.state_dict())
+    tensors, tied = _dedup_tied(state)
     weights_path = os.path.join(directory, WEIGHTS_NAME)
     save_file(tensors, weights_path, metadata={"format": "pt", "producer": "torch_marlin"})
 

@@ -1,5 +1,6 @@
 """Greedy decoding of a Hugging Face causal LM over a static KV cache, optionally with the one-token
-decode step captured once as a CUDA graph and replayed for every later token.
+decode step compiled once by ``torch.compile`` and/or captured once as a CUDA graph and replayed for
+every later token.
 
 A decode step at small batch is bound by host work (Python, the dispatcher, kernel launches), not
 by the weight reads: replaying a captured graph removes all of it. The capture covers the model's
@@ -8,7 +9,13 @@ token; the inputs (token, position) live in static tensors that each step overwr
 Works for any model whose forward takes ``past_key_values``, ``cache_position`` and
 ``position_ids`` (transformers' Llama, Mistral, Qwen, SmolLM, ...). Needs ``transformers``.
 
-    dec = StaticDecoder(model, batch_size=1, max_length=256, cuda_graph=True)
+``compile``: the decode step (model forward, cache update, greedy choice) is compiled once, at the
+first step: the prompt runs eagerly first (a prompt of another length would be another graph),
+which also allocates the cache, so every step sees the same cache objects in the same state; the
+step's inputs are the same static tensors every time (the position is a tensor, not a Python int).
+So one graph serves every layer and every step: no recompiles.
+
+    dec = StaticDecoder(model, batch_size=1, max_length=256, cuda_graph=True, compile=True)
     tokens = dec.generate(input_ids, new_tokens=64)
 """
 
@@ -22,16 +29,30 @@ class StaticDecoder:
     """Greedy decoding of ``model`` for ``batch_size`` sequences of up to ``max_length`` tokens
     (prompt included). ``cuda_graph``: capture the decode step (CUDA only) at its first call;
     every later step is one graph replay. The graph holds the cache's and the model's tensors:
-    keep the model's weights where they are while the decoder lives."""
+    keep the model's weights where they are while the decoder lives. ``compile``: the decode step
+    compiled by ``torch.compile`` (``dynamic=False``) at its first call, the prompt run eagerly;
+    ``compile_options``: more keyword arguments for ``torch.compile`` (``backend``, ``mode``, ...)."""
 
-    def __init__(self, model: nn.Module, batch_size: int, max_length: int, cuda_graph: bool = False):
+    def __init__(self, model: nn.Module, batch_size: int, max_length: int, cuda_graph: bool = False,
+                 compile: bool = False, compile_options: Optional[dict] = None):
         from transformers import StaticCache
 
+        if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+            raise TypeError(f"model must be a Hugging Face causal LM (an nn.Module with a config), got "
+                            f"{type(model).__name__}")
+        if not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if not isinstance(max_length, int) or max_length < 2:
+            raise ValueError(f"max_length must be an int >= 2, got {max_length!r}")
+        if compile_options is not None and not compile:
+            raise ValueError("compile_options is given but compile=False: pass compile=True or drop compile_options")
         self.model, self.batch_size, self.max_length = model, batch_size, max_length
         self.device = next(model.parameters()).device
         if cuda_graph and self.device.type != "cuda":
             raise ValueError(f"cuda_graph needs a model on a CUDA device, this one is on {self.device}")
         self.cuda_graph = cuda_graph
+        self._decode = (torch.compile(self._decode_step, dynamic=False, **(compile_options or {})) if compile
+                        else self._decode_step)
         self.cache = StaticCache(config=model.config, max_cache_len=max_length)
         self._tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)
         self._position = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -58,9 +79,12 @@ class StaticDecoder:
         self.logits = self._forward(input_ids.to(self.device), positions)
         return self.logits.argmax(-1)
 
+    def _decode_step(self, tokens: torch.Tensor, position: torch.Tensor):
+        logits = self._forward(tokens, position)
+        return logits, logits.argmax(-1)
+
     def _step_body(self) -> None:
-        self.logits = self._forward(self._tokens, self._position)
-        self._next = self.logits.argmax(-1)
+        self.logits, self._next = self._decode(self._tokens, self._position)
 
     def _counters(self) -> List[torch.Tensor]:
         # Cache layers that count their own length (a tensor advanced in place by every update).

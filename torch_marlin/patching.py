@@ -19,6 +19,9 @@ from .modules import MarlinLinear, RansLinear
 from .registry import ENTROPY_CODED, ENTROPY_CODED_FORMATS, LayerFormat, layer_format
 
 DEFAULT_SKIP = ("lm_head",)
+# patch_model(quantize_lm_head=True): the output projection's format and group size, chosen on
+# SmolLM2-135M (docs/formats.md, "Quantized lm_head") for its perplexity and top-1 agreement per byte.
+LM_HEAD_FORMAT, LM_HEAD_GROUP_SIZE = "u4", 32
 METHODS = ("rtn", "gptq")
 
 
@@ -127,7 +130,7 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
                 skip: Sequence[str] = DEFAULT_SKIP, device=None, dtype: Optional[torch.dtype] = None,
                 strict: bool = False, progress: bool = True, method: str = "rtn", calibration=None,
                 act_order: bool = True, damp: float = 0.01, fuse: bool = False, entropy_coding: bool = False,
-                **format_options) -> PatchReport:
+                quantize_lm_head: bool = False, **format_options) -> PatchReport:
     """Replaces ``model``'s ``nn.Linear`` layers with quantized ones, in place; returns a report.
 
     ``format``: ``"fp4"``, ``"u4"`` or ``"affine"`` (MarlinLinear), ``"trellis"`` (TrellisLinear).
@@ -155,7 +158,14 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
     as one quantized GEMM each, N concatenated (:func:`torch_marlin.fusion.fuse_projections`); the
     members of a group are quantized exactly as unfused ones, except that a format whose members
     must share state to fuse (trellis: one codebook) quantizes the rest of a group with its first
-    member's. Fused models save unfused: fuse after :func:`torch_marlin.load_quantized`.
+    member's. Only the transformers families of :data:`torch_marlin.fusion.SUPPORTED` fuse; the
+    report's ``unfused`` says why a group was not.
+
+    ``quantize_lm_head``: quantize the output projection too (``model.get_output_embeddings()``, else
+    a Linear named ``lm_head``; even where ``skip`` names it), in :data:`LM_HEAD_FORMAT` with
+    :data:`LM_HEAD_GROUP_SIZE` whatever ``format`` is. One tied to the input embeddings is untied
+    first: the embeddings keep their float weights. Off by default: the output projection is the
+    layer whose error every token's choice sees directly.
 
     ``entropy_coding`` (fp4, u4, affine): after quantizing, each layer's 4-bit codes are stored
     rANS-coded (:class:`torch_marlin.RansLinear`, lossless: the same outputs up to fp32 summation
@@ -175,14 +185,21 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
     bad = sorted(set(format_options) - set(fmt.options))
     if bad:
         raise TypeError(f"format={format!r} takes options {list(fmt.options)}, got unexpected {bad}")
+    head = _output_projection(model) if quantize_lm_head else None
+    if quantize_lm_head and head is None:
+        raise ValueError("quantize_lm_head=True: the model has no output projection (an nn.Linear from "
+                         "get_output_embeddings() or named lm_head)")
     dev = resolve_device(device)
     if dev is not None:
         model.to(dev)
 
     report = PatchReport(format=format, group_size=group_size, method=method)
-    todo = _layers_to_quantize(model, fmt, group_size, skip, strict, report)
+    todo = _layers_to_quantize(model, fmt, group_size, skip, strict, report, head)
+    if any(lin is head for _, lin in todo):
+        _untie(model, head)
     quantize = _LayerQuantizer(fmt, group_size, dtype, format_options, report,
-                               _fuse_leaders([name for name, _ in todo]) if fuse else {}, len(todo) if progress else 0)
+                               _fuse_leaders([name for name, _ in todo]) if fuse else {}, len(todo) if progress else 0,
+                               head)
     with torch.no_grad():
         if method == "rtn":
             for name, lin in todo:
@@ -210,8 +227,9 @@ def _check_method(method: str, calibration, damp) -> Optional[list]:
 
 
 def _layers_to_quantize(model: nn.Module, fmt: LayerFormat, group_size: int, skip: Sequence[str], strict: bool,
-                        report: "PatchReport") -> List[Tuple[str, nn.Linear]]:
-    """``(name, layer)`` of every ``nn.Linear`` to quantize; the others go to ``report.skipped``."""
+                        report: "PatchReport", head: Optional[nn.Linear] = None) -> List[Tuple[str, nn.Linear]]:
+    """``(name, layer)`` of every ``nn.Linear`` to quantize; the others go to ``report.skipped``.
+    ``head``: the output projection to quantize in the lm_head format, tied or named in ``skip``."""
     # Weights shared with other modules (tied embeddings): count users of every parameter.
     users: Dict[int, int] = {}
     for mod in model.modules():
@@ -222,10 +240,11 @@ def _layers_to_quantize(model: nn.Module, fmt: LayerFormat, group_size: int, ski
         if type(mod) is not nn.Linear:  # subclasses (e.g. already-quantized wrappers) are left alone
             continue
         pattern = _matches(name, skip)
-        reason = fmt.unsupported(mod.in_features, group_size)
-        if pattern is not None:
+        reason = (layer_format(LM_HEAD_FORMAT).unsupported(mod.in_features, LM_HEAD_GROUP_SIZE) if mod is head
+                  else fmt.unsupported(mod.in_features, group_size))
+        if pattern is not None and mod is not head:
             report.skipped.append((name, f"matches skip pattern {pattern!r}"))
-        elif users.get(id(mod.weight), 0) > 1:
+        elif users.get(id(mod.weight), 0) > 1 and mod is not head:
             report.skipped.append((name, "weight is shared with another module (tied)"))
         elif reason is not None:
             if strict:
@@ -237,15 +256,36 @@ def _layers_to_quantize(model: nn.Module, fmt: LayerFormat, group_size: int, ski
     return todo
 
 
+def _output_projection(model: nn.Module) -> Optional[nn.Linear]:
+    get = getattr(model, "get_output_embeddings", None)
+    out = get() if callable(get) else getattr(model, "lm_head", None)
+    return out if type(out) is nn.Linear else None
+
+
+def _untie(model: nn.Module, head: nn.Linear) -> None:
+    """Gives ``head`` its own copy of a weight it shares (tied input embeddings): GPTQ rewrites the
+    weight it quantizes in place, and the embeddings keep theirs; the config says the two are apart."""
+    if not any(p is head.weight for m in model.modules() if m is not head for p in m.parameters(recurse=False)):
+        return
+    head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else None
+    for cfg in {id(c): c for c in (config, text) if c is not None}.values():
+        if hasattr(cfg, "tie_word_embeddings"):
+            cfg.tie_word_embeddings = False
+
+
 class _LayerQuantizer:
     """Quantizes one layer at a time into ``fmt``, recording it in the report and the progress bar.
     A member of a fusion group gets the options its group's first member shares (``leaders``:
-    member name -> first member's name). ``progress_total``: layers the progress bar counts (0: no bar)."""
+    member name -> first member's name). ``progress_total``: layers the progress bar counts (0: no bar).
+    ``head``: the output projection, quantized in LM_HEAD_FORMAT with LM_HEAD_GROUP_SIZE."""
 
     def __init__(self, fmt: LayerFormat, group_size: int, dtype: Optional[torch.dtype], options: dict,
-                 report: "PatchReport", leaders: Dict[str, str], progress_total: int):
+                 report: "PatchReport", leaders: Dict[str, str], progress_total: int,
+                 head: Optional[nn.Linear] = None):
         self.fmt, self.group_size, self.dtype, self.options = fmt, group_size, dtype, options
-        self.report, self.leaders = report, leaders
+        self.report, self.leaders, self.head = report, leaders, head
         self.done: Dict[str, nn.Module] = {}
         self.bar = None
         if progress_total:
@@ -260,7 +300,10 @@ class _LayerQuantizer:
         leader = self.done.get(self.leaders.get(name, name))
         shared = self.fmt.shared_options(leader) if leader is not None else {}
         dtype = self.dtype if self.dtype is not None else lin.weight.dtype
-        new = self.fmt.quantize(lin, self.group_size, dtype, **self.options, **shared, **calibrated)
+        if lin is self.head:
+            new = layer_format(LM_HEAD_FORMAT).quantize(lin, LM_HEAD_GROUP_SIZE, dtype, **calibrated)
+        else:
+            new = self.fmt.quantize(lin, self.group_size, dtype, **self.options, **shared, **calibrated)
         new.train(lin.training)
         self.done[name] = new
         self.report.float_bytes += _module_bytes(lin)

@@ -201,7 +201,7 @@ def _rank_main(rank, args, build_model, llama_config, time_generation) -> Option
     def measure(model, fmt, ranks):
         for batch in args.batch:
             for mode in run_modes:
-                _, tok_s = time_generation(model, device, batch, args.prompt, args.new_tokens, mode, args.seed)
+                tok_s = time_generation(model, device, batch, args.prompt, args.new_tokens, mode, args.seed)[1]
                 comm = allreduce_ms((batch, args.hidden), dtype, device, 2 * args.layers) if ranks > 1 else 0.0
                 label = str(dtype).replace("torch.", "") if fmt == "float" else fmt
                 rows.append((label, mode, batch, ranks, batch / tok_s * 1e3, tok_s, comm))

@@ -52,9 +52,9 @@ def shard_in_place(module: nn.Module, style: str, rank: int, world: int, name: O
 
 
 def refuse_fused_slice(module: nn.Module, name: Optional[str] = None) -> None:
-    from ..fusion import FusedSlice
+    from ..fusion import ColumnSlice
 
-    if isinstance(module, FusedSlice):
+    if isinstance(module, ColumnSlice):
         raise ValueError(f"{name or 'this module'} is a slice of the fused layer {module.fused_name}: shard the model "
                          "before fusing (torch_marlin.fusion.fuse_projections after parallelize_module fuses each "
                          "rank's shards)")
