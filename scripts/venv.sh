@@ -8,8 +8,8 @@
 #      configuration);
 #   3. the C++ extension (pip install -e ., one progress line per compiled file; the full log is
 #      .venv/build.log).
-# Each step leaves a stamp in .venv: a step whose stamp matches (the pins; the sources, setup.py and
-# the installed packages for the build) is skipped, so a second run starts the command at once.
+# Each step leaves a stamp in .venv: a step whose stamp matches (the pins; for the build the sources,
+# setup.py, the Python version and the torch pin) is skipped, so a second run starts the command at once.
 # Then: run -> scripts/patch_hf_model.py ARGS; test -> pytest ARGS (tests/ unless ARGS name tests/...).
 set -eu
 
@@ -139,7 +139,7 @@ ensure_deps() {
     source=$(torch_source)
     want=$(deps_key "$1" "$source")
     [ -f "$DEPS_STAMP" ] && [ "$(cat "$DEPS_STAMP")" = "$want" ] && return
-    rm -f "$DEPS_STAMP" "$BUILD_STAMP"
+    rm -f "$DEPS_STAMP"
     index=${source#*|}
     say "installing the pinned packages into $VENV ($TORCH_PIN: ${source%|*})"
     if [ "$index" = "$PYTORCH_CPU_INDEX" ] \
@@ -168,8 +168,10 @@ extension_built() {
 }
 
 ensure_build() {
+    # The sources' hash, the Python version and where torch came from (the other pins do not
+    # change the build).
     want="$1
-$(cat "$DEPS_STAMP")"
+$(sed -n 1,2p "$DEPS_STAMP")"
     [ -f "$BUILD_STAMP" ] && [ "$(cat "$BUILD_STAMP")" = "$want" ] && extension_built && return
     rm -f "$BUILD_STAMP"
     log=$VENV/build.log
