@@ -141,6 +141,9 @@ class BuildExtension(cpp_extension.BuildExtension.with_options(use_ninja=True)):
         return mapping
 
 
+# A universal2 Python would also compile an x86_64 slice, which torch's arm64 libraries cannot link.
+if build_metal.arch_flags() is not None:
+    os.environ["ARCHFLAGS"] = build_metal.arch_flags()
 WITH_MPS, EXTENSION = build_extension()
 
 setup(

@@ -22,7 +22,12 @@ using namespace torch_marlin;
 constant constexpr uint kGemvLaneCols = TM_METAL_DECODE_LANE_COLS;
 constant constexpr uint kGemvTileN = TM_METAL_DECODE_TILE_N;
 constant constexpr uint kGemvSimdgroups = TM_METAL_DECODE_SIMDGROUPS;
-constant constexpr uint kGemvUnroll = 4;  // packed-word rows (16-byte loads) in flight per lane
+// Packed-word rows (16-byte loads) in flight per lane: 4, or 2 for 8 and 16 rows, where the
+// ROWS x 4 fp32 accumulators already hold 32 to 64 registers.
+template <uint ROWS>
+constexpr uint gemv_unroll() {
+  return ROWS >= 8u ? 2u : 4u;
+}
 
 // K rows one simdgroup stages per piece: at least 8 words per lane between two stagings, at most
 // 256 staged fp32 values per row count below 8 (1 KiB per simdgroup).
@@ -101,24 +106,56 @@ inline void gemv_load_group(device const T* scales, device const group_aux_t<FMT
   }
 }
 
-// 8 K rows x 4 columns into the ROWS x 4 accumulators: the word's 32 weights are dequantized once,
-// then every row's 8 staged activations (two float4 broadcasts) meet all 4 columns.
+// The 8-term dot product of two float4 pairs with 8 weights, as explicit fused multiply-adds (the
+// same rounding whatever the compiler's contraction setting).
+inline float gemv_dot8(float4 a0, float4 a1, thread const float* w) {
+  float d = a0.x * w[0];
+  d = fma(a0.y, w[1], d);
+  d = fma(a0.z, w[2], d);
+  d = fma(a0.w, w[3], d);
+  d = fma(a1.x, w[4], d);
+  d = fma(a1.y, w[5], d);
+  d = fma(a1.z, w[6], d);
+  return fma(a1.w, w[7], d);
+}
+
+inline uint gemv_word(uint4 q, uint c) { return c == 0u ? q.x : c == 1u ? q.y : c == 2u ? q.z : q.w; }
+inline float gemv_col(float4 v, uint c) { return c == 0u ? v.x : c == 1u ? v.y : c == 2u ? v.z : v.w; }
+
+// 8 K rows x 4 columns into the ROWS x 4 accumulators. Up to 4 rows: the word's 32 weights are
+// dequantized once, then every row's 8 staged activations (two float4 broadcasts) meet all 4
+// columns. 8 and 16 rows: one column's 8 weights at a time (8 live weights instead of 32 beside
+// the 32 to 64 accumulators), the staged activations read once per column (threadgroup broadcasts).
 template <uint FMT, uint ROWS>
 inline void gemv_word_row(uint4 q, float4 s, float4 zb, threadgroup const float* a, uint a_stride, uint M,
                           thread float* acc) {
-  float w[4][8];
-  dequant_word_bits<FMT>(q.x, s.x, zb.x, w[0]);
-  dequant_word_bits<FMT>(q.y, s.y, zb.y, w[1]);
-  dequant_word_bits<FMT>(q.z, s.z, zb.z, w[2]);
-  dequant_word_bits<FMT>(q.w, s.w, zb.w, w[3]);
-  for (uint m = 0; m < ROWS; ++m) {
-    if (ROWS == 1u || m < M) {
-      const float4 a0 = *(threadgroup const float4*)(a + m * a_stride);
-      const float4 a1 = *(threadgroup const float4*)(a + m * a_stride + 4u);
-      for (uint c = 0; c < 4u; ++c) {
-        const float d = a0.x * w[c][0] + a0.y * w[c][1] + a0.z * w[c][2] + a0.w * w[c][3] + a1.x * w[c][4] +
-                        a1.y * w[c][5] + a1.z * w[c][6] + a1.w * w[c][7];
-        acc[m * 4u + c] += d;
+  if (ROWS <= 4u) {
+    float w[4][8];
+    dequant_word_bits<FMT>(q.x, s.x, zb.x, w[0]);
+    dequant_word_bits<FMT>(q.y, s.y, zb.y, w[1]);
+    dequant_word_bits<FMT>(q.z, s.z, zb.z, w[2]);
+    dequant_word_bits<FMT>(q.w, s.w, zb.w, w[3]);
+    TM_UNROLL
+    for (uint m = 0; m < ROWS; ++m) {
+      if (ROWS == 1u || m < M) {
+        const float4 a0 = *(threadgroup const float4*)(a + m * a_stride);
+        const float4 a1 = *(threadgroup const float4*)(a + m * a_stride + 4u);
+        TM_UNROLL
+        for (uint c = 0; c < 4u; ++c) acc[m * 4u + c] += gemv_dot8(a0, a1, w[c]);
+      }
+    }
+    return;
+  }
+  TM_UNROLL
+  for (uint c = 0; c < 4u; ++c) {
+    float w[8];
+    dequant_word_bits<FMT>(gemv_word(q, c), gemv_col(s, c), gemv_col(zb, c), w);
+    TM_UNROLL
+    for (uint m = 0; m < ROWS; ++m) {
+      if (m < M) {  // uniform across the simdgroup
+        const float4 a0 = *(threadgroup const float4*)(a + m * a_stride);
+        const float4 a1 = *(threadgroup const float4*)(a + m * a_stride + 4u);
+        acc[m * 4u + c] += gemv_dot8(a0, a1, w);
       }
     }
   }
@@ -161,7 +198,9 @@ inline void gemv_impl(device const T* A, device const uint* B, device const T* s
   uint g_loaded = ~0u;
   float4 s = float4(0.0f, 0.0f, 0.0f, 0.0f), zb = float4(0.0f, 0.0f, 0.0f, 0.0f);
 
+  constexpr uint kUnroll = gemv_unroll<ROWS>();
   float acc[ROWS * 4];
+  TM_UNROLL
   for (uint i = 0; i < ROWS * 4u; ++i) acc[i] = 0.0f;
   threadgroup float* stage = tg + sgid * ROWS * kPiece;
   for (uint k0 = s_begin; k0 < s_end; k0 += kPiece) {
@@ -180,17 +219,14 @@ inline void gemv_impl(device const T* A, device const uint* B, device const T* s
         device const uint* b = B + (k / 8u) * N + col;
         threadgroup const float* a = stage + (k - k0);
         uint words = (seg_end - k) / 8u;
-        for (; words >= kGemvUnroll; words -= kGemvUnroll) {
-          const uint4 q0 = gemv_load_words<VEC>(b, cols_left);
-          const uint4 q1 = gemv_load_words<VEC>(b + N, cols_left);
-          const uint4 q2 = gemv_load_words<VEC>(b + 2u * N, cols_left);
-          const uint4 q3 = gemv_load_words<VEC>(b + 3u * N, cols_left);
-          gemv_word_row<FMT, ROWS>(q0, s, zb, a, kPiece, M, acc);
-          gemv_word_row<FMT, ROWS>(q1, s, zb, a + 8u, kPiece, M, acc);
-          gemv_word_row<FMT, ROWS>(q2, s, zb, a + 16u, kPiece, M, acc);
-          gemv_word_row<FMT, ROWS>(q3, s, zb, a + 24u, kPiece, M, acc);
-          b += 4u * N;
-          a += 32u;
+        for (; words >= kUnroll; words -= kUnroll) {
+          uint4 q[kUnroll];  // all loads issued before the first use
+          TM_UNROLL
+          for (uint u = 0; u < kUnroll; ++u) q[u] = gemv_load_words<VEC>(b + u * N, cols_left);
+          TM_UNROLL
+          for (uint u = 0; u < kUnroll; ++u) gemv_word_row<FMT, ROWS>(q[u], s, zb, a + 8u * u, kPiece, M, acc);
+          b += kUnroll * N;
+          a += 8u * kUnroll;
         }
         for (; words > 0u; --words) {
           gemv_word_row<FMT, ROWS>(gemv_load_words<VEC>(b, cols_left), s, zb, a, kPiece, M, acc);
@@ -213,12 +249,14 @@ inline void gemv_impl(device const T* A, device const uint* B, device const T* s
   const uint at = lane * kGemvLaneCols;
   threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:gemv_stages_done]
   if (sgid >= 2u) {
+    TM_UNROLL
     for (uint m = 0; m < ROWS; ++m)
       *(threadgroup float4*)(part + ((sgid - 2u) * ROWS + m) * kGemvTileN + at) =
           float4(acc[m * 4u], acc[m * 4u + 1u], acc[m * 4u + 2u], acc[m * 4u + 3u]);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:gemv_meet]
   if (sgid < 2u) {
+    TM_UNROLL
     for (uint m = 0; m < ROWS; ++m) {
       const float4 o = *(threadgroup const float4*)(part + (sgid * ROWS + m) * kGemvTileN + at);
       acc[m * 4u] += o.x;
@@ -229,14 +267,16 @@ inline void gemv_impl(device const T* A, device const uint* B, device const T* s
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:gemv_meet_read]
   if (sgid == 1u) {
+    TM_UNROLL
     for (uint m = 0; m < ROWS; ++m)
       *(threadgroup float4*)(part + m * kGemvTileN + at) =
           float4(acc[m * 4u], acc[m * 4u + 1u], acc[m * 4u + 2u], acc[m * 4u + 3u]);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:gemv_meet_last]
   if (sgid != 0u) return;
+  TM_UNROLL
   for (uint m = 0; m < ROWS; ++m) {
-    if (m >= M) break;
+    if (m >= M) continue;  // a guard, not an exit: the loop stays fully unrolled
     const float4 o = *(threadgroup const float4*)(part + m * kGemvTileN + at);
     const float v[4] = {acc[m * 4u] + o.x, acc[m * 4u + 1u] + o.y, acc[m * 4u + 2u] + o.z, acc[m * 4u + 3u] + o.w};
     for (uint c = 0; c < 4u; ++c) {

@@ -12,7 +12,8 @@ template <uint FMT, typename T>
 inline void dequant_impl(device const uint* B, device const T* scales, device const group_aux_t<FMT, T>* zeros_or_offsets, device T* W,
                          constant QuantGemmParams& p, uint3 tgid, uint lid) {
   const uint i = tgid.x * kDequantThreads + lid;
-  if (i >= (p.K / 8u) * p.N) return;
+  // 64-bit: the planner bounds the word count to 32 bits (the grid), not the element count.
+  if (ulong(i) >= ulong(p.K / 8u) * p.N) return;
   const uint n = i % p.N;
   const uint k = (i / p.N) * 8u;
   uint word;
@@ -20,7 +21,7 @@ inline void dequant_impl(device const uint* B, device const T* scales, device co
   load_word<FMT, T>(B, scales, zeros_or_offsets, p, k, n, word, s, z);
   float w[8];
   dequant_word<FMT>(word, s, z, w);
-  for (uint j = 0; j < 8u; ++j) W[(k + j) * p.N + n] = T(w[j]);
+  for (uint j = 0; j < 8u; ++j) W[ulong(k + j) * p.N + n] = T(w[j]);
 }
 
 template <uint FMT, typename T, typename Z = group_aux_t<FMT, T>>

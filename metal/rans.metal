@@ -71,6 +71,7 @@ inline RansLane rans_begin(device const uint4* words, device const uint* word_of
   const uint packed[8] = {f0.x, f0.y, f0.z, f0.w, f1.x, f1.y, f1.z, f1.w};
   const uint lo = lane * kRansSlotsPerLane, hi = lo + kRansSlotsPerLane;
   uint cum = 0u;
+  TM_UNROLL
   for (uint s = 0; s < TM_RANS_SYMBOLS; ++s) {
     const uint f = (packed[s / 2u] >> (16u * (s & 1u))) & 0xFFFFu;
     const uint next = s + 1u == TM_RANS_SYMBOLS ? TM_RANS_PROB_SCALE : cum + f;
@@ -174,6 +175,7 @@ inline void rans_gemv_impl(device const T* A, device const uint4* words, device 
   for (uint c = 0; c < channels; ++c) {
     const uint n = n0 + c;
     float acc[ROWS];
+    TM_UNROLL
     for (uint m = 0; m < ROWS; ++m) acc[m] = 0.0f;
     float s_lane = 0.0f, zb_lane = 0.0f, s = 0.0f, zb = 0.0f;
     uint g = 0u, group_left = 0u, piece_left = 0u, at = 0u;
@@ -200,6 +202,7 @@ inline void rans_gemv_impl(device const T* A, device const uint4* words, device 
         group_left = steps_per_group;
       }
       const float w = rans_weight<FMT>(rans_step(table, ring, ring4, words, d, lane), s, zb);
+      TM_UNROLL
       for (uint m = 0; m < ROWS; ++m) {
         if (ROWS == 1u || m < M) acc[m] = fma(a_stage[m * kRansPiece + at], w, acc[m]);
       }
@@ -207,8 +210,9 @@ inline void rans_gemv_impl(device const T* A, device const uint4* words, device 
       --piece_left;
       --group_left;
     }
+    TM_UNROLL
     for (uint m = 0; m < ROWS; ++m) {
-      if (ROWS > 1u && m >= M) break;
+      if (ROWS > 1u && m >= M) continue;  // a guard, not an exit: the loop stays fully unrolled
       const float v = simd_sum(acc[m]);
       if (lane == m) C[m * N + n] = T(p.has_bias != 0u ? v + float(bias[n]) : v);
     }

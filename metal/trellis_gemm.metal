@@ -43,9 +43,11 @@ template <typename T>
   const TrDecodeMat mats[1] = {{packed, scales, grid, su}};
   const uint col0 = tgid.x * kTrDecodeCols;
   float acc[kTrDecodeRows];
+  TM_UNROLL
   for (uint m = 0; m < kTrDecodeRows; ++m) acc[m] = 0.0f;
   tr_decode_core<T, false, 1>(A, nullptr, 0u, min(p.M, kTrDecodeRows), mats, w, col0, a_s, raw_s, su_s, lid, sgid,
                               lane, acc);
+  TM_UNROLL
   for (uint m = 0; m < kTrDecodeRows; ++m) a_s[(sgid * kTrDecodeRows + m) * kTrDecodeCols + lane] = acc[m];
   threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:tr_decode_meet]
   for (uint i = lid; i < kTrDecodeRows * kTrDecodeCols; i += kTrThreads) {
@@ -80,9 +82,12 @@ template <typename T>
   const uint sg_col = (sgid % 2u) * 32u;
   const uint mi_count = sg_first_row >= p.M ? 0u : min(4u, (p.M - sg_first_row + 7u) / 8u);
   threadgroup float* stage = (threadgroup float*)smem + sgid * 64u;
-  for (uint mi = 0; mi < mi_count; ++mi) {
-    for (uint ni = 0; ni < 4u; ++ni) {
-      simdgroup_store(acc[mi * 4u + ni], stage, 8);
+  // A constant trip count with the row guard inside: every acc[] index is a constant.
+  TM_UNROLL
+  for (uint f = 0; f < 16u; ++f) {
+    const uint mi = f / 4u, ni = f % 4u;
+    if (mi < mi_count) {  // uniform across the simdgroup
+      simdgroup_store(acc[f], stage, 8);
       simdgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:tr_epilogue_ready]
       for (uint e = lane; e < 64u; e += 32u) {
         const uint m = sg_first_row + mi * 8u + e / 8u;

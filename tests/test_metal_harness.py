@@ -96,7 +96,10 @@ def decode_stem(M, N):
 
 
 def kernel_stem(family, M, N):
-    return decode_stem(M, N) if family == "decode" else FAMILY_KERNEL[family]
+    """The fused and striped families run a 32-row tile up to 32 rows (`_m32`)."""
+    if family == "decode":
+        return decode_stem(M, N)
+    return FAMILY_KERNEL[family] + ("_m32" if family in ("fused_tiles", "striped") and M <= 32 else "")
 
 CASES = [("decode", s) for s in DECODE_SHAPES] + [
     (v, s) for v in ("fused_tiles", "staged_tiles", "striped") for s in TILE_SHAPES]
@@ -275,10 +278,11 @@ def test_dispatch_policy_metal():
         p = torch_marlin.plan_gemm("fp4", M, K, N, 128, torch.float16, device="metal")
         assert p["family"] == "decode" and p["kernel"] == f"{decode_stem(M, N)}_fp4_half", (M, p)
         assert p["grid"][0] == N // 128 and p["threads"] == (128, 1, 1) and p["vector_loads"]
-    for M in (17, 64, 512, 4096):
+    for M in (17, 32, 33, 64, 512, 4096):
         p = torch_marlin.plan_gemm("fp4", M, K, N, 128, torch.bfloat16, device="metal")
-        assert p["family"] == "fused_tiles" and p["kernel"] == "marlin_gemm_fused_fp4_bfloat", (M, p)
-        assert p["grid"][:2] == (N // 64, (M + 63) // 64) and p["k_parallel"] == 1
+        tile_m = 32 if M <= 32 else 64
+        assert p["family"] == "fused_tiles" and p["kernel"] == f"{kernel_stem('fused_tiles', M, N)}_fp4_bfloat", (M, p)
+        assert p["grid"][:2] == (N // 64, (M + tile_m - 1) // tile_m) and p["k_parallel"] == 1
     # Output too small to fill 8 GPU cores twice, long K: stripes with K-parallel slices.
     p = torch_marlin.plan_gemm("u4", 64, 8192, 256, 128, torch.float16, device="metal")
     assert p["family"] == "striped" and p["kernel"] == "marlin_gemm_striped_u4_half"

@@ -7,6 +7,10 @@ Gates (each a test per kernel):
   no_main_loop_division  no main loop of a default-path kernel divides (static: udiv/sdiv/urem/srem
                          by a non-constant)
   threadgroup_memory     a default-path kernel uses <= 28 KiB of threadgroup memory (static)
+  thread_arrays_in_registers
+                         no address into a per-thread array of a default-path kernel (accumulators,
+                         simdgroup_matrix fragments) has a run-time index (static: such an array
+                         cannot stay in registers)
   weight_fetched_once    a decode kernel fetches no weight byte more than once (traced, M = 1 and
                          M = 16)
   weight_coalescing      a decode kernel's weight loads use >= 90 % of the 64-byte segments they
@@ -193,6 +197,11 @@ def gate_threadgroup_memory(kernel):
     assert b <= TG_LIMIT, f"{kernel}: {b} bytes of threadgroup memory (> {TG_LIMIT})"
 
 
+def gate_thread_arrays_in_registers(kernel):
+    n = static_row(kernel)["dynamic_thread_array_index"]
+    assert n == 0, f"{kernel}: {n} address(es) into a per-thread array from a run-time index"
+
+
 def gate_weight_fetched_once(kernel):
     for M, s in decode_summaries(kernel):
         assert s["weight_max_fetches"] <= 1, \
@@ -212,7 +221,7 @@ def gate_loads_per_weight_byte(kernel):
 
 
 DECODE_GATES = ["wide_weight_load", "weight_fetched_once", "weight_coalescing", "loads_per_weight_byte"]
-DEFAULT_GATES = ["no_main_loop_division", "threadgroup_memory"]
+DEFAULT_GATES = ["no_main_loop_division", "threadgroup_memory", "thread_arrays_in_registers"]
 
 
 def _cases():
@@ -283,6 +292,13 @@ def test_static_report_division():
     r = probe_static()
     assert r["probe_divide_in_loop"]["div_main"] >= 1
     assert r["probe_scalar_loads"]["div_main"] == 0 and r["probe_scalar_loads"]["div_loops"] == 0
+
+
+def test_static_report_dynamic_thread_index():
+    r = probe_static()
+    assert r["probe_dynamic_thread_index"]["dynamic_thread_array_index"] >= 1
+    assert r["probe_constant_thread_index"]["dynamic_thread_array_index"] == 0
+    assert r["probe_scalar_loads"]["dynamic_thread_array_index"] == 0
 
 
 def test_static_report_threadgroup_memory_and_barriers():

@@ -29,6 +29,6 @@ def test_objcxx_syntax_and_self_test():
     assert guarded, "the SDK guards (csrc/mps/mps_encoder.mm) are gone"
     for path in guarded:
         assert f"objective-c++ OK (macOS 13 SDK): {os.path.relpath(path, ROOT)}" in r.stdout, r.stdout
-    assert r.stdout.count("self-test OK: mistake rejected") == 7, r.stdout
+    assert r.stdout.count("self-test OK: mistake rejected") == 9, r.stdout
     assert "self-test OK: SDK guard removal rejected (macOS 13 SDK)" in r.stdout, r.stdout
     assert "FAILED" not in r.stdout + r.stderr

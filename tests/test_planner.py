@@ -76,6 +76,57 @@ def test_policy_metal_kernels_by_shape():
         torch_marlin.plan_gemm("fp4", 1 << 20, 8192, 64, device="metal", caps=M1)
 
 
+# The striped family only where it shortens the critical path (K rows one core walks, one tile
+# threadgroup per core) by a quarter: the fused kernel walks ceil(tiles / cores) tiles of K rows,
+# the striped one ceil(tiles * slices / cores) slices of K / slices rows.
+M2_MAX = dict(compute_units=38, max_shared_memory=32768)
+
+
+@pytest.mark.parametrize("M", [17, 33, 48, 64])
+def test_policy_metal_no_stripes_when_tiles_fill_a_large_gpu(M):
+    # 64 tiles on 38 cores: fused walks 2 K (two tiles per core); 2 slices of 128 items walk
+    # ceil(128 / 38) = 4 halves = 2 K too, plus a reduction. The old rule (tiles < 2 x cores) striped.
+    plan = torch_marlin.plan_gemm("fp4", M, 4096, 4096, device="metal", caps=M2_MAX)
+    assert plan["family"] == "fused_tiles" and plan["k_parallel"] == 1 and plan["reduce"] == "none"
+
+
+@pytest.mark.parametrize("family", ["fused_tiles", "striped"])
+def test_policy_metal_32_row_tile_up_to_32_rows(family):
+    # M = 17..32 on the 32-row tile (at most 2x the rows it keeps, not 3.8x); from 33 the 64-row tile
+    # (two 32-row tiles would dequantize each B word twice). The staged family keeps 64.
+    for M, tile_m, stem in ((17, 32, "_m32"), (32, 32, "_m32"), (33, 64, ""), (64, 64, "")):
+        plan = torch_marlin.plan_gemm("u4", M, 4096, 512, device="metal", caps=M2_MAX, family=family)
+        assert (plan["tile_m"], plan["m_tiles"]) == (tile_m, -(-M // tile_m))
+        assert plan["kernel"] == f"marlin_gemm_{'fused' if family == 'fused_tiles' else 'striped'}{stem}_u4_half"
+    staged = torch_marlin.plan_gemm("u4", 17, 4096, 512, device="metal", caps=M2_MAX, family="staged_tiles")
+    assert (staged["tile_m"], staged["kernel"]) == (64, "marlin_gemm_u4_half")
+
+
+def test_policy_metal_stripes_where_they_shorten_the_critical_path():
+    # 8 tiles on 38 cores: fused walks K; 10 slices of 80 items walk ceil(80 / 38) = 3 tenths of K.
+    few = torch_marlin.plan_gemm("fp4", 64, 4096, 512, device="metal", caps=M2_MAX)
+    assert few["family"] == "striped" and few["k_parallel"] == 10
+    # 64 tiles on 64 cores: fused walks K once; stripes would walk ceil(128 / 64) halves = K.
+    assert torch_marlin.plan_gemm("fp4", 64, 4096, 4096, device="metal",
+                                  caps=dict(compute_units=64))["family"] == "fused_tiles"
+    # Short K never splits (slices of >= 128 rows, at least 4 of them).
+    assert torch_marlin.plan_gemm("fp4", 64, 256, 128, device="metal", caps=M2_MAX)["family"] == "fused_tiles"
+
+
+# A Metal MoE gives threadgroups only to expert slots that can have rows: min(E, T * top_k) for the
+# decode stages (the slot's expert is found on the GPU from expert_offsets), min(E, T * top_k / 17)
+# for the tiled stages (experts with more than 16 rows), not one per expert.
+def test_plan_trellis_moe_metal_dispatches_only_active_experts():
+    decode = torch_marlin.plan_trellis_moe(1, 2048, 1024, 128, 8, 3, 128, device="metal", caps=M1)
+    assert decode["grid"] == (32, 8, 1) and decode["down"]["grid"] == (64, 8, 1)
+    assert "tiled_gate" not in decode
+    prefill = torch_marlin.plan_trellis_moe(64, 2048, 1024, 128, 8, 3, 128, device="metal", caps=M1)
+    assert prefill["grid"] == (32, 128, 1)  # 512 routed rows can reach every expert
+    assert prefill["tiled_gate"]["grid"] == (16, 8, 30) and prefill["tiled_down"]["grid"] == (32, 8, 30)
+    few = torch_marlin.plan_trellis_moe(3, 2048, 1024, 128, 8, 3, 128, device="metal", caps=M1)
+    assert few["grid"][1] == 24 and few["tiled_gate"]["grid"][2] == 1
+
+
 # K rows per iteration of the Metal prefill kernels (TM_METAL_PIPELINED_TILE_K /
 # TM_METAL_STAGED_TILE_K): two pipelined stages of fp32 A and B must fit in 28 KiB, so the fused
 # and striped kernels step 16 rows in fp32 and 32 in fp16 / bf16; the one-stage staged kernel
@@ -354,9 +405,9 @@ def test_forced_family_the_backend_lacks_is_refused(device, caps, dtype, family,
     ("cpu", dict(compute_units=4), "decode", "cpu_decode"),
     ("cpu", dict(compute_units=4), "dequant_blas", "cpu_dequant_blas"),
     ("metal", M1, "decode", "marlin_gemv_m8_u4_half"),
-    ("metal", M1, "fused_tiles", "marlin_gemm_fused_u4_half"),
+    ("metal", M1, "fused_tiles", "marlin_gemm_fused_m32_u4_half"),  # 8 rows: the 32-row tile
     ("metal", M1, "staged_tiles", "marlin_gemm_u4_half"),
-    ("metal", M1, "striped", "marlin_gemm_striped_u4_half"),
+    ("metal", M1, "striped", "marlin_gemm_striped_m32_u4_half"),  # 8 rows: the 32-row tile
     ("cuda", H100, "decode", "decode_u4_half"),
     ("cuda", H100, "dequant_blas", "dequant_blas_u4_half"),
     ("cuda", H100, "wgmma", "wgmma_u4_half"),

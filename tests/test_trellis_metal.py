@@ -183,15 +183,37 @@ def test_moe_matches_reference(emu, top_k, routing, T):
     x = torch.randn(T, H) * 0.5
     y, plan = emu.moe(x, list(gate), list(up), list(down), ids, probs, I, bits, gs,
                       schedule_for(top_k, routing, T), 3)
-    assert plan["kernel"] == "moe_trellis_gate_up_float" and plan["grid"] == ((I + 31) // 32, E, 1)
-    if T * top_k > 16:  # experts with > 16 rows go through the 64x64 tiled kernels
+    # Expert slots, not experts: at most T * top_k experts have rows, T * top_k / 17 more than 16;
+    # each slot finds its expert on the GPU ("some_empty" leaves experts without rows between them).
+    R = T * top_k
+    assert plan["kernel"] == "moe_trellis_gate_up_float" and plan["grid"] == ((I + 31) // 32, min(E, R), 1)
+    if R > 16:  # experts with > 16 rows go through the 64x64 tiled kernels
         assert plan["tiled_up"]["kernel"] == "moe_trellis_tiled_up_float"
-        assert plan["tiled_down"]["grid"] == ((H + 63) // 64, (T * top_k + 63) // 64, E)
+        assert plan["tiled_down"]["grid"] == ((H + 63) // 64, (R + 63) // 64, min(E, R // 17))
     else:
         assert "tiled_up" not in plan
     ref = moe_reference(x, gate, up, down, ids, probs, H, I, bits, gs)
     assert not torch.isnan(y).any()
     # fp32 everywhere (rows_h / rows_y are fp32): only summation-order differences.
+    torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("T,experts", [(5, (3, 33, 39)), (20, (1, 35))])
+def test_moe_slots_find_scattered_experts(emu, T, experts):
+    # 40 experts (two 32-expert ballot steps in tr_slot_expert), rows only for a few scattered ones,
+    # idle experts between and after them. T = 20: both experts get 20 rows, the tiled path, on
+    # min(40, 40 // 17) = 2 slots.
+    H, I, E, top_k, bits, gs = 48, 40, 40, 2, 2, 16
+    gate, up, down, _, probs = moe_case(T, H, I, E, top_k, bits, gs, "random", seed=T)
+    pick = torch.tensor(experts)
+    ids = torch.stack([pick[(torch.arange(top_k) + t) % len(experts)] for t in range(T)])
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)) * 0.5
+    y, plan = emu.moe(x, list(gate), list(up), list(down), ids, probs, I, bits, gs, "reverse", 1)
+    R = T * top_k
+    assert plan["grid"][1] == min(E, R)
+    if R > 16:
+        assert plan["tiled_gate"]["grid"][2] == R // 17 < E
+    ref = moe_reference(x, gate, up, down, ids, probs, H, I, bits, gs)
     torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()))
 
 

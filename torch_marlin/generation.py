@@ -57,6 +57,7 @@ class StaticDecoder:
         self._tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)
         self._position = torch.zeros(1, dtype=torch.long, device=self.device)
         self._graph: Optional[torch.cuda.CUDAGraph] = None
+        self._graph_outputs = (None, None)  # (logits, next tokens) the captured step writes
         self.logits: Optional[torch.Tensor] = None  # [batch, vocab] of the latest step
         self._next: Optional[torch.Tensor] = None
 
@@ -108,6 +109,9 @@ class StaticDecoder:
         with torch.cuda.graph(graph):
             self._step_body()
         self._graph = graph
+        # Every replay writes these tensors; prefill rebinds self.logits to its own (eager) output,
+        # so step() binds them again after each replay.
+        self._graph_outputs = (self.logits, self._next)
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
@@ -120,11 +124,11 @@ class StaticDecoder:
         self._position.fill_(position)
         if not self.cuda_graph:
             self._step_body()
-        elif self._graph is None:
-            self._capture()
-            self._graph.replay()
         else:
+            if self._graph is None:
+                self._capture()
             self._graph.replay()
+            self.logits, self._next = self._graph_outputs
         return self._next
 
     def generate(self, input_ids: torch.Tensor, new_tokens: int) -> torch.Tensor:

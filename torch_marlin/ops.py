@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from . import _C  # noqa: F401  (the ops must be registered before register_fake)
+from .metal_fallback import run as _run  # mps: the plain-torch path when a Metal kernel cannot run
 
 OPS = ("gemm_fp4", "gemm_u4", "dequant_fp4", "dequant_u4", "gemm_affine", "dequant_affine", "gemm_trellis", "dequant_trellis", "moe_trellis",
        "rans_encode", "rans_decode", "gemm_rans")
@@ -145,33 +146,33 @@ def _dequant_affine_fake(B_packed, scales, offsets, group_size):
 def gemm_fp4(A: torch.Tensor, B_packed: torch.Tensor, scales: torch.Tensor, group_size: int,
              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``A[M, K] @ dequant_fp4(B_packed, scales)[K, N] (+ bias)`` in A's dtype, fp32 accumulation."""
-    return torch.ops.marlin.gemm_fp4(A, B_packed, scales, group_size, bias)
+    return _run(torch.ops.marlin.gemm_fp4.default, A, B_packed, scales, group_size, bias)
 
 
 def gemm_u4(A: torch.Tensor, B_packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
             group_size: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``A[M, K] @ dequant_u4(B_packed, scales, zeros)[K, N] (+ bias)``."""
-    return torch.ops.marlin.gemm_u4(A, B_packed, scales, zeros, group_size, bias)
+    return _run(torch.ops.marlin.gemm_u4.default, A, B_packed, scales, zeros, group_size, bias)
 
 
 def dequant_fp4(B_packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    return torch.ops.marlin.dequant_fp4(B_packed, scales, group_size)
+    return _run(torch.ops.marlin.dequant_fp4.default, B_packed, scales, group_size)
 
 
 def dequant_u4(B_packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
-    return torch.ops.marlin.dequant_u4(B_packed, scales, zeros, group_size)
+    return _run(torch.ops.marlin.dequant_u4.default, B_packed, scales, zeros, group_size)
 
 
 def gemm_affine(A: torch.Tensor, B_packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                 group_size: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``A[M, K] @ dequant_affine(B_packed, scales, offsets)[K, N] (+ bias)``."""
-    return torch.ops.marlin.gemm_affine(A, B_packed, scales, offsets, group_size, bias)
+    return _run(torch.ops.marlin.gemm_affine.default, A, B_packed, scales, offsets, group_size, bias)
 
 
 def dequant_affine(B_packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                    group_size: int) -> torch.Tensor:
     """``W[k, n] = scales[g, n] * q[k, n] + offsets[g, n]``, ``g = k // group_size``, in scales' dtype."""
-    return torch.ops.marlin.dequant_affine(B_packed, scales, offsets, group_size)
+    return _run(torch.ops.marlin.dequant_affine.default, B_packed, scales, offsets, group_size)
 
 
 # ---- trellis codebook family (csrc/ops/trellis.cpp) ----------------------------------------------
@@ -201,19 +202,19 @@ def _moe_trellis_fake(x, *args):
 
 def gemm_trellis(A, packed_indices, scales, grid, su, sv, K: int, N: int, bits: int, group_size: int):
     """``A[M, K] @ W[K, N]``, ``W = grid[idx] * scales * su * sv`` (docs/formats.md), A's dtype out."""
-    return torch.ops.marlin.gemm_trellis(A, packed_indices, scales, grid, su, sv, K, N, bits, group_size)
+    return _run(torch.ops.marlin.gemm_trellis.default, A, packed_indices, scales, grid, su, sv, K, N, bits, group_size)
 
 
 def dequant_trellis(packed_indices, scales, grid, su, sv, K: int, N: int, bits: int, group_size: int):
     """Dense f32 ``W[K, N]`` of a trellis matrix."""
-    return torch.ops.marlin.dequant_trellis(packed_indices, scales, grid, su, sv, K, N, bits, group_size)
+    return _run(torch.ops.marlin.dequant_trellis.default, packed_indices, scales, grid, su, sv, K, N, bits, group_size)
 
 
 def moe_trellis(x, gate, up, down, expert_ids, expert_probs, intermediate_size: int, bits: int, group_size: int):
     """Routed SwiGLU MoE. ``gate``/``up``/``down`` are 5-tuples ``(packed_indices, scales, grid, su, sv)``
     with a leading expert dimension; gate/up are ``W[hidden, intermediate]``, down ``W[intermediate, hidden]``.
     ``y[t] = sum_j expert_probs[t, j] * (silu(x_t @ G_e) * (x_t @ U_e)) @ D_e``, ``e = expert_ids[t, j]``."""
-    return torch.ops.marlin.moe_trellis(x, *gate, *up, *down, expert_ids, expert_probs, intermediate_size, bits,
+    return _run(torch.ops.marlin.moe_trellis.default, x, *gate, *up, *down, expert_ids, expert_probs, intermediate_size, bits,
                                         group_size)
 
 
@@ -256,7 +257,7 @@ def rans_encode(B_packed: torch.Tensor, channels_per_tile: Optional[int] = None)
 def rans_decode(words, word_offsets, states, freqs, K: int, N: int, channels_per_tile: int) -> torch.Tensor:
     """``B_packed`` int32 ``[K/8, N]`` from a coded layer. On the CPU every stream is checked: a corrupted
     one raises ValueError naming its tile."""
-    return torch.ops.marlin.rans_decode(words, word_offsets, states, freqs, K, N, channels_per_tile)
+    return _run(torch.ops.marlin.rans_decode.default, words, word_offsets, states, freqs, K, N, channels_per_tile)
 
 
 def gemm_rans(A, words, word_offsets, states, freqs, scales, zeros, offsets, format: str, K: int, N: int,
@@ -264,5 +265,5 @@ def gemm_rans(A, words, word_offsets, states, freqs, scales, zeros, offsets, for
     """``A[M, K] @ W[K, N] (+ bias)`` with ``W`` the ``format`` (``"fp4"``, ``"u4"`` with ``zeros``,
     ``"affine"`` with ``offsets``) dequantization of the decoded codes: the values of ``gemm_fp4`` /
     ``gemm_u4`` / ``gemm_affine`` on ``rans_decode``'s ``B_packed``, up to fp32 summation order."""
-    return torch.ops.marlin.gemm_rans(A, words, word_offsets, states, freqs, scales, zeros, offsets, format, K, N,
+    return _run(torch.ops.marlin.gemm_rans.default, A, words, word_offsets, states, freqs, scales, zeros, offsets, format, K, N,
                                       group_size, channels_per_tile, bias)

@@ -2,41 +2,48 @@
 
     python -m torch_marlin.selfcheck [--device mps|cuda|cpu] [--quick] [--no-bench] [--json FILE]
 
-1. Correctness: every op (gemm_fp4/u4, dequant_fp4/u4, gemm_trellis, dequant_trellis,
-   moe_trellis) in fp16, bf16 and fp32 on the device, against plain torch on weights dequantized
-   on the CPU by ``torch_marlin.formats``. The shapes are chosen by asking the planner
-   (``plan_gemm`` / ``plan_trellis`` with the device's own caps) which kernel family and K-slice
-   reduction each candidate shape gets, and keeping the cheapest shape for each one the backend
-   has, so every planner path of the device runs. One row per case: PASS or FAIL.
+1. Correctness: every op (gemm_fp4/u4/affine, dequant_fp4/u4/affine, gemm_trellis,
+   dequant_trellis, moe_trellis, gemm_rans, rans_decode) in fp16, bf16 and fp32 on the device,
+   against plain torch on weights dequantized on the CPU by ``torch_marlin.formats``. The shapes
+   are chosen by asking the planner (``plan_gemm`` / ``plan_trellis`` / ``plan_rans`` with the
+   device's own caps) which kernel family and K-slice reduction each candidate shape gets, and
+   keeping the cheapest shape for each one the backend has, so every planner path of the device
+   runs. One row per case: PASS, FAIL, or on mps FALLBACK (the Metal kernel could not run; the
+   plain-torch path of torch_marlin/metal_fallback.py gave a correct answer). bfloat16 needs
+   macOS 14 on mps: skipped on macOS 13, saying so. A table then lists, per op, the families that
+   ran natively and those that fell back, with the reason.
 2. Bandwidth (M = 1, Llama-3-8B layer shapes, FP4 and U4 g128, fp16): GB/s of weight bytes read
-   (packed codes + scales + zeros) with the weights rotated over enough copies to leave the cache,
-   as a fraction of a reference: Apple's published bandwidth of the chip on MPS, a measured
+   (packed codes + scales + zeros), timed on the device's own clock (GPU events: many calls between
+   two timestamps) with the weights rotated over copies larger than any system-level cache, as a
+   fraction of a reference: Apple's published bandwidth of the chip on MPS, a measured
    device-to-device copy elsewhere.
 3. Prefill (M = 128, 512): the quantized op against ``torch.matmul`` on the dense weight.
 
-Exit status: 0 when every row passes, 1 on any FAIL, 2 on bad usage or a missing device.
+Exit status: 0 when every row passes, 1 on any FAIL or FALLBACK, 2 on bad usage or a missing device.
 """
 
 import argparse
 import json
-import math
+import os
 import platform
-import statistics
 import subprocess
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 import torch_marlin
-from torch_marlin import ops
-from torch_marlin.formats import dequant_fp4_reference, dequant_u4_reference, quantize_fp4, quantize_u4
+from torch_marlin import metal_fallback, ops
+from torch_marlin.formats import dequant_affine_reference, dequant_fp4_reference, dequant_u4_reference
+from torch_marlin.formats import quantize_affine, quantize_fp4, quantize_u4
+from torch_marlin.formats import rans as rans_format
 from torch_marlin.formats import trellis as trellis_format
-from torch_marlin.planner import plan_gemm, plan_trellis
+from torch_marlin.planner import plan_gemm, plan_rans, plan_trellis
+from torch_marlin.selfcheck_bench import (LLAMA3_8B_SHAPES, ROTATE_BYTES, ROTATE_BYTES_QUICK_CPU, bandwidth_table,
+                                          copy_bandwidth_gbps, prefill_table, run_gemm, to_device)
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-FORMATS = ("fp4", "u4")
+FORMATS = ("fp4", "u4", "affine")
 
 # ---- tolerances --------------------------------------------------------------------------------------
 # Elementwise bound for C = A @ W against the fp64 product on the same dequantized weights, with
@@ -58,7 +65,7 @@ MOE_EPS = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 1e-5
 
 # Apple's published unified-memory bandwidth in GB/s, by chip name (sysctl machdep.cpu.brand_string
 # without "Apple "). Binned Max chips have less: M3 Max with a 30-core GPU 300, M4 Max with a
-# 32-core GPU 410 (picked by the GPU core count the MPS caps report).
+# 32-core GPU 410 (picked by the GPU core count the IOKit registry reports).
 APPLE_RATED_GBPS = {
     "M1": 68.25, "M1 Pro": 200, "M1 Max": 400, "M1 Ultra": 800,
     "M2": 100, "M2 Pro": 200, "M2 Max": 400, "M2 Ultra": 800,
@@ -67,9 +74,6 @@ APPLE_RATED_GBPS = {
     "M5": 153, "M5 Pro": 307, "M5 Max": 614,
 }
 APPLE_BINNED_GBPS = {("M3 Max", 30): 300, ("M4 Max", 32): 410}
-
-# Llama-3-8B layer shapes (K x N): q/o projections, k/v projections, MLP up/gate, MLP down.
-LLAMA3_8B_SHAPES = ((4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096))
 
 
 class CheckFailed(Exception):
@@ -90,13 +94,6 @@ def default_device() -> str:
     return next(d for d in ("mps", "cuda", "cpu") if device_present(d))
 
 
-def synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-    elif device == "mps":
-        torch.mps.synchronize()
-
-
 def chip_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
@@ -114,6 +111,38 @@ def chip_name(device: str) -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def registry_gpu_cores():
+    """The Apple GPU's core count from the IOKit registry (``gpu-core-count`` of AGXAccelerator,
+    what the MPS backend reads too), or None off macOS or when the registry has none."""
+    if platform.system() != "Darwin":
+        return None
+    try:
+        out = subprocess.run(["ioreg", "-r", "-d", "1", "-c", "AGXAccelerator"], capture_output=True, text=True,
+                             timeout=10).stdout
+    except OSError:
+        return None
+    for line in out.splitlines():
+        if '"gpu-core-count"' in line:
+            value = line.split("=", 1)[-1].strip()
+            return int(value) if value.isdigit() else None
+    return None
+
+
+def macos_version():
+    """(major, minor) of macOS, or None elsewhere."""
+    release = platform.mac_ver()[0]
+    return tuple(int(p) for p in (release.split(".") + ["0"])[:2]) if release else None
+
+
+def skipped_dtypes(device: str) -> dict:
+    """{dtype: why} of the activation dtypes this device cannot run: bfloat16 on MPS before macOS 14
+    (neither torch's MPS backend nor MSL 3.0 has it)."""
+    mac = macos_version()
+    if device == "mps" and mac is not None and mac < (14, 0):
+        return {torch.bfloat16: f"bfloat16 on mps needs macOS 14 or later (this is macOS {mac[0]}.{mac[1]})"}
+    return {}
 
 
 def apple_rated_gbps(chip: str, gpu_cores: int):
@@ -151,25 +180,20 @@ def quantized_weights(fmt: str, K: int, N: int, group_size: int, dtype, gen: tor
     w = torch.randn(K, N, generator=gen)
     if fmt == "fp4":
         B, s = quantize_fp4(w, group_size, scale_dtype=dtype, search=False)
-        return {"B": B, "scales": s, "zeros": None}, dequant_fp4_reference(B, s, group_size)
+        return {"B": B, "scales": s, "zeros": None, "offsets": None}, dequant_fp4_reference(B, s, group_size)
+    if fmt == "affine":
+        B, s, b = quantize_affine(w, group_size, scale_dtype=dtype, search=False)
+        return {"B": B, "scales": s, "zeros": None, "offsets": b}, dequant_affine_reference(B, s, b, group_size)
     B, s, z = quantize_u4(w, group_size, scale_dtype=dtype, search=False)
-    return {"B": B, "scales": s, "zeros": z}, dequant_u4_reference(B, s, z, group_size)
-
-
-def run_gemm(fmt, A, w, group_size):
-    if fmt == "fp4":
-        return ops.gemm_fp4(A, w["B"], w["scales"], group_size)
-    return ops.gemm_u4(A, w["B"], w["scales"], w["zeros"], group_size)
+    return {"B": B, "scales": s, "zeros": z, "offsets": None}, dequant_u4_reference(B, s, z, group_size)
 
 
 def run_dequant(fmt, w, group_size):
     if fmt == "fp4":
         return ops.dequant_fp4(w["B"], w["scales"], group_size)
+    if fmt == "affine":
+        return ops.dequant_affine(w["B"], w["scales"], w["offsets"], group_size)
     return ops.dequant_u4(w["B"], w["scales"], w["zeros"], group_size)
-
-
-def to_device(w: dict, device: str) -> dict:
-    return {k: (v.to(device) if v is not None else None) for k, v in w.items()}
 
 
 def random_trellis(K, N, bits, group_size, gen, experts=None):
@@ -203,10 +227,13 @@ GEMM_KN = ((384, 200), (1024, 1000), (4096, 256), (4096, 2048), (1024, 8192))
 GEMM_GROUPS = (128, 32)
 TRELLIS_MS = (1, 5, 16, 17, 40)
 TRELLIS_KN = ((256, 200), (1040, 1000))
+RANS_MS = (1, 16, 17, 64)
+RANS_KN = ((256, 200), (1024, 1000))
 
 
 def gemm_cases(fmt, dtype, device):
-    """The cheapest candidate shape for each (family, reduce) the planner picks on this device."""
+    """The cheapest candidate shape for each (family, reduce, tile rows) the planner picks on this
+    device."""
     chosen = {}
     for M in GEMM_MS:
         for K, N in GEMM_KN:
@@ -215,7 +242,9 @@ def gemm_cases(fmt, dtype, device):
                     plan = plan_gemm(fmt, M, K, N, gs, dtype, device=device)
                 except ValueError:
                     continue
-                key = (plan["family"], plan.get("reduce", "none"))
+                # Metal's prefill families have a 32- and a 64-row tile: both run.
+                tile = plan.get("tile_m") if plan.get("backend") == "metal" and plan["family"] != "decode" else None
+                key = (plan["family"], plan.get("reduce", "none"), tile)
                 cost = M * K * N
                 if key not in chosen or cost < chosen[key][0]:
                     chosen[key] = (cost, (M, K, N, gs), plan)
@@ -230,6 +259,18 @@ def trellis_cases(dtype, device, bits):
             cost = M * K * N
             if plan["family"] not in chosen or cost < chosen[plan["family"]][0]:
                 chosen[plan["family"]] = (cost, (M, K, N), plan)
+    return [v[1:] for _, v in sorted(chosen.items(), key=lambda kv: kv[1][0])]
+
+
+def rans_cases(fmt, dtype, device):
+    chosen = {}
+    for M in RANS_MS:
+        for K, N in RANS_KN:
+            plan = plan_rans(M, K, N, 128, fmt, dtype=dtype, device=device)
+            family = plan["family"] + (f"/{plan['gemm']['family']}" if "gemm" in plan else "")
+            cost = M * K * N
+            if family not in chosen or cost < chosen[family][0]:
+                chosen[family] = (cost, (M, K, N), family, plan["kernel"])
     return [v[1:] for _, v in sorted(chosen.items(), key=lambda kv: kv[1][0])]
 
 
@@ -259,20 +300,31 @@ def correctness_rows(device: str):
     """Yields one result dict per case."""
     exact = device == "cpu"
     gen = torch.Generator().manual_seed(0)
+    skipped = skipped_dtypes(device)
+    dtypes = tuple(d for d in DTYPES if d not in skipped)
+    for why in skipped.values():
+        print(f"SKIP  {why}")
 
     def row(op, fmt, dtype, M, K, N, family, kernel, check):
         r = {"op": op, "format": fmt, "dtype": str(dtype).removeprefix("torch."), "M": M, "K": K, "N": N,
-             "family": family, "kernel": kernel}
+             "family": family, "kernel": kernel, "path": "native"}
+        fallbacks_before = metal_fallback.fallback_calls()[0]
         try:
             r["max_err"], r["err_over_tol"] = check()
             r["status"] = "PASS" if r["err_over_tol"] <= 1.0 else "FAIL"
         except Exception as e:  # a kernel error is a failed check, reported on its row
             r["max_err"], r["err_over_tol"], r["status"] = float("nan"), float("nan"), "FAIL"
             r["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+        count, why = metal_fallback.fallback_calls()
+        if count != fallbacks_before:  # the Metal kernel could not run: the plain-torch path answered
+            r["path"] = "fallback"
+            r["fallback_reason"] = why
+            if r["status"] == "PASS":
+                r["status"] = "FALLBACK"
         return r
 
     for fmt in FORMATS:
-        for dtype in DTYPES:
+        for dtype in dtypes:
             for (M, K, N, gs), plan in gemm_cases(fmt, dtype, device):
                 def check(M=M, K=K, N=N, gs=gs):
                     w, W = quantized_weights(fmt, K, N, gs, dtype, gen)
@@ -297,11 +349,35 @@ def correctness_rows(device: str):
                 return compare(out, W.to(dtype).double(), torch.full_like(W, 1e-300, dtype=torch.float64))
             yield row(f"dequant_{fmt}", f"{fmt} g{gs}", dtype, "-", K, N, "-", "-", check_dequant)
 
+    for fmt in FORMATS:
+        for dtype in dtypes:
+            for (M, K, N), family, kernel in rans_cases(fmt, dtype, device):
+                def check_rans(M=M, K=K, N=N, fmt=fmt, dtype=dtype):
+                    w, W = quantized_weights(fmt, K, N, 128, dtype, gen)
+                    codes = ops.rans_encode(w["B"])
+                    A = torch.randn(M, K, generator=gen).to(dtype)
+                    on = to_device(w, device)
+                    out = ops.gemm_rans(A.to(device), *(c.to(device) for c in codes), on["scales"], on["zeros"],
+                                        on["offsets"], fmt, K, N, 128, rans_format.default_channels_per_tile(K))
+                    if out.dtype != dtype:
+                        raise CheckFailed(f"output dtype {out.dtype}")
+                    ref = A.double() @ W.double()
+                    return compare(out, ref, gemm_tolerance(A, W, ref, exact))
+                yield row("gemm_rans", f"{fmt} g128 rANS", dtype, M, K, N, family, kernel, check_rans)
+
+    def check_rans_decode(K=1024, N=200):
+        B = torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32, generator=gen)
+        codes = ops.rans_encode(B)
+        out = ops.rans_decode(*(c.to(device) for c in codes), K, N, rans_format.default_channels_per_tile(K))
+        # Lossless: bit for bit (the 1e-300 keeps the ratio finite where both are exactly equal).
+        return compare(out, B.double(), torch.full(B.shape, 1e-300, dtype=torch.float64))
+    yield row("rans_decode", "4-bit codes", torch.int32, "-", 1024, 200, "-", "-", check_rans_decode)
+
     if not trellis_supported(device):
         print(f"gemm_trellis, dequant_trellis, moe_trellis: the planner has no trellis kernels for {device}; skipped")
         return
     bits, gs = 3, 128
-    for dtype in DTYPES:
+    for dtype in dtypes:
         for (M, K, N), plan in trellis_cases(dtype, device, bits):
             def check(M=M, K=K, N=N, dtype=dtype):
                 t = random_trellis(K, N, bits, gs, gen)
@@ -328,7 +404,7 @@ def correctness_rows(device: str):
     # MoE: 5 tokens x top-2 = 10 routed rows (every expert on the GEMV path), and 24 tokens all
     # routed to one expert (48 rows: the prefill family for that expert).
     H, I, E, top_k = 200, 136, 5, 2
-    for dtype in DTYPES:
+    for dtype in dtypes:
         for T in (5, 24):
             plan = plan_trellis(T * top_k, H, I, bits, gs, dtype, device=device)
 
@@ -353,89 +429,27 @@ def correctness_rows(device: str):
                       plan["family"], "-", check_moe)
 
 
-# ---- timing ------------------------------------------------------------------------------------------
-
-def median_time(fn, calls: int, device: str, warmup: int, repeats: int) -> float:
-    """Median over ``repeats`` rounds of the time per call of ``fn(i)``, i = 0..calls-1 per round."""
-    for _ in range(warmup):
-        for i in range(calls):
-            fn(i)
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for i in range(calls):
-            fn(i)
-        synchronize(device)
-        times.append((time.perf_counter() - t0) / calls)
-    return statistics.median(times)
-
-
-def bench_weights(fmt, K, N, gs, device, gen):
-    """Random packed codes and scales (decoding cost does not depend on the values)."""
-    B = torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32, generator=gen)
-    s = (torch.rand(K // gs, N, generator=gen) * 0.01 + 0.01).half()
-    z = torch.randint(0, 16, (K // gs, N), dtype=torch.uint8, generator=gen) if fmt == "u4" else None
-    return to_device({"B": B, "scales": s, "zeros": z}, device)
-
-
-def weight_bytes(w: dict) -> int:
-    return sum(v.numel() * v.element_size() for v in w.values() if v is not None)
-
-
-def copy_bandwidth_gbps(device: str, nbytes: int, repeats: int) -> float:
-    """Device-to-device copy of a large tensor: bytes read + written per second."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
-    dst = torch.empty_like(src)
-    t = median_time(lambda i: dst.copy_(src), 1, device, 1, max(repeats, 3))
-    return 2 * nbytes / t / 1e9
-
-
-def bandwidth_table(device, shapes, rotate_bytes, repeats, reference_gbps):
-    gen = torch.Generator().manual_seed(1)
-    rows = []
-    for fmt in FORMATS:
-        for K, N in shapes:
-            w = bench_weights(fmt, K, N, 128, device, gen)
-            nbytes = weight_bytes(w)
-            # Enough copies that the rotation exceeds the last-level cache: each call reads cold weights.
-            copies = [w] + [{k: (v.clone() if v is not None else None) for k, v in w.items()}
-                            for _ in range(max(1, math.ceil(rotate_bytes / nbytes)) - 1)]
-            A = torch.randn(1, K, generator=gen).half().to(device)
-            t = median_time(lambda i: run_gemm(fmt, A, copies[i], 128), len(copies), device, 1, repeats)
-            gbps = nbytes / t / 1e9
-            plan = plan_gemm(fmt, 1, K, N, 128, torch.float16, device=device)
-            rows.append({"format": f"{fmt} g128", "K": K, "N": N, "M": 1, "kernel": plan["kernel"],
-                         "weight_mb": nbytes / 1e6, "copies": len(copies), "us": t * 1e6, "gbps": gbps,
-                         "reference_gbps": reference_gbps,
-                         "fraction": gbps / reference_gbps if reference_gbps else None})
-            del copies, w
-    return rows
-
-
-def prefill_table(device, shapes, Ms, repeats):
-    # torch.matmul in fp16 on a CPU without fp16 BLAS is tens of times slower than in fp32 (44x on
-    # 128x1024x3584, 2-core x86-64): fp32 is the CPU's fast dense baseline.
-    base_dtype = torch.float32 if device == "cpu" else torch.float16
-    gen = torch.Generator().manual_seed(2)
-    rows = []
-    for fmt in FORMATS:
-        for K, N in shapes:
-            w = bench_weights(fmt, K, N, 128, device, gen)
-            W = torch.randn(K, N, generator=gen).to(base_dtype).to(device)
-            for M in Ms:
-                A = torch.randn(M, K, generator=gen).half().to(device)
-                A_base = A.to(base_dtype)
-                ours = median_time(lambda i: run_gemm(fmt, A, w, 128), 1, device, 1, repeats)
-                base = median_time(lambda i: torch.matmul(A_base, W), 1, device, 1, repeats)
-                plan = plan_gemm(fmt, M, K, N, 128, torch.float16, device=device)
-                rows.append({"format": f"{fmt} g128", "K": K, "N": N, "M": M, "kernel": plan["kernel"],
-                             "ours_ms": ours * 1e3, "matmul_ms": base * 1e3,
-                             "matmul_dtype": str(base_dtype).removeprefix("torch."), "ratio": base / ours})
-    return rows
-
-
 # ---- output ------------------------------------------------------------------------------------------
+
+def path_summary(rows):
+    """Per op: the families that ran their native kernel, those that ran the plain-torch fallback
+    (with the first reason), and whether any row failed."""
+    ops_seen = {}
+    for r in rows:
+        o = ops_seen.setdefault(r["op"], {"op": r["op"], "native": set(), "fallback": set(), "reason": None})
+        o["fallback" if r["path"] == "fallback" else "native"].add(r["family"])
+        if r["path"] == "fallback" and o["reason"] is None:
+            o["reason"] = r["fallback_reason"].splitlines()[0][:160]
+    return [{"op": o["op"], "native": ", ".join(sorted(o["native"])) or "-",
+             "fallback": ", ".join(sorted(o["fallback"])) or "-", "reason": o["reason"] or "-"}
+            for o in ops_seen.values()]
+
+
+def metallib_count() -> int:
+    """Prebuilt Metal libraries installed beside the extension (macOS builds with Xcode's compiler)."""
+    folder = os.path.join(os.path.dirname(os.path.abspath(torch_marlin.__file__)), "metallib")
+    return len([f for f in os.listdir(folder) if f.endswith(".metallib")]) if os.path.isdir(folder) else 0
+
 
 def print_table(title, rows, columns):
     print(f"\n{title}")
@@ -482,27 +496,41 @@ def main(argv=None) -> int:
             if k in ("backend", "compute_units", "max_shared_memory", "wgmma", "thread_block_clusters", "avx2",
                      "avx512")}
     header = {"torch_marlin": torch_marlin.__version__, "torch": torch.__version__, "device": device,
-              "chip": chip, "caps": caps}
+              "chip": chip, "caps": caps, "python": platform.python_version(),
+              "os": platform.platform()}
+    if device == "mps":
+        header.update(gpu_cores_registry=registry_gpu_cores(), metallibs=metallib_count())
     print(f"torch_marlin {header['torch_marlin']}  torch {header['torch']}  device {device}  chip {chip}  caps "
           + " ".join(f"{k}={v}" for k, v in caps.items()))
+    print(f"python {header['python']}  os {header['os']}"
+          + (f"  gpu-core-count {header['gpu_cores_registry']}  prebuilt metallibs {header['metallibs']}"
+             if device == "mps" else ""))
 
     rows = []
     for r in correctness_rows(device):
         rows.append(r)
-        print(f"{r['status']}  {r['op']:<15} {r['format']:<24} {r['dtype']:<8} M={r['M']!s:<5} K={r['K']:<5} "
+        print(f"{r['status']:<8} {r['op']:<15} {r['format']:<24} {r['dtype']:<8} M={r['M']!s:<5} K={r['K']:<5} "
               f"N={r['N']:<5} {r['family']:<28} {r['kernel']:<28} max_err={_fmt(r['max_err'])} "
               f"err/tol={_fmt(r['err_over_tol'])}" + (f"  {r['error']}" if "error" in r else ""), flush=True)
     failures = sum(r["status"] != "PASS" for r in rows)
-    print(f"\ncorrectness: {len(rows) - failures}/{len(rows)} PASS")
-    result = {"header": header, "correctness": rows, "failures": failures}
+    fallbacks = sum(r["status"] == "FALLBACK" for r in rows)
+    print(f"\ncorrectness: {len(rows) - failures}/{len(rows)} PASS"
+          + (f", {fallbacks} FALLBACK (correct through the plain-torch path)" if fallbacks else ""))
+    paths = path_summary(rows)
+    print_table("kernel paths: families that ran natively and those that fell back to plain torch", paths,
+                ["op", "native", "fallback", "reason"])
+    for op, why in metal_fallback.unavailable().items():
+        print(f"\n{op}: the native error in full:\n{why}")
+    result = {"header": header, "correctness": rows, "paths": paths, "failures": failures,
+              "skipped": [why for why in skipped_dtypes(device).values()]}
 
     if not args.no_bench:
         quick = args.quick
         shapes = tuple((K // 4, N // 4) for K, N in LLAMA3_8B_SHAPES) if quick else LLAMA3_8B_SHAPES
-        rotate = (32 if quick else 256) << 20
+        rotate = ROTATE_BYTES_QUICK_CPU if quick and device == "cpu" else ROTATE_BYTES
         repeats = 3 if quick else 7
         if device == "mps":
-            rated = apple_rated_gbps(chip, caps.get("compute_units", 0))
+            rated = apple_rated_gbps(chip, header["gpu_cores_registry"] or caps.get("compute_units", 0))
             reference, source = rated, "Apple's published bandwidth of the chip"
         else:
             reference = copy_bandwidth_gbps(device, rotate, repeats)
@@ -520,7 +548,12 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)
-    print("\nselfcheck: " + ("PASS" if failures == 0 else f"FAIL ({failures} of {len(rows)} rows)"))
+    if failures:
+        print(f"\nselfcheck: FAIL ({failures} of {len(rows)} rows"
+              + (f"; {fallbacks} ran the plain-torch fallback: models still run, slower" if fallbacks else "")
+              + f"). {metal_fallback.REPORT_HINT[0].upper()}{metal_fallback.REPORT_HINT[1:]}.")
+    else:
+        print("\nselfcheck: PASS")
     return 1 if failures else 0
 
 

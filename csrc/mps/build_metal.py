@@ -7,11 +7,18 @@ compiler scripts. Every message is one line on stderr starting with ``torch_marl
   or nothing: not macOS, ``TORCH_MARLIN_NO_MPS=1`` (silently), or a failed probe (one line saying
   that the MPS backend was not built and why).
 - ``build_metallibs(...)``: one ``<stem>-<hash>.metallib`` per metal/*.metal file, compiled with
-  Apple's toolchain (``xcrun metal -std=metal3.1 -Werror``, then ``xcrun metallib``) for macOS 14
-  and later. Without the ``metal`` tool (Command Line Tools only, or the Metal toolchain not
+  Apple's toolchain (``xcrun metal -std=metal3.1``, then ``xcrun metallib``) for macOS 14 and
+  later. Without the ``metal`` tool (Command Line Tools only, or the Metal toolchain not
   installed) it prints one line and builds nothing: the backend then compiles the embedded
   sources at run time. A file that does not compile gets one line and no library; its kernels are
-  compiled at run time, the other files' libraries are unaffected.
+  compiled at run time, the other files' libraries are unaffected. Warnings do not fail a user's
+  build (a newer Xcode's new warning must not drop a library).
+- ``python csrc/mps/build_metal.py --check [OUT_DIR]``: the developer check (and the macOS
+  workflow's): every file with ``-Werror``, exit status 1 naming each file that did not build,
+  with the compiler's log, or when the ``metal`` tool is missing.
+- ``arch_flags(...)``: ``ARCHFLAGS`` for the extension build: arm64 only on Apple silicon (a
+  universal2 Python would otherwise also compile an x86_64 slice, which torch's arm64-only
+  libraries cannot link).
 - ``install_metallibs(...)``: mirrors the built libraries into the package folder (in-place
   builds), removing libraries of older sources.
 
@@ -53,15 +60,28 @@ def _first_error_line(text):
     return lines[0] if lines else "no output"
 
 
-def _run(cmd, run):
-    """(ok, first error line) of one command; a missing executable is a failure, not an exception."""
+def _run(cmd, run, full_log=None):
+    """(ok, first error line) of one command; a missing executable is a failure, not an exception.
+    ``full_log``: a list that gets the command's whole output when it fails."""
     try:
         r = run(cmd, capture_output=True, text=True)
     except FileNotFoundError:
         return False, f"{cmd[0]} not found"
     if r.returncode != 0:
-        return False, _first_error_line((r.stderr or "") + "\n" + (r.stdout or ""))
+        output = (r.stderr or "") + "\n" + (r.stdout or "")
+        if full_log is not None:
+            full_log.append(output.strip())
+        return False, _first_error_line(output)
     return True, ""
+
+
+def arch_flags(environ=os.environ, platform=sys.platform, machine=None):
+    """The ``ARCHFLAGS`` value the extension build should use, or None to leave it alone: on an
+    arm64 Mac without ``ARCHFLAGS`` set, ``-arch arm64``."""
+    machine = machine or os.uname().machine
+    if platform != "darwin" or "ARCHFLAGS" in environ or machine != "arm64":
+        return None
+    return "-arch arm64"
 
 
 # ---- should the MPS backend be built? ---------------------------------------------------------
@@ -102,7 +122,7 @@ def mps_build(root, platform=sys.platform, environ=os.environ, probe=None):
         "sources": sources,
         "define_macros": [("TM_WITH_MPS", "1")],
         "include_dirs": [gen_dir],
-        "extra_link_args": ["-framework", "Metal", "-framework", "Foundation"],
+        "extra_link_args": ["-framework", "Metal", "-framework", "Foundation", "-framework", "IOKit"],
     }
 
 
@@ -120,20 +140,23 @@ def metal_toolchain(run=subprocess.run):
     return None if ok else error
 
 
-def metal_compile_commands(src, include_dir, air, metallib):
+def metal_compile_commands(src, include_dir, air, metallib, werror=False):
     """The two commands that build one .metal file into ``metallib``: MSL 3.1 for macOS 14+,
-    warnings as errors, IEEE math (the kernels are checked bit-for-bit against CPU references;
-    the run-time fallback sets the same), project headers from ``include_dir``."""
+    IEEE math (the kernels are checked bit-for-bit against CPU references; the run-time fallback
+    sets the same), project headers from ``include_dir``; warnings as errors with ``werror`` (the
+    developer check only)."""
     return [
-        XCRUN + ["metal", f"-std={MSL_STD}", f"-mmacosx-version-min={METALLIB_MIN_MACOS}", "-Werror",
-                 "-fno-fast-math", "-I", include_dir, "-c", src, "-o", air],
+        XCRUN + ["metal", f"-std={MSL_STD}", f"-mmacosx-version-min={METALLIB_MIN_MACOS}"]
+        + (["-Werror"] if werror else []) + ["-fno-fast-math", "-I", include_dir, "-c", src, "-o", air],
         XCRUN + ["metallib", air, "-o", metallib],
     ]
 
 
-def build_metallibs(metal_dir, include_dir, out_dir, run=subprocess.run, log=warn):
+def build_metallibs(metal_dir, include_dir, out_dir, run=subprocess.run, log=warn, werror=False, failures=None):
     """Builds every metal/*.metal file into ``out_dir``/<stem>-<hash>.metallib; returns the paths
-    built. Libraries of other sources in ``out_dir`` are removed first, so none is stale."""
+    built. Libraries of other sources in ``out_dir`` are removed first, so none is stale.
+    ``failures``: a dict that gets ``{file name: the compiler's whole log}`` of each file that did
+    not build (``""`` for every file when the ``metal`` tool is missing)."""
     os.makedirs(out_dir, exist_ok=True)
     for old in glob.glob(os.path.join(out_dir, "*.metallib")):
         os.remove(old)
@@ -141,6 +164,8 @@ def build_metallibs(metal_dir, include_dir, out_dir, run=subprocess.run, log=war
     if reason:
         log(f"Apple's Metal compiler is not available ({reason}): the Metal kernels will be compiled "
             "from the embedded source at run time (full Xcode or its Metal toolchain prebuilds them)")
+        if failures is not None:
+            failures.update({os.path.basename(f): reason for f in embed_metal.metal_files(metal_dir)})
         return []
     sources = embed_metal.library_sources(metal_dir, include_dir)
     built = []
@@ -148,10 +173,13 @@ def build_metallibs(metal_dir, include_dir, out_dir, run=subprocess.run, log=war
         for name in sorted(sources):
             lib = os.path.join(out_dir, embed_metal.metallib_name(name, sources[name]))
             air = os.path.join(tmp, os.path.splitext(name)[0] + ".air")
-            for cmd in metal_compile_commands(os.path.join(metal_dir, name), include_dir, air, lib):
-                ok, error = _run(cmd, run)
+            full_log = []
+            for cmd in metal_compile_commands(os.path.join(metal_dir, name), include_dir, air, lib, werror):
+                ok, error = _run(cmd, run, full_log)
                 if not ok:
                     log(f"metal/{name} did not build ({error}): its kernels will be compiled at run time")
+                    if failures is not None:
+                        failures[name] = "\n".join(full_log) or error
                     if os.path.exists(lib):
                         os.remove(lib)
                     break
@@ -172,3 +200,30 @@ def install_metallibs(built, dest_dir):
         if os.path.abspath(path) != os.path.abspath(dest):
             shutil.copyfile(path, dest)
     return [os.path.join(dest_dir, n) for n in sorted(names)]
+
+
+def check_metallibs(metal_dir, include_dir, out_dir, run=subprocess.run, log=warn):
+    """The developer check: every metal/*.metal file must build with ``-Werror``. Returns the exit
+    status (0 when all did), after printing each failing file's whole compiler log."""
+    failures = {}
+    built = build_metallibs(metal_dir, include_dir, out_dir, run, log, werror=True, failures=failures)
+    expected = embed_metal.metal_files(metal_dir)
+    for name in sorted(failures):
+        print(f"==== metal/{name} did not build with -Werror:\n{failures[name]}", file=sys.stderr)
+    print(f"torch_marlin: {len(built)} of {len(expected)} Metal libraries built with -Werror in {out_dir}",
+          file=sys.stderr)
+    return 0 if len(built) == len(expected) and not failures else 1
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Developer check: every metal/*.metal file builds with "
+                                                 "Apple's compiler and -Werror.")
+    parser.add_argument("--check", action="store_true", required=True)
+    parser.add_argument("out_dir", nargs="?", help="where the libraries go (default: a temporary folder)")
+    args = parser.parse_args()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with tempfile.TemporaryDirectory() as tmp:
+        sys.exit(check_metallibs(os.path.join(root, "metal"), os.path.join(root, "csrc", "include"),
+                                 args.out_dir or tmp))

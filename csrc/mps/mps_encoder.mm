@@ -13,13 +13,18 @@
 //    of every kernel, so a file that fails to load disables only its own kernels, and asking for
 //    one of them raises an error naming the file with the compiler's log;
 //  - no C++ exception leaves an @autoreleasepool or a dispatch block: errors are recorded inside
-//    and raised after it ends (the pool is drained, the queue's block returns normally).
+//    and raised after it ends (the pool is drained, the queue's block returns normally);
+//  - what this Mac cannot run (a library or pipeline that fails, a GPU that is not an Apple GPU
+//    with 32-wide simdgroups, a kernel needing a newer macOS) raises NotImplementedError, and
+//    nothing else does: on that error the Python layer runs the op's plain-torch path
+//    (torch_marlin/metal_fallback.py).
 //
 // Compiled only on macOS (setup.py), without ARC: the libraries and pipeline states live for the
 // process; everything else is autoreleased inside the pools below.
 #ifdef TM_WITH_MPS
 
 #import <Foundation/Foundation.h>
+#import <IOKit/IOKitLib.h>
 #import <Metal/Metal.h>
 
 #include <ATen/ATen.h>
@@ -166,14 +171,17 @@ class PipelineCache {
     auto it = pipelines_.find(name);
     if (it != pipelines_.end()) return it->second;
     const MetalKernelFile* k = find_kernel(name);
-    TORCH_CHECK(k != nullptr, "torch_marlin: no metal/*.metal file of this build defines the Metal kernel '", name,
-                "'");
-    TORCH_CHECK(k->msl_version <= runtime_msl_version(), "torch_marlin: Metal kernel '", name,
-                "' needs MSL 3.1: macOS 14 or later, and an extension built with the macOS 14 SDK or newer");
+    const std::string& not_apple = apple_gpu_error();
+    TORCH_CHECK_NOT_IMPLEMENTED(not_apple.empty(), not_apple);
+    TORCH_CHECK_NOT_IMPLEMENTED(k != nullptr, "torch_marlin: no metal/*.metal file of this build defines the Metal "
+                                "kernel '", name, "'");
+    TORCH_CHECK_NOT_IMPLEMENTED(k->msl_version <= runtime_msl_version(), "torch_marlin: Metal kernel '", name,
+                                "' needs MSL 3.1: macOS 14 or later, and an extension built with the macOS 14 SDK or "
+                                "newer");
     const MetalSourceFile& file = metal_source_files()[k->file];
     id<MTLLibrary> lib = library_locked(k->file);
-    TORCH_CHECK(lib != nil, "torch_marlin: Metal kernel '", name, "' is unavailable: metal/", file.name,
-                " did not load: ", libraries_[k->file].error);
+    TORCH_CHECK_NOT_IMPLEMENTED(lib != nil, "torch_marlin: Metal kernel '", name, "' is unavailable: metal/",
+                                file.name, " did not load: ", libraries_[k->file].error);
     id<MTLComputePipelineState> pso = nil;
     std::string error;
     @autoreleasepool {
@@ -187,10 +195,16 @@ class PipelineCache {
         if (pso == nil) error = "pipeline creation failed: " + describe(err);
       }
     }
-    TORCH_CHECK(pso != nil, "torch_marlin: Metal kernel '", name, "': ", error);
-    const std::string too_big = threadgroup_memory_error(name, pso);
-    if (!too_big.empty()) [pso release];
-    TORCH_CHECK(too_big.empty(), too_big);
+    TORCH_CHECK_NOT_IMPLEMENTED(pso != nil, "torch_marlin: Metal kernel '", name, "' (metal/", file.name, "): ",
+                                error);
+    std::string unfit = threadgroup_memory_error(name, pso);
+    // Every kernel's lane arithmetic (shuffles, fragment ownership) assumes 32-wide simdgroups.
+    if (unfit.empty() && pso.threadExecutionWidth != kAppleSimdWidth) {
+      unfit = "torch_marlin: Metal kernel '" + name + "' runs " + std::to_string((unsigned long)pso.threadExecutionWidth) +
+              "-wide SIMD groups on this GPU; the kernels need 32";
+    }
+    if (!unfit.empty()) [pso release];
+    TORCH_CHECK_NOT_IMPLEMENTED(unfit.empty(), unfit);
     pipelines_.emplace(name, pso);
     return pso;
   }
@@ -211,18 +225,52 @@ class PipelineCache {
     return l.library;
   }
 
+  // Empty on an Apple GPU (Apple7 family: M1 / A14 and later, what the kernels' simdgroup matrices
+  // and 32-wide simdgroups are written for), else why the kernels cannot run on this one.
+  static const std::string& apple_gpu_error() {
+    static const std::string error = [] {
+      id<MTLDevice> dev = mps_device();
+      if ([dev supportsFamily:MTLGPUFamilyApple7]) return std::string();
+      std::string gpu;
+      @autoreleasepool {
+        gpu = dev.name.UTF8String;
+      }
+      return "torch_marlin: the Metal kernels need an Apple GPU (M1 or later); this Mac's GPU is " + gpu;
+    }();
+    return error;
+  }
+
+  static constexpr NSUInteger kAppleSimdWidth = 32;
   std::mutex mu_;
   std::vector<Library> libraries_ = std::vector<Library>(kMetalSourceFileCount);
   std::unordered_map<std::string, id<MTLComputePipelineState>> pipelines_;
 };
 
-// GPU cores: Metal does not report them. Known Apple chips by name, TORCH_MARLIN_METAL_CORES to
-// override, else the planner's default (8, an M1).
+// The GPU's core count as the registry reports it (the AGXAccelerator entry's gpu-core-count: the
+// binned chips' real count, which no name tells), 0 when it does not.
+int registry_gpu_cores() {
+  int cores = 0;
+  // MACH_PORT_NULL: IOKit's default main port on every macOS version.
+  io_service_t gpu = IOServiceGetMatchingService(MACH_PORT_NULL, IOServiceMatching("AGXAccelerator"));
+  if (gpu == IO_OBJECT_NULL) return 0;
+  CFTypeRef value = IORegistryEntryCreateCFProperty(gpu, CFSTR("gpu-core-count"), kCFAllocatorDefault, 0);
+  if (value != nullptr) {
+    if (CFGetTypeID(value) == CFNumberGetTypeID() && !CFNumberGetValue((CFNumberRef)value, kCFNumberIntType, &cores))
+      cores = 0;
+    CFRelease(value);
+  }
+  IOObjectRelease(gpu);
+  return cores > 0 ? cores : 0;
+}
+
+// GPU cores: Metal does not report them. TORCH_MARLIN_METAL_CORES overrides; else the registry;
+// else the full chip of the name (a binned chip has fewer), else the planner's default (8, an M1).
 int gpu_cores(id<MTLDevice> dev) {
   if (const char* env = std::getenv("TORCH_MARLIN_METAL_CORES")) {
     const int v = std::atoi(env);
     if (v > 0) return v;
   }
+  if (const int cores = registry_gpu_cores()) return cores;
   std::string name;
   @autoreleasepool {
     name = dev.name.UTF8String;
@@ -268,9 +316,9 @@ void mps_encode(const MetalDispatches<MpsBuffer>& dispatches) {
   for (const MetalDispatch<MpsBuffer>& d : dispatches) {
     id<MTLComputePipelineState> pso = PipelineCache::instance().get(d.kernel);
     const unsigned long threads = (unsigned long)d.threads[0] * d.threads[1] * d.threads[2];
-    TORCH_CHECK(threads <= pso.maxTotalThreadsPerThreadgroup, "torch_marlin: kernel '", d.kernel, "' allows ",
-                (unsigned long)pso.maxTotalThreadsPerThreadgroup, " threads per threadgroup on this GPU, the plan asks ",
-                threads);
+    TORCH_CHECK_NOT_IMPLEMENTED(threads <= pso.maxTotalThreadsPerThreadgroup, "torch_marlin: kernel '", d.kernel,
+                                "' allows ", (unsigned long)pso.maxTotalThreadsPerThreadgroup,
+                                " threads per threadgroup on this GPU, the plan asks ", threads);
     pipelines.push_back(pso);
   }
   at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();

@@ -90,7 +90,9 @@ std::string kernel_name(const KernelDesc& k) {
                suffix;
       }
       const char* stem = metal_stem(k.family);
-      return stem ? stem + suffix : std::string();
+      if (stem == nullptr) return std::string();
+      // The fused and striped families' 32-row tile: <stem>_m32_<fmt>_<dtype>.
+      return stem + std::string(k.tile_m == TM_METAL_SMALL_TILE_M ? "_m32" : "") + suffix;
     }
     case Backend::CUDA: return family_name(k.family) + suffix;  // decode_fp4_half, wgmma_ws_u4_bfloat, ...
   }

@@ -28,14 +28,30 @@ uint32_t dtype_bytes(DType d) { return d == DType::F32 ? 4u : 2u; }
 uint32_t prefill_k_step(KernelFamily f, DType d) {
   return f == KernelFamily::StagedTiles ? TM_METAL_STAGED_TILE_K : TM_METAL_PIPELINED_TILE_K(dtype_bytes(d));
 }
+
+// Rows of the fused and striped families' tile: 32 up to 32 rows (a 64-row tile would compute
+// up to 3.8x the rows it keeps at M = 17), else 64 (two 32-row tiles would dequantize B twice).
+uint32_t prefill_tile_m(int64_t M) { return M <= int64_t(TM_METAL_SMALL_TILE_M) ? TM_METAL_SMALL_TILE_M : kTile; }
 }  // namespace
 
-// Stripes + K-parallel only pay when the output alone cannot fill the GPU and K is long enough
-// to split (at least 4 slices of 128 rows).
+// Stripes + K slices pay only where they shorten the critical path enough to cover their second
+// dispatch (the K-slice reduction) and the workspace round trip: by a quarter or more. Counted in
+// K rows one core walks, with one tile threadgroup resident per core (a fp32 tile's 21 KiB of
+// the 32 KiB leave no room for a second): the fused kernel walks ceil(tiles / cores) whole tiles
+// of K rows; the striped one spreads tiles x slices work items (slices of >= 128 rows, as it
+// plans them) over the cores, ceil(items / cores) slices of K / slices rows each. With about as
+// many tiles as cores (M <= 64 on a large GPU: 64 tiles on 38 cores) both walk 2 K: no stripes.
 bool metal_striped_pays(int64_t M, int64_t K, int64_t N, const DeviceCaps& caps) {
   constexpr int64_t kStripedMinK = 512;
-  const int64_t tiles = int64_t((M + kTile - 1) / kTile) * ((N + kTile - 1) / kTile);
-  return tiles < caps.compute_units * 2 && K >= kStripedMinK;
+  constexpr uint32_t kMinSliceRows = 128;
+  const int64_t tile_m = prefill_tile_m(M);
+  const int64_t tiles = int64_t((M + tile_m - 1) / tile_m) * ((N + kTile - 1) / kTile);
+  if (tiles >= caps.compute_units * 2 || K < kStripedMinK) return false;
+  const int64_t cores = std::max(1, caps.compute_units);
+  const int64_t slices = k_split_for(tiles, K, kMinSliceRows, caps.compute_units, 2, 1);
+  const int64_t fused_rows = (tiles + cores - 1) / cores * K;
+  const int64_t striped_rows = (tiles * slices + cores - 1) / cores * ((K + slices - 1) / slices);
+  return striped_rows * 4 <= fused_rows * 3;
 }
 
 void plan_metal(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps& caps) {
@@ -66,7 +82,7 @@ void plan_metal(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps& 
     }
     case KernelFamily::FusedTiles:
     case KernelFamily::StagedTiles: {
-      set_tiles(p, M, N, kTile, kTile);
+      set_tiles(p, M, N, p.desc.family == KernelFamily::FusedTiles ? prefill_tile_m(M) : kTile, kTile);
       p.desc.tile_k = prefill_k_step(p.desc.family, p.desc.dtype);
       set_k_parallel(p, K, 1, p.desc.tile_k);
       p.grid[0] = p.params.n_tiles;
@@ -75,7 +91,7 @@ void plan_metal(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps& 
       break;
     }
     case KernelFamily::Striped: {
-      set_tiles(p, M, N, kTile, kTile);
+      set_tiles(p, M, N, prefill_tile_m(M), kTile);
       p.desc.tile_k = prefill_k_step(p.desc.family, p.desc.dtype);
       const int64_t tiles = int64_t(p.params.m_tiles) * p.params.n_tiles;
       // At least 128 K rows per slice, whatever the step.

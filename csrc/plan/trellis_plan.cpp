@@ -477,9 +477,12 @@ TrellisPlan plan_trellis_moe(int64_t tokens, int64_t hidden, int64_t intermediat
   const uint32_t E = uint32_t(num_experts);
   switch (caps.backend) {
     case Backend::Metal: {
-      // Grid (column blocks, experts): a threadgroup owns one expert's column block and walks
+      // Grid (column blocks, expert slots): a threadgroup owns one expert's column block and walks
       // that expert's routed rows in chunks of 16, so each expert's weights stream once per block.
+      // Only min(E, T*top_k) slots (at most that many experts have rows): slot s runs the s-th
+      // expert with rows (metal/trellis_moe.metal, tr_slot_expert), so idle experts cost nothing.
       const uint64_t R = uint64_t(tokens) * uint64_t(top_k);
+      const uint32_t slots = uint32_t(std::min<uint64_t>(E, std::max<uint64_t>(R, 1)));
       check_metal_indices({R * uint64_t(hidden), R * uint64_t(intermediate),
                            uint64_t(num_experts) * p.params.tiles_k * p.params.tiles_n * p.params.packed_bytes,
                            uint64_t(num_experts) * p.params.n_groups * uint64_t(intermediate),
@@ -493,20 +496,22 @@ TrellisPlan plan_trellis_moe(int64_t tokens, int64_t hidden, int64_t intermediat
       p.params.down_k_vec4 = intermediate % 4 == 0 ? 1u : 0u;
       p.main.kernel = "moe_trellis_gate_up" + suffix;
       p.main.grid[0] = p.params.n_tiles;
-      p.main.grid[1] = E;
+      p.main.grid[1] = slots;
       p.main.threads[0] = kMetalThreads;
       p.down.kernel = "moe_trellis_down" + suffix;
       p.down.grid[0] = cdiv(hidden, kMetalDecodeTileN);
-      p.down.grid[1] = E;
+      p.down.grid[1] = slots;
       p.down.threads[0] = kMetalThreads;
       if (R > uint64_t(kDecodeMaxM)) {
         // The host cannot size these per expert without a sync: grid.y covers every routed row,
         // and threadgroups past their expert's rows (or of experts with <= 16 rows) exit at once.
+        // Slots: at most R / 17 experts have more than 16 rows (the tiled kernels' experts).
+        const uint32_t tiled_slots = uint32_t(std::min<uint64_t>(E, R / (kDecodeMaxM + 1)));
         const uint32_t row_tiles = cdiv(int64_t(R), kMetalPrefillTile);
         for (TrellisLaunch* l : {&p.tiled_gate, &p.tiled_up}) {
           l->grid[0] = cdiv(intermediate, kMetalPrefillTile);
           l->grid[1] = row_tiles;
-          l->grid[2] = E;
+          l->grid[2] = tiled_slots;
           l->threads[0] = kMetalThreads;
         }
         p.tiled_gate.kernel = "moe_trellis_tiled_gate" + suffix;
@@ -514,7 +519,7 @@ TrellisPlan plan_trellis_moe(int64_t tokens, int64_t hidden, int64_t intermediat
         p.tiled_down.kernel = "moe_trellis_tiled_down" + suffix;
         p.tiled_down.grid[0] = cdiv(hidden, kMetalPrefillTile);
         p.tiled_down.grid[1] = row_tiles;
-        p.tiled_down.grid[2] = E;
+        p.tiled_down.grid[2] = tiled_slots;
         p.tiled_down.threads[0] = kMetalThreads;
       }
       p.combine.kernel = "moe_trellis_combine" + suffix;

@@ -5,9 +5,10 @@
 # MSL headers of csrc/include/torch_marlin/) and the concatenated library the MPS build embeds
 # (csrc/mps/embed_metal.py) as C++ over scripts/dev/metal_ascheck/metal_stdlib, where MSL's
 # `device`, `constant` and `threadgroup` are distinct clang address spaces (1, 2, 3) and `thread`
-# is the default one. Every kernel template is explicitly instantiated (half and float; bfloat
-# shares the same template code), so a device/threadgroup/thread pointer mix-up is an error here
-# as it is in Apple's metal compiler. It does not check anything else Apple's compiler would
+# is the default one. Every kernel template is explicitly instantiated, so a device/threadgroup/
+# thread pointer mix-up is an error here as it is in Apple's metal compiler. Each file is checked
+# twice: as MSL 3.0 (half and float, what macOS 13 compiles) and as MSL 3.1, where the bfloat
+# instantiations and their own overloads (bfloat loads, bfloat4 vectors) join in. It does not check anything else Apple's compiler would
 # (MSL-only builtins, attributes): see docs/limitations.md.
 #
 #   scripts/dev/check_metal_address_spaces.sh              check metal/*.metal
@@ -29,11 +30,14 @@ if [[ -z "$CLANG" ]]; then
   exit 2
 fi
 
-# check FILE INCLUDE_DIR. aarch64: clang has _Float16 there (the Metal `half`); -nostdinc: the
-# shim needs no libc.
+# check FILE INCLUDE_DIR, as MSL 3.0 and as MSL 3.1. aarch64: clang has _Float16 there (the Metal
+# `half`); -nostdinc: the shim needs no libc.
 check() {
-  "$CLANG" -target aarch64-unknown-linux-gnu -nostdinc -fsyntax-only -std=c++17 -x c++ \
-    -Wno-unknown-attributes -D__METAL_VERSION__=300 -I "$SHIM" -I "$2" "$1"
+  local version
+  for version in 300 310; do
+    "$CLANG" -target aarch64-unknown-linux-gnu -nostdinc -fsyntax-only -std=c++17 -x c++ \
+      -Wno-unknown-attributes -D__METAL_VERSION__=$version -I "$SHIM" -I "$2" "$1" || return 1
+  done
 }
 
 tmp="$(mktemp -d)"
@@ -70,6 +74,8 @@ if [[ "${1:-}" == "--self-test" ]]; then
     'metal/decode.metal|s/device float\* workspace \[\[buffer(6)\]\], constant QuantGemmParams& p \[\[buffer(7)\]\],$/threadgroup float* workspace [[buffer(6)]], constant QuantGemmParams\& p [[buffer(7)]],/'
     # the trellis simdgroups' threadgroup partials read as device memory
     'csrc/include/torch_marlin/trellis_msl.h|s/inline float tr_meet(threadgroup const float\* partial/inline float tr_meet(device const float* partial/'
+    # the bfloat activations' load (MSL 3.1 only) taking a threadgroup pointer
+    'metal/decode.metal|s/inline float4 gemv_load4(device const bfloat\* p)/inline float4 gemv_load4(threadgroup const bfloat* p)/'
   )
   for m in "${mixups[@]}"; do
     file="${m%%|*}"

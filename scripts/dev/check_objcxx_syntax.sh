@@ -5,8 +5,8 @@
 # argument type would first show on a Mac. clang type-checks each file here as Objective-C++
 # (-fsyntax-only: nothing is compiled or linked) against
 #   - torch's real ATen/mps headers (MPSDevice.h, MPSStream.h ship in every torch wheel);
-#   - scripts/dev/objcxx_shim/: declarations of the Foundation, Metal, MetalPerformanceShaders,
-#     MetalPerformanceShadersGraph and libdispatch API that the .mm files and those torch headers
+#   - scripts/dev/objcxx_shim/: declarations of the Foundation, Core Foundation, IOKit, Metal,
+#     MetalPerformanceShaders, MetalPerformanceShadersGraph and libdispatch API that the .mm files and those torch headers
 #     use, written from Apple's public documentation with the documented signatures;
 #   - the generated kernel-source header, written by the same embedding step setup.py runs on macOS;
 #   - setup.py's macOS macro (TM_WITH_MPS=1) and its C++ standard (cpp_extension's default, C++20,
@@ -123,6 +123,10 @@ if [[ "${1:-}" == "--self-test" ]]; then
     's/dispatch_sync(stream->queue(), /dispatch_sync(stream->commandQueue(), /'
     # a path string where the library loader takes a file URL
     's/newLibraryWithURL:url error:/newLibraryWithURL:path error:/'
+    # a C string where the registry takes a CFString key
+    's/CFSTR("gpu-core-count")/"gpu-core-count"/'
+    # a family number where supportsFamily: takes an MTLGPUFamily
+    's/supportsFamily:MTLGPUFamilyApple7/supportsFamily:7/'
   )
   planted="$tmp/mps_encoder.mm"
   cp "$src" "$planted"

@@ -8,7 +8,7 @@ threadgroup arrays are address-space-3 globals) plus min/max definitions, the ve
 csrc/metal_emu/msl_vectors_clang.h (a uint4 load is one 16-byte load) and a table of the
 instantiated kernels by host name. Apple's compiler front end is clang too, so this is a proxy for
 what it receives, not a measure of speed: Apple's backend schedules, vectorizes and caches on its
-own. bfloat kernels are compiled too (MSL 3.1; bfloat is a 2-byte struct here).
+own. bfloat kernels are compiled too (MSL 3.1; bfloat is a distinct 2-byte type here).
 
 Per instantiated kernel (every format / dtype):
 
@@ -25,6 +25,11 @@ Per instantiated kernel (every format / dtype):
                  calls) references
   barriers/step  threadgroup_barrier + simdgroup_barrier calls in the body of the main loop (the
                  one with the most; "tg+sg")
+  dyn idx        addresses into a per-thread array (an alloca: accumulators, simdgroup_matrix
+                 fragments) computed from a run-time index, anywhere in the kernel: such an array
+                 cannot live in registers (on a GPU it goes to memory). A loop over such an array
+                 needs a constant trip count, fully unrolled (TM_UNROLL, msl_kernel.h), with any
+                 run-time bound as a guard inside.
 
 The weight buffer is the kernel parameter named `B` (FP4 / INT4: packed words), `words` (the
 rANS word stream) or ending in `packed` (trellis: packed, g_packed, u_packed, d_packed); a load belongs to it when its address
@@ -343,6 +348,31 @@ def tg_bytes(mod, fname, seen=None):
     return used
 
 
+_ALLOCA_RE = re.compile(r"^\s*(%[\w.$-]+) = alloca \[")
+_GEP_RE = re.compile(r"^\s*%[\w.$-]+ = getelementptr (?:inbounds )?(.*)$")
+
+
+def dynamic_thread_array_indices(fn):
+    """getelementptrs into an alloca'd array with a non-constant index (operand 2 on)."""
+    arrays, count = set(), 0
+    for b in fn.blocks:
+        for line in b.lines:
+            m = _ALLOCA_RE.match(line)
+            if m:
+                arrays.add(m.group(1))
+    for b in fn.blocks:
+        for line in b.lines:
+            m = _GEP_RE.match(line)
+            if not m:
+                continue
+            ops = split_top(m.group(1))
+            if len(ops) < 3 or ops[1].split()[-1] not in arrays:
+                continue
+            if any(o.split()[-1].startswith("%") for o in ops[2:]):
+                count += 1
+    return count
+
+
 def analyze_kernel(mod, host_name, fname):
     fn = mod.functions[fname]
     param_names = {p: p.lstrip("%") for p in fn.params if p}
@@ -418,6 +448,7 @@ def analyze_kernel(mod, host_name, fname):
         tg_bytes=sum(mod.tg_globals[g] for g in tg_bytes(mod, fname)),
         tg_barriers_per_step=barriers[0],
         sg_barriers_per_step=barriers[1],
+        dynamic_thread_array_index=dynamic_thread_array_indices(fn),
     )
 
 
@@ -435,14 +466,14 @@ def analyze_file(clang, path, extra_flags=()):
 
 def markdown(rows):
     head = ("| file | kernel | device loads in main loop | weight B/load (max) | const loads | div main/loops "
-            "| tg bytes | barriers/step tg+sg |")
-    lines = [head, "|" + "---|" * 8]
+            "| tg bytes | barriers/step tg+sg | dyn idx |")
+    lines = [head, "|" + "---|" * 9]
     for r in rows:
         loads = " ".join(f"{w}Bx{n}" for w, n in r["device_loads"].items()) or "-"
         wpl = "-" if r["weight_bytes_per_load"] is None else f"{r['weight_bytes_per_load']:.3g}"
         lines.append(f"| {r['file']} | {r['kernel']} | {loads} | {wpl} ({r['max_weight_load']}) | {r['const_loads']} "
                      f"| {r['div_main']}/{r['div_loops']} | {r['tg_bytes']} "
-                     f"| {r['tg_barriers_per_step']}+{r['sg_barriers_per_step']} |")
+                     f"| {r['tg_barriers_per_step']}+{r['sg_barriers_per_step']} | {r['dynamic_thread_array_index']} |")
     return "\n".join(lines)
 
 

@@ -94,7 +94,49 @@ template <typename T>
   out[tgid.x * 32u + lane] = acc;
 }
 
+// Per-lane accumulators over a run-time number of slots: the loop bound is p.group, so the
+// accumulator array is indexed at run time (it cannot stay in registers). The _unrolled probe has
+// the same arithmetic with a constant trip count and the bound as a guard inside.
+template <typename T>
+[[kernel]] void probe_dynamic_thread_index(device const uint* B [[buffer(0)]], device uint* out [[buffer(1)]],
+                                           constant ProbeParams& p [[buffer(2)]],
+                                           uint3 tgid [[threadgroup_position_in_grid]],
+                                           uint lid [[thread_index_in_threadgroup]],
+                                           uint sgid [[simdgroup_index_in_threadgroup]],
+                                           uint lane [[thread_index_in_simdgroup]]) {
+  uint acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const uint slots = min(8u, p.group);
+  for (uint r = 0; r < p.rows; ++r) {
+    for (uint i = 0; i < slots; ++i) acc[i] += B[(tgid.x * p.rows + r) * 32u + lane] >> i;
+  }
+  out[tgid.x * 32u + lane] = acc[0] ^ acc[lane & 7u];
+}
+
+template <typename T>
+[[kernel]] void probe_constant_thread_index(device const uint* B [[buffer(0)]], device uint* out [[buffer(1)]],
+                                            constant ProbeParams& p [[buffer(2)]],
+                                            uint3 tgid [[threadgroup_position_in_grid]],
+                                            uint lid [[thread_index_in_threadgroup]],
+                                            uint sgid [[simdgroup_index_in_threadgroup]],
+                                            uint lane [[thread_index_in_simdgroup]]) {
+  uint acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const uint slots = min(8u, p.group);
+  for (uint r = 0; r < p.rows; ++r) {
+    const uint b = B[(tgid.x * p.rows + r) * 32u + lane];
+    TM_UNROLL
+    for (uint i = 0; i < 8u; ++i) {
+      if (i < slots) acc[i] += b >> i;
+    }
+  }
+  uint x = 0;
+  TM_UNROLL
+  for (uint i = 0; i < 8u; ++i) x ^= (i == 0u || i == (lane & 7u)) ? acc[i] : 0u;
+  out[tgid.x * 32u + lane] = x;
+}
+
 TM_INSTANTIATE("probe_vector_loads", probe_vector_loads<uint>)
+TM_INSTANTIATE("probe_dynamic_thread_index", probe_dynamic_thread_index<uint>)
+TM_INSTANTIATE("probe_constant_thread_index", probe_constant_thread_index<uint>)
 TM_INSTANTIATE("probe_scalar_loads", probe_scalar_loads<uint>)
 TM_INSTANTIATE("probe_divide_in_loop", probe_divide_in_loop<uint>)
 TM_INSTANTIATE("probe_read_twice", probe_read_twice<uint>)

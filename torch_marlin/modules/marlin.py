@@ -7,6 +7,7 @@ from torch import nn
 
 from .. import ops
 from ..dtypes import check_float_dtype
+from ..metal_fallback import run as _run
 from ..formats import int4_packing
 from ..formats.affine import dequant_affine_reference, quantize_affine
 from ..formats.fp4 import dequant_fp4_reference, quantize_fp4
@@ -202,14 +203,14 @@ class MarlinLinear(nn.Module):
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
         if self.format == "fp4":
-            y = _GEMM_FP4(x2, buffers["B_packed"], scales, self.group_size, bias)
+            y = _run(_GEMM_FP4, x2, buffers["B_packed"], scales, self.group_size, bias)
         elif self.format == "affine":
             offsets = buffers["offsets"]
             if offsets.dtype != x.dtype:
                 offsets = offsets.to(x.dtype)
-            y = _GEMM_AFFINE(x2, buffers["B_packed"], scales, offsets, self.group_size, bias)
+            y = _run(_GEMM_AFFINE, x2, buffers["B_packed"], scales, offsets, self.group_size, bias)
         else:
-            y = _GEMM_U4(x2, buffers["B_packed"], scales, buffers["zeros"], self.group_size, bias)
+            y = _run(_GEMM_U4, x2, buffers["B_packed"], scales, buffers["zeros"], self.group_size, bias)
         if x2 is not x:
             y = y.reshape(*x.shape[:-1], self.out_features)
         if torch.is_grad_enabled():  # gradient bookkeeping only where a backward pass can follow

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..metal_fallback import run as _run
 from ..formats import rans as rans_format
 from .marlin import MarlinLinear, _flatten
 
@@ -104,9 +105,8 @@ class RansLinear(nn.Module):
 
     def decoded_codes(self) -> torch.Tensor:
         """``B_packed`` int32 ``[K/8, N]`` decoded by the ``rans_decode`` op on the layer's device."""
-        return torch.ops.marlin.rans_decode(self.rans_words, self.rans_word_offsets, self.rans_states,
-                                            self.rans_freqs, self.in_features, self.out_features,
-                                            self.channels_per_tile)
+        return ops.rans_decode(self.rans_words, self.rans_word_offsets, self.rans_states, self.rans_freqs,
+                               self.in_features, self.out_features, self.channels_per_tile)
 
     def to_marlin(self) -> MarlinLinear:
         """The uncoded layer back, bit for bit."""
@@ -181,7 +181,7 @@ class RansLinear(nn.Module):
         for name in ("scales", "offsets", "bias"):
             t = buffers.get(name)
             cast[name] = t if t is None or t.dtype == x.dtype else t.to(x.dtype)
-        y = _GEMM_RANS(x2, buffers["rans_words"], buffers["rans_word_offsets"], buffers["rans_states"],
+        y = _run(_GEMM_RANS, x2, buffers["rans_words"], buffers["rans_word_offsets"], buffers["rans_states"],
                        buffers["rans_freqs"], cast["scales"], buffers.get("zeros"), cast["offsets"], self.format,
                        self.in_features, self.out_features, self.group_size, self.channels_per_tile, cast["bias"])
         if x2 is not x:

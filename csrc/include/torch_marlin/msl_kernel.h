@@ -9,12 +9,23 @@
 //  - Kernels are templates instantiated under their host name with TM_INSTANTIATE("name",
 //    kernel<args>); the planner builds the same name strings. The harness and the check define
 //    TM_EMU_REGISTER_KERNEL to register / type-check the instantiation instead.
+//  - Loops over simdgroup_matrix arrays (and other per-thread arrays that must stay in registers)
+//    have a constant trip count with any run-time bound as a guard inside, and are marked
+//    TM_UNROLL: fully unrolled, every index is a compile-time constant (a run-time index into a
+//    thread array puts it in memory). Apple's compiler is clang, as is the IR report's; the
+//    harness's g++ ignores the hint.
 //  - Each .metal file is self-contained (it includes what it uses) and is a Metal library of its
 //    own (csrc/mps/embed_metal.py); host names are unique across files, since the MPS backend
 //    finds a kernel's library by its name.
 #pragma once
 
 #include <metal_stdlib>
+
+#if defined(__clang__) || defined(__METAL_MACOS__) || !defined(__GNUC__)
+#define TM_UNROLL _Pragma("clang loop unroll(full)")
+#else
+#define TM_UNROLL
+#endif
 
 #ifndef TM_THREADGROUP_ARRAY
 #define TM_THREADGROUP_ARRAY(T, name, dims) threadgroup T name dims

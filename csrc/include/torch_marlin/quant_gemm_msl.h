@@ -131,3 +131,8 @@ inline void store_fragment(simdgroup_matrix<float, 8, 8> frag, threadgroup float
   TM_INSTANTIATE(stem "_fp4_" #tname, fn<TM_FORMAT_FP4, T>)  \
   TM_INSTANTIATE(stem "_u4_" #tname, fn<TM_FORMAT_U4, T>)    \
   TM_INSTANTIATE(stem "_affine_" #tname, fn<TM_FORMAT_AFFINE, T>)
+// The same with one more template argument after the dtype (the prefill kernels' tile rows).
+#define TM_INSTANTIATE_QUANT_DTYPE_ARG(stem, fn, tname, T, ARG)    \
+  TM_INSTANTIATE(stem "_fp4_" #tname, fn<TM_FORMAT_FP4, T, ARG>)   \
+  TM_INSTANTIATE(stem "_u4_" #tname, fn<TM_FORMAT_U4, T, ARG>)     \
+  TM_INSTANTIATE(stem "_affine_" #tname, fn<TM_FORMAT_AFFINE, T, ARG>)

@@ -70,6 +70,9 @@ TM_NAMESPACE_BEGIN
 #define TM_METAL_ELEMENTWISE_THREADS 256u  // metal/dequant.metal and metal/reduce.metal: one element (word) per thread
 #define TM_METAL_THREADS 128u  // threads of every prefill threadgroup: 4 simdgroups of 32
 #define TM_METAL_TILE_M 64u
+// Rows of the small prefill tile (fused and striped, M <= 32): 32 x 64, the 4 simdgroups as 1 x 4
+// of 32 x 16, so M = 17..32 computes at most twice its rows instead of up to 3.8 times.
+#define TM_METAL_SMALL_TILE_M 32u
 #define TM_METAL_TILE_N 64u
 #define TM_METAL_PIPELINED_TILE_K(elem_bytes) ((elem_bytes) == 4u ? 16u : 32u)
 #define TM_METAL_STAGED_TILE_K 32u

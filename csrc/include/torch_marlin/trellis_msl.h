@@ -93,6 +93,16 @@ inline uint tr_index(threadgroup const uint* words, uint bit, uint mask) {
   return ((words[i] >> sh) | ((words[i + 1u] << 1u) << (31u - sh))) & mask;
 }
 
+// The BITS-bit index at bit `bit` (a multiple of BITS from a word-aligned stream start): 2- and
+// 4-bit indices never cross a word, so one word and one shift; 3-bit ones take the two-word window.
+template <uint BITS>
+inline uint tr_index_bits(threadgroup const uint* words, uint bit) {
+  constexpr uint kMask = (1u << BITS) - 1u;
+  if (32u % BITS == 0u) return (words[bit >> 5u] >> (bit & 31u)) & kMask;
+  return tr_index(words, bit, kMask);
+}
+
+
 // ---- decode core (M <= 16 rows, one column per lane) ----------------------------------------------
 // One matrix of the decode core (an expert's slice for the MoE).
 struct TrDecodeMat {
@@ -117,27 +127,30 @@ struct TrDecodeMat {
 // Partials stay per simdgroup; the kernel meets them in a fixed order.
 //
 // Threadgroup memory: a_s [2][16][128] floats, raw_s [2][NMAT][kTrRawWords], su_s [2][NMAT][128].
-template <typename TX, bool GATHER, uint NMAT>
-inline void tr_decode_core(device const TX* X, device const int* gather, uint row_base, uint rows,
+template <typename TX, bool GATHER, uint NMAT, uint BITS>
+inline void tr_decode_core_bits(device const TX* X, device const int* gather, uint row_base, uint rows,
                            thread const TrDecodeMat* mats, thread const TrMat& w, uint col0, threadgroup float* a_s,
                            threadgroup uint* raw_s, threadgroup float* su_s, uint lid, uint sgid, uint lane,
                            thread float* acc) {
-  const uint mask = (1u << w.bits) - 1u;
+  constexpr uint mask = (1u << BITS) - 1u;
+  constexpr uint kPackedBytes = 32u * BITS;  // one 16x16 tile (= w.packed_bytes)
   float cb[NMAT];
+  TM_UNROLL
   for (uint j = 0; j < NMAT; ++j) cb[j] = mats[j].grid[lane & mask];
 
   // Index staging: thread lid copies 16-byte chunk my_chunk of tile row my_tk of each block.
   const uint tn0 = col0 / TM_TRELLIS_TILE;
-  const uint run_chunks = min(2u, w.tiles_n - tn0) * 2u * w.bits;  // 16-byte chunks per tile row
+  const uint run_chunks = min(2u, w.tiles_n - tn0) * 2u * BITS;  // 16-byte chunks per tile row
   const uint my_tk = lid / run_chunks;
   const uint my_chunk = lid - my_tk * run_chunks;
-  const uint block_bytes = kTrDecodeKTiles * w.tiles_n * w.packed_bytes;
-  uint src_off = (my_tk * w.tiles_n + tn0) * w.packed_bytes + my_chunk * 16u;
+  const uint block_bytes = kTrDecodeKTiles * w.tiles_n * kPackedBytes;
+  uint src_off = (my_tk * w.tiles_n + tn0) * kPackedBytes + my_chunk * 16u;
   const uint dst_word = my_tk * kTrRawRowWords + my_chunk * 4u;
 
   // Activation staging: thread lid copies columns q4..q4+3 of rows (lid >> 5) + 4j.
   const uint q4 = (lid & 31u) * 4u;
   device const TX* xrow[4];
+  TM_UNROLL
   for (uint j = 0; j < 4u; ++j) {
     const uint m = (lid >> 5u) + 4u * j;
     xrow[j] = X;
@@ -152,16 +165,18 @@ inline void tr_decode_core(device const TX* X, device const int* gather, uint ro
   uint group_end = (first_group + 1u) * tiles_per_group;  // first tile row of the next group
   uint scale_off = first_group * w.N + col;
   float sc[NMAT];
+  TM_UNROLL
   for (uint j = 0; j < NMAT; ++j) sc[j] = col_ok ? mats[j].scales[scale_off] : 0.0f;
 
-  const uint lane_bit = (lane / TM_TRELLIS_TILE) * w.packed_bytes * 8u + (lane % TM_TRELLIS_TILE) * w.bits;
-  const uint row_bits = TM_TRELLIS_TILE * w.bits;
+  const uint lane_bit = (lane / TM_TRELLIS_TILE) * kPackedBytes * 8u + (lane % TM_TRELLIS_TILE) * BITS;
+  constexpr uint row_bits = TM_TRELLIS_TILE * BITS;
 
   for (uint tk0 = 0, buf = 0; tk0 < w.tiles_k + kTrDecodeKTiles; tk0 += kTrDecodeKTiles, buf ^= 1u) {
     // Stage block tk0 into buf (the first iteration only stages), then compute block tk0 - 8.
     if (tk0 < w.tiles_k) {
       const uint k0 = tk0 * TM_TRELLIS_TILE;
       if (my_tk < kTrDecodeKTiles && tk0 + my_tk < w.tiles_k) {
+        TM_UNROLL
         for (uint j = 0; j < NMAT; ++j) {
           const uint4 v = *(device const uint4*)(mats[j].packed + src_off);
           threadgroup uint* d = raw_s + (buf * NMAT + j) * kTrRawWords + dst_word;
@@ -173,11 +188,13 @@ inline void tr_decode_core(device const TX* X, device const int* gather, uint ro
       }
       src_off += block_bytes;
       threadgroup float* a_dst = a_s + buf * (kTrDecodeRows * kTrDecodeK);
+      TM_UNROLL
       for (uint j = 0; j < 4u; ++j) {
         const uint m = (lid >> 5u) + 4u * j;
         if (m < rows) tr_copy4<TX, float>(xrow[j] + k0 + q4, w.vec4 != 0u, k0 + q4, w.K, a_dst + m * kTrDecodeK + q4);
       }
       if (lid < 32u) {
+        TM_UNROLL
         for (uint j = 0; j < NMAT; ++j) {
           tr_copy4<float, float>(mats[j].su + k0 + q4, w.vec4 != 0u, k0 + q4, w.K,
                                  su_s + (buf * NMAT + j) * kTrDecodeK + q4);
@@ -198,21 +215,28 @@ inline void tr_decode_core(device const TX* X, device const int* gather, uint ro
             group_end += tiles_per_group;
             scale_off += w.N;
           }
+          TM_UNROLL
           for (uint j = 0; j < NMAT; ++j) sc[j] = col_ok ? mats[j].scales[scale_off] : 0.0f;
         }
-        uint bit = tkl * kTrRawRowWords * 32u + lane_bit;
-        for (uint r = 0; r < TM_TRELLIS_TILE; ++r, bit += row_bits) {
+        // Row r's index of this lane is at bit + r * row_bits: with BITS = 2 or 4 every row's
+        // shift within its word is the same, so the unrolled rows differ only in a constant word.
+        const uint bit = tkl * kTrRawRowWords * 32u + lane_bit;
+        TM_UNROLL
+        for (uint r = 0; r < TM_TRELLIS_TILE; ++r) {
           const uint k = tkl * TM_TRELLIS_TILE + r;
           float wv[NMAT];
+          TM_UNROLL
           for (uint j = 0; j < NMAT; ++j) {
-            const uint idx = tr_index(raw + j * kTrRawWords, bit, mask);
+            const uint idx = tr_index_bits<BITS>(raw + j * kTrRawWords, bit + r * row_bits);
             wv[j] = simd_shuffle(cb[j], ushort(idx)) * sc[j] * sus[j * kTrDecodeK + k];
           }
           // Constant trip count keeps acc[] in registers; rows >= `rows` are skipped uniformly.
+          TM_UNROLL
           for (uint m = 0; m < kTrDecodeRows; ++m) {
             if (m < rows) {
               const float av = a[m * kTrDecodeK + k];  // one address for all lanes: a broadcast
-              for (uint j = 0; j < NMAT; ++j) acc[j * kTrDecodeRows + m] += av * wv[j];
+              TM_UNROLL
+              for (uint j = 0; j < NMAT; ++j) acc[j * kTrDecodeRows + m] = fma(av, wv[j], acc[j * kTrDecodeRows + m]);
             }
           }
         }
@@ -220,6 +244,26 @@ inline void tr_decode_core(device const TX* X, device const int* gather, uint ro
     }
     // Block tk0 is staged, and nobody reads the buffer the next iteration stages into.
     threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:tr_decode_swap]
+  }
+}
+
+// The decode core with w.bits (2, 3 or 4, what the planner accepts) as a compile-time constant:
+// masks, shifts and bit offsets fold, and each kernel keeps one host name for every bit width.
+// The branch is uniform across the grid.
+template <typename TX, bool GATHER, uint NMAT>
+inline void tr_decode_core(device const TX* X, device const int* gather, uint row_base, uint rows,
+                           thread const TrDecodeMat* mats, thread const TrMat& w, uint col0, threadgroup float* a_s,
+                           threadgroup uint* raw_s, threadgroup float* su_s, uint lid, uint sgid, uint lane,
+                           thread float* acc) {
+  if (w.bits == 2u) {
+    tr_decode_core_bits<TX, GATHER, NMAT, 2u>(X, gather, row_base, rows, mats, w, col0, a_s, raw_s, su_s, lid, sgid,
+                                              lane, acc);
+  } else if (w.bits == 3u) {
+    tr_decode_core_bits<TX, GATHER, NMAT, 3u>(X, gather, row_base, rows, mats, w, col0, a_s, raw_s, su_s, lid, sgid,
+                                              lane, acc);
+  } else {
+    tr_decode_core_bits<TX, GATHER, NMAT, 4u>(X, gather, row_base, rows, mats, w, col0, a_s, raw_s, su_s, lid, sgid,
+                                              lane, acc);
   }
 }
 
@@ -244,8 +288,8 @@ inline float tr_meet(threadgroup const float* partial, uint m, uint c) {
 // per row) into the padded B tile, so each weight is decoded once per threadgroup. Tile offsets
 // and the group advance incrementally.
 // smem: [2][kTrStageElems] of TX; raw_s: [2][kTrRawRowWords + 4] words.
-template <typename TX, bool GATHER>
-inline void tr_tiled_core(device const TX* X, device const int* gather, uint r_begin, uint rows,
+template <typename TX, bool GATHER, uint BITS>
+inline void tr_tiled_core_bits(device const TX* X, device const int* gather, uint r_begin, uint rows,
                           device const uchar* packed, device const float* scales, device const float* grid,
                           device const float* su, thread const TrMat& w, uint row0, uint col0, threadgroup TX* smem,
                           threadgroup uint* raw_s, uint lid, uint sgid, uint lane,
@@ -255,6 +299,7 @@ inline void tr_tiled_core(device const TX* X, device const int* gather, uint r_b
   const uint sg_first_row = row0 + sg_row;
   // 8-row fragments of this simdgroup that hold real rows (uniform across the simdgroup).
   const uint mi_count = sg_first_row >= rows ? 0u : min(4u, (rows - sg_first_row + 7u) / 8u);
+  TM_UNROLL
   for (uint i = 0; i < 16u; ++i) acc[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
 
   const bool a_thread = lid < kTrTileM;  // simdgroups 0-1
@@ -268,21 +313,23 @@ inline void tr_tiled_core(device const TX* X, device const int* gather, uint r_b
   const uint bt = u / TM_TRELLIS_TILE;
   const uint tn = col0 / TM_TRELLIS_TILE + bt;
   const bool b_tile_ok = !a_thread && tn < w.tiles_n;
-  const uint mask = (1u << w.bits) - 1u;
+  constexpr uint mask = (1u << BITS) - 1u;
+  constexpr uint kPackedBytes = 32u * BITS;  // one 16x16 tile (= w.packed_bytes)
   const float cb = a_thread ? 0.0f : grid[lane & mask];
   // The B simdgroup's two tiles of a block are one contiguous run: lane c < run_chunks copies its
   // 16-byte chunk into the simdgroup's raw words, then every lane decodes its row from there.
   const uint pair_tn = col0 / TM_TRELLIS_TILE + (bt & ~1u);
-  const uint run_chunks = pair_tn < w.tiles_n ? min(2u, w.tiles_n - pair_tn) * 2u * w.bits : 0u;
-  uint b_off = pair_tn * w.packed_bytes + lane * 16u;  // advances by one tile row of K per block
-  const uint b_step = w.tiles_n * w.packed_bytes;
+  const uint run_chunks = pair_tn < w.tiles_n ? min(2u, w.tiles_n - pair_tn) * 2u * BITS : 0u;
+  uint b_off = pair_tn * kPackedBytes + lane * 16u;  // advances by one tile row of K per block
+  const uint b_step = w.tiles_n * kPackedBytes;
   threadgroup uint* raw = raw_s + (sgid & 1u) * (kTrRawRowWords + 4u);
-  const uint row_bit = (bt & 1u) * w.packed_bytes * 8u + br * TM_TRELLIS_TILE * w.bits;
+  const uint row_bit = (bt & 1u) * kPackedBytes * 8u + br * TM_TRELLIS_TILE * BITS;
   const uint tiles_per_group = w.group_size / TM_TRELLIS_TILE;
   uint group_end = tiles_per_group;
   uint scale_row = 0;
   const uint bcol = tn * TM_TRELLIS_TILE;
   float sc[TM_TRELLIS_TILE];
+  TM_UNROLL
   for (uint j = 0; j < TM_TRELLIS_TILE; ++j) sc[j] = (b_tile_ok && bcol + j < w.N) ? scales[bcol + j] : 0.0f;
 
   for (uint tk = 0, buf = 0; tk < w.tiles_k + 1u; ++tk, buf ^= 1u) {
@@ -304,6 +351,7 @@ inline void tr_tiled_core(device const TX* X, device const int* gather, uint r_b
         if (tk == group_end) {
           group_end += tiles_per_group;
           scale_row += w.N;
+          TM_UNROLL
           for (uint j = 0; j < TM_TRELLIS_TILE; ++j) {
             sc[j] = (b_tile_ok && bcol + j < w.N) ? scales[scale_row + bcol + j] : 0.0f;
           }
@@ -323,8 +371,9 @@ inline void tr_tiled_core(device const TX* X, device const int* gather, uint r_b
         const ulong bits_row = ulong(tr_index(raw, row_bit, 0xffffffffu)) |
                                (ulong(tr_index(raw, row_bit + 32u, 0xffffffffu)) << 32u);
         threadgroup TX* d = Bs + br * kTrBStride + bt * TM_TRELLIS_TILE;
+        TM_UNROLL
         for (uint j = 0; j < TM_TRELLIS_TILE; ++j) {
-          const uint idx = uint(bits_row >> (j * w.bits)) & mask;
+          const uint idx = uint(bits_row >> (j * BITS)) & mask;  // a constant shift once unrolled
           d[j] = TX(simd_shuffle(cb, ushort(idx)) * sc[j] * suk);
         }
       }
@@ -332,22 +381,48 @@ inline void tr_tiled_core(device const TX* X, device const int* gather, uint r_b
     if (tk > 0u) {
       threadgroup const TX* As = smem + (buf ^ 1u) * kTrStageElems;
       threadgroup const TX* Bs = As + kTrTileM * kTrAStride;
+      TM_UNROLL
       for (uint kt = 0; kt < kTrTileK / 8u; ++kt) {
         simdgroup_matrix<TX, 8, 8> b_frag[4];
+        TM_UNROLL
         for (uint ni = 0; ni < 4u; ++ni) {
           simdgroup_load(b_frag[ni], Bs + kt * 8u * kTrBStride + sg_col + ni * 8u, kTrBStride);
         }
-        for (uint mi = 0; mi < mi_count; ++mi) {
-          simdgroup_matrix<TX, 8, 8> a_frag;
-          simdgroup_load(a_frag, As + (sg_row + mi * 8u) * kTrAStride + kt * 8u, kTrAStride);
-          for (uint ni = 0; ni < 4u; ++ni) {
-            simdgroup_multiply_accumulate(acc[mi * 4u + ni], a_frag, b_frag[ni], acc[mi * 4u + ni]);
+        // A constant trip count with the row guard inside: every acc[] index is a constant.
+        TM_UNROLL
+        for (uint mi = 0; mi < 4u; ++mi) {
+          if (mi < mi_count) {  // uniform across the simdgroup
+            simdgroup_matrix<TX, 8, 8> a_frag;
+            simdgroup_load(a_frag, As + (sg_row + mi * 8u) * kTrAStride + kt * 8u, kTrAStride);
+            TM_UNROLL
+            for (uint ni = 0; ni < 4u; ++ni) {
+              simdgroup_multiply_accumulate(acc[mi * 4u + ni], a_frag, b_frag[ni], acc[mi * 4u + ni]);
+            }
           }
         }
       }
     }
     // Block tk is staged, and nobody reads the buffer the next iteration stages into.
     threadgroup_barrier(mem_flags::mem_threadgroup);  // [barrier:tr_tiled_swap]
+  }
+}
+
+// The tiled core with w.bits as a compile-time constant (as tr_decode_core).
+template <typename TX, bool GATHER>
+inline void tr_tiled_core(device const TX* X, device const int* gather, uint r_begin, uint rows,
+                          device const uchar* packed, device const float* scales, device const float* grid,
+                          device const float* su, thread const TrMat& w, uint row0, uint col0, threadgroup TX* smem,
+                          threadgroup uint* raw_s, uint lid, uint sgid, uint lane,
+                          thread simdgroup_matrix<float, 8, 8>* acc) {
+  if (w.bits == 2u) {
+    tr_tiled_core_bits<TX, GATHER, 2u>(X, gather, r_begin, rows, packed, scales, grid, su, w, row0, col0, smem, raw_s,
+                                       lid, sgid, lane, acc);
+  } else if (w.bits == 3u) {
+    tr_tiled_core_bits<TX, GATHER, 3u>(X, gather, r_begin, rows, packed, scales, grid, su, w, row0, col0, smem, raw_s,
+                                       lid, sgid, lane, acc);
+  } else {
+    tr_tiled_core_bits<TX, GATHER, 4u>(X, gather, r_begin, rows, packed, scales, grid, su, w, row0, col0, smem, raw_s,
+                                       lid, sgid, lane, acc);
   }
 }
 

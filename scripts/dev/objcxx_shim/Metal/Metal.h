@@ -33,6 +33,13 @@ typedef NS_ENUM(NSInteger, MTLMathFloatingPointFunctions){
 } API_AVAILABLE(macos(15.0));
 #endif
 
+// GPU feature families (MTLDevice supportsFamily:); Apple7 = A14 / M1.
+typedef NS_ENUM(NSInteger, MTLGPUFamily){
+    MTLGPUFamilyApple7 API_AVAILABLE(macos(11.0)) = 1007,
+    MTLGPUFamilyApple8 API_AVAILABLE(macos(13.0)) = 1008,
+    MTLGPUFamilyMac2 API_AVAILABLE(macos(10.15)) = 2002,
+};
+
 typedef struct {
   NSUInteger width, height, depth;
 } MTLSize;
@@ -60,6 +67,8 @@ static inline MTLSize MTLSizeMake(NSUInteger width, NSUInteger height, NSUIntege
 
 @protocol MTLComputePipelineState <NSObject>
 @property(readonly) NSUInteger maxTotalThreadsPerThreadgroup;
+// The SIMD-group width the pipeline runs with on this device.
+@property(readonly) NSUInteger threadExecutionWidth;
 // Bytes of threadgroup memory the function declares itself (its threadgroup arrays).
 @property(readonly) NSUInteger staticThreadgroupMemoryLength API_AVAILABLE(macos(11.0));
 @end
@@ -100,6 +109,7 @@ typedef void (^MTLCommandBufferHandler)(id<MTLCommandBuffer>);
 @protocol MTLDevice <NSObject>
 @property(readonly) NSString* name;
 @property(readonly) NSUInteger maxThreadgroupMemoryLength;
+- (BOOL)supportsFamily:(MTLGPUFamily)gpuFamily API_AVAILABLE(macos(10.15));
 - (nullable id<MTLLibrary>)newLibraryWithSource:(NSString*)source
                                         options:(nullable MTLCompileOptions*)options
                                           error:(__autoreleasing NSError**)error;
