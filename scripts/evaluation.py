@@ -104,6 +104,9 @@ def causal_lm_logits(model, tok, text: str, device=None) -> Tuple[torch.Tensor, 
 
 def perplexity(ids: torch.Tensor, logits: torch.Tensor) -> float:
     """exp(mean next-token NLL) of ``ids`` under ``logits`` (position t predicts token t+1)."""
+    if ids.numel() < 2:
+        raise ValueError(f"perplexity needs a text of at least 2 tokens (each position predicts the next), "
+                         f"got {ids.numel()}")
     nll = torch.nn.functional.cross_entropy(logits[:-1], ids[1:])
     return float(torch.exp(nll))
 
@@ -157,7 +160,7 @@ def calibration_batches(tok, lines: Sequence[str], batch_size: int = 16, max_len
 
 
 def read_lines(path: str) -> List[str]:
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         return [ln.strip() for ln in f if ln.strip()]
 
 

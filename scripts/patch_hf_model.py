@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import copy
 import functools
+import json
 import os
 import sys
 import time
@@ -137,11 +138,46 @@ def parse_args(argv=None):
     if args.fuse and args.save and (args.format == "trellis" or args.entropy_coding):
         fail("--fuse with --save: fused trellis and entropy-coded layers cannot be cut back into their members for "
              "the checkpoint; save without --fuse and fuse after load_quantized", p)
-    if args.calibration is None:
-        args.calibration = CALIBRATION
-    if args.method == "gptq" and not os.path.isfile(args.calibration):
-        fail(f"--calibration: {args.calibration!r} is not a file (expected text, one sample per line)", p)
+    if args.calibration is not None and args.method != "gptq":
+        fail("--calibration applies to --method gptq (rtn uses no data)", p)
+    if args.method == "gptq":
+        args.calibration_lines = calibration_lines(args.calibration or CALIBRATION, args.calibration_samples, p)
+    if args.save:
+        check_save_dir(args.save, p)
     return args
+
+
+def calibration_lines(path, samples, parser):
+    """The first ``samples`` non-empty lines of the --calibration text, or one line saying why not."""
+    if not os.path.isfile(path):
+        fail(f"--calibration: {path!r} is not a file (expected text, one sample per line)", parser)
+    try:
+        lines = evaluation.read_lines(path)[:samples]
+    except UnicodeDecodeError as e:
+        fail(f"--calibration: {path!r} is not UTF-8 text ({e.reason} at byte {e.start}); expected text, "
+             "one sample per line", parser)
+    if not lines:
+        fail(f"--calibration: {path!r} has no non-empty lines", parser)
+    return lines
+
+
+def check_save_dir(path, parser):
+    """--save is written at the end of the job: a path that cannot take the checkpoint fails now."""
+    from torch_marlin.checkpoint import CONFIG_NAME
+
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            fail(f"--save: {path!r} exists and is not a directory", parser)
+        if os.listdir(path) and not os.path.isfile(os.path.join(path, CONFIG_NAME)):
+            fail(f"--save: {path!r} is a non-empty directory that is not a torch_marlin checkpoint (it would "
+                 "be overwritten in part); name a new directory", parser)
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        fail(f"--save: {existing!r} is a file, so {path!r} cannot be created", parser)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        fail(f"--save: {existing!r} is not writable", parser)
 
 
 def check_device(name):
@@ -189,7 +225,55 @@ def resolve_model(name):
     if os.path.isfile(name) and not name.endswith(".gguf"):
         fail(f"--model: {name!r} is a file but not a .gguf file (expected a Hugging Face model directory or a "
              ".gguf file)")
+    if os.path.isdir(name):
+        check_model_dir(name)
     return name
+
+
+# Files a tokenizer loads from; a model directory without any of them has no tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.txt", "vocab.json", "spiece.model",
+                   "sentencepiece.bpe.model", "tokenizer_config.json")
+
+
+def check_model_dir(path):
+    """One line naming what a model directory lacks, before transformers tries to load it."""
+    cfg_path = os.path.join(path, "config.json")
+    try:
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        fail(f"--model: {cfg_path} is not JSON ({e})")
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        fail(f"--model: {cfg_path} has no model_type: not a Hugging Face transformers model config")
+    files = os.listdir(path)
+    weights = [f for f in files if f.endswith((".safetensors", ".bin"))]
+    if not weights:
+        fail(f"--model: {path!r} has no weights (*.safetensors or pytorch_model*.bin files)")
+    if not any(f in TOKENIZER_FILES for f in files):
+        fail(f"--model: {path!r} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); copy them from "
+             "the model the checkpoint was made from")
+    from safetensors import safe_open
+
+    for f in sorted(w for w in weights if w.endswith(".safetensors")):
+        try:
+            with safe_open(os.path.join(path, f), framework="pt"):
+                pass
+        except Exception as e:  # safetensors raises its own error type for bad headers
+            fail(f"--model: {os.path.join(path, f)} is not a readable safetensors file (truncated or corrupted?): "
+                 f"{str(e).splitlines()[0]}")
+
+
+@contextlib.contextmanager
+def loading(path):
+    """What transformers raises while reading --model, as one line (a truncated .gguf reaches it as
+    numpy's "cannot reshape"; the file is read only once it is needed)."""
+    try:
+        yield
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if path.endswith(".gguf"):
+            fail(f"--model: {path} is not a readable GGUF file (truncated or corrupted?): {first}")
+        fail(f"--model: transformers could not load {path}: {first}")
 
 
 def show_progress():
@@ -351,6 +435,9 @@ def main(argv=None):
     t_start = time.perf_counter()
     dev = check_device(args.device)
     path = resolve_model(args.model)
+    if args.keep_gguf_quantization and not path.endswith(".gguf"):
+        fail(f"--keep-gguf-quantization applies to a .gguf --model, not {path!r} (already-quantized directories "
+             "load as they are without it)")
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(args.dtype)
     if dtype is None:
         dtype = torch.float32 if dev.type == "cpu" else torch.float16
@@ -396,12 +483,13 @@ def load_prequantized(args, dev, path, dtype, source):
 
     evaluation._hf_offline()
     t0 = time.perf_counter()
+    with loading(path):
+        if path.endswith(".gguf"):
+            tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                             gguf_file=os.path.basename(path))
+        else:
+            tok = transformers.AutoTokenizer.from_pretrained(path)
     qm = torch_marlin.from_pretrained(path, dtype=dtype)
-    if path.endswith(".gguf"):
-        tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                                         gguf_file=os.path.basename(path))
-    else:
-        tok = transformers.AutoTokenizer.from_pretrained(path)
     layers = [(n, m) for n, m in qm.named_modules() if isinstance(m, torch_marlin.MarlinLinear)]
     if not layers:
         fail(f"--model {path}: the {source} checkpoint has no layer torch_marlin loads as MarlinLinear")
@@ -438,7 +526,8 @@ def run(args, dev, path, dtype, progress, t_start):
         compare(args, dev, dtype, fm, qm, tok, kind, report, label, t_start)
         return
     t0 = time.perf_counter()
-    fm, tok, kind = evaluation.load_hf_model(path, dtype=dtype)
+    with loading(path):
+        fm, tok, kind = evaluation.load_hf_model(path, dtype=dtype)
     print(f"loaded {type(fm).__name__} ({kind}, {sum(p.numel() for p in fm.parameters()) / 1e6:.1f}M parameters) "
           f"in {time.perf_counter() - t0:.1f} s")
     qm = copy.deepcopy(fm)
@@ -446,11 +535,9 @@ def run(args, dev, path, dtype, progress, t_start):
     t0 = time.perf_counter()
     opts = {} if args.bits is None else {"bits": args.bits}
     if args.method == "gptq":
-        lines = evaluation.read_lines(args.calibration)[:args.calibration_samples]
-        if not lines:
-            fail(f"--calibration: {args.calibration!r} has no non-empty lines")
+        lines = args.calibration_lines
         opts["method"], opts["calibration"] = "gptq", evaluation.calibration_batches(tok, lines)
-        print(f"calibration: {len(lines)} samples from {args.calibration}")
+        print(f"calibration: {len(lines)} samples from {args.calibration or CALIBRATION}")
     report = torch_marlin.patch_model(qm, format=args.format, group_size=args.group_size, skip=args.skip, device=dev,
                                       progress=progress, fuse=args.fuse, entropy_coding=args.entropy_coding,
                                       quantize_lm_head=args.quantize_lm_head, **opts)
@@ -459,10 +546,8 @@ def run(args, dev, path, dtype, progress, t_start):
     if not report.replaced:
         fail(f"no Linear layer was quantized: --group-size {args.group_size} divides none of the layers' "
              "in_features (try 64 or 32)")
-    not_divisible = [n for n, r in report.skipped if "group_size" in r]
-    if not_divisible:
-        print(f"warning: {len(not_divisible)} layers kept in float because --group-size {args.group_size} does not "
-              "divide their in_features; a smaller group size (e.g. 64) quantizes them")
+    if report.unsupported:
+        print(f"warning: {report.unsupported_warning()}")
 
     label = (f"{args.format}{args.bits or ''} g{args.group_size}" + (" gptq" if args.method == "gptq" else "") +
              (" fused" if args.fuse else "") + (" rans" if args.entropy_coding else "") +

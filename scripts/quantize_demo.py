@@ -11,6 +11,7 @@ import time
 import torch
 from torch import nn
 
+from patch_hf_model import positive_int  # scripts/patch_hf_model.py
 from torch_marlin import MarlinLinear
 
 
@@ -46,19 +47,25 @@ def timed(fn, device, reps=10):
     return (time.perf_counter() - t0) / reps
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--blocks", type=int, default=4)
-    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--hidden", type=positive_int, default=1024,
+                    help="hidden size (a multiple of --group-size)")
+    ap.add_argument("--blocks", type=positive_int, default=4, help="MLP blocks in the stack")
+    ap.add_argument("--group-size", type=positive_int, default=128,
+                    help="quantization group size (a multiple of 8 dividing --hidden and the intermediate size)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"])
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    # The intermediate size: 8/3 of hidden (Llama's ratio), rounded up to a multiple of 128.
+    inter = (args.hidden * 8 // 3 + 127) // 128 * 128
+    if args.group_size % 8 or args.hidden % args.group_size or inter % args.group_size:
+        ap.error(f"--group-size {args.group_size} must be a multiple of 8 dividing --hidden {args.hidden} and "
+                 f"the intermediate size {inter} (e.g. --hidden 1024 --group-size 128)")
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "float16"))
     torch.manual_seed(0)
 
-    inter = (args.hidden * 8 // 3 + 127) // 128 * 128
     ref = nn.Sequential(*[MLPBlock(args.hidden, inter) for _ in range(args.blocks)])
     with torch.no_grad():
         for p in ref.parameters():

@@ -143,3 +143,125 @@ def test_progress_bars_off_when_not_a_terminal_and_back_after():
     with patch_hf_model.progress_bars(False):
         assert bar_output() == ""
     assert "converting" in bar_output()
+
+
+# ---- inputs that would fail late or mislead: each is one line before any model is loaded ----------
+
+def _write_safetensors(path, truncate=False):
+    from safetensors.torch import save_file
+    save_file({"embeddings.weight": torch.zeros(64, 8)}, str(path))
+    if truncate:
+        os.truncate(path, os.path.getsize(path) - 100)
+
+
+def _model_dir(root, name, config, weights=True, tokenizer=True, truncate=False):
+    d = root / name
+    d.mkdir()
+    (d / "config.json").write_text(config)
+    if weights:
+        _write_safetensors(d / "model.safetensors", truncate)
+    if tokenizer:
+        (d / "tokenizer.json").write_text("{}")
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad_inputs")
+    paths = {
+        "unrelated": _model_dir(root, "unrelated", '{"name": "my-app", "version": 2}'),
+        "mlx_no_tokenizer": _model_dir(root, "mlx", '{"model_type": "llama", "quantization": {"bits": 4}}',
+                                       tokenizer=False),
+        "no_weights": _model_dir(root, "no_weights", '{"model_type": "bert"}', weights=False),
+        "truncated": _model_dir(root, "truncated", '{"model_type": "bert"}', truncate=True),
+        "float_dir": _model_dir(root, "float_dir", '{"model_type": "bert"}'),
+        "binary": str(root / "calibration.bin"),
+        "file": str(root / "a_file"),
+        "not_checkpoint": str(root / "not_checkpoint"),
+    }
+    with open(paths["binary"], "wb") as f:
+        f.write(bytes(range(256)) * 4)
+    with open(paths["file"], "w") as f:
+        f.write("x")
+    os.mkdir(paths["not_checkpoint"])
+    with open(os.path.join(paths["not_checkpoint"], "notes.txt"), "w") as f:
+        f.write("keep me")
+    return paths
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--model", "{unrelated}"], ["config.json has no model_type", "not a Hugging Face transformers model"]),
+    (["--model", "{mlx_no_tokenizer}"], ["has no tokenizer files", "tokenizer.json"]),
+    (["--model", "{no_weights}"], ["has no weights", "*.safetensors"]),
+    (["--model", "{truncated}"], ["model.safetensors is not a readable safetensors file", "truncated"]),
+    (["--model", "{float_dir}", "--keep-gguf-quantization"], ["--keep-gguf-quantization applies to a .gguf"]),
+    (["--method", "gptq", "--calibration", "{binary}"], ["--calibration", "is not UTF-8 text", "byte 128"]),
+    (["--calibration", "{binary}"], ["--calibration applies to --method gptq"]),
+    (["--save", "{file}"], ["--save", "exists and is not a directory"]),
+    (["--save", "{file}/out"], ["--save", "is a file, so", "cannot be created"]),
+    (["--save", "{not_checkpoint}"], ["--save", "non-empty directory that is not a torch_marlin checkpoint"]),
+])
+def test_bad_inputs_end_in_one_line_before_loading(capsys, monkeypatch, bad_inputs, args, fragments):
+    import patch_hf_model
+
+    monkeypatch.setattr(sys, "argv", [SCRIPT])
+    # Nothing may be loaded or quantized before these errors.
+    monkeypatch.setattr(patch_hf_model.evaluation, "load_hf_model", lambda *a, **k: pytest.fail("model loaded"))
+    args = ["--device", "cpu", *(a.format(**bad_inputs) for a in args)]
+    assert_one_line_error(*main_error(capsys, *args), *fragments)
+    assert os.listdir(bad_inputs["not_checkpoint"]) == ["notes.txt"]
+
+
+def test_unwritable_save_path_ends_in_one_line(capsys, monkeypatch, tmp_path):
+    import patch_hf_model
+
+    monkeypatch.setattr(sys, "argv", [SCRIPT])
+    writable = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else writable(p, mode))
+    assert_one_line_error(*main_error(capsys, "--save", str(tmp_path / "new" / "out")),
+                          f"--save: '{tmp_path}' is not writable")
+
+
+def test_truncated_gguf_ends_in_one_line(capsys, monkeypatch, tmp_path):
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    path = tmp_path / "model.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((256, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.truncate(path, os.path.getsize(path) - 4096)
+    monkeypatch.setattr(sys, "argv", [SCRIPT])
+    for extra in ([], ["--keep-gguf-quantization"]):
+        code, err, out = main_error(capsys, "--device", "cpu", "--model", str(path), *extra)
+        # The file is read when the model loads, after the run's header line on stdout.
+        assert_one_line_error(code, err, "", f"--model: {path} is not a readable GGUF file (truncated or corrupted?)")
+        assert out.startswith("torch_marlin ") and "quantized" not in out
+
+
+def test_perplexity_needs_two_tokens():
+    import evaluation
+
+    logits = torch.randn(3, 10)
+    ids = torch.tensor([1, 2, 3])
+    expected = torch.exp(torch.nn.functional.cross_entropy(logits[:2], ids[1:]))
+    assert evaluation.perplexity(ids, logits) == pytest.approx(float(expected))
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        evaluation.perplexity(ids[:1], logits[:1])
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--blocks", "0"], "argument --blocks: must be positive, got 0"),
+    (["--hidden", "1000"], "--group-size 128 must be a multiple of 8 dividing --hidden 1000"),
+    (["--group-size", "12"], "--group-size 12 must be a multiple of 8"),
+])
+def test_quantize_demo_bad_arguments_end_in_one_line(capsys, args, fragment):
+    import quantize_demo
+
+    with pytest.raises(SystemExit) as e:
+        quantize_demo.main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and fragment in err[-1], err

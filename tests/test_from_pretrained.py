@@ -343,6 +343,23 @@ def test_transformers_loads_saves_and_quantizes_torch_marlin_checkpoints(tiny, t
         TorchMarlinConfig(format="trellis", group_size=24)
 
 
+def test_transformers_quantizing_warns_when_the_group_size_leaves_layers_float(tiny, tmp_path):
+    import transformers
+
+    from torch_marlin import TorchMarlinConfig
+
+    model, _ = tiny
+    model.save_pretrained(tmp_path / "float")
+    # group_size 128 fits only down_proj (in_features I=128); the other six per block read H=64.
+    with pytest.warns(UserWarning, match=r"TorchMarlinConfig: 12 of 14 Linear layers stay in float: group_size=128 "
+                                         r"does not fit their in_features \(model.layers.0.self_attn.q_proj, "
+                                         r".*\); group_size=64 quantizes them"):
+        on_load = transformers.AutoModelForCausalLM.from_pretrained(
+            str(tmp_path / "float"), quantization_config=TorchMarlinConfig(format="u4", group_size=128))
+    assert isinstance(on_load.model.layers[0].mlp.down_proj, MarlinLinear)
+    assert type(on_load.model.layers[0].mlp.up_proj) is nn.Linear
+
+
 def test_transformers_loads_entropy_coded_checkpoints(tiny, tmp_path):
     import copy
 

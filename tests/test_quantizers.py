@@ -275,3 +275,19 @@ def test_patch_model_method_arguments(kwargs, exc, pattern):
     m, _, _ = tiny_and_data()
     with pytest.raises(exc, match=pattern):
         patch_model(m, format="u4", group_size=32, progress=False, **kwargs)
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "u4", "affine"])
+def test_progress_bar_quantizes_the_same_layer(capsys, fmt):
+    """from_linear(progress=True): a bar over the columns (round to nearest: fitted in slices) or
+    the rows (GPTQ), and exactly the layer progress=False gives."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 96)
+    x = torch.randn(128, 256)
+    for hessian, label in ((None, "quantizing 256x96"), (x.t() @ x, "GPTQ 256x96")):
+        quiet = MarlinLinear.from_linear(lin, format=fmt, group_size=64, hessian=hessian)
+        capsys.readouterr()
+        shown = MarlinLinear.from_linear(lin, format=fmt, group_size=64, hessian=hessian, progress=True)
+        assert label in capsys.readouterr().err
+        for key, t in quiet.state_dict().items():
+            assert torch.equal(t, shown.state_dict()[key]), key

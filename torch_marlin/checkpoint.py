@@ -149,21 +149,14 @@ def _read_config(directory: str) -> dict:
     return cfg
 
 
-def _open_weights(directory: str, cfg: dict, verify: bool):
-    """Checks size and checksum, then returns {name: (shape, dtype string)} from the safetensors header."""
+def _open_weights(directory: str, cfg: dict):
+    """``(path, {name: (shape, dtype string)})`` from the tensor file's safetensors header."""
     from safetensors import safe_open
 
     w = cfg["weights"]
     path = os.path.join(directory, w["file"])
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found (named by {CONFIG_NAME})")
-    size = os.path.getsize(path)
-    if size != w["num_bytes"]:
-        raise ValueError(f"{path} is {size} bytes but {CONFIG_NAME} records {w['num_bytes']}: "
-                         f"the file is {'truncated' if size < w['num_bytes'] else 'not the one that was saved'}")
-    if verify and _sha256(path) != w["sha256"]:
-        raise ValueError(f"{path} is corrupted: its SHA-256 does not match the one in {CONFIG_NAME} "
-                         "(pass verify=False to skip this check)")
     try:
         with safe_open(path, framework="pt") as f:
             header = {}
@@ -171,8 +164,25 @@ def _open_weights(directory: str, cfg: dict, verify: bool):
                 sl = f.get_slice(k)
                 header[k] = (tuple(sl.get_shape()), _st_dtype(sl.get_dtype()))
     except Exception as e:  # safetensors raises its own error type for bad headers
-        raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupted?): {e}") from e
+        size = os.path.getsize(path)
+        why = (f"{size} bytes where {CONFIG_NAME} records {w['num_bytes']}: truncated" if size < w["num_bytes"]
+               else "truncated or corrupted?")
+        raise ValueError(f"{path} is not a readable safetensors file ({why}): {e}") from e
     return path, header
+
+
+def _check_weights_file(path: str, cfg: dict, verify: bool) -> None:
+    """The tensor file is the one that was saved: its size and (``verify``) SHA-256. Checked after
+    the tensors' names and shapes, so a file that lacks a tensor is reported by that tensor's name
+    (a truncated file fails earlier: its header no longer covers the file)."""
+    w = cfg["weights"]
+    size = os.path.getsize(path)
+    if size != w["num_bytes"]:
+        raise ValueError(f"{path} is {size} bytes but {CONFIG_NAME} records {w['num_bytes']}: "
+                         "the file is not the one that was saved")
+    if verify and _sha256(path) != w["sha256"]:
+        raise ValueError(f"{path} is corrupted: its SHA-256 does not match the one in {CONFIG_NAME} "
+                         "(pass verify=False to skip this check)")
 
 
 _ST_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "I32": "int32",
@@ -224,7 +234,7 @@ def load_quantized(directory: str, model: Optional[nn.Module] = None, device=Non
     tensors or with the model.
     """
     cfg = _read_config(directory)
-    path, header = _open_weights(directory, cfg, verify)
+    path, header = _open_weights(directory, cfg)
 
     check_layer_shapes(cfg, header, path)
 
@@ -244,6 +254,11 @@ def load_quantized(directory: str, model: Optional[nn.Module] = None, device=Non
         new = empty_layer(entry, "cpu")
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    missing = sorted(set(model.state_dict()) - set(header) - set(cfg["tied"]))
+    if missing:
+        raise ValueError(f"{path} lacks {len(missing)} tensor(s) of the model: {', '.join(missing[:5])}"
+                         f"{', ...' if len(missing) > 5 else ''}")
+    _check_weights_file(path, cfg, verify)
 
     from safetensors.torch import load_file
     try:

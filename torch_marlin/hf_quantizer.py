@@ -16,6 +16,7 @@ torch_marlin, without importing it itself; so does the first use of ``torch_marl
   loads back with the first path.
 """
 
+import warnings
 from typing import Dict, List, Optional
 
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
@@ -117,8 +118,10 @@ class TorchMarlinHfQuantizer(HfQuantizer):
         if self.pre_quantized:
             use_device_layouts(model)
         else:
-            patch_model(model, format=cfg.format, group_size=cfg.group_size, skip=cfg.modules_to_not_convert,
-                        progress=False, **cfg.format_options)
+            report = patch_model(model, format=cfg.format, group_size=cfg.group_size,
+                                 skip=cfg.modules_to_not_convert, progress=False, **cfg.format_options)
+            if report.unsupported:
+                warnings.warn(f"TorchMarlinConfig: {report.unsupported_warning()}", stacklevel=2)
         if linears:
             tp_hf.rehook(model, linears)
         cfg.layers = {name: entry for name, mod in model.named_modules()

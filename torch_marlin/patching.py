@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from . import calibration as calibration_mod
+from .dtypes import check_float_dtype
 from .fusion import GROUPS as FUSE_GROUPS, fuse_projections
 from .modules import MarlinLinear, RansLinear
 from .registry import ENTROPY_CODED, ENTROPY_CODED_FORMATS, LayerFormat, layer_format
@@ -41,6 +42,8 @@ class PatchReport:
     entropy_coded: List[Tuple[str, int, float]] = field(default_factory=list)  # (layer, weights, code bits/weight)
     not_entropy_coded: List[Tuple[str, str]] = field(default_factory=list)     # (layer, reason)
     operation: str = "patch_model"  # or "entropy_code": a report of entropy_code alone
+    # (layer, in_features) of the skipped layers the format cannot take at this group size
+    unsupported: List[Tuple[str, int]] = field(default_factory=list)
     already_entropy_coded: int = 0  # entropy_code: RansLinear layers the model held before the call
 
     def __str__(self) -> str:
@@ -75,6 +78,20 @@ class PatchReport:
         for name, reason in self.not_entropy_coded:
             lines.append(f"  not entropy-coded {name}: {reason}")
         return "\n".join(lines)
+
+    def unsupported_warning(self) -> Optional[str]:
+        """One line when layers stay in float because the group size does not fit their width
+        (None when none did), with the largest smaller group size that fits them all."""
+        if not self.unsupported:
+            return None
+        fmt = layer_format(self.format)
+        widths = {k for _, k in self.unsupported}
+        fits = next((g for g in (128, 64, 32, 16, 8) if g < self.group_size
+                     and all(fmt.unsupported(k, g) is None for k in widths)), None)
+        names = ", ".join(n for n, _ in self.unsupported[:3]) + (", ..." if len(self.unsupported) > 3 else "")
+        return (f"{len(self.unsupported)} of {len(self.unsupported) + len(self.replaced)} Linear layers stay in "
+                f"float: group_size={self.group_size} does not fit their in_features ({names}); "
+                + (f"group_size={fits} quantizes them" if fits else "no smaller group size fits them all"))
 
 
 def resolve_device(device) -> Optional[torch.device]:
@@ -160,6 +177,8 @@ def patch_model(model: nn.Module, format: str = "fp4", group_size: int = 128,
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     skip = [skip] if isinstance(skip, str) else skip
     fmt.check_group_size(group_size)
+    if dtype is not None:
+        check_float_dtype(dtype)
     batches = _check_method(method, calibration, damp)
     if entropy_coding and format not in ENTROPY_CODED_FORMATS:
         raise ValueError(f"entropy_coding applies to the formats {ENTROPY_CODED_FORMATS}, got format={format!r}")
@@ -231,6 +250,7 @@ def _layers_to_quantize(model: nn.Module, fmt: LayerFormat, group_size: int, ski
             if strict:
                 raise ValueError(f"{name}: {reason}; pass skip=[...] or another group_size")
             report.skipped.append((name, reason))
+            report.unsupported.append((name, mod.in_features))
         else:
             todo.append((name, mod))
     return todo

@@ -59,7 +59,7 @@ def load_quantized_tp(directory: str, tp_plan="auto", mesh=None, verify: bool = 
     from accelerate import init_empty_weights
     from safetensors import safe_open
 
-    from ..checkpoint import _build_hf_skeleton, _open_weights, _read_config, check_layer_shapes
+    from ..checkpoint import _build_hf_skeleton, _check_weights_file, _open_weights, _read_config, check_layer_shapes
     from ..registry import empty_layer, use_device_layouts
 
     check_plan(tp_plan)
@@ -67,8 +67,9 @@ def load_quantized_tp(directory: str, tp_plan="auto", mesh=None, verify: bool = 
     rank, world = mesh.get_local_rank(), mesh.size()
     device = local_device(mesh)
     cfg = _read_config(directory)
-    path, header = _open_weights(directory, cfg, verify)
+    path, header = _open_weights(directory, cfg)
     check_layer_shapes(cfg, header, path)
+    _check_weights_file(path, cfg, verify)
     with init_empty_weights(include_buffers=False):
         model = _build_hf_skeleton(directory, cfg)
     plan = auto_plan(model) if tp_plan == "auto" else tp_plan

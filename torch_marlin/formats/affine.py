@@ -49,11 +49,11 @@ class AffineQuantizer:
         if not self.search:
             return {"scales": best_s, "offsets": best_b}
         best_err = weighted_error(g, self._deq(g, best_s, best_b), wt)
-        ones, n, sw = row_weights(g, wt)
+        rows, n, sw = row_weights(g, wt)
         for d in self.STEPS:
             q = range_step_codes(g, lo, hi - lo, d)
             for _ in range(2):
-                s, off, ok = least_squares_affine(g, q, ones, n, sw)
+                s, off, ok = least_squares_affine(g, q, rows, n, sw)
                 s, b = self._stored(torch.where(ok, s, best_s)), self._stored(torch.where(ok, off, best_b))
                 q = self._codes(g, s, b)
                 e = weighted_error(g, q * s.unsqueeze(-2) + b.unsqueeze(-2), wt)
@@ -84,7 +84,7 @@ def quantize_affine(w: torch.Tensor, group_size: int = 128, scale_dtype: torch.d
     ``search=True`` (default) refines ``(scale, offset)`` by least squares over candidate steps
     (:class:`AffineQuantizer`). ``hessian`` ``[K, K]`` switches to
     GPTQ error feedback (torch_marlin/formats/gptq_solver.py; ``gptq_options``: ``act_order``,
-    ``damp``, ``block_size``).
+    ``damp``, ``block_size``; ``progress``: a tqdm bar, also without ``hessian``).
     Returns ``(B_packed int32 [K/8, N], scales [K/group_size, N], offsets [K/group_size, N])``,
     scales and offsets in ``scale_dtype``.
     """

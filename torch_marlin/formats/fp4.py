@@ -17,23 +17,37 @@ E2M1_VALUES = torch.tensor(
 )
 
 
+def _nearest_magnitude_table() -> torch.Tensor:
+    """Code of the nearest E2M1 magnitude (ties to the smaller one) of ``x >= 0``, indexed by
+    ``ceil(4 x)`` clamped to 0..21. Every midpoint between magnitudes (0.25, 0.75, ..., 3.5, 5) is
+    a multiple of 1/4, so ``x`` lies above midpoint ``m`` exactly when ``ceil(4 x) > 4 m``: the
+    code is the number of midpoints below that index. One lookup in place of a binary search."""
+    mags = E2M1_VALUES[:8]
+    mids4 = (mags[1:] + mags[:-1]) * 2  # 4 * midpoint: 1, 3, 5, 7, 10, 14, 20
+    return (torch.arange(22, dtype=torch.float32).unsqueeze(1) > mids4).sum(1)
+
+
 class Fp4Quantizer(ScaleQuantizer):
     """E2M1 codes: nearest magnitude (ties to the smaller one), sign in bit 3."""
 
     def __init__(self, scale_dtype: torch.dtype = torch.float16, search: bool = True):
         super().__init__(scale_dtype, search)
         self._vals = E2M1_VALUES
-        self._mags = E2M1_VALUES[:8]
-        self._mids = (self._mags[1:] + self._mags[:-1]) / 2
+        self._codes = _nearest_magnitude_table()
+        self._mags = E2M1_VALUES[:8][self._codes]
 
     def _on(self, device) -> None:
         if self._mags.device != device:
-            self._vals, self._mags, self._mids = (t.to(device) for t in (self._vals, self._mags, self._mids))
+            self._vals, self._codes, self._mags = (t.to(device) for t in (self._vals, self._codes, self._mags))
+
+    @staticmethod
+    def _index(x: torch.Tensor) -> torch.Tensor:
+        """``ceil(4 x)`` in 0..21 (4x is exact in float32; x <= 0 gives 0, magnitude 0)."""
+        return torch.mul(x, 4).ceil_().clamp_(0, 21).to(torch.int32)
 
     def levels(self, x: torch.Tensor):
         self._on(x.device)
-        # bucketize against the midpoints, right=False: a value on a midpoint goes to the lower bucket.
-        code = torch.bucketize(x.abs().contiguous(), self._mids, right=False)
+        code = self._codes[self._index(x.abs())]
         code = code + 8 * (x < 0).to(code.dtype)
         return code, self._vals[code]
 
@@ -42,7 +56,7 @@ class Fp4Quantizer(ScaleQuantizer):
 
     def fit_levels(self, x: torch.Tensor) -> torch.Tensor:
         self._on(x.device)
-        return self._mags[torch.bucketize(x.contiguous(), self._mids, right=False)]
+        return self._mags[self._index(x)]
 
     def base_scales(self, g: torch.Tensor):
         return (g.abs().amax(dim=-2) / 6.0,)
@@ -62,7 +76,7 @@ def quantize_fp4(w: torch.Tensor, group_size: int = 128, scale_dtype: torch.dtyp
     each scale by a least-squares search around ``absmax / 6`` (torch_marlin/formats/group_quant.py);
     ``search=False`` is plain ``absmax / 6``. ``hessian`` ``[K, K]`` (the layer's input second
     moment ``X^T X``) switches to GPTQ error feedback (torch_marlin/formats/gptq_solver.py;
-    ``gptq_options``: ``act_order``, ``damp``, ``block_size``).
+    ``gptq_options``: ``act_order``, ``damp``, ``block_size``; ``progress``: a tqdm bar, also without ``hessian``).
     Returns ``(B_packed int32 [K/8, N], scales [K/group_size, N] of scale_dtype)``.
     """
     code, params = quantize_weight(w, group_size, Fp4Quantizer(scale_dtype, search), hessian, **gptq_options)

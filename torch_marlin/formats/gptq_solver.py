@@ -61,14 +61,14 @@ def _inverse_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
 
 
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, quantizer, act_order: bool = True,
-                  damp: float = DEFAULT_DAMP, block_size: int = DEFAULT_BLOCK):
+                  damp: float = DEFAULT_DAMP, block_size: int = DEFAULT_BLOCK, progress: bool = False):
     """Quantizes ``w`` ``[K, N]`` with error feedback under ``hessian`` ``[K, K]``.
 
     ``quantizer``: an object with ``fit(rows, weight) -> params``, ``row_params(params)`` (one
     group's parameters readied for single rows) and ``quantize_row(row, ready) -> (codes,
     dequantized)`` (torch_marlin/formats/group_quant.py). The last group may be short
     (``K`` need not be a multiple of ``group_size``). Returns ``(codes int64 [K, N], params)``,
-    ``params`` a dict of ``[ceil(K / group_size), N]`` tensors.
+    ``params`` a dict of ``[ceil(K / group_size), N]`` tensors. ``progress``: a tqdm bar over the rows.
     """
     if w.dim() != 2:
         raise ValueError(f"w must be 2-D [K, N], got shape {tuple(w.shape)}")
@@ -113,6 +113,7 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, quant
     group_of = (perm // group_size).tolist()
     codes = torch.empty(K, N, dtype=torch.int64, device=dev)
     prepared: List = [None] * G
+    bar = _bar(progress, K, "row", f"GPTQ {K}x{N}")
 
     for i1 in range(0, K, block_size):
         i2 = min(i1 + block_size, K)
@@ -133,6 +134,10 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, quant
             err.mul_(inv_d[i])
             W1[i + 1:].addr_(U1[i, i + 1:], err, alpha=-1)
         W[i2:].addmm_(U[i1:i2, i2:].t(), E1, alpha=-1)
+        if bar is not None:
+            bar.update(i2 - i1)
+    if bar is not None:
+        bar.close()
 
     out = torch.empty_like(codes)
     out[perm] = codes
@@ -140,16 +145,51 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, quant
     return out, stacked
 
 
+def check_finite_weight(w: torch.Tensor) -> None:
+    """ValueError naming the first inf or NaN of a ``[K, N]`` weight: no 4-bit grid holds it, and
+    its group's scale would be inf or NaN."""
+    bad = ~torch.isfinite(w)
+    if bool(bad.any()):
+        k, n = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"the weight has {int(bad.sum())} non-finite values (inf or NaN); the first, {float(w[k, n])}, "
+                         f"is weight[{n}, {k}] (output {n}, input {k}): quantizing needs finite weights")
+
+
+def _bar(progress: bool, total: int, unit: str, desc: str):
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, unit=unit, desc=desc, leave=False)
+
+
+# Columns per step of round to nearest's progress bar: 16 steps. Each (group, column) is fitted on
+# its own, so fitting the columns in slices gives the same parameters as one call.
+PROGRESS_STEPS = 16
+
+
 def quantize_weight(w: torch.Tensor, group_size: int, quantizer, hessian: Optional[torch.Tensor] = None,
-                    **gptq_options):
+                    progress: bool = False, **gptq_options):
     """Codes ``[K, N]`` and per-group parameters of a ``[K, N]`` float weight with ``quantizer``:
     round to nearest (codes against the parameters as stored, so dequantizing uses exactly what the
-    kernels see), or GPTQ error feedback when ``hessian`` ``[K, K]`` is given."""
+    kernels see), or GPTQ error feedback when ``hessian`` ``[K, K]`` is given. ``progress``: a tqdm
+    bar over the columns (round to nearest) or the rows (GPTQ)."""
     if w.dim() != 2:
         raise ValueError(f"w must be 2-D [K, N], got shape {tuple(w.shape)}")
     wf = w.detach().to(torch.float32)
+    check_finite_weight(wf)
     if hessian is not None:
-        return gptq_quantize(wf, hessian, group_size, quantizer, **gptq_options)
+        return gptq_quantize(wf, hessian, group_size, quantizer, progress=progress, **gptq_options)
     g = group_view(wf, group_size)
-    params = quantizer.fit(g)
+    K, N = wf.shape
+    bar = _bar(progress, N, "column", f"quantizing {K}x{N}")
+    if bar is None:
+        params = quantizer.fit(g)
+    else:
+        step = -(-N // PROGRESS_STEPS)
+        parts = []
+        for n in range(0, N, step):
+            parts.append(quantizer.fit(g[..., n:n + step]))
+            bar.update(min(step, N - n))
+        bar.close()
+        params = {k: torch.cat([p[k] for p in parts], dim=-1) for k in parts[0]}
     return quantizer.quantize(g, params)[0].reshape_as(wf), params

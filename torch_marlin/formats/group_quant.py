@@ -49,11 +49,13 @@ def least_squares_scale(g: torch.Tensor, c: torch.Tensor, weight, fallback: torc
     return torch.where(den > 0, num / den.clamp(min=1e-30), fallback)
 
 
-def least_squares_affine(g: torch.Tensor, q: torch.Tensor, weight: torch.Tensor, n: torch.Tensor, sw: torch.Tensor):
+def least_squares_affine(g: torch.Tensor, q: torch.Tensor, weight: Optional[torch.Tensor], n: torch.Tensor,
+                         sw: torch.Tensor):
     """Least-squares ``(scale, offset, ok)`` of ``g ~ scale * q + offset`` for fixed codes ``q``,
-    rows weighted by ``weight`` (``n`` and ``sw``: its sum and the weighted sum of ``g``); ``ok``
-    where the fit is determined and the scale positive."""
-    sq, sqq, swq = (weight * q).sum(-2), (weight * q * q).sum(-2), (weight * q * g).sum(-2)
+    rows weighted by ``weight`` (None: all 1; ``n`` and ``sw``: its sum and the weighted sum of
+    ``g``); ``ok`` where the fit is determined and the scale positive."""
+    wq = q if weight is None else weight * q
+    sq, sqq, swq = wq.sum(-2), (wq * q).sum(-2), (wq * g).sum(-2)
     det = n * sqq - sq * sq
     ok = det > 0
     detc = torch.where(ok, det, torch.ones_like(det))
@@ -63,10 +65,13 @@ def least_squares_affine(g: torch.Tensor, q: torch.Tensor, weight: torch.Tensor,
 
 
 def row_weights(g: torch.Tensor, weight) -> tuple:
-    """``(weights broadcast to g, their sum, the weighted sum of g)`` over each group's rows: the
-    sums :func:`least_squares_affine` takes."""
-    ones = torch.ones_like(g) if weight is None else torch.ones_like(g) * weight
-    return ones, ones.sum(-2), (ones * g).sum(-2)
+    """``(weights broadcast to g or None when all 1, their sum, the weighted sum of g)`` over each
+    group's rows: the sums :func:`least_squares_affine` takes."""
+    if weight is None:
+        reduced = g.shape[:-2] + g.shape[-1:]
+        return None, torch.full(reduced, float(g.shape[-2]), dtype=g.dtype, device=g.device), g.sum(-2)
+    w = torch.ones_like(g) * weight
+    return w, w.sum(-2), (w * g).sum(-2)
 
 
 def range_step_codes(g: torch.Tensor, lo: torch.Tensor, rng: torch.Tensor, d: float) -> torch.Tensor:

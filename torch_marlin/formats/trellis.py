@@ -34,6 +34,8 @@ from typing import Optional
 
 import torch
 
+from .gptq_solver import check_finite_weight
+
 TILE = 16
 TILE_ELEMS = TILE * TILE
 LANE_CHUNK_TILES = 8  # tile rows per chunk of the CUDA lane layout
@@ -392,8 +394,7 @@ def quantize_trellis(w: torch.Tensor, bits: int = 3, group_size: int = 128, rota
     check_group_size(group_size)
     if w.dim() != 2:
         raise ValueError(f"w must be 2-D [K, N], got shape {tuple(w.shape)}")
-    if not bool(torch.isfinite(w).all()):
-        raise ValueError("w contains non-finite values")
+    check_finite_weight(w)
     K, N = w.shape
     dev = w.device
     gen = torch.Generator().manual_seed(seed)

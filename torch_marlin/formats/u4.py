@@ -73,10 +73,10 @@ class ZeroPointQuantizer:
         if not self.search:
             return {"scales": best_s, "zeros": best_z}
         best_err = weighted_error(g, self._deq(g, best_s, best_z), wt)
-        ones, n, sw = row_weights(g, wt)
+        rows, n, sw = row_weights(g, wt)
         for d in self.STEPS:
             q = range_step_codes(g, lo, hi - lo, d)
-            s, off, ok = least_squares_affine(g, q, ones, n, sw)
+            s, off, ok = least_squares_affine(g, q, rows, n, sw)
             s = self._stored(torch.where(ok, s, best_s))
             z = torch.round(-off / nonzero_scale(s)).clamp(0, 15)
             e = weighted_error(g, self._deq(g, s, z), wt)
@@ -115,7 +115,7 @@ def quantize_u4(w: torch.Tensor, group_size: int = 128, symmetric: bool = False,
     ``scale = m / -8`` with ``m`` the group's largest-magnitude value (sign kept; the scale is
     negative when ``m > 0``), refined by the same search unless ``search=False``.
     ``hessian`` ``[K, K]`` switches to GPTQ error feedback (torch_marlin/formats/gptq_solver.py;
-    ``gptq_options``: ``act_order``, ``damp``, ``block_size``).
+    ``gptq_options``: ``act_order``, ``damp``, ``block_size``; ``progress``: a tqdm bar, also without ``hessian``).
     Returns ``(B_packed int32 [K/8, N], scales [K/group_size, N], zeros uint8 [K/group_size, N])``.
     """
     q, params = quantize_weight(w, group_size, zero_point_quantizer(symmetric, scale_dtype, search), hessian, **gptq_options)

@@ -13,10 +13,9 @@ from typing import Optional
 
 import torch
 
+from ..dtypes import check_float_dtype
 from ..formats.int4_packing import PACK_FACTOR, pack_int4
 from ..modules import MarlinLinear
-
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class CheckpointError(ValueError):
@@ -126,8 +125,7 @@ def build_marlin_linear(format: str, codes: torch.Tensor, scales: torch.Tensor, 
             raise CheckpointError(f"{name}: input_perm must be a permutation of 0..{K - 1}")
 
     dtype = dtype if dtype is not None else default_dtype(scales, offsets, bias)
-    if dtype not in FLOAT_DTYPES:
-        raise ValueError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
+    check_float_dtype(dtype)
     device = torch.device(device) if device is not None else codes.device
     mod = MarlinLinear(K, N, bias=bias is not None, format=format, group_size=K // G, dtype=dtype, device=device,
                        act_order=input_perm is not None)

@@ -81,6 +81,11 @@ def gguf_unpack(data, ggml_type, shape: Sequence[int], name: str = "weight"):
     if raw.numel() != N * nb * nbytes:
         raise CheckpointError(f"{name}: {t} of shape {(N, K)} needs {N * nb * nbytes} bytes ({N} rows of {nb} blocks "
                               f"of {nbytes} bytes), got {raw.numel()} (truncated or wrong type?)")
+    # Data that has rows (gguf-py gives [N, bytes per row]) must have this shape's rows: the same
+    # byte count in other rows would be read as another layer.
+    if raw.dim() > 1 and tuple(raw.shape) != (N, nb * nbytes):
+        raise CheckpointError(f"{name}: {t} data of shape {tuple(raw.shape)} is not the {N} rows of {nb * nbytes} bytes "
+                              f"that shape {(N, K)} needs")
     b = raw.reshape(N, nb, nbytes)
     if t == "Q4_0":
         d, qs = _f16(b[..., 0:2]), b[..., 2:]

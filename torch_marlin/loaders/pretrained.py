@@ -24,6 +24,7 @@ from typing import Callable, Dict, Mapping, Optional
 import torch
 from torch import nn
 
+from ..dtypes import check_float_dtype
 from ..patching import resolve_device
 from .common import CheckpointError
 
@@ -355,6 +356,8 @@ def from_pretrained(path: str, device=None, dtype: Optional[torch.dtype] = None,
     own device (``device`` is then ignored). A torch_marlin checkpoint is read in pieces, each rank
     only its shards; other sources are loaded whole, then sharded."""
     path = os.fspath(path)
+    if dtype is not None:
+        check_float_dtype(dtype)
     if tp_plan is not None:
         from ..distributed import loading, parallelize
 

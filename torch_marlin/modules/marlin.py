@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..dtypes import check_float_dtype
 from ..metal_fallback import run as _run
 from ..formats import int4_packing
 from ..formats.affine import dequant_affine_reference, quantize_affine
@@ -52,6 +53,7 @@ class MarlinLinear(nn.Module):
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
         int4_packing.check_group_size(group_size, in_features)
+        check_float_dtype(dtype)
         if out_features <= 0:
             raise ValueError(f"out_features must be positive, got {out_features}")
         self.in_features, self.out_features = in_features, out_features
@@ -92,7 +94,7 @@ class MarlinLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, format: str = "fp4", group_size: int = 128,
                     dtype: Optional[torch.dtype] = None, symmetric: bool = False,
                     hessian: Optional[torch.Tensor] = None, act_order: bool = True,
-                    damp: float = 0.01) -> "MarlinLinear":
+                    damp: float = 0.01, progress: bool = False) -> "MarlinLinear":
         """Quantizes ``linear``. ``dtype`` of scales/bias defaults to the layer's dtype when it is a
         16-bit float, else float16. ``symmetric`` applies to u4.
 
@@ -100,7 +102,8 @@ class MarlinLinear(nn.Module):
         search per group (affine: from the group's min / max, torch_marlin/formats/affine.py).
         With ``hessian`` ``[in_features, in_features]`` (the second moment ``X^T X`` of the
         layer's inputs, see :func:`torch_marlin.calibration.collect_hessian`): GPTQ error feedback,
-        ``act_order`` and ``damp`` as in torch_marlin/formats/gptq_solver.py.
+        ``act_order`` and ``damp`` as in torch_marlin/formats/gptq_solver.py. ``progress``: a tqdm
+        bar while one large layer quantizes (seconds per 10^7 weights on a few CPU cores).
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear expects nn.Linear, got {type(linear).__name__}")
@@ -110,7 +113,9 @@ class MarlinLinear(nn.Module):
         mod = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, format=format,
                   group_size=group_size, dtype=dtype, device=w.device)
         wt = w.t().to(torch.float32)  # [K, N]
-        gptq = {} if hessian is None else {"hessian": hessian, "act_order": act_order, "damp": damp}
+        gptq = {"progress": progress}
+        if hessian is not None:
+            gptq.update(hessian=hessian, act_order=act_order, damp=damp)
         if format == "fp4":
             B, s = quantize_fp4(wt, group_size, scale_dtype=dtype, **gptq)
         elif format == "affine":

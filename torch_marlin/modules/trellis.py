@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops, planner
+from ..dtypes import check_float_dtype
 from ..formats import trellis as fmt
 
 _PARTS = ("packed_indices", "scales", "grid", "su", "sv")
@@ -65,6 +66,7 @@ class TrellisLinear(nn.Module):
         super().__init__()
         fmt.check_bits(bits)
         fmt.check_group_size(group_size)
+        check_float_dtype(dtype)
         if in_features <= 0 or out_features <= 0:
             raise ValueError(f"in_features and out_features must be positive, got {in_features}, {out_features}")
         self.in_features, self.out_features = in_features, out_features
@@ -268,6 +270,7 @@ class TrellisMoE(nn.Module):
         super().__init__()
         fmt.check_bits(bits)
         fmt.check_group_size(group_size)
+        check_float_dtype(dtype)
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k must be in 1..num_experts={num_experts}, got {top_k}")
         H, I, E = hidden_size, intermediate_size, num_experts
