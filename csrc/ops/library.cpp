@@ -12,7 +12,7 @@
 #include <stdexcept>
 
 #include "ops/op_entries.h"
-#include "ops/planned.h"
+#include "ops/plan_or_value_error.h"
 #include "plan/plan_cache.h"
 #include "plan/plan_py.h"
 #include "plan/rans_plan.h"
@@ -109,7 +109,7 @@ void def_planner_functions(py::module_& m) {
         const QuantFormat f = parse_format(format);
         const DType d = parse_dtype(dtype);
         const KernelFamily force = parse_family(family);
-        return plan_to_dict(planned([&] { return plan_quant_gemm(f, M, K, N, group_size, d, has_bias, c, force); }));
+        return plan_to_dict(plan_or_value_error([&] { return plan_quant_gemm(f, M, K, N, group_size, d, has_bias, c, force); }));
       },
       py::arg("format"), py::arg("M"), py::arg("K"), py::arg("N"), py::arg("group_size"), py::arg("dtype"),
       py::arg("backend"), py::arg("caps"), py::arg("has_bias") = false, py::arg("family") = "auto");
@@ -120,7 +120,7 @@ void def_planner_functions(py::module_& m) {
         const DeviceCaps c = caps_from_dict(parse_backend(backend), caps);
         const DType d = parse_dtype(dtype);
         const KernelFamily force = parse_family(family);
-        return trellis_plan_to_dict(planned([&] {
+        return trellis_plan_to_dict(plan_or_value_error([&] {
           return plan_trellis_gemm(M, K, N, bits, group_size, d, c, force, parse_index_layout(layout));
         }));
       },
@@ -131,7 +131,7 @@ void def_planner_functions(py::module_& m) {
       [](int64_t tokens, int64_t hidden, int64_t intermediate, int64_t num_experts, int64_t top_k, int64_t bits,
          int64_t group_size, const std::string& dtype, const std::string& backend, const py::dict& caps) {
         const DeviceCaps c = caps_from_dict(parse_backend(backend), caps);
-        return trellis_plan_to_dict(planned([&] {
+        return trellis_plan_to_dict(plan_or_value_error([&] {
           return plan_trellis_moe(tokens, hidden, intermediate, num_experts, top_k, bits, group_size,
                                   parse_dtype(dtype), c);
         }));
@@ -142,7 +142,7 @@ void def_planner_functions(py::module_& m) {
       "trellis_index_layout",
       [](int64_t K, int64_t N, int64_t bits, const std::string& backend, const py::dict& caps) {
         const DeviceCaps c = caps_from_dict(parse_backend(backend), caps);
-        return std::string(index_layout_name(planned([&] { return trellis_index_layout(K, N, bits, c); })));
+        return std::string(index_layout_name(plan_or_value_error([&] { return trellis_index_layout(K, N, bits, c); })));
       },
       py::arg("K"), py::arg("N"), py::arg("bits"), py::arg("backend"), py::arg("caps"),
       "The index layout a trellis matrix is kept in on a device with these caps ('lanes' or 'tiles').");
@@ -151,7 +151,7 @@ void def_planner_functions(py::module_& m) {
       [](int64_t M, int64_t K, int64_t N, int64_t group_size, const std::string& format, int64_t channels_per_tile,
          const std::string& dtype, const std::string& backend, const py::dict& caps, bool has_bias) {
         const DeviceCaps c = caps_from_dict(parse_backend(backend), caps);
-        return rans_plan_to_dict(planned([&] {
+        return rans_plan_to_dict(plan_or_value_error([&] {
           return plan_rans_gemm(M, K, N, group_size, channels_per_tile, parse_format(format), parse_dtype(dtype),
                                 has_bias, c);
         }));
@@ -168,7 +168,7 @@ void def_plan_cache_functions(py::module_& m) {
       [](const std::string& format, int64_t M, int64_t K, int64_t N, int64_t group_size, const std::string& dtype,
          const std::string& backend, const py::dict& caps, bool has_bias) {
         const DeviceCaps c = caps_from_dict(parse_backend(backend), caps);
-        return plan_to_dict(*planned([&] {
+        return plan_to_dict(*plan_or_value_error([&] {
           return cached_plan_quant_gemm(parse_format(format), M, K, N, group_size, parse_dtype(dtype), has_bias, c);
         }));
       },
@@ -180,7 +180,7 @@ void def_plan_cache_functions(py::module_& m) {
       [](int64_t M, int64_t K, int64_t N, int64_t bits, int64_t group_size, const std::string& dtype,
          const std::string& backend, const py::dict& caps, const std::string& layout) {
         const DeviceCaps c = caps_from_dict(parse_backend(backend), caps);
-        return trellis_plan_to_dict(*planned([&] {
+        return trellis_plan_to_dict(*plan_or_value_error([&] {
           return cached_plan_trellis_gemm(M, K, N, bits, group_size, parse_dtype(dtype), c, parse_index_layout(layout));
         }));
       },
@@ -191,7 +191,7 @@ void def_plan_cache_functions(py::module_& m) {
       [](int64_t M, int64_t K, int64_t N, int64_t group_size, const std::string& format, int64_t channels_per_tile,
          const std::string& dtype, const std::string& backend, const py::dict& caps, bool has_bias) {
         const DeviceCaps c = caps_from_dict(parse_backend(backend), caps);
-        return rans_plan_to_dict(*planned([&] {
+        return rans_plan_to_dict(*plan_or_value_error([&] {
           return cached_plan_rans_gemm(M, K, N, group_size, channels_per_tile, parse_format(format),
                                        parse_dtype(dtype), has_bias, c);
         }));

@@ -11,7 +11,7 @@
 // Fake (meta) kernels live in torch_marlin/ops.py (register_fake handles symbolic shapes).
 #include <ATen/ATen.h>
 
-#include "ops/planned.h"
+#include "ops/plan_or_value_error.h"
 #include "ops/quant_gemm.h"
 #include "ops/vector_aligned.h"
 #include "plan/plan_cache.h"
@@ -58,7 +58,7 @@ void check_weights(QuantGemmArgs& a, const at::Tensor& B, const at::Tensor& scal
                    B.scalar_type());
   check_same_device(B, dev, op, "B_packed", ref_name);
   TORCH_CHECK_VALUE(K > 0 && K % TM_PACK_FACTOR == 0, op, ": K must be a positive multiple of 8, got ", K);
-  planned([&] { check_quant_group_size(K, group_size, op); });
+  plan_or_value_error([&] { check_quant_group_size(K, group_size, op); });
   TORCH_CHECK_VALUE(B.size(0) * TM_PACK_FACTOR == K, op, ": A must have K = 8 * B_packed.size(0) = ",
                     B.size(0) * TM_PACK_FACTOR, " columns (A is [M, K], B_packed [K/8, N]), got ", K);
   const int64_t N = B.size(1);  // N = 0 is allowed: the ops return empty results without planning

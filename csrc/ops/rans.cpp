@@ -12,7 +12,7 @@
 
 #include <string>
 
-#include "ops/planned.h"
+#include "ops/plan_or_value_error.h"
 #include "ops/rans.h"
 #include "ops/vector_aligned.h"
 #include "plan/plan_cache.h"
@@ -122,7 +122,7 @@ RansDecodeCall prepare_rans_decode(const at::Tensor& words, const at::Tensor& wo
   RansDecodeCall c;
   c.args = check_codes(words, word_offsets, states, freqs, K, N, channels_per_tile, words.device(), "words", op);
   c.plan = std::make_shared<const RansPlan>(
-      planned([&] { return plan_rans_decode(K, N, c.args.channels_per_tile, caps); }));
+      plan_or_value_error([&] { return plan_rans_decode(K, N, c.args.channels_per_tile, caps); }));
   c.out = at::empty({K / 8, N}, words.options().dtype(at::kInt));
   return c;
 }
@@ -183,7 +183,7 @@ RansGemmCall prepare_rans_gemm(const at::Tensor& A, const RansCodeTensors& codes
   c.out = at::empty({a.M, N}, A.options());
   c.empty = a.M == 0;
   if (c.empty) return c;
-  c.plan = planned([&] {
+  c.plan = plan_or_value_error([&] {
     return cached_plan_rans_gemm(a.M, K, N, group_size, a.codes.channels_per_tile, a.format, a.dtype,
                                  a.bias.defined(), caps);
   });

@@ -9,7 +9,7 @@
 namespace torch_marlin {
 
 template <class F>
-auto planned(F f) -> decltype(f()) {
+auto plan_or_value_error(F f) -> decltype(f()) {
   try {
     return f();
   } catch (const std::invalid_argument& e) {
