@@ -277,6 +277,26 @@ def test_patch_model_method_arguments(kwargs, exc, pattern):
         patch_model(m, format="u4", group_size=32, progress=False, **kwargs)
 
 
+def test_large_layers_show_progress_by_default(capsys, monkeypatch):
+    """from_linear shows a bar by default for layers of PROGRESS_MIN_WEIGHTS weights or more
+    (lowered here to 64 x 64), none for smaller ones; patch_model shows only its own bar over the
+    layers, and none with progress=False."""
+    from torch_marlin.formats import gptq_solver
+    monkeypatch.setattr(gptq_solver, "PROGRESS_MIN_WEIGHTS", 64 * 64)
+    torch.manual_seed(0)
+    quantizers = (lambda lin: MarlinLinear.from_linear(lin, format="u4", group_size=32),
+                  lambda lin: TrellisLinear.from_linear(lin, bits=3, group_size=32))
+    for quantize in quantizers:
+        capsys.readouterr()
+        quantize(nn.Linear(64, 32))
+        assert capsys.readouterr().err == ""
+        quantize(nn.Linear(64, 64))
+        assert "64x64" in capsys.readouterr().err
+    for fmt in ("u4", "trellis"):
+        patch_model(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)), format=fmt, group_size=32, progress=False)
+        assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("fmt", ["fp4", "u4", "affine"])
 def test_progress_bar_quantizes_the_same_layer(capsys, fmt):
     """from_linear(progress=True): a bar over the columns (round to nearest: fitted in slices) or

@@ -301,9 +301,10 @@ class _LayerQuantizer:
         shared = self.fmt.shared_options(leader) if leader is not None else {}
         dtype = self.dtype if self.dtype is not None else lin.weight.dtype
         if lin is self.head:
-            new = layer_format(LM_HEAD_FORMAT).quantize(lin, LM_HEAD_GROUP_SIZE, dtype, **calibrated)
-        else:
-            new = self.fmt.quantize(lin, self.group_size, dtype, **self.options, **shared, **calibrated)
+            new = layer_format(LM_HEAD_FORMAT).quantize(lin, LM_HEAD_GROUP_SIZE, dtype, progress=False, **calibrated)
+        else:  # patch_model's own bar counts the layers: none per layer
+            new = self.fmt.quantize(lin, self.group_size, dtype, progress=False, **self.options, **shared,
+                                    **calibrated)
         new.train(lin.training)
         self.done[name] = new
         self.report.float_bytes += _module_bytes(lin)

@@ -155,6 +155,16 @@ def check_finite_weight(w: torch.Tensor) -> None:
                          f"is weight[{n}, {k}] (output {n}, input {k}): quantizing needs finite weights")
 
 
+# Layers from this size on take seconds to quantize on a CPU: from_linear shows a bar for them
+# unless told otherwise, as patch_model shows one over the layers.
+PROGRESS_MIN_WEIGHTS = 1 << 24
+
+
+def progress_default(progress: Optional[bool], weights: int) -> bool:
+    """``progress`` as given, or (``None``) whether a layer of ``weights`` weights gets a bar."""
+    return weights >= PROGRESS_MIN_WEIGHTS if progress is None else bool(progress)
+
+
 def _bar(progress: bool, total: int, unit: str, desc: str):
     if not progress:
         return None

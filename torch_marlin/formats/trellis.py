@@ -371,7 +371,8 @@ def rotate_hessian(hessian: torch.Tensor, su: torch.Tensor) -> torch.Tensor:
 
 def quantize_trellis(w: torch.Tensor, bits: int = 3, group_size: int = 128, rotate: bool = True,
                      grid: Optional[torch.Tensor] = None, seed: int = 0, scale_iters: int = 6,
-                     fit_samples: int = 1 << 20, hessian: Optional[torch.Tensor] = None, **gptq_options):
+                     fit_samples: int = 1 << 20, hessian: Optional[torch.Tensor] = None, progress: bool = False,
+                     **gptq_options):
     """Quantizes a ``[K, N]`` float weight (``nn.Linear.weight.t()``) to the trellis format.
 
     1. Incoherence (``rotate=True``): random signs ``su``/``sv`` and the block Hadamard ``H``;
@@ -428,7 +429,11 @@ def quantize_trellis(w: torch.Tensor, bits: int = 3, group_size: int = 128, rota
     if tuple(grid.shape) != (1 << bits,):
         raise ValueError(f"grid must have shape ({1 << bits},), got {tuple(grid.shape)}")
     grid, _ = torch.sort(grid)
+    from .gptq_solver import _bar
+    bar = _bar(progress and hessian is None, scale_iters + 1, "pass", f"trellis {K}x{N}")
     for it in range(scale_iters + 1):
+        if bar is not None:
+            bar.update(1)
         idx = _nearest(g / scales[:, None, :], grid)
         c = grid[idx] * gm
         num, den = (g * c).sum(1), (c * c).sum(1)
@@ -446,10 +451,12 @@ def quantize_trellis(w: torch.Tensor, bits: int = 3, group_size: int = 128, rota
         from .gptq_solver import check_hessian, gptq_quantize
         check_hessian(hessian, K)
         h = rotate_hessian(hessian.to(dev), su) if rotate else hessian.to(dev)
-        idx, params = gptq_quantize(q, h, group_size, TrellisQuantizer(grid), **gptq_options)
+        idx, params = gptq_quantize(q, h, group_size, TrellisQuantizer(grid), progress=progress, **gptq_options)
         scales = params["scales"]
     else:
         idx = _nearest(g / scales[:, None, :], grid).reshape(Kp, N)[:K]
+    if bar is not None:
+        bar.close()
     return {
         "packed_indices": pack_indices(idx, bits),
         "scales": scales.contiguous(),

@@ -9,6 +9,7 @@ from .. import ops
 from ..dtypes import check_float_dtype
 from ..metal_fallback import run as _run
 from ..formats import int4_packing
+from ..formats.gptq_solver import progress_default
 from ..formats.affine import dequant_affine_reference, quantize_affine
 from ..formats.fp4 import dequant_fp4_reference, quantize_fp4
 from ..formats.u4 import dequant_u4_reference, quantize_u4
@@ -94,7 +95,7 @@ class MarlinLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, format: str = "fp4", group_size: int = 128,
                     dtype: Optional[torch.dtype] = None, symmetric: bool = False,
                     hessian: Optional[torch.Tensor] = None, act_order: bool = True,
-                    damp: float = 0.01, progress: bool = False) -> "MarlinLinear":
+                    damp: float = 0.01, progress: Optional[bool] = None) -> "MarlinLinear":
         """Quantizes ``linear``. ``dtype`` of scales/bias defaults to the layer's dtype when it is a
         16-bit float, else float16. ``symmetric`` applies to u4.
 
@@ -103,7 +104,8 @@ class MarlinLinear(nn.Module):
         With ``hessian`` ``[in_features, in_features]`` (the second moment ``X^T X`` of the
         layer's inputs, see :func:`torch_marlin.calibration.collect_hessian`): GPTQ error feedback,
         ``act_order`` and ``damp`` as in torch_marlin/formats/gptq_solver.py. ``progress``: a tqdm
-        bar while one large layer quantizes (seconds per 10^7 weights on a few CPU cores).
+        bar while the layer quantizes (seconds per 10^7 weights on a few CPU cores); ``None``: one
+        for layers of at least 2^24 weights (torch_marlin/formats/gptq_solver.py PROGRESS_MIN_WEIGHTS).
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear expects nn.Linear, got {type(linear).__name__}")
@@ -113,7 +115,7 @@ class MarlinLinear(nn.Module):
         mod = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, format=format,
                   group_size=group_size, dtype=dtype, device=w.device)
         wt = w.t().to(torch.float32)  # [K, N]
-        gptq = {"progress": progress}
+        gptq = {"progress": progress_default(progress, w.numel())}
         if hessian is not None:
             gptq.update(hessian=hessian, act_order=act_order, damp=damp)
         if format == "fp4":

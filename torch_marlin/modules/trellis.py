@@ -26,6 +26,7 @@ from torch import nn
 from .. import ops, planner
 from ..dtypes import check_float_dtype
 from ..formats import trellis as fmt
+from ..formats.gptq_solver import progress_default
 
 _PARTS = ("packed_indices", "scales", "grid", "su", "sv")
 
@@ -138,12 +139,13 @@ class TrellisLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, bits: int = 3, group_size: int = 128, rotate: bool = True,
                     dtype: Optional[torch.dtype] = None, seed: int = 0, hessian: Optional[torch.Tensor] = None,
                     act_order: bool = True, damp: float = 0.01,
-                    grid: Optional[torch.Tensor] = None) -> "TrellisLinear":
+                    grid: Optional[torch.Tensor] = None, progress: Optional[bool] = None) -> "TrellisLinear":
         """Quantizes ``linear`` (:func:`torch_marlin.formats.trellis.quantize_trellis`). With
         ``hessian`` ``[in_features, in_features]`` (the second moment ``X^T X`` of the layer's
         inputs) the indices and scales come from LDLQ error feedback under the rotated Hessian.
         ``grid``: a ``[2**bits]`` codebook to quantize with instead of fitting one (layers with one
-        codebook can run as one fused layer, torch_marlin/fusion.py)."""
+        codebook can run as one fused layer, torch_marlin/fusion.py). ``progress`` as for
+        :meth:`torch_marlin.MarlinLinear.from_linear`."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear expects nn.Linear, got {type(linear).__name__}")
         w = linear.weight.detach()
@@ -153,7 +155,8 @@ class TrellisLinear(nn.Module):
                   w.device)
         gptq = {} if hessian is None else {"hessian": hessian, "act_order": act_order, "damp": damp}
         q = fmt.quantize_trellis(w.t().to(torch.float32), bits, group_size, rotate=rotate, seed=seed,
-                                 grid=None if grid is None else grid.to(device=w.device, dtype=torch.float32), **gptq)
+                                 grid=None if grid is None else grid.to(device=w.device, dtype=torch.float32),
+                                 progress=progress_default(progress, w.numel()), **gptq)
         for p in _PARTS:
             getattr(mod, p).copy_(q[p])
         if linear.bias is not None:
