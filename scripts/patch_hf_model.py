@@ -479,7 +479,7 @@ def dequantized_copy(qm):
 def load_prequantized(args, dev, path, dtype, source):
     """``(float reference, quantized model, tokenizer, kind, report, label)`` of a quantized checkpoint."""
     import transformers
-    from torch_marlin.patching import PatchReport, _module_bytes
+    from torch_marlin.patching import PatchReport, module_bytes
 
     evaluation._hf_offline()
     t0 = time.perf_counter()
@@ -498,7 +498,7 @@ def load_prequantized(args, dev, path, dtype, source):
     for name, m in layers:
         report.replaced.append((name, m.in_features, m.out_features))
         report.float_bytes += m.in_features * m.out_features * torch.finfo(dtype).bits // 8
-        report.quantized_bytes += _module_bytes(m)
+        report.quantized_bytes += module_bytes(m)
     print(f"loaded the {source} checkpoint as it is ({len(layers)} MarlinLinear layers, {first.format} "
           f"g{first.group_size} first) in {time.perf_counter() - t0:.1f} s; --format/--group-size/--method/"
           "--quantize-lm-head do not apply")
@@ -507,7 +507,7 @@ def load_prequantized(args, dev, path, dtype, source):
     if args.entropy_coding:
         report.quantized_bytes = 0
         torch_marlin.entropy_code(qm, progress=show_progress(), report=report)
-        report.quantized_bytes = sum(_module_bytes(m) for _, m in qm.named_modules()
+        report.quantized_bytes = sum(module_bytes(m) for _, m in qm.named_modules()
                                      if isinstance(m, (torch_marlin.MarlinLinear, torch_marlin.RansLinear)))
         label += " rans"
     qm.to(dev)

@@ -121,7 +121,8 @@ def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
-def _module_bytes(mod: nn.Module) -> int:
+def module_bytes(mod: nn.Module) -> int:
+    """Bytes of ``mod``'s own parameters and buffers (not its children's): a layer's size in a report."""
     return sum(t.numel() * t.element_size() for t in list(mod.parameters(recurse=False)) +
                list(mod.buffers(recurse=False)) if t is not None)
 
@@ -307,8 +308,8 @@ class _LayerQuantizer:
                                     **calibrated)
         new.train(lin.training)
         self.done[name] = new
-        self.report.float_bytes += _module_bytes(lin)
-        self.report.quantized_bytes += _module_bytes(new)
+        self.report.float_bytes += module_bytes(lin)
+        self.report.quantized_bytes += module_bytes(new)
         self.report.replaced.append((name, lin.in_features, lin.out_features))
         if self.bar is not None:
             self.bar.update(1)
@@ -378,7 +379,7 @@ def _entropy_code(model: nn.Module, quantized: Dict[str, nn.Module], report: Pat
             report.not_entropy_coded.append((name, why))
         else:
             coded = RansLinear.from_marlin(mod)
-            report.quantized_bytes += _module_bytes(coded) - _module_bytes(mod)
+            report.quantized_bytes += module_bytes(coded) - module_bytes(mod)
             report.entropy_coded.append((name, mod.in_features * mod.out_features, coded.code_bits_per_weight()))
             _set_submodule(model, name, coded)
         if bar is not None:
