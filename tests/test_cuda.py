@@ -142,13 +142,16 @@ def plan_for(M, K, N, dtype):
 @pytest.mark.parametrize("fmt", ["fp4", "u4", "affine"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("M", [1, 5, 16, 48, 100])
-@pytest.mark.parametrize("K,k_parallel", [(4096, 4), (2048, 2)])
+@pytest.mark.parametrize("K,k_parallel", [(8192, 8), (4096, 4), (2048, 2)])
 def test_k_parallel(fmt, dtype, M, K, k_parallel):
-    # Decode K slices: 4 reduce through global memory (last_block_reduce); 2 through a thread-block
-    # cluster's distributed shared memory on sm_90 (cluster_reduce), global memory before sm_90.
+    # Decode K slices: up to 4 reduce through a thread-block cluster's distributed shared memory on
+    # sm_90 (cluster_reduce), through global memory before sm_90 (last_block_reduce); 8 through
+    # global memory everywhere.
     # Above 32 rows group size 32 keeps the decode kernel (wgmma_ws needs group_size % 64 == 0).
     N, group_size = 328, 128 if M <= 32 else 32
     plan = torch_marlin.plan_gemm("fp4", M, K, N, group_size, dtype=dtype, device="cuda")
+    if M > 64 and k_parallel == 8:  # two 64-row tiles: 6 slices fill the 132 slots of 64-row blocks
+        k_parallel = 6
     assert plan["kernel"].startswith("decode_") and plan["k_parallel"] == k_parallel, plan
     case(fmt, M, K, N, group_size, dtype, True)
 
@@ -161,16 +164,16 @@ def launched(fn, name):
     return [e.name for e in prof.events() if name in e.name]
 
 
-@pytest.mark.parametrize("K,k_parallel", [(2048, 2), (4096, 4)])
+@pytest.mark.parametrize("K,k_parallel", [(2048, 2), (4096, 4), (8192, 8)])
 def test_cluster_reduction_chosen_on_sm90(K, k_parallel):
-    # Two K slices reduce through a thread-block cluster on sm_90 (the kernel's last template
+    # Up to 4 K slices reduce through a thread-block cluster on sm_90 (the kernel's last template
     # argument, kCluster, is true); more slices, or older GPUs, through global memory. Guards
     # against the cluster path silently switching off (results are the same either way).
     M, N = 4, 328
     plan = plan_for(M, K, N, torch.float16)
     assert plan["k_parallel"] == k_parallel
     sm90 = torch.cuda.get_device_capability()[0] >= 9
-    expect_cluster = sm90 and k_parallel == 2
+    expect_cluster = sm90 and k_parallel <= 4
     assert plan["reduce"] == ("cluster" if expect_cluster else "last_block")
     # Global-memory sums: the fp32 partials, then one int32 arrival counter per output tile.
     assert plan["workspace_bytes"] == (0 if expect_cluster else

@@ -20,7 +20,8 @@ M1 = dict(compute_units=8, max_shared_memory=32768)
 PLAN_KEYS = {
     "family", "kernel", "format", "dtype", "reduce", "reduce_kernel", "grid", "threads", "reduce_grid",
     "reduce_threads", "workspace_bytes", "counters_offset", "tile_m", "tile_n", "tile_k", "m_tiles", "n_tiles", "k_parallel",
-    "k_slice_len", "num_groups", "consumers", "vector_loads", "scale_group_sums", "padded_n", "tail_n_tiles", "tail_k_parallel",
+    "k_slice_len", "num_groups", "consumers", "vector_loads", "scale_group_sums", "tma_weights", "padded_n", "tail_n_tiles",
+    "tail_k_parallel",
     "tail_k_slice_len",
     "dependent_launch", "backend", "compute_units", "max_shared_memory", "wgmma", "thread_block_clusters", "avx2",
     "avx512",
@@ -218,6 +219,58 @@ def test_policy_cuda_wgmma():
     assert kp["reduce"] == "cluster" and kp["reduce_kernel"] == "" and kp["workspace_bytes"] == 0
     forced = plan(8, K=8192, N=256, family="wgmma")  # 2 tiles: the slice cap, not the SM count
     assert forced["k_parallel"] == 4 and forced["k_slice_len"] == 2048
+
+
+def test_policy_cuda_decode_block_warps_and_slices():
+    # The register-ring decode kernel (here: affine, which scales every weight) has fewer warps a
+    # block up to 16 rows when the tiles outnumber the 264 slots of 8-warp blocks (132 SMs x 16
+    # warps): the fewest blocks that fit one wave, 2-warp blocks beyond it. K slices fill the slots
+    # of that block size; up to 4 sum through a cluster, more through global memory (and every
+    # count through global memory without clusters).
+    def plan(M, K, N, caps=H100, fmt="affine"):
+        return torch_marlin.plan_gemm(fmt, M, K, N, 128, dtype=torch.float16, device="cuda", caps=caps)
+
+    def geometry(p):
+        assert not p["tma_weights"] and p["kernel"].startswith("decode_affine"), p
+        return p["threads"][0] // 32, p["grid"], p["reduce"]
+    assert geometry(plan(1, 4096, 4096)) == (8, (1, 128, 2), "cluster")
+    assert geometry(plan(1, 4096, 6144)) == (8, (1, 192, 1), "none")
+    assert geometry(plan(1, 4096, 8448)) == (8, (1, 264, 1), "none")  # 264 tiles: one wave of 8 warps
+    assert geometry(plan(1, 4096, 8480)) == (4, (1, 265, 1), "none")
+    assert geometry(plan(1, 4096, 14336)) == (4, (1, 448, 1), "none")
+    assert geometry(plan(16, 4096, 28672)) == (2, (1, 896, 1), "none")
+    assert geometry(plan(1, 4096, 128256)) == (2, (1, 4008, 1), "none")  # past one wave of 2-warp blocks
+    assert geometry(plan(17, 4096, 28672))[0] == 8  # 32-row tiles keep 8 warps
+    assert geometry(plan(1, 4096, 1024)) == (8, (1, 32, 4), "cluster")
+    assert geometry(plan(1, 4096, 1024, caps=SM132_PORTABLE)) == (8, (1, 32, 4), "last_block")
+    assert geometry(plan(1, 8192, 1024)) == (8, (1, 32, 8), "last_block")
+    two_warps = plan(1, 14336, 57344)  # 1792 tiles: 2-warp blocks, whose slices are still whole chunks
+    assert geometry(two_warps) == (2, (1, 1792, 1), "none") and two_warps["k_slice_len"] == 14336
+    # FP4 / U4 without clusters (no TMA) follow the same rule.
+    assert plan(1, 4096, 28672, SM132_PORTABLE, "fp4")["threads"] == (64, 1, 1)
+
+
+def test_policy_cuda_decode_tma_weights():
+    # On sm_90 (the caps that run clusters) FP4 / U4 decode with scaled group sums takes its weights
+    # through the TMA-fed shared-memory ring: 8 warps, slices of whole 1024-row stages; group sizes
+    # 32, 64 or multiples of 128 (a warp's 128-row run holds whole groups or lies in one), K % 32 == 0.
+    def plan(M, K, N, group_size=128, fmt="fp4", caps=H100, dtype=torch.float16):
+        return torch_marlin.plan_gemm(fmt, M, K, N, group_size, dtype=dtype, device="cuda", caps=caps)
+    for fmt, dtype, M, group_size in [("fp4", torch.float16, 1, 128), ("u4", torch.bfloat16, 16, 32),
+                                      ("fp4", torch.bfloat16, 9, 64), ("u4", torch.float16, 1, 256)]:
+        p = plan(M, 4096, 28672, group_size, fmt, dtype=dtype)
+        assert p["tma_weights"] and p["kernel"] == f"decode_tma_{fmt}_{'half' if dtype == torch.float16 else 'bfloat'}"
+        assert p["threads"] == (256, 1, 1) and p["grid"] == (1, 896, 1), p
+    small = plan(1, 4096, 1024)
+    assert small["tma_weights"] and small["grid"] == (1, 32, 4) and small["k_slice_len"] == 1024
+    assert small["reduce"] == "cluster"
+    down = plan(1, 14336, 4096)  # slices of whole stages: 7 of 14
+    assert down["tma_weights"] and down["grid"] == (1, 128, 2) and down["k_slice_len"] == 7168
+    assert not plan(1, 4096, 4096, group_size=96)["tma_weights"]      # a run would straddle groups
+    assert not plan(1, 4096 + 16, 4096, group_size=16)["tma_weights"]  # no scaled group sums
+    assert not plan(17, 4096, 4096)["tma_weights"]                      # 32-row tiles
+    assert not plan(1, 4096, 4096, fmt="affine")["tma_weights"]
+    assert not plan(1, 4096, 4096, caps=SM132_PORTABLE)["tma_weights"]
 
 
 def test_policy_cuda_wgmma_ws():

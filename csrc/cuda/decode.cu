@@ -1,109 +1,19 @@
 // The decode kernel: small M (up to 128 rows, 64-row tiles above 64; benchmarks/notes/cuda-tuning.md
 // CUDA-DECODE-MAX-M). mma.sync m16n8k16 with the dequantized weights as the A operand and the
 // activations (M padded to 8, 16, 32 or 64) as the n dimension. Packed weights stream from global
-// memory into a register ring with 16-byte loads, each word read once per row tile. 8 warps per
+// memory into a register ring with 16-byte loads, each word read once per row tile. 2..8 warps per
 // block split the block's K slice and reduce in shared memory in a fixed order; grid.z K slices
-// are summed in slice order (deterministic, no second launch): on sm_90 with up to 2 slices by a
+// are summed in slice order (deterministic, no second launch): on sm_90 with up to 4 slices by a
 // thread-block cluster through distributed shared memory (benchmarks/notes/cuda-tuning.md
 // CUDA-DECODE-CLUSTER), otherwise the slices write fp32 partials and the last block of each tile
 // to arrive sums them. On sm_90 launched with programmatic dependent launch: it starts behind the
 // previous kernel, prefetches its first weights into L2 and waits for that kernel before its first
 // load.
-#include "cuda/common.cuh"
+#include "cuda/decode_common.cuh"
 #include "cuda/kernels.h"
 
 namespace torch_marlin {
 namespace {
-
-// Scale-free dequant for kScaleGroupSums (the per-group scale is applied to fp32 partial sums):
-// FP4 in fp16 stays at 2^-14 x value (the 2^14 goes into the fp32 scale); bf16 is rescaled here
-// (its 2^-126 form is subnormal, which the tensor cores must not see); U4 is q - z.
-template <typename T, u32 FMT, int P>
-__device__ __forceinline__ u32 dequant_pair_unscaled(u32 w, typename Tr<T>::T2 z2) {
-  using T2 = typename Tr<T>::T2;
-  if constexpr (FMT == TM_FORMAT_FP4) {
-    const u32 bits = Tr<T>::template fp4_bits<P>(w);
-    if constexpr (std::is_same<T, __half>::value) return bits;
-    else return as_u32(__hmul2(as_t2<T2>(bits), Tr<T>::dup(t_from_bits<T>(Tr<T>::kFp4Rescale))));
-  } else {
-    const u32 x = (shift_left<-4 * P>(w) & 0x000F000Fu) | Tr<T>::kMagic;
-    return as_u32(__hsub2(as_t2<T2>(x), z2));
-  }
-}
-
-// 16-byte A chunk of a row (8 values along k) -> the two mma steps' (a0|a2) registers of that row.
-// Step 0 uses physical pairs (0,4) and (1,5); step 1 uses (2,6) and (3,7).
-struct APairs {
-  u32 p[4];
-};
-__device__ __forceinline__ APairs a_pairs(uint4 r) {
-  APairs o;
-  o.p[0] = prmt(r.x, r.z, 0x5410);
-  o.p[1] = prmt(r.x, r.z, 0x7632);
-  o.p[2] = prmt(r.y, r.w, 0x5410);
-  o.p[3] = prmt(r.y, r.w, 0x7632);
-  return o;
-}
-
-// K-parallel epilogue of the decode kernel: ws[slice] holds every block's partial tile as rows of C
-// ([k_parallel][M][N]); the last block sums them (+ bias) into C.
-template <typename T>
-__device__ void last_block_reduce(const QuantGemmParams& p, u32 tile, u32 m0, u32 rows, u32 n0, u32 cols,
-                                  const float* ws, const T* bias, T* C, int* counters) {
-  if (!last_arrival(p.k_parallel, counters, tile, threadIdx.x, blockDim.x, 0u)) return;
-  const size_t plane = size_t(p.M) * p.N;
-  for (u32 v = threadIdx.x; v < rows * cols; v += blockDim.x) {
-    const u32 row = m0 + v / cols, n = n0 + v % cols;
-    if (row >= p.M || n >= p.N) continue;
-    const float* src = ws + size_t(row) * p.N + n;
-    float sum = 0.f;
-    for (u32 s = 0; s < p.k_parallel; ++s) sum += __ldcg(src + s * plane);  // L2: skip stale L1 lines
-    if (p.has_bias) sum += Tr<T>::to_f(bias[n]);
-    C[size_t(row) * p.N + n] = Tr<T>::from_f(sum);
-  }
-}
-
-// Output element of a decode tile that thread t (0..255) of the block's fixed-order warp
-// reduction holds for n8 tile nt: e = t / 32 picks the accumulator register, l = t % 32 the lane
-// (acc[nt][jp][c]: column col + 2 jp + (c >> 1), activation row 8 nt + 2 (lane & 3) + (c & 1)).
-__device__ __forceinline__ void dec_out_coord(u32 nt, u32 t, u32 m0, u32 n0, u32& row, u32& n) {
-  const u32 e = t >> 5, l = t & 31u;
-  row = m0 + 8u * nt + 2u * (l & 3u) + (e & 1u);
-  n = n0 + 4u * (l >> 2) + 2u * (e >> 2) + ((e >> 1) & 1u);
-}
-
-// K-parallel epilogue on sm_90: the k_parallel slices of one output tile run as one thread-block
-// cluster (cluster dims (1, 1, k_parallel), so cluster rank = slice). Every block has left its
-// partial tile in its own shared memory (part[v], v = the element index of the warp reduction);
-// after a cluster barrier block r sums a 1/k_parallel share of the tile over all blocks' shared
-// memory (distributed shared memory) in slice order (+ bias) and writes C. The same sums in the
-// same order as last_block_reduce (bitwise equal results), without its global-memory round trip,
-// fences and counter atomics; a second barrier keeps every block resident until the others have
-// read its shared memory.
-template <typename T, int NT>
-__device__ void cluster_reduce(const QuantGemmParams& p, u32 m0, u32 n0, float* part, const T* bias, T* C) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();
-  const u32 kp = p.k_parallel, rank = cluster.block_rank();
-  constexpr u32 kElems = u32(NT) * 256u;
-  const u32 share = (kElems + kp - 1u) / kp;
-  const u32 v_end = min(kElems, (rank + 1u) * share);
-  for (u32 v = rank * share + threadIdx.x; v < v_end; v += blockDim.x) {
-    u32 row, n;
-    dec_out_coord(v >> 8, v & 255u, m0, n0, row, n);
-    if (row >= p.M || n >= p.N) continue;
-    float sum = 0.f;
-    for (u32 sl = 0; sl < kp; ++sl) sum += cluster.map_shared_rank(part, sl)[v];
-    if (p.has_bias) sum += Tr<T>::to_f(bias[n]);
-    C[size_t(row) * p.N + n] = Tr<T>::from_f(sum);
-  }
-  cluster.sync();
-#else
-  __trap();  // planned only where the kernels come from sm_90+ PTX (CudaBackend::caps)
-#endif
-}
 
 // ---------------------------------------------------------------------------------------------
 // Decode kernel: M <= 128 (64-row tiles above 64)
@@ -120,17 +30,11 @@ __device__ void cluster_reduce(const QuantGemmParams& p, u32 m0, u32 n0, float* 
 //    that skip L1; every word is read once): no shared-memory staging, no barrier in the loop.
 //  - Rows of A past M are clamped to row M-1 instead of predicated (their outputs are never
 //    stored); only a partial last chunk of K (K % 32 != 0) takes a predicated path.
-constexpr int kDecWarps = int(TM_CUDA_DECODE_WARPS);
-constexpr int kDecThreads = kDecWarps * 32;
-constexpr int kDecSmemBytes = kDecWarps * 8 * 32 * 4;  // cross-warp reduction, one n8 tile at a time
-// kCluster: plus the block's partial tile (NT x 256 floats) for cluster_reduce.
-template <int NT, bool kCluster>
-constexpr int dec_smem_bytes() {
-  return kDecSmemBytes + (kCluster ? NT * 256 * 4 : 0);
-}
+//  - WARPS (2, 4 or 8: the plan's threads / 32) warps a block split its K slice; the planner
+//    takes fewer, longer-streaming warps a block when the tiles outnumber the 8-warp slots.
 static_assert(TM_CUDA_DECODE_TILE_N == 32u, "a warp's 8 lane groups x 4 columns");
-// Resident blocks per SM: 2 (128 registers a thread), 1 for 8 n8 tiles (up to 255, no spills);
-// TM_CUDA_DECODE_BLOCKS_PER_SM, shared with the planner. The ring is 4 chunks deep. Measured on an
+// Resident warps per SM: 16 (128 registers a thread), 8 for 8 n8 tiles (up to 255, no spills);
+// TM_CUDA_DECODE_WARPS_PER_SM, shared with the planner. The ring is 4 chunks deep. Measured on an
 // H200 (benchmarks/notes/cuda-tuning.md CUDA-DECODE-RING): deeper rings, 3 blocks per SM, 12-warp blocks, a
 // cp.async shared-memory ring, L2 prefetches and (for 4 / 8 n8 tiles) 128-column blocks sharing A
 // chunks were all as fast or slower; 1 block per SM is faster for 8 tiles (128 registers spilled)
@@ -156,28 +60,6 @@ __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
 #endif
   return r;
 }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ uint4 ld_dec(const uint4* p) {
-  uint4 r;
-  asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p) : "memory");
-  return r;
-}
-__device__ __forceinline__ uint2 ld_dec(const uint2* p) {
-  uint2 r;
-  asm volatile("ld.global.v2.u32 {%0,%1}, [%2];\n" : "=r"(r.x), "=r"(r.y) : "l"(p) : "memory");
-  return r;
-}
-__device__ __forceinline__ u32 ld_dec(const u32* p) {
-  u32 r;
-  asm volatile("ld.global.u32 %0, [%1];\n" : "=r"(r) : "l"(p) : "memory");
-  return r;
-}
-#else
-template <typename V>
-__device__ __forceinline__ V ld_dec(const V* p) {
-  return __ldg(p);
-}
-#endif
 
 // NT: n8 tiles of activation rows (M <= 8 NT). kScaleGroupSums (NT <= 2, group_size % 32 == 0, so a chunk
 // never straddles two groups): the mmas of one group accumulate unscaled weights and the group's
@@ -186,8 +68,8 @@ __device__ __forceinline__ V ld_dec(const V* p) {
 // kCluster (ReduceKind::Cluster: sm_90, k_parallel <= TM_CUDA_DECODE_MAX_CLUSTER_SLICES): the K
 // slices of a tile form a cluster and reduce through distributed shared memory (cluster_reduce);
 // otherwise through global memory (last_block_reduce, ReduceKind::LastBlock).
-template <typename T, u32 FMT, int NT, bool kScaleGroupSums, bool kCluster>
-__global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u * NT))
+template <typename T, u32 FMT, int NT, bool kScaleGroupSums, int WARPS, bool kCluster>
+__global__ void __launch_bounds__(WARPS * 32, TM_CUDA_DECODE_WARPS_PER_SM(8u * NT) / WARPS)
     decode_kernel(QuantGemmParams p, u32 Np, int gs_shift, const T* A, const u32* B, const T* S, const uint8_t* Z,
                   const T* O, const T* bias, T* __restrict__ C, float* __restrict__ ws, int* __restrict__ counters) {
   using T2 = typename Tr<T>::T2;
@@ -208,8 +90,8 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
   const u32 k_begin = slice * p.k_slice_len;
   const u32 k_end = min(p.K, k_begin + p.k_slice_len);
   const u32 c_begin = k_begin / 32u, c_end = (k_end + 31u) / 32u;
-  // Each warp owns a contiguous run of 32-row chunks of the slice (8 runs, one per warp).
-  const u32 per_warp = (c_end - c_begin + kDecWarps - 1) / kDecWarps;
+  // Each warp owns a contiguous run of 32-row chunks of the slice.
+  const u32 per_warp = (c_end - c_begin + WARPS - 1) / WARPS;
   const u32 wc0 = c_begin + warp * per_warp;
   const int n_w = wc0 < c_end ? int(min(per_warp, c_end - wc0)) : 0;
   // Chunks wholly inside K; at most the warp's last chunk is partial.
@@ -259,29 +141,8 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
     s_next = ld_dec(reinterpret_cast<const uint2*>(S + so));
     if constexpr (FMT == TM_FORMAT_U4) z_next = ld_dec(reinterpret_cast<const u32*>(Z + so));
   };
-  auto take_scales = [&]() {
-    const T* sp = reinterpret_cast<const T*>(&s_next);
-    // FP4 in fp16 is dequantized at 2^-14 x value; the 2^14 goes into the fp32 scale.
-    constexpr float f = (FMT == TM_FORMAT_FP4 && std::is_same<T, __half>::value) ? 16384.f : 1.f;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) s4f[j] = Tr<T>::to_f(sp[j]) * f;
-    if constexpr (FMT == TM_FORMAT_U4) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        zf[j] = Tr<T>::dup(magic_zero<T>(z_next >> (8 * j)));
-    }
-  };
-  auto flush = [&]() {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int jp = 0; jp < 2; ++jp)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          acc[nt][jp][c] = fmaf(accg[nt][jp][c], s4f[2 * jp + (c >> 1)], acc[nt][jp][c]);
-          accg[nt][jp][c] = 0.f;
-        }
-  };
+  auto take_scales = [&]() { group_scales<T, FMT>(s_next, z_next, s4f, zf); };
+  auto flush = [&]() { flush_group_sums<NT>(acc, accg, s4f); };
   if constexpr (kScaleGroupSums) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -303,14 +164,7 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
   auto process = [&](const uint4& words, int i, const uint4 (&av)[NT]) {
     u32 b[4][4];
     if constexpr (kScaleGroupSums) {
-      const u32 w[4] = {words.x, words.y, words.z, words.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        b[j][0] = dequant_pair_unscaled<T, FMT, 0>(w[j], zf[j]);
-        b[j][1] = dequant_pair_unscaled<T, FMT, 1>(w[j], zf[j]);
-        b[j][2] = dequant_pair_unscaled<T, FMT, 2>(w[j], zf[j]);
-        b[j][3] = dequant_pair_unscaled<T, FMT, 3>(w[j], zf[j]);
-      }
+      dequant_chunk_unscaled<T, FMT>(b, words, zf);
     } else {
       // The group of the lane's 8 rows (group_size % 8 == 0: one group).
       const u32 k = (wc0 + u32(i)) * 32u + 8u * t;
@@ -323,18 +177,7 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
       make_colq<T, FMT>(q, sc, zz, oo);
       dequant_words<T, FMT>(b, words, q);
     }
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const APairs x = a_pairs(av[nt]);
-      float(&d)[2][4] = kScaleGroupSums ? accg[nt] : acc[nt];
-#pragma unroll
-      for (int s = 0; s < 2; ++s)
-#pragma unroll
-        for (int jp = 0; jp < 2; ++jp) {
-          const u32 a[4] = {b[2 * jp][2 * s], b[2 * jp + 1][2 * s], b[2 * jp][2 * s + 1], b[2 * jp + 1][2 * s + 1]};
-          Tr<T>::mma(d[jp], a, x.p[2 * s], x.p[2 * s + 1]);
-        }
-    }
+    chunk_mma<T, NT>(b, av, kScaleGroupSums ? accg : acc);
     if constexpr (kScaleGroupSums) {
       if (--left == 0u) {  // warp-uniform: the next chunk starts a new group
         flush();
@@ -402,39 +245,7 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
     if (left != cpg) flush();
   }
 
-  // Fixed-order reduction of the 8 warps' partial tiles, one n8 tile at a time.
-  float* red = reinterpret_cast<float*>(smem);  // [warp][8][32]
-  float* part = red + kDecWarps * 8 * 32;        // kCluster: [NT][256]
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    __syncthreads();  // the previous tile's sums have been read
-#pragma unroll
-    for (int e = 0; e < 8; ++e) red[(warp * 8 + e) * 32 + lane] = acc[nt][e >> 2][e & 3];
-    __syncthreads();
-    const int e = threadIdx.x >> 5, l = threadIdx.x & 31;  // 256 threads: one element each
-    float sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < kDecWarps; ++w) sum += red[(w * 8 + e) * 32 + l];
-    if constexpr (kCluster) {
-      part[nt * 256 + threadIdx.x] = sum;
-      continue;
-    }
-    u32 row, n;
-    dec_out_coord(u32(nt), threadIdx.x, m0, n0, row, n);
-    if (row < p.M && n < p.N) {
-      if (p.k_parallel > 1) {
-        ws[(size_t(slice) * p.M + row) * p.N + n] = sum;
-      } else {
-        if (p.has_bias) sum += Tr<T>::to_f(bias[n]);
-        C[size_t(row) * p.N + n] = Tr<T>::from_f(sum);
-      }
-    }
-  }
-  if constexpr (kCluster) {
-    cluster_reduce<T, NT>(p, m0, n0, part, bias, C);
-  } else if (p.k_parallel > 1) {
-    last_block_reduce<T>(p, blockIdx.y * gridDim.x + blockIdx.x, m0, 8 * NT, n0, 32, ws, bias, C, counters);
-  }
+  decode_epilogue<T, NT, WARPS, kCluster>(p, acc, smem, slice, m0, n0, bias, C, ws, counters);
 }
 
 }  // namespace
@@ -442,14 +253,28 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
 namespace cuda_backend {
 namespace {
 
-template <typename T, u32 FMT, int NT, bool kScaleGroupSums>
-void launch_decode_as(const GemmPlan& plan, int gs_shift, const GemmOperands<T>& o) {
+template <typename T, u32 FMT, int NT, bool kScaleGroupSums, int WARPS>
+void launch_decode_warps(const GemmPlan& plan, int gs_shift, const GemmOperands<T>& o) {
   with_cluster(plan, [&](auto cluster) {
     constexpr bool kCluster = decltype(cluster)::value;
-    launch_tile_kernel<kCluster>(plan, decode_kernel<T, FMT, NT, kScaleGroupSums, kCluster>, kDecThreads,
-                                 dec_smem_bytes<NT, kCluster>(), o.stream, plan.params, o.Np, gs_shift, o.A, o.B, o.S,
-                                 o.Z, o.O, o.bias, o.C, o.ws, o.counters);
+    launch_tile_kernel<kCluster>(plan, decode_kernel<T, FMT, NT, kScaleGroupSums, WARPS, kCluster>, WARPS * 32,
+                                 dec_smem_bytes<NT, kCluster, WARPS>(), o.stream, plan.params, o.Np, gs_shift, o.A,
+                                 o.B, o.S, o.Z, o.O, o.bias, o.C, o.ws, o.counters);
   });
+}
+
+// WARPS = plan.main.threads[0] / 32: 2, 4 or 8 up to 2 n8 tiles, 8 above (cuda_decode_block_warps).
+template <typename T, u32 FMT, int NT, bool kScaleGroupSums>
+void launch_decode_as(const GemmPlan& plan, int gs_shift, const GemmOperands<T>& o) {
+  if constexpr (NT > 2) {
+    return launch_decode_warps<T, FMT, NT, kScaleGroupSums, 8>(plan, gs_shift, o);
+  } else {
+    switch (plan.main.threads[0]) {
+      case 64: return launch_decode_warps<T, FMT, NT, kScaleGroupSums, 2>(plan, gs_shift, o);
+      case 128: return launch_decode_warps<T, FMT, NT, kScaleGroupSums, 4>(plan, gs_shift, o);
+      default: return launch_decode_warps<T, FMT, NT, kScaleGroupSums, 8>(plan, gs_shift, o);
+    }
+  }
 }
 
 }  // namespace
@@ -462,7 +287,9 @@ void launch_decode(const GemmPlan& plan, const GemmOperands<T>& o) {
   TORCH_CHECK((d.tile_m == 8u || d.tile_m == 16u || d.tile_m == 32u || d.tile_m == 64u) && d.tile_m == q.tile_m &&
                   d.tile_n == q.tile_n && q.tile_n == TM_CUDA_DECODE_TILE_N &&
                   uint64_t(q.M) <= uint64_t(q.tile_m) * q.m_tiles && plan.main.grid[0] == q.m_tiles &&
-                  plan.main.grid[1] == q.n_tiles && plan.main.grid[2] == q.k_parallel && plan.main.threads[0] == u32(kDecThreads) &&
+                  plan.main.grid[1] == q.n_tiles && plan.main.grid[2] == q.k_parallel &&
+                  (plan.main.threads[0] == 256u ||
+                   (d.tile_m <= 16u && (plan.main.threads[0] == 64u || plan.main.threads[0] == 128u))) &&
                   (!d.scale_group_sums || (d.tile_m <= 16u && q.group_size % 32u == 0 && FMT != TM_FORMAT_AFFINE)),
               "torch_marlin: bad decode plan");
   const int gs_shift = (q.group_size & (q.group_size - 1u)) == 0 ? __builtin_ctzll(uint64_t(q.group_size)) : -1;
@@ -486,7 +313,7 @@ TM_CUDA_INSTANTIATE_ENTRY(launch_decode)
 
 cudaFuncAttributes decode_kernel_attributes() {
   cudaFuncAttributes attr;
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, decode_kernel<__half, TM_FORMAT_FP4, 1, true, true>));
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, decode_kernel<__half, TM_FORMAT_FP4, 1, true, 8, true>));
   return attr;
 }
 

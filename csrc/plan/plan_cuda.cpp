@@ -50,7 +50,9 @@ struct CudaSliceRule {
 };
 // Decode: a slice is whole rounds of the 8 warps' 32-row chunks (benchmarks/notes/cuda-tuning.md
 // CUDA-DECODE-SLICES).
-constexpr CudaSliceRule kCudaDecodeSlices{1024, 16, 32 * TM_CUDA_DECODE_WARPS};
+constexpr CudaSliceRule kCudaDecodeSlices{1024, 16, 32 * TM_CUDA_DECODE_MAX_WARPS};
+// TMA-fed decode: slices of whole stages (the last one ends at K).
+constexpr CudaSliceRule kCudaDecodeTmaSlices{TM_CUDA_DECODE_TMA_STAGE_K, 16, TM_CUDA_DECODE_TMA_STAGE_K};
 constexpr CudaSliceRule kCudaWgmmaSlices{8 * TM_CUDA_WGMMA_K_STEP, TM_CUDA_WGMMA_MAX_SLICES, TM_CUDA_WGMMA_K_STEP};
 // wgmma_ws: at most 4 slices, 3 or 4 through global memory (cuda_wgmma_ws_geometry_for), at most 3
 // through a cluster (cuda_wgmma_ws_slices).
@@ -242,9 +244,24 @@ void plan_simt(GemmPlan& p, int64_t M, int64_t K, int64_t N) {
   p.main.threads[0] = kCols;
 }
 
+// Warps a decode block: every block's warps split its K slice, and each warp pays the latency of
+// its first loads before it streams. Up to 16 rows, fewer warps a block when the tiles outnumber
+// the slots of 8-warp blocks: the fewest blocks that fit in one wave of slots (2-warp blocks
+// beyond that), so each warp streams a longer run and no block starts in a second wave
+// (H200, M = 1: 4096 x 14336 15.2 -> 14.1 us with 4 warps, 4096 x 28672 30.5 -> 26.1 us with 2;
+// fewer warps lose where 8-warp blocks already fill the slots, benchmarks/notes/cuda-tuning.md
+// CUDA-DECODE-WARPS). 64-row tiles and 32-row tiles keep 8 warps (their registers spill).
+int64_t cuda_decode_block_warps(int64_t tiles, uint32_t tile_m, const DeviceCaps& caps) {
+  if (tile_m > 16) return TM_CUDA_DECODE_MAX_WARPS;
+  const int64_t sm_warps = int64_t(caps.compute_units) * TM_CUDA_DECODE_WARPS_PER_SM(tile_m);
+  for (int64_t warps = TM_CUDA_DECODE_MAX_WARPS; warps > 2; warps /= 2)
+    if (tiles * warps <= sm_warps) return warps;
+  return 2;
+}
+
 // K slices are whole multiples of one 32-row chunk per warp. The kernel is memory-bound and its
-// blocks all run in one wave: as many K slices as keep the resident block slots full (2 blocks
-// per SM, 1 for 64 rows: the kernel's __launch_bounds__), never a second wave, and slices of at
+// blocks all run in one wave: as many K slices as keep the resident block slots full (16 warps
+// per SM, 8 for 64 rows: the kernel's __launch_bounds__), never a second wave, and slices of at
 // least 1024 rows (N past the slots' columns gets a second wave, unsplit). M is padded to 8, 16,
 // 32 or 64 rows (1, 2, 4 or 8 n8 mma tiles: the activations are the mma's n dimension); above 64
 // rows, 64-row tiles along grid.x (each streams the weights once more, mostly from L2). Up to
@@ -252,17 +269,23 @@ void plan_simt(GemmPlan& p, int64_t M, int64_t K, int64_t N) {
 // build run clusters (benchmarks/notes/cuda-tuning.md CUDA-DECODE-CLUSTER).
 void plan_decode(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps& caps) {
   const uint32_t tile_m = M <= 8 ? 8 : (M <= 16 ? 16 : (M <= 32 ? 32 : 64));
-  const int64_t blocks_per_sm = TM_CUDA_DECODE_BLOCKS_PER_SM(tile_m);
   set_tiles(p, M, N, tile_m, TM_CUDA_DECODE_TILE_N);
-  set_cuda_tile_grid(p, K,
-                     cuda_tile_slices(cuda_tiles(p), K, int64_t(caps.compute_units) * blocks_per_sm, kCudaDecodeSlices),
-                     kCudaDecodeSlices.k_step);
-  p.main.threads[0] = 32 * TM_CUDA_DECODE_WARPS;
   // scale_group_sums: the tensor cores sum a * (q - z) per group and the fp32 sums are scaled; an affine
   // weight s q + b would also need each row's per-group sum of A for the b term, which the mma
   // layout does not hold, so affine dequantizes every chunk in full (fused multiply-add) instead.
   p.desc.scale_group_sums = tile_m <= kCudaDecodeGroupSumsMaxTileM && p.params.group_size % 32 == 0 &&
                 p.desc.format != QuantFormat::Affine;
+  // TMA-fed weights (sm_90: the devices that run clusters) where a warp's 128-row run holds whole
+  // groups or lies inside one (benchmarks/notes/cuda-tuning.md CUDA-DECODE-TMA).
+  p.desc.tma_weights = caps.thread_block_clusters && p.desc.scale_group_sums && K % 32 == 0 &&
+                       (p.params.group_size <= 64 || p.params.group_size % 128 == 0);
+  const int64_t warps =
+      p.desc.tma_weights ? int64_t(TM_CUDA_DECODE_MAX_WARPS) : cuda_decode_block_warps(cuda_tiles(p), tile_m, caps);
+  const int64_t blocks_per_sm = TM_CUDA_DECODE_WARPS_PER_SM(tile_m) / warps;
+  const CudaSliceRule& slices = p.desc.tma_weights ? kCudaDecodeTmaSlices : kCudaDecodeSlices;
+  set_cuda_tile_grid(p, K, cuda_tile_slices(cuda_tiles(p), K, int64_t(caps.compute_units) * blocks_per_sm, slices),
+                     slices.k_step);
+  p.main.threads[0] = uint32_t(32 * warps);
   set_in_kernel_reduction(p, caps.thread_block_clusters && p.params.k_parallel <= TM_CUDA_DECODE_MAX_CLUSTER_SLICES,
                           size_t(M) * N);
   // PDL needs sm_90 and kernels from sm_90 PTX: the devices that run clusters (benchmarks/notes/cuda-tuning.md

@@ -4,11 +4,9 @@
 # at M = 1 alone (scripts/dev/bench_cuda.py --graph --rotate) -> scripts/bench_e2e.py on the 32-layer
 # 8B shape at batch 1, CUDA graph and compile + graph, float16 / fp4 / u4, fused and not, each run
 # with its step profile (--profile), and the no_linear model -> (STEPS=batches) eager / graph at
-# batch 1, 4, 16, compile at 4 and 16, fused fp4 with lm_head quantized -> (STEPS=variants) decode
-# planner variants for M = 1
-# (scripts/dev/decode_plan_variants.py: each applied, rebuilt, checked and timed, then restored).
+# batch 1, 4, 16, compile at 4 and 16, fused fp4 with lm_head quantized.
 # Logs go to $OUT (default ./cuda_results), one file per step. Each step has a time limit so that
-# STEPS=build,test,isolated, STEPS=e2e, STEPS=batches and STEPS=variants each end within 10 minutes
+# STEPS=build,test,isolated, STEPS=e2e and STEPS=batches each end within 10 minutes
 # (run them as separate commands on one machine: the build and inductor's caches carry over); the
 # default runs build,test,isolated,e2e in one go (about 15 minutes).
 # E2E_ARGS: more bench_e2e.py arguments (a CPU check of the steps: E2E_ARGS="--device cpu --layers 1 ...").
@@ -19,7 +17,7 @@ STEPS="${STEPS:-build,test,isolated,e2e}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 eval "$(python csrc/cuda/host_compiler.py)"  # g++-12 over a g++ 13+ (docs/limitations.md)
-SHAPES="4096x1024,4096x4096,4096x6144,4096x14336,4096x28672,14336x4096"
+SHAPES="4096x1024,4096x4096,4096x6144,4096x14336,4096x28672,14336x4096,4096x128256"
 SCRATCH="$(mktemp -d)"  # bench_cuda.py's csv / md: the logs hold the same rows
 build() {  # $1: log file (appended)
   ( time TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}" MAX_JOBS="${MAX_JOBS:-16}" \
@@ -62,34 +60,5 @@ if has batches; then
   e2e "$OUT/batches.log" 120 --formats float,fp4 --batch 16 --modes compile
   e2e "$OUT/batches.log" 120 --formats fp4 --fuse --batch 4,16 --modes compile
   e2e "$OUT/batches.log" 90 --formats fp4 --fuse --quantize-lm-head --batch 1 --modes graph,compile --profile
-fi
-if has variants; then
-  # Each variant edits csrc/plan/plan_cuda.cpp, rebuilds (ninja: that file only), checks the M = 1
-  # GEMMs against the dequantized weights and times the shapes; the file is restored at the end.
-  cp csrc/plan/plan_cuda.cpp "$SCRATCH/plan_cuda.cpp"
-  : > "$OUT/variants.log"
-  for v in ${VARIANTS:-baseline slice512 fill cluster4 fill_cluster4}; do
-    cp "$SCRATCH/plan_cuda.cpp" csrc/plan/plan_cuda.cpp
-    python scripts/dev/decode_plan_variants.py --apply "$v" | tee -a "$OUT/variants.log"
-    build "$SCRATCH/variant_build.log" > /dev/null || { echo "$v: build failed" | tee -a "$OUT/variants.log"; continue; }
-    python - "$SHAPES" <<'EOF' 2>&1 | tee -a "$OUT/variants.log"
-import sys, torch, torch_marlin
-from torch_marlin.formats import pack_int4
-for shape in sys.argv[1].split(","):
-    K, N = map(int, shape.split("x"))
-    q = torch.randint(0, 16, (K, N), device="cuda")
-    B, s = pack_int4(q), (torch.rand(K // 128, N, device="cuda") * 0.02 + 0.001).half()
-    A = torch.randn(1, K, device="cuda", dtype=torch.float16)
-    W = torch.ops.marlin.dequant_fp4(B, s, 128).float()
-    err = (torch.ops.marlin.gemm_fp4(A, B, s, 128).float() - A.float() @ W).abs().max().item()
-    plan = torch_marlin.plan_gemm("fp4", 1, K, N, 128, dtype=torch.float16, device="cuda")
-    print(f"  {shape}: {plan['kernel']} kp={plan['k_parallel']} reduce={plan['reduce']}, max |error| {err:.3g}"
-          f"{'' if err < 1e-2 * (A.float() @ W).abs().max().item() else '  WRONG'}")
-EOF
-    timeout 120 python scripts/dev/bench_cuda.py --graph --rotate --ms 1 --shapes "$SHAPES" --out "$SCRATCH" 2>&1 \
-      | grep -E '^K=|^\| [0-9]+x|^GPU' | tee -a "$OUT/variants.log"
-  done
-  cp "$SCRATCH/plan_cuda.cpp" csrc/plan/plan_cuda.cpp
-  build "$SCRATCH/variant_build.log" > /dev/null && echo "planner restored and rebuilt" | tee -a "$OUT/variants.log"
 fi
 rm -rf "$SCRATCH"

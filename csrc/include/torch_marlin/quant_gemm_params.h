@@ -25,15 +25,21 @@ TM_NAMESPACE_BEGIN
 #define TM_FORMAT_AFFINE 2u
 
 // ---- CUDA decode kernel geometry (csrc/cuda/decode.cu), read by plan_cuda.cpp too --------------
-// A block is TM_CUDA_DECODE_WARPS warps over TM_CUDA_DECODE_TILE_N columns; blocks resident per SM
-// (the kernel's __launch_bounds__) by tile_m: 64-row tiles need up to 255 registers a thread.
-#define TM_CUDA_DECODE_WARPS 8u
+// A block is 2, 4 or 8 warps (the plan's threads; 8 above 16 rows) over TM_CUDA_DECODE_TILE_N
+// columns. Warps resident per SM (the kernel's __launch_bounds__) by tile_m, whatever the block
+// size: 64-row tiles need up to 255 registers a thread, the others 128.
+#define TM_CUDA_DECODE_MAX_WARPS 8u
 #define TM_CUDA_DECODE_TILE_N 32u
-#define TM_CUDA_DECODE_BLOCKS_PER_SM(tile_m) ((tile_m) == 64u ? 1u : 2u)
+#define TM_CUDA_DECODE_WARPS_PER_SM(tile_m) ((tile_m) == 64u ? 8u : 16u)
 // Most K slices the decode plan sums through a thread-block cluster (sm_90, ReduceKind::Cluster);
-// more go through global memory (ReduceKind::LastBlock). Clusters of 4 and 8 blocks measured up to
-// 30 % slower than the global path on the H100 (benchmarks/notes/cuda-tuning.md CUDA-DECODE-CLUSTER).
-#define TM_CUDA_DECODE_MAX_CLUSTER_SLICES 2u
+// more go through global memory (ReduceKind::LastBlock). 4-block clusters beat the global path on
+// the H200 (4096 x 1024, M = 1, 4 slices: 4.3 against 7.5 us); 8-block clusters lose to it
+// (benchmarks/notes/cuda-tuning.md CUDA-DECODE-CLUSTER).
+#define TM_CUDA_DECODE_MAX_CLUSTER_SLICES 4u
+// The decode kernel fed by TMA (csrc/cuda/decode_tma.cu): a ring of TM_CUDA_DECODE_TMA_STAGES
+// shared-memory stages of TM_CUDA_DECODE_TMA_STAGE_K rows x 32 columns (16 KB), 8 warps a block.
+#define TM_CUDA_DECODE_TMA_STAGES 4u
+#define TM_CUDA_DECODE_TMA_STAGE_K 1024u
 // ---- CUDA wgmma kernel geometry (sm_90a) -------------------------------------------------------
 // Two warpgroups per block over TM_CUDA_WGMMA_TILE_N columns and 128 or 256 rows (or, with 128
 // rows, TM_CUDA_WGMMA_WIDE_TILE_N columns), K in stages of TM_CUDA_WGMMA_K_STEP rows (K and every K
