@@ -70,8 +70,8 @@ __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
 // otherwise through global memory (last_block_reduce, ReduceKind::LastBlock).
 template <typename T, u32 FMT, int NT, bool kScaleGroupSums, int WARPS, bool kCluster>
 __global__ void __launch_bounds__(WARPS * 32, TM_CUDA_DECODE_WARPS_PER_SM(8u * NT) / WARPS)
-    decode_kernel(QuantGemmParams p, u32 Np, int gs_shift, const T* A, const u32* B, const T* S, const uint8_t* Z,
-                  const T* O, const T* bias, T* __restrict__ C, float* __restrict__ ws, int* __restrict__ counters) {
+    decode_kernel(QuantGemmParams p, u32 Np, int gs_shift, const T* A, const u32* B, const T* scales, const uint8_t* zeros,
+                  const T* offsets, const T* bias, T* __restrict__ C, float* __restrict__ ws, int* __restrict__ counters) {
   using T2 = typename Tr<T>::T2;
   // A one chunk ahead, except for 4 n8 tiles: at 2 blocks per SM they leave no registers for it.
   constexpr bool kAhead = NT != 4;
@@ -138,8 +138,8 @@ __global__ void __launch_bounds__(WARPS * 32, TM_CUDA_DECODE_WARPS_PER_SM(8u * N
   u32 left = kScaleGroupSums ? cpg - wc0 % cpg : 0u;  // chunks left in the current group
   auto fetch_scales = [&](u32 gi) {
     const size_t so = size_t(min(gi, num_groups - 1u)) * Np + col;
-    s_next = ld_dec(reinterpret_cast<const uint2*>(S + so));
-    if constexpr (FMT == TM_FORMAT_U4) z_next = ld_dec(reinterpret_cast<const u32*>(Z + so));
+    s_next = ld_dec(reinterpret_cast<const uint2*>(scales + so));
+    if constexpr (FMT == TM_FORMAT_U4) z_next = ld_dec(reinterpret_cast<const u32*>(zeros + so));
   };
   auto take_scales = [&]() { group_scales<T, FMT>(s_next, z_next, s4f, zf); };
   auto flush = [&]() { flush_group_sums<NT>(acc, accg, s4f); };
@@ -170,9 +170,9 @@ __global__ void __launch_bounds__(WARPS * 32, TM_CUDA_DECODE_WARPS_PER_SM(8u * N
       const u32 k = (wc0 + u32(i)) * 32u + 8u * t;
       const u32 gi = min(gs_shift >= 0 ? k >> gs_shift : k / gs, num_groups - 1u);
       const size_t so = size_t(gi) * Np + col;
-      const uint2 sc = ld_dec(reinterpret_cast<const uint2*>(S + so));
-      const u32 zz = FMT == TM_FORMAT_U4 ? ld_dec(reinterpret_cast<const u32*>(Z + so)) : 0u;
-      const uint2 oo = FMT == TM_FORMAT_AFFINE ? ld_dec(reinterpret_cast<const uint2*>(O + so)) : make_uint2(0u, 0u);
+      const uint2 sc = ld_dec(reinterpret_cast<const uint2*>(scales + so));
+      const u32 zz = FMT == TM_FORMAT_U4 ? ld_dec(reinterpret_cast<const u32*>(zeros + so)) : 0u;
+      const uint2 oo = FMT == TM_FORMAT_AFFINE ? ld_dec(reinterpret_cast<const uint2*>(offsets + so)) : make_uint2(0u, 0u);
       ColQ<T> q[4];
       make_colq<T, FMT>(q, sc, zz, oo);
       dequant_words<T, FMT>(b, words, q);
@@ -259,7 +259,7 @@ void launch_decode_warps(const GemmPlan& plan, int gs_shift, const GemmOperands<
     constexpr bool kCluster = decltype(cluster)::value;
     launch_tile_kernel<kCluster>(plan, decode_kernel<T, FMT, NT, kScaleGroupSums, WARPS, kCluster>, WARPS * 32,
                                  dec_smem_bytes<NT, kCluster, WARPS>(), o.stream, plan.params, o.Np, gs_shift, o.A,
-                                 o.B, o.S, o.Z, o.O, o.bias, o.C, o.ws, o.counters);
+                                 o.B, o.scales, o.zeros, o.offsets, o.bias, o.C, o.ws, o.counters);
   });
 }
 

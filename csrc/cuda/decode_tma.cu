@@ -43,7 +43,7 @@ constexpr int tma_smem_bytes() {
 template <typename T, u32 FMT, int NT, bool kCluster>
 __global__ void __launch_bounds__(kTmaThreads, TM_CUDA_DECODE_WARPS_PER_SM(8u * NT) / kTmaWarps)
     decode_tma_kernel(const __grid_constant__ CUtensorMap tmap_b, QuantGemmParams p, u32 Np, int gs_shift, const T* A,
-                      const T* S, const uint8_t* Z, const T* bias, T* __restrict__ C, float* __restrict__ ws,
+                      const T* scales, const uint8_t* zeros, const T* bias, T* __restrict__ C, float* __restrict__ ws,
                       int* __restrict__ counters) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using T2 = typename Tr<T>::T2;
@@ -120,8 +120,8 @@ __global__ void __launch_bounds__(kTmaThreads, TM_CUDA_DECODE_WARPS_PER_SM(8u * 
     for (u32 q = 0; q < 4u; ++q) {
       if (q < run_groups) {
         const size_t so = size_t(min(first + q, num_groups - 1u)) * Np + col;
-        sc_next[q] = ld_dec(reinterpret_cast<const uint2*>(S + so));
-        if constexpr (FMT == TM_FORMAT_U4) zc_next[q] = ld_dec(reinterpret_cast<const u32*>(Z + so));
+        sc_next[q] = ld_dec(reinterpret_cast<const uint2*>(scales + so));
+        if constexpr (FMT == TM_FORMAT_U4) zc_next[q] = ld_dec(reinterpret_cast<const u32*>(zeros + so));
       }
     }
   };
@@ -194,8 +194,8 @@ void launch_decode_tma_as(const GemmPlan& plan, int gs_shift, const CUtensorMap&
     constexpr int smem = tma_smem_bytes<NT, kCluster>();
     static std::atomic<uint64_t> opted_in{0};
     opt_in_smem(kernel, smem, opted_in);
-    launch_tile_kernel<kCluster>(plan, kernel, kTmaThreads, smem, o.stream, tmap, plan.params, o.Np, gs_shift, o.A, o.S,
-                                 o.Z, o.bias, o.C, o.ws, o.counters);
+    launch_tile_kernel<kCluster>(plan, kernel, kTmaThreads, smem, o.stream, tmap, plan.params, o.Np, gs_shift, o.A,
+                                 o.scales, o.zeros, o.bias, o.C, o.ws, o.counters);
   });
 }
 
