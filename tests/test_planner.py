@@ -240,7 +240,8 @@ def test_policy_cuda_decode_block_warps_and_slices():
     assert geometry(plan(1, 4096, 14336)) == (4, (1, 448, 1), "none")
     assert geometry(plan(16, 4096, 28672)) == (2, (1, 896, 1), "none")
     assert geometry(plan(1, 4096, 128256)) == (2, (1, 4008, 1), "none")  # past one wave of 2-warp blocks
-    assert geometry(plan(17, 4096, 28672))[0] == 8  # 32-row tiles keep 8 warps
+    no_wgmma = dict(H100, wgmma=False)  # else wgmma_ws takes 17..32 rows here
+    assert geometry(plan(17, 4096, 28672, caps=no_wgmma))[0] == 8  # 32-row tiles keep 8 warps
     assert geometry(plan(1, 4096, 1024)) == (8, (1, 32, 4), "cluster")
     assert geometry(plan(1, 4096, 1024, caps=SM132_PORTABLE)) == (8, (1, 32, 4), "last_block")
     assert geometry(plan(1, 8192, 1024)) == (8, (1, 32, 8), "last_block")
@@ -266,9 +267,9 @@ def test_policy_cuda_decode_tma_weights():
     assert small["reduce"] == "cluster"
     down = plan(1, 14336, 4096)  # slices of whole stages: 7 of 14
     assert down["tma_weights"] and down["grid"] == (1, 128, 2) and down["k_slice_len"] == 7168
-    assert not plan(1, 4096, 4096, group_size=96)["tma_weights"]      # a run would straddle groups
+    assert not plan(1, 6144, 4096, group_size=96)["tma_weights"]      # a run would straddle groups
     assert not plan(1, 4096 + 16, 4096, group_size=16)["tma_weights"]  # no scaled group sums
-    assert not plan(17, 4096, 4096)["tma_weights"]                      # 32-row tiles
+    assert not plan(17, 4096, 4096, caps=dict(H100, wgmma=False))["tma_weights"]  # 32-row tiles
     assert not plan(1, 4096, 4096, fmt="affine")["tma_weights"]
     assert not plan(1, 4096, 4096, caps=SM132_PORTABLE)["tma_weights"]
 
@@ -283,7 +284,7 @@ def test_policy_cuda_wgmma_ws():
     def plan(M, K=4096, N=12288, group_size=128, wgmma=True, **kw):
         caps = dict(compute_units=132, wgmma=wgmma, thread_block_clusters=True)
         return torch_marlin.plan_gemm("fp4", M, K, N, group_size, device="cuda", caps=caps, **kw)
-    assert plan(16)["kernel"] == "decode_fp4_half"
+    assert plan(16)["kernel"] == "decode_tma_fp4_half"  # sm_90: weights through the TMA ring
     for M in (17, 32):  # 4096 x 12288: 64 tiles x 2 slices; the others keep decode up to 32 rows
         assert plan(M)["kernel"] == "wgmma_ws_fp4_half" and plan(M)["k_parallel"] == 2
         assert plan(M, N=21504)["kernel"] == "wgmma_ws_fp4_half"
@@ -347,23 +348,24 @@ def test_policy_cuda_wgmma_ws():
 
 @pytest.mark.parametrize("clusters", [False, True])
 def test_policy_cuda_k_slice_reduction(clusters):
-    # 2 decode K slices reduce through a thread-block cluster (no workspace) where the device and
-    # build have clusters; more slices, or no clusters, through the global fp32 workspace
+    # Up to 4 decode K slices reduce through a thread-block cluster (no workspace) where the device
+    # and build have clusters; more slices, or no clusters, through the global fp32 workspace
     # [k_parallel][M][N] summed by the last block of each tile.
     def plan(M, K, N):
         caps = dict(compute_units=132, wgmma=False, thread_block_clusters=clusters)
         return torch_marlin.plan_gemm("fp4", M, K, N, device="cuda", caps=caps)
-    two, four, one = plan(4, 2048, 328), plan(4, 4096, 328), plan(4, 4096, 8192)
-    assert two["k_parallel"] == 2 and four["k_parallel"] == 4 and one["k_parallel"] == 1
-    if clusters:
-        assert two["reduce"] == "cluster" and two["workspace_bytes"] == 0
-    else:
-        # the partials, then an int32 arrival counter per output tile
-        assert two["reduce"] == "last_block" and two["workspace_bytes"] == 2 * 4 * 328 * 4 + 4 * two["n_tiles"]
-    assert four["reduce"] == "last_block" and four["workspace_bytes"] == 4 * 4 * 328 * 4 + 4 * four["n_tiles"]
-    assert four["m_tiles"] == 1 and four["n_tiles"] == (328 + four["tile_n"] - 1) // four["tile_n"]
+    two, four, eight, one = plan(4, 2048, 328), plan(4, 4096, 328), plan(4, 8192, 328), plan(4, 4096, 8192)
+    assert [p["k_parallel"] for p in (two, four, eight, one)] == [2, 4, 8, 1]
+    for p in (two, four):
+        if clusters:
+            assert p["reduce"] == "cluster" and p["workspace_bytes"] == 0
+        else:  # the partials, then an int32 arrival counter per output tile
+            assert p["reduce"] == "last_block"
+            assert p["workspace_bytes"] == p["k_parallel"] * 4 * 328 * 4 + 4 * p["n_tiles"]
+    assert eight["reduce"] == "last_block" and eight["workspace_bytes"] == 8 * 4 * 328 * 4 + 4 * eight["n_tiles"]
+    assert eight["m_tiles"] == 1 and eight["n_tiles"] == (328 + eight["tile_n"] - 1) // eight["tile_n"]
     assert one["reduce"] == "none" and one["workspace_bytes"] == 0
-    for p in (two, four, one):  # CUDA sums K slices inside the kernel: no second dispatch
+    for p in (two, four, eight, one):  # CUDA sums K slices inside the kernel: no second dispatch
         assert p["reduce_kernel"] == "" and p["reduce_grid"] == (1, 1, 1)
     # dequant_blas never splits K, clusters or not.
     big = plan(300, 2048, 328)
@@ -461,7 +463,8 @@ def test_forced_family_the_backend_lacks_is_refused(device, caps, dtype, family,
     ("metal", M1, "fused_tiles", "marlin_gemm_fused_m32_u4_half"),  # 8 rows: the 32-row tile
     ("metal", M1, "staged_tiles", "marlin_gemm_u4_half"),
     ("metal", M1, "striped", "marlin_gemm_striped_m32_u4_half"),  # 8 rows: the 32-row tile
-    ("cuda", H100, "decode", "decode_u4_half"),
+    ("cuda", H100, "decode", "decode_tma_u4_half"),  # sm_90: the TMA-fed decode kernel
+    ("cuda", SM132_PORTABLE, "decode", "decode_u4_half"),
     ("cuda", H100, "dequant_blas", "dequant_blas_u4_half"),
     ("cuda", H100, "wgmma", "wgmma_u4_half"),
     ("cuda", H100, "wgmma_ws", "wgmma_ws_u4_half"),
@@ -849,6 +852,9 @@ def test_affine_plans_as_u4(device, caps):
                               (4096, 14336, 4096, 128, torch.float16), (40, 2048, 200, 32, torch.float32)]:
         u4 = torch_marlin.plan_gemm("u4", M, K, N, g, dtype=dtype, device=device, caps=caps)
         affine = torch_marlin.plan_gemm("affine", M, K, N, g, dtype=dtype, device=device, caps=caps)
+        if u4["tma_weights"]:  # sm_90 decode: u4's scaled group sums take the TMA kernel, affine the register ring
+            assert affine["family"] == u4["family"] == "decode" and not affine["tma_weights"]
+            continue
         assert affine["format"] == "affine" and affine["kernel"] == u4["kernel"].replace("_u4", "_affine")
         # CUDA decode does not scale group sums for affine (plan_cuda.cpp plan_decode says why).
         assert {k: v for k, v in affine.items() if k not in ("format", "kernel", "scale_group_sums")} == \
