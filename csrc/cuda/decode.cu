@@ -459,10 +459,11 @@ template <typename T, uint32_t FMT>
 void launch_decode(const GemmPlan& plan, const GemmOperands<T>& o) {
   const KernelDesc& d = plan.desc;
   const QuantGemmParams& q = plan.params;
+  const KernelLaunch& main = plan.launches.at(LaunchRole::Main);
   TORCH_CHECK((d.tile_m == 8u || d.tile_m == 16u || d.tile_m == 32u || d.tile_m == 64u) && d.tile_m == q.tile_m &&
                   d.tile_n == q.tile_n && q.tile_n == TM_CUDA_DECODE_TILE_N &&
-                  uint64_t(q.M) <= uint64_t(q.tile_m) * q.m_tiles && plan.main.grid[0] == q.m_tiles &&
-                  plan.main.grid[1] == q.n_tiles && plan.main.grid[2] == q.k_parallel && plan.main.threads[0] == u32(kDecThreads) &&
+                  uint64_t(q.M) <= uint64_t(q.tile_m) * q.m_tiles && main.grid[0] == q.m_tiles &&
+                  main.grid[1] == q.n_tiles && main.grid[2] == q.k_parallel && main.threads[0] == u32(kDecThreads) &&
                   (!d.scale_group_sums || (d.tile_m <= 16u && q.group_size % 32u == 0 && FMT != TM_FORMAT_AFFINE)),
               "torch_marlin: bad decode plan");
   const int gs_shift = (q.group_size & (q.group_size - 1u)) == 0 ? __builtin_ctzll(uint64_t(q.group_size)) : -1;
