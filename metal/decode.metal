@@ -291,9 +291,9 @@ inline void gemv_impl(device const T* A, device const uint* B, device const T* s
   }
 }
 
-template <uint FMT, typename T, uint ROWS, bool VEC, typename Z = group_aux_t<FMT, T>>
+template <uint FMT, typename T, uint ROWS, bool VEC, typename AuxT = group_aux_t<FMT, T>>
 [[kernel]] void marlin_gemv(device const T* A [[buffer(0)]], device const uint* B [[buffer(1)]],
-                            device const T* scales [[buffer(2)]], device const Z* zeros_or_offsets [[buffer(3)]],
+                            device const T* scales [[buffer(2)]], device const AuxT* zeros_or_offsets [[buffer(3)]],
                             device const T* bias [[buffer(4)]], device T* C [[buffer(5)]],
                             device float* workspace [[buffer(6)]], constant QuantGemmParams& p [[buffer(7)]],
                             uint3 tgid [[threadgroup_position_in_grid]],

@@ -24,9 +24,9 @@ inline void dequant_impl(device const uint* B, device const T* scales, device co
   for (uint j = 0; j < 8u; ++j) W[ulong(k + j) * p.N + n] = T(w[j]);
 }
 
-template <uint FMT, typename T, typename Z = group_aux_t<FMT, T>>
+template <uint FMT, typename T, typename AuxT = group_aux_t<FMT, T>>
 [[kernel]] void dequant_kernel(device const uint* B [[buffer(0)]], device const T* scales [[buffer(1)]],
-                               device const Z* zeros_or_offsets [[buffer(2)]], device T* W [[buffer(3)]],
+                               device const AuxT* zeros_or_offsets [[buffer(2)]], device T* W [[buffer(3)]],
                                constant QuantGemmParams& p [[buffer(4)]],
                                uint3 tgid [[threadgroup_position_in_grid]],
                                uint lid [[thread_index_in_threadgroup]],

@@ -219,11 +219,11 @@ inline void rans_gemv_impl(device const T* A, device const uint4* words, device 
   }
 }
 
-template <uint FMT, typename T, uint ROWS, typename Z = group_aux_t<FMT, T>>
+template <uint FMT, typename T, uint ROWS, typename AuxT = group_aux_t<FMT, T>>
 [[kernel]] void rans_gemv(device const T* A [[buffer(0)]], device const uint4* words [[buffer(1)]],
                           device const uint* word_offsets [[buffer(2)]], device const uint* states [[buffer(3)]],
                           device const ushort* freqs [[buffer(4)]], device const T* scales [[buffer(5)]],
-                          device const Z* zeros_or_offsets [[buffer(6)]], device const T* bias [[buffer(7)]],
+                          device const AuxT* zeros_or_offsets [[buffer(6)]], device const T* bias [[buffer(7)]],
                           device T* C [[buffer(8)]], constant RansParams& p [[buffer(9)]],
                           uint3 tgid [[threadgroup_position_in_grid]],
                           uint lid [[thread_index_in_threadgroup]],

@@ -38,8 +38,8 @@ inline void decode_word_row(const int32_t* __restrict words, int64_t nb, float (
 }
 
 template <QuantFormat F>
-void decode_block(const QuantGemmArgs& a, const float* __restrict A, const float* __restrict S,
-                  const uint8_t* __restrict Z, const float* __restrict O, const float* __restrict bias,
+void decode_block(const QuantGemmArgs& a, const float* __restrict A, const float* __restrict scales,
+                  const uint8_t* __restrict zeros, const float* __restrict offsets, const float* __restrict bias,
                   int64_t n0, int64_t nb, float* __restrict C) {
   const int64_t M = a.M, K = a.K, N = a.N, gs = a.group_size;
   const int32_t* B = a.B.data_ptr<int32_t>();
@@ -58,19 +58,19 @@ void decode_block(const QuantGemmArgs& a, const float* __restrict A, const float
         }
       }
     }
-    const float* s = S + g * N + n0;
+    const float* s = scales + g * N + n0;
     if (F == QuantFormat::FP4) {
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = 0; n < nb; ++n) acc[m][n] += s[n] * gacc[m][n];
     } else if (F == QuantFormat::Affine) {
-      const float* b = O + g * N + n0;
+      const float* b = offsets + g * N + n0;
       for (int64_t m = 0; m < M; ++m) {
         float asum = 0.f;
         for (int64_t k = g * gs; k < (g + 1) * gs; ++k) asum += A[m * K + k];
         for (int64_t n = 0; n < nb; ++n) acc[m][n] += s[n] * gacc[m][n] + b[n] * asum;
       }
     } else {
-      const uint8_t* z = Z + g * N + n0;
+      const uint8_t* z = zeros + g * N + n0;
       for (int64_t m = 0; m < M; ++m) {
         float asum = 0.f;
         for (int64_t k = g * gs; k < (g + 1) * gs; ++k) asum += A[m * K + k];
@@ -87,8 +87,8 @@ void decode_block(const QuantGemmArgs& a, const float* __restrict A, const float
 // accumulators live in 2R ymm registers; each packed word is decoded once per row chunk of R <= 4
 // rows. asum[m][g] = sum of A over group g (the U4 zero-point and Affine offset term).
 template <QuantFormat F, int R>
-void decode_strip16(const QuantGemmArgs& a, const float* __restrict A, const float* __restrict S,
-                    const uint8_t* __restrict Z, const float* __restrict O, const float* __restrict asum,
+void decode_strip16(const QuantGemmArgs& a, const float* __restrict A, const float* __restrict scales,
+                    const uint8_t* __restrict zeros, const float* __restrict offsets, const float* __restrict asum,
                     int64_t m0, int64_t n0, int64_t g, float (*__restrict acc)[16]) {
   const int64_t K = a.K, N = a.N, gs = a.group_size, G = K / gs;
   const int32_t* B = a.B.data_ptr<int32_t>() + n0;
@@ -112,14 +112,14 @@ void decode_strip16(const QuantGemmArgs& a, const float* __restrict A, const flo
       }
     }
     for (int h = 0; h < 2; ++h) {
-      const __m256 s = _mm256_loadu_ps(S + g * N + n0 + 8 * h);
+      const __m256 s = _mm256_loadu_ps(scales + g * N + n0 + 8 * h);
       __m256 z = _mm256_setzero_ps();
       if (F == QuantFormat::U4) {
-        z = zero_points8(Z + g * N + n0 + 8 * h);
+        z = zero_points8(zeros + g * N + n0 + 8 * h);
       }
       __m256 b = _mm256_setzero_ps();
       if (F == QuantFormat::Affine) {
-        b = _mm256_loadu_ps(O + g * N + n0 + 8 * h);
+        b = _mm256_loadu_ps(offsets + g * N + n0 + 8 * h);
       }
       for (int m = 0; m < R; ++m) {
         __m256 t = ga[m][h];
@@ -136,8 +136,8 @@ void decode_strip16(const QuantGemmArgs& a, const float* __restrict A, const flo
 // then per group every strip in turn, so consecutive reads of a packed row are adjacent cache
 // lines of one page (rows are N words apart; one strip per pass would touch a new page per row).
 template <QuantFormat F>
-void decode_cols(const QuantGemmArgs& a, const float* A, const float* S, const uint8_t* Z, const float* O,
-                 const float* asum, const float* bias, int64_t n0, int64_t strips, float* C) {
+void decode_cols(const QuantGemmArgs& a, const float* A, const float* scales, const uint8_t* zeros,
+                 const float* offsets, const float* asum, const float* bias, int64_t n0, int64_t strips, float* C) {
   for (int64_t m0 = 0; m0 < a.M; m0 += 4) {
     float acc[kMaxStrips][4][16] = {};
     const int64_t rows = std::min<int64_t>(4, a.M - m0);
@@ -145,10 +145,10 @@ void decode_cols(const QuantGemmArgs& a, const float* A, const float* S, const u
       for (int64_t st = 0; st < strips; ++st) {
         const int64_t c = n0 + 16 * st;
         switch (rows) {
-          case 4: decode_strip16<F, 4>(a, A, S, Z, O, asum, m0, c, g, acc[st]); break;
-          case 3: decode_strip16<F, 3>(a, A, S, Z, O, asum, m0, c, g, acc[st]); break;
-          case 2: decode_strip16<F, 2>(a, A, S, Z, O, asum, m0, c, g, acc[st]); break;
-          default: decode_strip16<F, 1>(a, A, S, Z, O, asum, m0, c, g, acc[st]); break;
+          case 4: decode_strip16<F, 4>(a, A, scales, zeros, offsets, asum, m0, c, g, acc[st]); break;
+          case 3: decode_strip16<F, 3>(a, A, scales, zeros, offsets, asum, m0, c, g, acc[st]); break;
+          case 2: decode_strip16<F, 2>(a, A, scales, zeros, offsets, asum, m0, c, g, acc[st]); break;
+          default: decode_strip16<F, 1>(a, A, scales, zeros, offsets, asum, m0, c, g, acc[st]); break;
         }
       }
     }
@@ -165,9 +165,9 @@ void decode_cols(const QuantGemmArgs& a, const float* A, const float* S, const u
 template <QuantFormat F>
 void decode_impl(const GemmPlan& plan, const QuantGemmArgs& a, CpuGemmOperands& o) {
   const float* A = o.A.data_ptr<float>();
-  const float* S = o.scales.data_ptr<float>();
-  const uint8_t* Z = F == QuantFormat::U4 ? a.zeros.data_ptr<uint8_t>() : nullptr;
-  const float* O = F == QuantFormat::Affine ? o.offsets.data_ptr<float>() : nullptr;
+  const float* scales = o.scales.data_ptr<float>();
+  const uint8_t* zeros = F == QuantFormat::U4 ? a.zeros.data_ptr<uint8_t>() : nullptr;
+  const float* offsets = F == QuantFormat::Affine ? o.offsets.data_ptr<float>() : nullptr;
   const float* bias = o.bias.defined() ? o.bias.data_ptr<float>() : nullptr;
   float* Cp = o.C.data_ptr<float>();
   const int64_t tile_n = plan.params.tile_n;
@@ -185,11 +185,12 @@ void decode_impl(const GemmPlan& plan, const QuantGemmArgs& a, CpuGemmOperands& 
 #if defined(__AVX2__)
       while (c + 16 <= end) {
         const int64_t strips = std::min<int64_t>(kMaxStrips, (end - c) / 16);
-        decode_cols<F>(a, A, S, Z, O, asum.data(), bias, c, strips, Cp);
+        decode_cols<F>(a, A, scales, zeros, offsets, asum.data(), bias, c, strips, Cp);
         c += 16 * strips;
       }
 #endif
-      for (; c < end; c += kBlockN) decode_block<F>(a, A, S, Z, O, bias, c, std::min(kBlockN, end - c), Cp);
+      for (; c < end; c += kBlockN)
+        decode_block<F>(a, A, scales, zeros, offsets, bias, c, std::min(kBlockN, end - c), Cp);
     }
   });
 }

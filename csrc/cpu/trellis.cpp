@@ -141,11 +141,11 @@ void blas_rows(const TView& w, const float* X, int64_t ldx, int64_t rows, float*
       dequant_rows<BITS>(w, 0, w.K, c0 + lo, hi - lo, panel + lo, cw);
     });
     const at::Tensor P = at::from_blob(panel, {w.K, cw}, at::kFloat);
-    at::Tensor O = at::from_blob(out + c0, {rows, cw}, {ldo, 1}, at::kFloat);
+    at::Tensor out_cols = at::from_blob(out + c0, {rows, cw}, {ldo, 1}, at::kFloat);
     if (ldo == cw) {
-      at::mm_out(O, Xt, P);
+      at::mm_out(out_cols, Xt, P);
     } else {
-      O.copy_(at::mm(Xt, P));
+      out_cols.copy_(at::mm(Xt, P));
     }
   }
 }

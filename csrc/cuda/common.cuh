@@ -39,10 +39,10 @@ using u32 = uint32_t;
 // Small device helpers
 // ---------------------------------------------------------------------------------------------
 
-template <int S>
+template <int SHIFT>
 __device__ __forceinline__ u32 shift_left(u32 x) {
-  if constexpr (S >= 0) return x << S;
-  else return x >> (-S);
+  if constexpr (SHIFT >= 0) return x << SHIFT;
+  else return x >> (-SHIFT);
 }
 
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) { return __byte_perm(a, b, sel); }

@@ -188,8 +188,8 @@ __device__ __forceinline__ V ld_dec(const V* p) {
 // otherwise through global memory (last_block_reduce, ReduceKind::LastBlock).
 template <typename T, u32 FMT, int NT, bool kScaleGroupSums, bool kCluster>
 __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u * NT))
-    decode_kernel(QuantGemmParams p, u32 Np, int gs_shift, const T* A, const u32* B, const T* S, const uint8_t* Z,
-                  const T* O, const T* bias, T* __restrict__ C, float* __restrict__ ws, int* __restrict__ counters) {
+    decode_kernel(QuantGemmParams p, u32 Np, int gs_shift, const T* A, const u32* B, const T* scales, const uint8_t* zeros,
+                  const T* offsets, const T* bias, T* __restrict__ C, float* __restrict__ ws, int* __restrict__ counters) {
   using T2 = typename Tr<T>::T2;
   // A one chunk ahead, except for 4 n8 tiles: at 2 blocks per SM they leave no registers for it.
   constexpr bool kAhead = NT != 4;
@@ -256,8 +256,8 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
   u32 left = kScaleGroupSums ? cpg - wc0 % cpg : 0u;  // chunks left in the current group
   auto fetch_scales = [&](u32 gi) {
     const size_t so = size_t(min(gi, num_groups - 1u)) * Np + col;
-    s_next = ld_dec(reinterpret_cast<const uint2*>(S + so));
-    if constexpr (FMT == TM_FORMAT_U4) z_next = ld_dec(reinterpret_cast<const u32*>(Z + so));
+    s_next = ld_dec(reinterpret_cast<const uint2*>(scales + so));
+    if constexpr (FMT == TM_FORMAT_U4) z_next = ld_dec(reinterpret_cast<const u32*>(zeros + so));
   };
   auto take_scales = [&]() {
     const T* sp = reinterpret_cast<const T*>(&s_next);
@@ -316,9 +316,9 @@ __global__ void __launch_bounds__(kDecThreads, TM_CUDA_DECODE_BLOCKS_PER_SM(8u *
       const u32 k = (wc0 + u32(i)) * 32u + 8u * t;
       const u32 gi = min(gs_shift >= 0 ? k >> gs_shift : k / gs, num_groups - 1u);
       const size_t so = size_t(gi) * Np + col;
-      const uint2 sc = ld_dec(reinterpret_cast<const uint2*>(S + so));
-      const u32 zz = FMT == TM_FORMAT_U4 ? ld_dec(reinterpret_cast<const u32*>(Z + so)) : 0u;
-      const uint2 oo = FMT == TM_FORMAT_AFFINE ? ld_dec(reinterpret_cast<const uint2*>(O + so)) : make_uint2(0u, 0u);
+      const uint2 sc = ld_dec(reinterpret_cast<const uint2*>(scales + so));
+      const u32 zz = FMT == TM_FORMAT_U4 ? ld_dec(reinterpret_cast<const u32*>(zeros + so)) : 0u;
+      const uint2 oo = FMT == TM_FORMAT_AFFINE ? ld_dec(reinterpret_cast<const uint2*>(offsets + so)) : make_uint2(0u, 0u);
       ColQ<T> q[4];
       make_colq<T, FMT>(q, sc, zz, oo);
       dequant_words<T, FMT>(b, words, q);
@@ -447,8 +447,8 @@ void launch_decode_as(const GemmPlan& plan, int gs_shift, const GemmOperands<T>&
   with_cluster(plan, [&](auto cluster) {
     constexpr bool kCluster = decltype(cluster)::value;
     launch_tile_kernel<kCluster>(plan, decode_kernel<T, FMT, NT, kScaleGroupSums, kCluster>, kDecThreads,
-                                 dec_smem_bytes<NT, kCluster>(), o.stream, plan.params, o.Np, gs_shift, o.A, o.B, o.S,
-                                 o.Z, o.O, o.bias, o.C, o.ws, o.counters);
+                                 dec_smem_bytes<NT, kCluster>(), o.stream, plan.params, o.Np, gs_shift, o.A, o.B, o.scales,
+                                 o.zeros, o.offsets, o.bias, o.C, o.ws, o.counters);
   });
 }
 

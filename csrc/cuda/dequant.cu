@@ -12,16 +12,16 @@ namespace torch_marlin {
 namespace {
 
 // Dequantizes columns [n0, n0 + cols) of B into W[K][ldw]: the standalone dequant op (n0 = 0,
-// cols = ldw = N) and the panels of the dequant_blas path. B, S and Z are padded to Np columns (a
-// multiple of 16, 16-byte aligned: launch.cu pad_cols) and n0 is a multiple of 16, so a thread reads 8
+// cols = ldw = N) and the panels of the dequant_blas path. B, scales and zeros are padded to Np columns
+// (a multiple of 16, 16-byte aligned: launch.cu pad_cols) and n0 is a multiple of 16, so a thread reads 8
 // adjacent columns of one packed row (two 16-byte loads) and writes 8 rows of 8 values, each one
 // 16-byte store when ldw allows. fp16/bf16 use the GEMM kernels' dequant (bit-exact with the
 // reference: one rounding of code x scale, affine of code x scale + offset); fp32 the scalar
 // reference.
 template <typename T, u32 FMT>
 __global__ void dequant_kernel(u32 K, u32 Np, u32 gs, u32 n0, u32 cols, u32 ldw, const u32* __restrict__ B,
-                               const T* __restrict__ S, const uint8_t* __restrict__ Z, const T* __restrict__ O,
-                               T* __restrict__ W) {
+                               const T* __restrict__ scales, const uint8_t* __restrict__ zeros,
+                               const T* __restrict__ offsets, T* __restrict__ W) {
   const u32 col8s = (cols + 7u) / 8u;
   const size_t total = size_t(K / 8u) * col8s;
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < total; i += size_t(gridDim.x) * blockDim.x) {
@@ -32,15 +32,18 @@ __global__ void dequant_kernel(u32 K, u32 Np, u32 gs, u32 n0, u32 cols, u32 ldw,
     const u32 valid = min(8u, cols - c);
     if constexpr (std::is_same<T, float>::value) {
       for (u32 j = 0; j < valid; ++j) {
-        const float z = FMT == TM_FORMAT_U4 ? float(Z[q + j]) : FMT == TM_FORMAT_AFFINE ? O[q + j] : 0.f;
+        const float z =
+            FMT == TM_FORMAT_U4 ? float(zeros[q + j]) : FMT == TM_FORMAT_AFFINE ? offsets[q + j] : 0.f;
 #pragma unroll
-        for (u32 r = 0; r < 8u; ++r) w[size_t(r) * ldw + j] = dequant_scalar<FMT>(tm_nibble(b[j], r), S[q + j], z);
+        for (u32 r = 0; r < 8u; ++r)
+          w[size_t(r) * ldw + j] = dequant_scalar<FMT>(tm_nibble(b[j], r), scales[q + j], z);
       }
     } else {
       const uint4 lo = *reinterpret_cast<const uint4*>(b), hi = *reinterpret_cast<const uint4*>(b + 4);
-      const uint4 s8 = *reinterpret_cast<const uint4*>(S + q);
-      const uint2 z8 = FMT == TM_FORMAT_U4 ? *reinterpret_cast<const uint2*>(Z + q) : make_uint2(0u, 0u);
-      const uint4 o8 = FMT == TM_FORMAT_AFFINE ? *reinterpret_cast<const uint4*>(O + q) : make_uint4(0u, 0u, 0u, 0u);
+      const uint4 s8 = *reinterpret_cast<const uint4*>(scales + q);
+      const uint2 z8 = FMT == TM_FORMAT_U4 ? *reinterpret_cast<const uint2*>(zeros + q) : make_uint2(0u, 0u);
+      const uint4 o8 =
+          FMT == TM_FORMAT_AFFINE ? *reinterpret_cast<const uint4*>(offsets + q) : make_uint4(0u, 0u, 0u, 0u);
       ColQ<T> qa[4], qb[4];
       make_colq<T, FMT>(qa, make_uint2(s8.x, s8.y), z8.x, make_uint2(o8.x, o8.y));
       make_colq<T, FMT>(qb, make_uint2(s8.z, s8.w), z8.y, make_uint2(o8.z, o8.w));
@@ -84,8 +87,8 @@ void launch_dequant(const QuantGemmArgs& a, const PaddedWeights& w, u32 n0, u32 
   const int threads = 256;
   dequant_kernel<T, FMT><<<grid_for(size_t(a.K / 8) * ((cols + 7) / 8), threads), threads, 0, stream>>>(
       u32(a.K), u32(w.B.size(1)), u32(a.group_size), n0, cols, ldw, reinterpret_cast<const u32*>(w.B.data_ptr()),
-      reinterpret_cast<const T*>(w.S.data_ptr()), w.Z.defined() ? w.Z.data_ptr<uint8_t>() : nullptr,
-      w.O.defined() ? reinterpret_cast<const T*>(w.O.data_ptr()) : nullptr, W);
+      reinterpret_cast<const T*>(w.scales.data_ptr()), w.zeros.defined() ? w.zeros.data_ptr<uint8_t>() : nullptr,
+      w.offsets.defined() ? reinterpret_cast<const T*>(w.offsets.data_ptr()) : nullptr, W);
   check_launch("dequant");
 }
 

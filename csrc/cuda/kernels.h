@@ -30,7 +30,7 @@ namespace cuda_backend {
 // 16-byte aligned bases: the fast kernels read 16-byte chunks of B (4 columns), scales and offsets
 // (8) and zeros (16).
 struct PaddedWeights {
-  at::Tensor B, S, Z, O;
+  at::Tensor B, scales, zeros, offsets;
 };
 
 // The operands of one fp16/bf16 GEMM after launch.cu's checks: A 16-byte aligned, the weights
@@ -39,14 +39,14 @@ template <typename T>
 struct GemmOperands {
   const T* A;
   const uint32_t* B;
-  const T* S;
-  const uint8_t* Z;  // U4 zero points, else nullptr
-  const T* O;        // affine offsets, else nullptr
-  const T* bias;     // nullptr when the plan has no bias
+  const T* scales;
+  const uint8_t* zeros;  // U4 zero points, else nullptr
+  const T* offsets;      // affine offsets, else nullptr
+  const T* bias;         // nullptr when the plan has no bias
   T* C;
-  uint32_t Np;       // plan.padded_n
-  float* ws;         // fp32 workspace (plan.workspace_bytes), else nullptr
-  int* counters;     // per-tile arrival counters when desc.reduce == ReduceKind::LastBlock
+  uint32_t Np;           // plan.padded_n
+  float* ws;             // fp32 workspace (plan.workspace_bytes), else nullptr
+  int* counters;         // per-tile arrival counters when desc.reduce == ReduceKind::LastBlock
   cudaStream_t stream;
 };
 

@@ -77,9 +77,9 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
   GemmOperands<T> o;
   o.A = reinterpret_cast<const T*>(A.data_ptr());
   o.B = reinterpret_cast<const uint32_t*>(w.B.data_ptr());
-  o.S = reinterpret_cast<const T*>(w.S.data_ptr());
-  o.Z = w.Z.defined() ? w.Z.data_ptr<uint8_t>() : nullptr;
-  o.O = w.O.defined() ? reinterpret_cast<const T*>(w.O.data_ptr()) : nullptr;
+  o.scales = reinterpret_cast<const T*>(w.scales.data_ptr());
+  o.zeros = w.zeros.defined() ? w.zeros.data_ptr<uint8_t>() : nullptr;
+  o.offsets = w.offsets.defined() ? reinterpret_cast<const T*>(w.offsets.data_ptr()) : nullptr;
   o.bias = a.bias.defined() ? reinterpret_cast<const T*>(a.bias.data_ptr()) : nullptr;
   o.C = reinterpret_cast<T*>(C.data_ptr());
   o.Np = plan.padded_n;

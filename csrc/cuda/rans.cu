@@ -58,7 +58,7 @@ struct TileDecoder {
   u32 sym_a, info_a, ring_a;  // shared-window addresses of the tables and the ring
 
   __device__ __forceinline__ TileDecoder(WarpSmem& s, u32 tile, const RansParams& p, const uint16_t* words, u32 n_words,
-                         const int* offsets, const u32* states, const int16_t* freqs)
+                         const int* word_offsets, const u32* states, const int16_t* freqs)
       : sm(s), base(0), ptr(0) {
     lane = threadIdx.x & 31u;
     lt_mask = (1u << lane) - 1u;
@@ -68,8 +68,8 @@ struct TileDecoder {
     // Offsets are clamped into the words tensor and down to the 16-byte alignment the format
     // guarantees, so corrupted offsets cannot send a copy out of bounds.
     const u32 w_end = n_words & ~(TM_RANS_STREAM_ALIGN_WORDS - 1u);
-    const u32 o0 = min(u32(max(offsets[tile], 0)), w_end) & ~(TM_RANS_STREAM_ALIGN_WORDS - 1u);
-    const u32 o1 = min(u32(max(offsets[tile + 1], 0)), w_end) & ~(TM_RANS_STREAM_ALIGN_WORDS - 1u);
+    const u32 o0 = min(u32(max(word_offsets[tile], 0)), w_end) & ~(TM_RANS_STREAM_ALIGN_WORDS - 1u);
+    const u32 o1 = min(u32(max(word_offsets[tile + 1], 0)), w_end) & ~(TM_RANS_STREAM_ALIGN_WORDS - 1u);
     stream = words + o0;
     len = o1 > o0 ? o1 - o0 : 0u;
     fetch(0u);
@@ -179,14 +179,14 @@ struct GroupQ {
   float s, a;  // a: zero point (U4) or offset (affine)
 };
 template <typename T, u32 FMT>
-__device__ __forceinline__ GroupQ<T, FMT> load_group(const RansParams& p, u32 gi, u32 n, const T* S, const uint8_t* Z,
-                                                     const T* O) {
+__device__ __forceinline__ GroupQ<T, FMT> load_group(const RansParams& p, u32 gi, u32 n, const T* scales,
+                                                     const uint8_t* zeros, const T* offsets) {
   GroupQ<T, FMT> q{0.f, 0.f};
   if (gi < p.n_groups) {
     const size_t o = size_t(gi) * p.N + n;
-    q.s = to_float(S[o]);
-    if constexpr (FMT == TM_FORMAT_U4) q.a = float(Z[o] & 0xFu);
-    if constexpr (FMT == TM_FORMAT_AFFINE) q.a = to_float(O[o]);
+    q.s = to_float(scales[o]);
+    if constexpr (FMT == TM_FORMAT_U4) q.a = float(zeros[o] & 0xFu);
+    if constexpr (FMT == TM_FORMAT_AFFINE) q.a = to_float(offsets[o]);
   }
   return q;
 }
@@ -214,15 +214,15 @@ constexpr int gemm_min_blocks(int rows) { return rows <= 4 ? 8 : 4; }
 template <typename T, u32 FMT, int MR>
 __global__ void __launch_bounds__(kThreads, gemm_min_blocks(MR))
     gemm_rans_kernel(RansParams p, const T* __restrict__ A, const uint16_t* __restrict__ words, u32 n_words,
-                     const int* __restrict__ offsets, const u32* __restrict__ states,
-                     const int16_t* __restrict__ freqs, const T* __restrict__ S, const uint8_t* __restrict__ Z,
-                     const T* __restrict__ O, const T* __restrict__ bias, T* __restrict__ C) {
+                     const int* __restrict__ word_offsets, const u32* __restrict__ states,
+                     const int16_t* __restrict__ freqs, const T* __restrict__ scales, const uint8_t* __restrict__ zeros,
+                     const T* __restrict__ offsets, const T* __restrict__ bias, T* __restrict__ C) {
   extern __shared__ __align__(16) unsigned char smem[];
   const u32 warp = threadIdx.x >> 5;
   const u32 tile = blockIdx.x * kWarps + warp;
   if (tile >= p.tiles) return;  // warps are independent: no block-wide barrier below
   WarpSmem& sm = reinterpret_cast<WarpSmem*>(smem)[warp];
-  TileDecoder<FMT> dec(sm, tile, p, words, n_words, offsets, states, freqs);
+  TileDecoder<FMT> dec(sm, tile, p, words, n_words, word_offsets, states, freqs);
   const u32 lane = dec.lane;
   const u32 n0 = tile * p.channels_per_tile;
   const u32 channels = min(p.channels_per_tile, p.N - n0);
@@ -245,9 +245,9 @@ __global__ void __launch_bounds__(kThreads, gemm_min_blocks(MR))
   }
 
   // Group batches in (channel, batch) order: the current one and the next.
-  GroupQ<T, FMT> qcur = load_group<T, FMT>(p, lane, n0, S, Z, O);
+  GroupQ<T, FMT> qcur = load_group<T, FMT>(p, lane, n0, scales, zeros, offsets);
   u32 nc = batches > 1u ? 0u : 1u, nq = batches > 1u ? 1u : 0u;  // the next batch's (channel, batch)
-  GroupQ<T, FMT> qnext = nc < channels ? load_group<T, FMT>(p, nq * 32u + lane, n0 + nc, S, Z, O) : qcur;
+  GroupQ<T, FMT> qnext = nc < channels ? load_group<T, FMT>(p, nq * 32u + lane, n0 + nc, scales, zeros, offsets) : qcur;
 
   for (u32 c = 0; c < channels; ++c) {
     float acc[MR];
@@ -257,7 +257,7 @@ __global__ void __launch_bounds__(kThreads, gemm_min_blocks(MR))
       if (g % 32u == 0u && (c | g) != 0u) {  // warp-uniform: the next batch of groups
         qcur = qnext;
         if (++nq == batches) nq = 0u, ++nc;
-        if (nc < channels) qnext = load_group<T, FMT>(p, nq * 32u + lane, n0 + nc, S, Z, O);
+        if (nc < channels) qnext = load_group<T, FMT>(p, nq * 32u + lane, n0 + nc, scales, zeros, offsets);
       }
       const float s = __shfl_sync(0xffffffffu, qcur.s, g % 32u);
       const float a = FMT == TM_FORMAT_FP4 ? 0.f : __shfl_sync(0xffffffffu, qcur.a, g % 32u);
@@ -293,14 +293,15 @@ __global__ void __launch_bounds__(kThreads, gemm_min_blocks(MR))
 // column; three xor-shuffles OR them together and the group's first lane stores the word.
 // ---------------------------------------------------------------------------------------------
 __global__ void __launch_bounds__(kThreads, 8)
-    rans_decode_kernel(RansParams p, const uint16_t* __restrict__ words, u32 n_words, const int* __restrict__ offsets,
-                       const u32* __restrict__ states, const int16_t* __restrict__ freqs, u32* __restrict__ B) {
+    rans_decode_kernel(RansParams p, const uint16_t* __restrict__ words, u32 n_words,
+                       const int* __restrict__ word_offsets, const u32* __restrict__ states,
+                       const int16_t* __restrict__ freqs, u32* __restrict__ B) {
   extern __shared__ __align__(16) unsigned char smem[];
   const u32 warp = threadIdx.x >> 5;
   const u32 tile = blockIdx.x * kWarps + warp;
   if (tile >= p.tiles) return;
   WarpSmem& sm = reinterpret_cast<WarpSmem*>(smem)[warp];
-  TileDecoder<TM_FORMAT_U4> dec(sm, tile, p, words, n_words, offsets, states, freqs);
+  TileDecoder<TM_FORMAT_U4> dec(sm, tile, p, words, n_words, word_offsets, states, freqs);
   const u32 lane = dec.lane;
   const u32 n0 = tile * p.channels_per_tile;
   const u32 channels = min(p.channels_per_tile, p.N - n0);

@@ -10,9 +10,10 @@ namespace {
 // fp32 activations: one thread per column, 8 rows per block row; A reads are warp broadcasts.
 template <u32 FMT>
 __global__ void __launch_bounds__(128) simt_kernel(QuantGemmParams p, const float* __restrict__ A,
-                                                   const u32* __restrict__ B, const float* __restrict__ S,
-                                                   const uint8_t* __restrict__ Z, const float* __restrict__ O,
-                                                   const float* __restrict__ bias, float* __restrict__ C) {
+                                                   const u32* __restrict__ B, const float* __restrict__ scales,
+                                                   const uint8_t* __restrict__ zeros,
+                                                   const float* __restrict__ offsets, const float* __restrict__ bias,
+                                                   float* __restrict__ C) {
   const u32 n = blockIdx.x * blockDim.x + threadIdx.x;
   const u32 m0 = blockIdx.y * 8u;
   if (n >= p.N) return;
@@ -20,10 +21,10 @@ __global__ void __launch_bounds__(128) simt_kernel(QuantGemmParams p, const floa
   for (u32 kw = 0; kw < p.K / 8u; ++kw) {
     const u32 w = B[size_t(kw) * p.N + n];
     const u32 grp = kw * 8u / p.group_size;
-    const float s = S[size_t(grp) * p.N + n];
+    const float s = scales[size_t(grp) * p.N + n];
     // The zero point (U4) or the offset (affine).
-    const float z = FMT == TM_FORMAT_U4 ? float(Z[size_t(grp) * p.N + n])
-                    : FMT == TM_FORMAT_AFFINE ? O[size_t(grp) * p.N + n] : 0.f;
+    const float z = FMT == TM_FORMAT_U4 ? float(zeros[size_t(grp) * p.N + n])
+                    : FMT == TM_FORMAT_AFFINE ? offsets[size_t(grp) * p.N + n] : 0.f;
     float wv[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) wv[i] = dequant_scalar<FMT>(tm_nibble(w, i), s, z);

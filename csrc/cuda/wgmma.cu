@@ -107,7 +107,7 @@ __device__ __forceinline__ uint4 dequant_word_natural(u32 w, const ColQ<T>& q) {
 template <typename T, u32 FMT, int BM, int TN, bool kCluster>
 __global__ void __launch_bounds__(kWgThreads, 1)
     wgmma_kernel(const __grid_constant__ CUtensorMap tmap_a, QuantGemmParams p, u32 Np, const u32* __restrict__ B,
-                 const T* __restrict__ S, const uint8_t* __restrict__ Z, const T* __restrict__ O,
+                 const T* __restrict__ scales, const uint8_t* __restrict__ zeros, const T* __restrict__ offsets,
                  const T* __restrict__ bias, T* __restrict__ C) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = WgSmem<BM, TN>;
@@ -165,9 +165,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #pragma unroll
   for (int i = 0; i < kCols; ++i) {
     b_src[i] = B + size_t(k_begin / 8u + 4u * h_w) * Np + col_w[i];
-    s_src[i] = S + g_off + (col_w[i] & ~1u);
-    z_src[i] = FMT == TM_FORMAT_U4        ? Z + g_off + (col_w[i] & ~3u)
-               : FMT == TM_FORMAT_AFFINE ? reinterpret_cast<const uint8_t*>(O + g_off + (col_w[i] & ~1u))
+    s_src[i] = scales + g_off + (col_w[i] & ~1u);
+    z_src[i] = FMT == TM_FORMAT_U4        ? zeros + g_off + (col_w[i] & ~3u)
+               : FMT == TM_FORMAT_AFFINE ? reinterpret_cast<const uint8_t*>(offsets + g_off + (col_w[i] & ~1u))
                                          : nullptr;
   }
   auto copy_stage = [&](int s) {
@@ -353,8 +353,8 @@ void launch_wgmma_as(const GemmPlan& plan, const CUtensorMap& tmap, const GemmOp
   auto* kernel = wgmma_kernel<T, FMT, BM, TN, kCluster>;
   static std::atomic<uint64_t> opted_in{0};
   opt_in_smem(kernel, kSmem, opted_in);
-  launch_tile_kernel<kCluster>(plan, kernel, kWgThreads, kSmem, o.stream, tmap, plan.params, o.Np, o.B, o.S, o.Z,
-                               o.O, o.bias, o.C);
+  launch_tile_kernel<kCluster>(plan, kernel, kWgThreads, kSmem, o.stream, tmap, plan.params, o.Np, o.B, o.scales,
+                               o.zeros, o.offsets, o.bias, o.C);
 }
 
 template <typename T, u32 FMT, int BM, int TN>

@@ -362,7 +362,7 @@ void launch_wgmma_ws_tile(const GemmPlan& plan, const GemmOperands<T>& o) {
   const int64_t groups = q.K / q.group_size;
   constexpr int kTN = 64 * NC;
   const CUtensorMap scales =
-      tensor_map_2d(o.S, CU_TENSOR_MAP_DATA_TYPE_UINT16, groups, Np, Np * 2, 1, kTN, CU_TENSOR_MAP_SWIZZLE_NONE);
+      tensor_map_2d(o.scales, CU_TENSOR_MAP_DATA_TYPE_UINT16, groups, Np, Np * 2, 1, kTN, CU_TENSOR_MAP_SWIZZLE_NONE);
   const CUtensorMap maps[4] = {
       activation_tensor_map<T>(o.A, q.M, q.K, BN),
       tensor_map_2d(o.B, CU_TENSOR_MAP_DATA_TYPE_UINT32, q.K / 8, Np, Np * 4, kWgKStep / 8, kTN,
@@ -371,9 +371,9 @@ void launch_wgmma_ws_tile(const GemmPlan& plan, const GemmOperands<T>& o) {
       // U4 zero points, affine offsets (a row like the scales'); FP4 has neither: the kernel never
       // reads this slot, which repeats the scales' map.
       FMT == TM_FORMAT_U4
-          ? tensor_map_2d(o.Z, CU_TENSOR_MAP_DATA_TYPE_UINT8, groups, Np, Np, 1, kTN, CU_TENSOR_MAP_SWIZZLE_NONE)
+          ? tensor_map_2d(o.zeros, CU_TENSOR_MAP_DATA_TYPE_UINT8, groups, Np, Np, 1, kTN, CU_TENSOR_MAP_SWIZZLE_NONE)
           : FMT == TM_FORMAT_AFFINE
-                ? tensor_map_2d(o.O, CU_TENSOR_MAP_DATA_TYPE_UINT16, groups, Np, Np * 2, 1, kTN,
+                ? tensor_map_2d(o.offsets, CU_TENSOR_MAP_DATA_TYPE_UINT16, groups, Np, Np * 2, 1, kTN,
                                 CU_TENSOR_MAP_SWIZZLE_NONE)
                 : scales};
   const auto launch = [&](const GemmPlan& pl, u32 n_tile0) {
