@@ -290,7 +290,7 @@ def test_wgmma_ws(fmt, dtype, M, K, N, group_size, k_parallel, tile_m, tile_n):
     gpu_case(fmt, M, K, N, dtype, with_bias=True, seed=M, group_size=group_size)
 
 
-# A partial last wave of tiles split off into a second launch with K slices (GemmPlan::tail_n_tiles):
+# A partial last wave of tiles split off into a second launch with K slices (the plan's tail launch):
 # M, K, N, group_size, tail column tiles, tail K slices. 256-row tiles; the first has rows past M
 # in two row tiles and a partial last column tile (72 of 128 columns) inside the tail.
 WS_TAIL_CASES = [(300, 2048, 8520, 128, 1, 3), (200, 1024, 17920, 64, 8, 2), (1024, 4096, 21504, 128, 3, 3)]

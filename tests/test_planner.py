@@ -21,8 +21,7 @@ PLAN_KEYS = {
     "family", "kernel", "format", "dtype", "reduce", "reduce_kernel", "grid", "threads", "reduce_grid",
     "reduce_threads", "workspace_bytes", "counters_offset", "tile_m", "tile_n", "tile_k", "m_tiles", "n_tiles", "k_parallel",
     "k_slice_len", "num_groups", "consumers", "vector_loads", "scale_group_sums", "tma_weights", "padded_n", "tail_n_tiles",
-    "tail_k_parallel",
-    "tail_k_slice_len",
+    "tail_k_parallel", "tail_k_slice_len", "launches",
     "dependent_launch", "backend", "compute_units", "max_shared_memory", "wgmma", "thread_block_clusters", "avx2",
     "avx512",
 }
@@ -509,6 +508,40 @@ def test_plan_dict_keys_and_caps_echoed(device, caps):
     assert p["tile_m"] * p["m_tiles"] >= 5 and p["tile_n"] * p["n_tiles"] >= 200
 
 
+def roles(plan):
+    return [launch["role"] for launch in plan["launches"]]
+
+
+def test_every_plan_lists_its_launches_in_execution_order():
+    # One shape for every family: the launches in the order they run, each under its role; the named
+    # keys (the GEMM's at the top level, reduce_*, tail_*, stage dicts) describe the same launches.
+    metal = torch_marlin.plan_gemm("u4", 64, 8192, 128, device="metal", caps=M1)
+    assert roles(metal) == ["main", "reduce"] and metal["k_parallel"] > 1
+    main, reduce = metal["launches"]
+    assert (main["kernel"], main["grid"], main["threads"]) == (metal["kernel"], metal["grid"], metal["threads"])
+    assert (reduce["kernel"], reduce["grid"]) == (metal["reduce_kernel"], metal["reduce_grid"])
+    assert roles(torch_marlin.plan_gemm("fp4", 3, 4096, 4096, caps=dict(compute_units=4))) == ["main"]
+    # CUDA wgmma_ws with a tail: the same kernel again on the last column tiles, in K slices.
+    ws = torch_marlin.plan_gemm("fp4", 256, 4096, 21504, device="cuda", caps=H100)
+    assert roles(ws) == ["main", "tail"] and ws["tail_n_tiles"] > 0
+    tail = ws["launches"][1]
+    assert tail["kernel"] == ws["kernel"] and tail["grid"] == (ws["m_tiles"], ws["tail_n_tiles"], ws["tail_k_parallel"])
+    assert ws["grid"][1] + tail["grid"][1] == ws["n_tiles"]
+    # Trellis: the CUDA decode's K-slice reduction; the MoE's stages (Metal's tiled ones past 16 rows).
+    dec = torch_marlin.plan_trellis(1, 4096, 4096, 3, 128, device="cuda", caps=H100)
+    assert roles(dec) == ["main", "reduce"] and dec["launches"][1]["kernel"] == dec["reduce"]["kernel"]
+    moe = torch_marlin.plan_trellis_moe(64, 2048, 768, 64, 8, 3, 128, device="metal", caps=M1)
+    assert roles(moe) == ["main", "tiled_gate", "tiled_up", "down", "tiled_down", "combine"]
+    assert [ln["kernel"] for ln in moe["launches"][1:]] == [moe[r]["kernel"] for r in roles(moe)[1:]]
+    routed = torch_marlin.plan_trellis_moe(4, 2048, 768, 64, 8, 3, 128, device="cuda", caps=H100)
+    assert roles(routed) == ["route", "main", "down", "combine"]
+    # rANS: the decode, then (staged) the dense GEMM's own launches.
+    assert roles(torch_marlin.plan_rans(1, 4096, 4096, device="metal", caps=M1)) == ["decode"]
+    staged = torch_marlin.plan_rans(300, 4096, 128, device="metal", caps=M1)
+    assert roles(staged) == ["decode"] + roles(staged["gemm"])
+    assert staged["launches"][1]["kernel"] == staged["gemm"]["kernel"]
+
+
 def test_plan_dict_decode_scale_group_sums_and_padded_n():
     def cuda(M, N=200, group_size=128, dtype=torch.float16):
         return torch_marlin.plan_gemm("u4", M, 4096, N, group_size, dtype=dtype, device="cuda", caps=SM132_PORTABLE)
@@ -639,8 +672,8 @@ def test_plan_trellis_forced_families_and_keys():
     p = torch_marlin.plan_trellis(20, 64, 64, 2, 32, device="metal", caps=dict(compute_units=10))
     assert set(p) == {"family", "kernel", "grid", "threads", "tile_m", "tile_n", "m_tiles", "n_tiles", "k_chunk",
                       "tile_k", "k_vec4", "cpu_avx2", "cpu_avx512", "cuda_stream_decode", "cuda_stream_stage_groups",
-                      "index_layout", "k_parallel", "k_slice_tiles", "dependent_launch", "backend", "compute_units",
-                      "max_shared_memory", "wgmma", "thread_block_clusters", "avx2", "avx512"}
+                      "index_layout", "k_parallel", "k_slice_tiles", "dependent_launch", "launches", "backend",
+                      "compute_units", "max_shared_memory", "wgmma", "thread_block_clusters", "avx2", "avx512"}
     assert (p["backend"], p["compute_units"], p["m_tiles"], p["n_tiles"]) == ("metal", 10, 1, 1)
 
 
@@ -652,12 +685,12 @@ def test_plan_trellis_policy_cuda():
     assert (dec["family"], dec["kernel"], dec["tile_m"], dec["tile_n"]) == ("decode", "gemm_trellis_decode_half", 8, 128)
     assert dec["threads"] == (256, 1, 1) and dec["tile_k"] == 128 and dec["cuda_stream_decode"]
     assert (dec["k_parallel"], dec["k_slice_tiles"], dec["grid"]) == (16, 16, (32, 16, 1))
-    assert dec["combine"]["kernel"] == "gemm_trellis_reduce_half" and dec["combine"]["grid"] == (16, 1, 1)
+    assert dec["reduce"]["kernel"] == "gemm_trellis_reduce_half" and dec["reduce"]["grid"] == (16, 1, 1)
     # On devices with griddepcontrol (sm_90 PTX, caps thread_block_clusters) the reduction launches
     # behind the GEMM kernel (PDL), and the GEMM kernel behind whatever ran before it.
-    assert dec["combine"]["dependent_launch"] and dec["dependent_launch"]
+    assert dec["reduce"]["dependent_launch"] and dec["dependent_launch"]
     portable = torch_marlin.plan_trellis(1, 4096, 4096, 3, 128, torch.float16, device="cuda", caps=SM132_PORTABLE)
-    assert portable["k_parallel"] == 16 and not portable["combine"]["dependent_launch"]
+    assert portable["k_parallel"] == 16 and not portable["reduce"]["dependent_launch"]
     assert not portable["dependent_launch"]
     # A block converts its slice's activations into shared memory once, so a slice holds at most
     # 128 tile rows at 8 rows of M and 64 at 16. 17 slices wanted (32 column blocks): K = 14336
@@ -694,7 +727,7 @@ def test_plan_trellis_policy_cuda():
     assert (pre["family"], pre["kernel"], pre["tile_m"], pre["m_tiles"]) == ("fused_tiles", "gemm_trellis_tiles_bfloat",
                                                                              64, 5)
     assert (pre["grid"], pre["k_parallel"], pre["k_slice_tiles"]) == ((32, 20, 1), 4, 64)
-    assert pre["combine"]["kernel"] == "gemm_trellis_reduce_bfloat"
+    assert pre["reduce"]["kernel"] == "gemm_trellis_reduce_bfloat"
     # More than 16 rows: the dense weight in fp16 / bf16 (one dequant launch over the tiles), then cuBLAS.
     for M in (17, 4096):
         blas = torch_marlin.plan_trellis(M, 4096, 4096, 3, 128, torch.float16, device="cuda", caps=H100)
@@ -857,8 +890,9 @@ def test_affine_plans_as_u4(device, caps):
             continue
         assert affine["format"] == "affine" and affine["kernel"] == u4["kernel"].replace("_u4", "_affine")
         # CUDA decode does not scale group sums for affine (plan_cuda.cpp plan_decode says why).
-        assert {k: v for k, v in affine.items() if k not in ("format", "kernel", "scale_group_sums")} == \
-            {k: v for k, v in u4.items() if k not in ("format", "kernel", "scale_group_sums")}
+        differ = ("format", "kernel", "scale_group_sums", "launches")
+        assert {k: v for k, v in affine.items() if k not in differ} == {k: v for k, v in u4.items() if k not in differ}
+        assert [dict(ln, kernel=ln["kernel"].replace("_affine", "_u4")) for ln in affine["launches"]] == u4["launches"]
         assert not affine["scale_group_sums"]
 
 

@@ -119,7 +119,7 @@ def test_planner_picks_the_avx512_kernel_from_caps(M):
         assert on["kernel"] == "cpu_trellis_decode_avx512"
         assert on["cpu_avx512"] is True and on["cpu_avx2"] is False and on["avx512"] is True
         differ = {k for k in on if on[k] != plain[k]}
-        assert differ == {"kernel", "avx512", "cpu_avx512"} | ({"cpu_avx2"} if avx2 else set())
+        assert differ == {"kernel", "launches", "avx512", "cpu_avx512"} | ({"cpu_avx2"} if avx2 else set())
     # The plan cache keys on the cap: a cached AVX-512 plan is not served to avx512=False caps.
     cached_on = _C.cached_plan_trellis_gemm(M, 256, 64, 3, 128, "float32", "cpu", dict(avx512=True))
     cached_off = _C.cached_plan_trellis_gemm(M, 256, 64, 3, 128, "float32", "cpu", dict(avx512=False))

@@ -117,7 +117,7 @@ def test_gemm_trellis_decode_k_slices(backend, M, K, wide, slice_tiles, k_parall
     plan = torch_marlin.plan_trellis(M, K, N, bits, gs, torch.float16, device="cuda", layout="lanes")
     assert (plan["kernel"], plan["k_slice_tiles"], plan["k_parallel"]) == (
         "gemm_trellis_decode_lanes_half", slice_tiles, k_parallel)
-    assert plan["combine"]["dependent_launch"] == plan["thread_block_clusters"]
+    assert plan["reduce"]["dependent_launch"] == plan["thread_block_clusters"]
     t = random_trellis(K, N, bits, gs, seed=11)
     A = torch.randn(M, K, generator=torch.Generator().manual_seed(3)).half()
     C = backend.gemm_trellis(A, *with_lanes(t, K, N, bits), K, N, bits, gs)

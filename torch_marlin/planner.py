@@ -63,6 +63,10 @@ def plan_gemm(format: str, M: int, K: int, N: int, group_size: int = 128, dtype=
     for this problem: ``family``, ``kernel``, ``reduce``,
     ``grid``, ``threads``, tiles, K slices, ... and the caps it was made for (``backend``,
     ``compute_units``, ``wgmma``, ``thread_block_clusters``, ``max_shared_memory``, ``avx2``, ``avx512``).
+    ``launches``: every kernel launch in execution order, each a dict with its ``role`` (``"main"``: the
+    GEMM, whose launch the top-level ``kernel``, ``grid``, ``threads`` describe; ``"tail"``: CUDA
+    wgmma_ws's last column tiles, ``tail_*``; ``"reduce"``: Metal's K-slice reduction, ``reduce_*``),
+    ``kernel``, ``grid``, ``threads``, ``dependent_launch``. Every plan family lists its launches so.
 
     ``device``: a torch device or ``"metal"`` (Metal planned without a device, default Metal caps).
     ``caps``: a dict of the capabilities to plan for (keys ``compute_units``, ``max_shared_memory``,
@@ -88,8 +92,11 @@ def plan_trellis(M: int, K: int, N: int, bits: int = 3, group_size: int = 128, d
     cpu_avx2, cpu_avx512`` and the caps (``tile_k``: K rows per block of the Metal kernel; ``k_vec4``: activation rows
     read 4 elements at a time; ``tile_n``, ``n_tiles``: the CPU decode's column block and task count;
     ``cpu_avx512``, ``cpu_avx2``: the CPU decode runs the AVX-512 or the AVX2 kernel; ``dependent_launch``,
-    also in each stage's dict such as ``combine``: the CUDA launch starts behind the previous kernel
+    also in each other launch's dict such as ``reduce``: the CUDA launch starts behind the previous kernel
     (programmatic dependent launch), as the streaming decode and its K-slice reduction do on sm_90).
+    Every launch other than the GEMM's is a dict under its role (``reduce``: the CUDA K-slice reduction;
+    ``activations``: the CUDA wgmma prefill's activation rewrite), and ``launches`` lists all of them
+    in execution order, as for :func:`plan_gemm`.
     ``device``, ``caps`` and ``family`` as for :func:`plan_gemm`. ``layout``: how the indices are laid
     out, ``"tiles"`` (the canonical format) or ``"lanes"`` (the CUDA lane layout,
     :func:`trellis_index_layout`; CUDA only: ``gemm_trellis_decode_lanes_<dtype>`` for fp16/bf16 decode
@@ -108,7 +115,9 @@ def plan_trellis_moe(tokens: int, hidden: int, intermediate: int, num_experts: i
     """The plan ``moe_trellis`` would execute for ``tokens`` tokens routed to ``top_k`` of
     ``num_experts`` experts (gate/up ``hidden x intermediate``, down ``intermediate x hidden``): the
     gate/up stage's launch at the top level (``kernel``, ``grid``, ``k_parallel``, ...), then
-    ``down``, ``combine`` and (CUDA, one-launch routing) ``route`` as stage dicts, with the keys of
+    ``down``, ``combine``, (CUDA, one-launch routing) ``route`` and (Metal, more than 16 routed rows)
+    ``tiled_gate``, ``tiled_up``, ``tiled_down`` as stage dicts, all in ``launches`` in execution
+    order, with the keys of
     :func:`plan_trellis` (``family``: ``decode`` when every expert's rows fit one decode tile,
     tokens * top_k <= 16; ``cuda_stream_decode``: the CUDA streaming kernel runs both stages;
     ``dependent_launch`` per stage). ``device`` and ``caps`` as for :func:`plan_gemm`."""
@@ -134,7 +143,8 @@ def plan_rans(M: int, K: int, N: int, group_size: int = 128, format: str = "fp4"
     tile's codes decoded and multiplied in one pass, kernel ``cpu_rans_gemm`` on the CPU), else
     ``"staged"`` (the layer decoded to ``B_packed`` by ``kernel``, then the dense GEMM of ``format``,
     whose own plan is under ``"gemm"``). Keys: ``family, kernel, grid, threads, cpu_avx2,
-    channels_per_tile, tiles, steps_per_channel, n_groups, format, has_bias, fused_max_m`` and the caps.
+    channels_per_tile, tiles, steps_per_channel, n_groups, format, has_bias, fused_max_m`` and the caps;
+    ``launches``: the ``decode`` launch, then the staged GEMM's, in execution order.
     ``channels_per_tile <= 0``: the format's default. ``device`` and ``caps`` as for :func:`plan_gemm`."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")

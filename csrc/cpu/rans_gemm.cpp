@@ -139,7 +139,7 @@ void fused_gemm(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) {
   const bool direct = C.scalar_type() == at::kFloat;
   at::Tensor out = direct ? C : at::empty({a.M, a.N}, C.options().dtype(at::kFloat));
   float* Cp = out.data_ptr<float>();
-  at::parallel_for(0, int64_t(plan.decode.grid[0]), 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, int64_t(plan.launches.at(LaunchRole::Decode).grid[0]), 1, [&](int64_t t0, int64_t t1) {
     if (plan.cpu_avx2) {
       fused_format<true>(a, o, Cp, t0, t1);
     } else {

@@ -33,19 +33,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rans_encode(const at:
 }  // namespace
 
 TORCH_LIBRARY_IMPL(marlin, CPU, m) {
-  m.impl("_device_caps", &device_caps_entry<CpuBackend>);
-  m.impl("gemm_fp4", &gemm_fp4<CpuBackend>);
-  m.impl("gemm_u4", &gemm_u4<CpuBackend>);
-  m.impl("gemm_affine", &gemm_affine<CpuBackend>);
-  m.impl("dequant_fp4", &dequant_fp4<CpuBackend>);
-  m.impl("dequant_u4", &dequant_u4<CpuBackend>);
-  m.impl("dequant_affine", &dequant_affine<CpuBackend>);
-  m.impl("gemm_trellis", &gemm_trellis<CpuBackend>);
-  m.impl("dequant_trellis", &dequant_trellis<CpuBackend>);
-  m.impl("moe_trellis", &moe_trellis<CpuBackend>);
-  m.impl("rans_encode", &rans_encode);
-  m.impl("rans_decode", &rans_decode<CpuBackend>);
-  m.impl("gemm_rans", &gemm_rans<CpuBackend>);
+  register_backend_ops<CpuBackend>(m);
+  m.impl("rans_encode", &rans_encode);  // the host encoder: the CPU alone runs it
 }
 
 }  // namespace torch_marlin

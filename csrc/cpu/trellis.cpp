@@ -211,7 +211,7 @@ void moe_impl(const TrellisPlan& plan, const TrellisMoeArgs& a, at::Tensor& y) {
     xu[e] = trellis_decode_activations(xe, a.up.su[e], H);
   }
   const DecodeKernel kernel = decode_kernel(plan);
-  const int64_t nb1 = plan.params.tile_n, blocks1 = plan.main.grid[0];
+  const int64_t nb1 = plan.params.tile_n, blocks1 = plan.launches.at(LaunchRole::Main).grid[0];
   TORCH_CHECK(nb1 <= kMaxDecodeCols && nb1 % 16 == 0, "trellis_moe_cpu: plan tile_n ", nb1,
               " is not a multiple of 16 up to ", kMaxDecodeCols);
   at::parallel_for(0, a.E * blocks1, 1, [&](int64_t i0, int64_t i1) {
@@ -246,7 +246,7 @@ void moe_impl(const TrellisPlan& plan, const TrellisMoeArgs& a, at::Tensor& y) {
     if (rows == 0 || rows > kMaxDecodeRows) continue;
     xd[e] = trellis_decode_activations(rows_h.narrow(0, off[e], rows), a.down.su[e], I);
   }
-  const int64_t nb2 = nb1, blocks2 = plan.down.grid[0];
+  const int64_t nb2 = nb1, blocks2 = plan.launches.at(LaunchRole::Down).grid[0];
   at::parallel_for(0, a.E * blocks2, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t e = i / blocks2, n0 = (i % blocks2) * nb2;

@@ -263,13 +263,13 @@ void launch_decode_warps(const GemmPlan& plan, int gs_shift, const GemmOperands<
   });
 }
 
-// WARPS = plan.main.threads[0] / 32: 2, 4 or 8 up to 2 n8 tiles, 8 above (cuda_decode_block_warps).
+// WARPS = the main launch's threads / 32: 2, 4 or 8 up to 2 n8 tiles, 8 above (cuda_decode_block_warps).
 template <typename T, u32 FMT, int NT, bool kScaleGroupSums>
 void launch_decode_as(const GemmPlan& plan, int gs_shift, const GemmOperands<T>& o) {
   if constexpr (NT > 2) {
     return launch_decode_warps<T, FMT, NT, kScaleGroupSums, 8>(plan, gs_shift, o);
   } else {
-    switch (plan.main.threads[0]) {
+    switch (plan.launches.at(LaunchRole::Main).threads[0]) {
       case 64: return launch_decode_warps<T, FMT, NT, kScaleGroupSums, 2>(plan, gs_shift, o);
       case 128: return launch_decode_warps<T, FMT, NT, kScaleGroupSums, 4>(plan, gs_shift, o);
       default: return launch_decode_warps<T, FMT, NT, kScaleGroupSums, 8>(plan, gs_shift, o);
@@ -284,12 +284,12 @@ template <typename T, uint32_t FMT>
 void launch_decode(const GemmPlan& plan, const GemmOperands<T>& o) {
   const KernelDesc& d = plan.desc;
   const QuantGemmParams& q = plan.params;
+  const KernelLaunch& main = plan.launches.at(LaunchRole::Main);
   TORCH_CHECK((d.tile_m == 8u || d.tile_m == 16u || d.tile_m == 32u || d.tile_m == 64u) && d.tile_m == q.tile_m &&
                   d.tile_n == q.tile_n && q.tile_n == TM_CUDA_DECODE_TILE_N &&
-                  uint64_t(q.M) <= uint64_t(q.tile_m) * q.m_tiles && plan.main.grid[0] == q.m_tiles &&
-                  plan.main.grid[1] == q.n_tiles && plan.main.grid[2] == q.k_parallel &&
-                  (plan.main.threads[0] == 256u ||
-                   (d.tile_m <= 16u && (plan.main.threads[0] == 64u || plan.main.threads[0] == 128u))) &&
+                  uint64_t(q.M) <= uint64_t(q.tile_m) * q.m_tiles && main.grid[0] == q.m_tiles &&
+                  main.grid[1] == q.n_tiles && main.grid[2] == q.k_parallel &&
+                  (main.threads[0] == 256u || (d.tile_m <= 16u && (main.threads[0] == 64u || main.threads[0] == 128u))) &&
                   (!d.scale_group_sums || (d.tile_m <= 16u && q.group_size % 32u == 0 && FMT != TM_FORMAT_AFFINE)),
               "torch_marlin: bad decode plan");
   const int gs_shift = (q.group_size & (q.group_size - 1u)) == 0 ? __builtin_ctzll(uint64_t(q.group_size)) : -1;

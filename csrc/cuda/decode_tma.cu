@@ -206,11 +206,12 @@ template <typename T, uint32_t FMT>
 void launch_decode_tma(const GemmPlan& plan, const GemmOperands<T>& o) {
   const KernelDesc& d = plan.desc;
   const QuantGemmParams& q = plan.params;
+  const KernelLaunch& main = plan.launches.at(LaunchRole::Main);
   TORCH_CHECK((d.tile_m == 8u || d.tile_m == 16u) && d.tile_m == q.tile_m && q.tile_n == TM_CUDA_DECODE_TILE_N &&
                   d.scale_group_sums && FMT != TM_FORMAT_AFFINE && q.K % 32u == 0 && q.group_size % 32u == 0 &&
                   (q.group_size <= 64u || q.group_size % 128u == 0) && q.k_slice_len % 128u == 0 &&
-                  plan.main.threads[0] == u32(kTmaThreads) && plan.main.grid[0] == q.m_tiles &&
-                  plan.main.grid[1] == q.n_tiles && plan.main.grid[2] == q.k_parallel,
+                  main.threads[0] == u32(kTmaThreads) && main.grid[0] == q.m_tiles && main.grid[1] == q.n_tiles &&
+                  main.grid[2] == q.k_parallel,
               "torch_marlin: bad decode_tma plan");
   const int gs_shift = (q.group_size & (q.group_size - 1u)) == 0 ? __builtin_ctzll(uint64_t(q.group_size)) : -1;
   const CUtensorMap tmap = tensor_map_2d(o.B, CU_TENSOR_MAP_DATA_TYPE_UINT32, int64_t(q.K) / 8, int64_t(o.Np),

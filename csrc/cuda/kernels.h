@@ -112,14 +112,15 @@ void launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem_
 }
 
 // Launches a tile kernel (decode, wgmma, wgmma_ws) over the plan's grid; with kCluster the K slices
-// of an output tile (grid.z == k_parallel) run as one thread-block cluster; with
-// plan.main.dependent_launch the kernel may start before the previous one on the stream has finished
-// (its pdl_wait() orders them).
+// of an output tile (grid.z == k_parallel) run as one thread-block cluster; with the Main launch's
+// dependent_launch the kernel may start before the previous one on the stream has finished (its
+// pdl_wait() orders them).
 template <bool kCluster, typename... KArgs, typename... Args>
 void launch_tile_kernel(const GemmPlan& plan, void (*kernel)(KArgs...), uint32_t threads, int smem_bytes,
                         cudaStream_t stream, Args... args) {
+  const KernelLaunch& main = plan.launches.at(LaunchRole::Main);
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(plan.main.grid[0], plan.main.grid[1], plan.main.grid[2]);
+  cfg.gridDim = dim3(main.grid[0], main.grid[1], main.grid[2]);
   cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = size_t(smem_bytes);
   cfg.stream = stream;
@@ -132,9 +133,9 @@ void launch_tile_kernel(const GemmPlan& plan, void (*kernel)(KArgs...), uint32_t
     attr[cfg.numAttrs].val.clusterDim.z = plan.params.k_parallel;
     ++cfg.numAttrs;
   }
-  if (plan.main.dependent_launch) add_dependent_launch(cfg);
+  if (main.dependent_launch) add_dependent_launch(cfg);
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
-  check_launch(plan.main.kernel.c_str());
+  check_launch(main.kernel.c_str());
 }
 
 // Opts a kernel in to more than 48 KiB of dynamic shared memory, once per device.

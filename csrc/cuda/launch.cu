@@ -55,7 +55,8 @@ int* zeroed_tile_counters(const GemmPlan& plan, at::Tensor& ws, cudaStream_t str
   const size_t bytes = size_t(plan.params.m_tiles) * plan.params.n_tiles * sizeof(int);
   TORCH_CHECK(ws.defined() && plan.counters_offset % sizeof(int) == 0 &&
                   plan.counters_offset + bytes <= size_t(ws.numel()) * sizeof(float),
-              "torch_marlin: the K-parallel plan '", plan.main.kernel, "' has no room for its tile counters");
+              "torch_marlin: the K-parallel plan '", plan.launches.at(LaunchRole::Main).kernel,
+              "' has no room for its tile counters");
   int* counters = reinterpret_cast<int*>(static_cast<char*>(ws.data_ptr()) + plan.counters_offset);
   C10_CUDA_CHECK(cudaMemsetAsync(counters, 0, bytes, stream));
   return counters;
@@ -67,7 +68,7 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
   const KernelFamily family = plan.desc.family;
   TORCH_CHECK(family == KernelFamily::Decode || family == KernelFamily::DequantBlas || family == KernelFamily::Wgmma ||
                   family == KernelFamily::WgmmaWs,
-              "torch_marlin: no CUDA fp16/bf16 kernel for the plan '", plan.main.kernel, "'");
+              "torch_marlin: no CUDA fp16/bf16 kernel for the plan '", plan.launches.at(LaunchRole::Main).kernel, "'");
   TORCH_CHECK(plan.padded_n >= a.N && plan.padded_n % 16u == 0, "torch_marlin: bad padded_n ", plan.padded_n,
               " in the CUDA plan for N = ", a.N);
   const PaddedWeights w = padded_weights(a, int64_t(plan.padded_n));
@@ -105,7 +106,8 @@ void gemm_for_format(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C
     case DType::F16: launch_fast<__half, FMT>(plan, a, C, ws, stream); break;
     case DType::BF16: launch_fast<__nv_bfloat16, FMT>(plan, a, C, ws, stream); break;
     case DType::F32:
-      TORCH_CHECK(plan.desc.family == KernelFamily::Simt, "torch_marlin: fp32 plan has kernel '", plan.main.kernel, "'");
+      TORCH_CHECK(plan.desc.family == KernelFamily::Simt, "torch_marlin: fp32 plan has kernel '",
+                  plan.launches.at(LaunchRole::Main).kernel, "'");
       launch_simt<FMT>(plan, a, C, stream);
       break;
   }
@@ -175,7 +177,7 @@ void CudaBackend::quant_gemm(const GemmPlan& plan, const QuantGemmArgs& args, at
                   int64_t(q.group_size) == args.group_size && (q.has_bias != 0) == args.bias.defined() &&
                   (plan.workspace_bytes == 0 ||
                    (workspace.defined() && size_t(workspace.numel()) * sizeof(float) >= plan.workspace_bytes)),
-              "torch_marlin: the CUDA plan '", plan.main.kernel, "' does not match the call");
+              "torch_marlin: the CUDA plan '", plan.launches.at(LaunchRole::Main).kernel, "' does not match the call");
   const c10::cuda::CUDAGuard guard(args.A.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   switch (d.format) {

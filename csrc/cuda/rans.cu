@@ -380,11 +380,12 @@ namespace {
 void gemm_fused(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) {
   const RansParams& p = plan.params;
   const u32 rows = plan.tile_m;
+  const KernelLaunch& fused = plan.launches.at(LaunchRole::Decode);
   TORCH_CHECK(p.M >= 1u && p.M <= rows && rows <= TM_RANS_FUSED_MAX_M && p.K % 32u == 0u &&
                   p.group_size % 32u == 0u && p.n_groups * p.group_size == p.K && p.steps_per_channel * 32u == p.K &&
                   p.channels_per_tile >= 1u && p.tiles == (p.N + p.channels_per_tile - 1u) / p.channels_per_tile &&
-                  plan.decode.grid[0] == grid_for(p) && plan.decode.threads[0] == kThreads,
-              "torch_marlin: the CUDA plan '", plan.decode.kernel, "' does not match the gemm_rans kernel");
+                  fused.grid[0] == grid_for(p) && fused.threads[0] == kThreads,
+              "torch_marlin: the CUDA plan '", fused.kernel, "' does not match the gemm_rans kernel");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor words = aligned_words(a.codes.words);
   switch (a.dtype) {
@@ -396,17 +397,18 @@ void gemm_fused(const RansPlan& plan, const RansGemmArgs& a, at::Tensor& C) {
 
 void decode_to(const RansPlan& plan, const RansCodes& c, at::Tensor& B) {
   const RansParams& p = plan.params;
+  const KernelLaunch& decode = plan.launches.at(LaunchRole::Decode);
   TORCH_CHECK(p.K % 32u == 0u && p.steps_per_channel * 32u == p.K && p.channels_per_tile >= 1u &&
                   p.tiles == (p.N + p.channels_per_tile - 1u) / p.channels_per_tile &&
-                  plan.decode.grid[0] == grid_for(p) && plan.decode.threads[0] == kThreads,
-              "torch_marlin: the CUDA plan '", plan.decode.kernel, "' does not match the rans_decode kernel");
+                  decode.grid[0] == grid_for(p) && decode.threads[0] == kThreads,
+              "torch_marlin: the CUDA plan '", decode.kernel, "' does not match the rans_decode kernel");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor words = aligned_words(c.words);
   rans_decode_kernel<<<grid_for(p), kThreads, kSmemBytes, stream>>>(
       p, reinterpret_cast<const uint16_t*>(words.data_ptr()), u32(words.numel()), c.word_offsets.data_ptr<int>(),
       reinterpret_cast<const u32*>(c.states.data_ptr()), reinterpret_cast<const int16_t*>(c.freqs.data_ptr()),
       reinterpret_cast<u32*>(B.data_ptr()));
-  cuda_backend::check_launch(plan.decode.kernel.c_str());
+  cuda_backend::check_launch(decode.kernel.c_str());
 }
 
 }  // namespace

@@ -47,17 +47,18 @@ namespace cuda_backend {
 template <uint32_t FMT>
 void launch_simt(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, cudaStream_t stream) {
   const QuantGemmParams& q = plan.params;
+  const KernelLaunch& main = plan.launches.at(LaunchRole::Main);
   // A block is tile_n threads (one column each, __launch_bounds__(128)) over 8 rows.
-  TORCH_CHECK(q.tile_m == 8u && plan.main.threads[0] == q.tile_n && q.tile_n <= 128u && plan.main.grid[0] == q.n_tiles &&
-                  plan.main.grid[1] == q.m_tiles && q.k_parallel == 1u,
+  TORCH_CHECK(q.tile_m == 8u && main.threads[0] == q.tile_n && q.tile_n <= 128u && main.grid[0] == q.n_tiles &&
+                  main.grid[1] == q.m_tiles && q.k_parallel == 1u,
               "torch_marlin: bad simt plan");
-  const dim3 grid(plan.main.grid[0], plan.main.grid[1], 1);
-  simt_kernel<FMT><<<grid, plan.main.threads[0], 0, stream>>>(
+  const dim3 grid(main.grid[0], main.grid[1], 1);
+  simt_kernel<FMT><<<grid, main.threads[0], 0, stream>>>(
       plan.params, a.A.data_ptr<float>(), reinterpret_cast<const u32*>(a.B.data_ptr()), a.scales.data_ptr<float>(),
       FMT == TM_FORMAT_U4 ? a.zeros.data_ptr<uint8_t>() : nullptr,
       FMT == TM_FORMAT_AFFINE ? a.offsets.data_ptr<float>() : nullptr,
       a.bias.defined() ? a.bias.data_ptr<float>() : nullptr, C.data_ptr<float>());
-  check_launch(plan.main.kernel.c_str());
+  check_launch(main.kernel.c_str());
 }
 
 template void launch_simt<TM_FORMAT_FP4>(const GemmPlan&, const QuantGemmArgs&, at::Tensor&, cudaStream_t);

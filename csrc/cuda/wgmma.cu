@@ -372,11 +372,12 @@ void launch_wgmma(const GemmPlan& plan, const GemmOperands<T>& o) {
   const KernelDesc& d = plan.desc;
   const QuantGemmParams& q = plan.params;
   const bool wide = d.tile_m == 128u && d.tile_n == TM_CUDA_WGMMA_WIDE_TILE_N;
+  const KernelLaunch& main = plan.launches.at(LaunchRole::Main);
   TORCH_CHECK((d.tile_m == 128u || d.tile_m == 256u) && (d.tile_n == TM_CUDA_WGMMA_TILE_N || wide) &&
                   d.tile_m == q.tile_m && d.tile_n == q.tile_n && q.K % TM_CUDA_WGMMA_K_STEP == 0 &&
-                  q.k_slice_len % TM_CUDA_WGMMA_K_STEP == 0 && q.group_size % 32u == 0 && plan.main.grid[0] == q.m_tiles &&
-                  plan.main.grid[1] == q.n_tiles && plan.main.grid[2] == q.k_parallel &&
-                  plan.main.threads[0] == TM_CUDA_WGMMA_THREADS &&
+                  q.k_slice_len % TM_CUDA_WGMMA_K_STEP == 0 && q.group_size % 32u == 0 && main.grid[0] == q.m_tiles &&
+                  main.grid[1] == q.n_tiles && main.grid[2] == q.k_parallel &&
+                  main.threads[0] == TM_CUDA_WGMMA_THREADS &&
                   (q.k_parallel == 1 || (d.reduce == ReduceKind::Cluster && q.k_parallel <= TM_CUDA_WGMMA_MAX_SLICES)),
               "torch_marlin: bad wgmma plan");
   if (wide) launch_wgmma_tile<T, FMT, 128, int(TM_CUDA_WGMMA_WIDE_TILE_N)>(plan, o);

@@ -4,7 +4,7 @@
 // activations = n); up to 4 K slices: 2 (3 for 256-row tiles) summed through a thread-block
 // cluster, 3..4 by each tile's last block through global memory (benchmarks/notes/cuda-tuning.md
 // WS-CLUSTER-SLICES, WS-GLOBAL-SLICES). A partial last wave of column tiles may run as a second,
-// K-sliced launch (GemmPlan::tail_n_tiles; benchmarks/notes/cuda-tuning.md WS-TAIL). Launched with
+// K-sliced launch (the plan's Tail launch; benchmarks/notes/cuda-tuning.md WS-TAIL). Launched with
 // programmatic dependent launch, like decode on sm_90.
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
   constexpr int kS = L::kStages, kTN = L::kTN, kConsumers = 128 * NC;
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const u32 m0 = blockIdx.x * u32(BN), n0 = (blockIdx.y + n_tile0) * u32(kTN);  // n_tile0: GemmPlan::tail_n_tiles
+  const u32 m0 = blockIdx.x * u32(BN), n0 = (blockIdx.y + n_tile0) * u32(kTN);  // n_tile0: where a Tail launch starts
   const u32 k_begin = blockIdx.z * p.k_slice_len;
   const u32 k_end = min(p.K, k_begin + p.k_slice_len);
   const int n_stages = int((k_end - k_begin) / u32(kWgKStep));  // multiples of 64 (planner)
@@ -344,16 +344,14 @@ void launch_wgmma_ws_as(const GemmPlan& plan, const CUtensorMap (&maps)[4], u32 
                                plan.params, n_tile0, o.bias, o.C, o.ws, o.counters);
 }
 
-// The second launch of a wgmma_ws plan with a tail (GemmPlan::tail_n_tiles), as a plan of its own:
-// the last column tiles, in K slices summed through a cluster.
-GemmPlan wgmma_ws_tail_plan(const GemmPlan& plan) {
+// The Tail launch of a wgmma_ws plan as a plan of its own (its Main launch): the last column tiles,
+// in K slices summed through a cluster.
+GemmPlan wgmma_ws_tail_plan(const GemmPlan& plan, const KernelLaunch& tail) {
   GemmPlan t = plan;
-  t.params.k_parallel = plan.tail_k_parallel;
+  t.params.k_parallel = tail.grid[2];
   t.params.k_slice_len = plan.tail_k_slice_len;
-  t.main.grid[1] = plan.tail_n_tiles;
-  t.main.grid[2] = plan.tail_k_parallel;
+  t.launches[LaunchRole::Main] = tail;
   t.desc.reduce = ReduceKind::Cluster;
-  t.tail_n_tiles = 0;
   return t;
 }
 
@@ -384,7 +382,9 @@ void launch_wgmma_ws_tile(const GemmPlan& plan, const GemmOperands<T>& o) {
     });
   };
   launch(plan, 0);
-  if (plan.tail_n_tiles > 0) launch(wgmma_ws_tail_plan(plan), plan.main.grid[1]);
+  if (const KernelLaunch* tail = plan.launches.find(LaunchRole::Tail)) {
+    launch(wgmma_ws_tail_plan(plan, *tail), plan.launches.at(LaunchRole::Main).grid[1]);
+  }
 }
 
 }  // namespace
@@ -397,22 +397,25 @@ void launch_wgmma_ws(const GemmPlan& plan, const GemmOperands<T>& o) {
   const KernelDesc& d = plan.desc;
   const QuantGemmParams& q = plan.params;
   const u32 nc = d.consumers;
+  const KernelLaunch& main = plan.launches.at(LaunchRole::Main);
+  const KernelLaunch* tail = plan.launches.find(LaunchRole::Tail);
+  const u32 tail_n_tiles = tail ? tail->grid[1] : 0u, tail_k_parallel = tail ? tail->grid[2] : 1u;
   TORCH_CHECK((d.tile_m == 64u || d.tile_m == 128u || d.tile_m == 256u) && nc >= 2u && nc <= u32(kWsMaxConsumers) &&
                   d.tile_n == 64u * nc && (d.tile_m < 256u || nc == 2u) && d.tile_m == q.tile_m &&
                   d.tile_n == q.tile_n && q.K % TM_CUDA_WGMMA_K_STEP == 0 &&
                   q.k_slice_len % TM_CUDA_WGMMA_K_STEP == 0 && q.group_size % TM_CUDA_WGMMA_K_STEP == 0 &&
-                  plan.main.grid[0] == q.m_tiles && plan.main.grid[1] + plan.tail_n_tiles == q.n_tiles &&
-                  plan.main.grid[2] == q.k_parallel && plan.main.threads[0] == 128u * (nc + 1u) &&
+                  main.grid[0] == q.m_tiles && main.grid[1] + tail_n_tiles == q.n_tiles &&
+                  main.grid[2] == q.k_parallel && main.threads[0] == 128u * (nc + 1u) &&
                   (q.k_parallel == 1 ||
                    (d.reduce == ReduceKind::Cluster && q.k_parallel <= TM_CUDA_WGMMA_MAX_SLICES) ||
-                   (d.reduce == ReduceKind::LastBlock && plan.tail_n_tiles == 0 &&
+                   (d.reduce == ReduceKind::LastBlock && tail == nullptr &&
                     plan.workspace_bytes >= size_t(q.m_tiles) * q.n_tiles * q.k_parallel * q.tile_m * q.tile_n *
                                                 sizeof(float))) &&
-                  (plan.tail_n_tiles == 0 ||
-                   (q.k_parallel == 1 && plan.main.grid[1] > 0 && plan.tail_k_parallel >= 2u &&
-                    plan.tail_k_parallel <= TM_CUDA_WGMMA_MAX_SLICES && plan.tail_k_slice_len > 0 &&
-                    plan.tail_k_slice_len % TM_CUDA_WGMMA_K_STEP == 0 &&
-                    uint64_t(plan.tail_k_slice_len) * plan.tail_k_parallel >= q.K)),
+                  (tail == nullptr ||
+                   (q.k_parallel == 1 && main.grid[1] > 0 && tail->grid[0] == q.m_tiles && tail_k_parallel >= 2u &&
+                    tail_k_parallel <= TM_CUDA_WGMMA_MAX_SLICES && tail->threads[0] == main.threads[0] &&
+                    plan.tail_k_slice_len > 0 && plan.tail_k_slice_len % TM_CUDA_WGMMA_K_STEP == 0 &&
+                    uint64_t(plan.tail_k_slice_len) * tail_k_parallel >= q.K)),
               "torch_marlin: bad wgmma_ws plan");
   if (d.tile_m == 256u) launch_wgmma_ws_tile<T, FMT, 256, 2>(plan, o);
   else if (d.tile_m == 128u && nc == 2u) launch_wgmma_ws_tile<T, FMT, 128, 2>(plan, o);

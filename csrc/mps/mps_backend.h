@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 
+#include "ops/backend_interface.h"
 #include "ops/quant_gemm.h"
 #include "ops/rans.h"
 #include "ops/trellis.h"
@@ -17,20 +18,11 @@ namespace torch_marlin {
 // GPU cores of the device (mps_encoder.mm).
 DeviceCaps mps_device_caps();
 
-// The MPS backend, the interface of the op entries (csrc/ops/op_entries.h): its caps and one kernel
-// entry per op, defined by the files named below. Each runs the plan it is given.
+// The MPS backend: TM_BACKEND_INTERFACE (csrc/ops/backend_interface.h). caps: mps_device_caps
+// (register_mps.mm); FP4 / INT4 / affine INT4 in quant_gemm_mps.mm, trellis in trellis_mps.mm, rANS in
+// rans_mps.mm.
 struct MpsBackend {
-  static DeviceCaps caps(const at::Device& device);  // mps_device_caps (register_mps.mm)
-  // FP4 / INT4 / affine INT4 (quant_gemm_mps.mm).
-  static void quant_gemm(const GemmPlan& plan, const QuantGemmArgs& args, at::Tensor& C, at::Tensor& workspace);
-  static void quant_dequant(const QuantGemmArgs& args, at::Tensor& W);
-  // Trellis (trellis_mps.mm).
-  static void trellis_gemm(const TrellisPlan& plan, const TrellisGemmArgs& args, at::Tensor& C);
-  static void trellis_dequant(const TrellisPlan& plan, const TrellisGemmArgs& args, at::Tensor& W);
-  static void trellis_moe(const TrellisPlan& plan, const TrellisMoeArgs& args, at::Tensor& y);
-  // rANS (rans_mps.mm).
-  static void rans_gemm(const RansPlan& plan, const RansGemmArgs& args, at::Tensor& C);
-  static void rans_decode(const RansPlan& plan, const RansCodes& codes, at::Tensor& B_packed);
+  TM_BACKEND_INTERFACE;
 };
 
 }  // namespace torch_marlin

@@ -1,20 +1,15 @@
-// The op entry points, over one backend's kernels. Each backend's binding unit (csrc/cpu/register_cpu.cpp,
-// csrc/cuda/register_cuda.cu, csrc/mps/register_mps.mm) registers them for its dispatch key, in one
-// TORCH_LIBRARY_IMPL block: the dispatcher picks the backend once, and every entry is the family's
-// backend-free prepare_<family> (checks, output, plan, workspace) followed by the backend's kernel.
+// The op entry points, over one backend's kernels, and register_backend_ops, which binds them. Each
+// backend's binding unit (csrc/cpu/register_cpu.cpp, csrc/cuda/register_cuda.cu, csrc/mps/register_mps.mm)
+// calls register_backend_ops<ItsBackend> in its one TORCH_LIBRARY_IMPL block: the dispatcher picks the
+// backend once, and every entry is the family's backend-free prepare_<family> (checks, output, plan,
+// workspace) followed by the backend's kernel.
 //
-// `BackendImpl` is a backend's interface struct (CpuBackend, CudaBackend, MpsBackend: static functions):
-//   DeviceCaps caps(const at::Device&)                     the planner's view of the device
-//   void quant_gemm(const GemmPlan&, const QuantGemmArgs&, at::Tensor& C, at::Tensor& workspace)
-//   void quant_dequant(const QuantGemmArgs&, at::Tensor& W)
-//   void trellis_gemm(const TrellisPlan&, const TrellisGemmArgs&, at::Tensor& C)
-//   void trellis_dequant(const TrellisPlan&, const TrellisGemmArgs&, at::Tensor& W)
-//   void trellis_moe(const TrellisPlan&, const TrellisMoeArgs&, at::Tensor& y)
-//   void rans_gemm(const RansPlan&, const RansGemmArgs&, at::Tensor& C)
-//   void rans_decode(const RansPlan&, const RansCodes&, at::Tensor& B_packed)
+// `BackendImpl` is a backend's interface struct (CpuBackend, CudaBackend, MpsBackend), whose members
+// TM_BACKEND_INTERFACE declares (csrc/ops/backend_interface.h).
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <vector>
 
@@ -143,7 +138,7 @@ at::Tensor moe_trellis(const at::Tensor& x, const at::Tensor& gate_packed, const
   return c.out;
 }
 
-// ---- rANS (rans_encode runs on the host: only the CPU binds it) ----
+// ---- rANS ----
 
 template <class BackendImpl>
 at::Tensor rans_decode(const at::Tensor& words, const at::Tensor& word_offsets, const at::Tensor& states,
@@ -165,6 +160,25 @@ at::Tensor gemm_rans(const at::Tensor& A, const at::Tensor& words, const at::Ten
                                      format, K, N, group_size, channels_per_tile, bias, BackendImpl::caps(A.device()));
   if (!c.empty) BackendImpl::rans_gemm(*c.plan, c.args, c.out);
   return c.out;
+}
+
+// Binds the op entries over BackendImpl's kernels for every op all backends run (schemas:
+// csrc/ops/library.cpp). An op only some backends run (rans_encode: the host encoder, CPU only) is
+// bound by those backends' units next to this call.
+template <class BackendImpl>
+void register_backend_ops(torch::Library& m) {
+  m.impl("_device_caps", &device_caps_entry<BackendImpl>);
+  m.impl("gemm_fp4", &gemm_fp4<BackendImpl>);
+  m.impl("gemm_u4", &gemm_u4<BackendImpl>);
+  m.impl("gemm_affine", &gemm_affine<BackendImpl>);
+  m.impl("dequant_fp4", &dequant_fp4<BackendImpl>);
+  m.impl("dequant_u4", &dequant_u4<BackendImpl>);
+  m.impl("dequant_affine", &dequant_affine<BackendImpl>);
+  m.impl("gemm_trellis", &gemm_trellis<BackendImpl>);
+  m.impl("dequant_trellis", &dequant_trellis<BackendImpl>);
+  m.impl("moe_trellis", &moe_trellis<BackendImpl>);
+  m.impl("rans_decode", &rans_decode<BackendImpl>);
+  m.impl("gemm_rans", &gemm_rans<BackendImpl>);
 }
 
 }  // namespace torch_marlin

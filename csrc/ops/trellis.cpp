@@ -41,10 +41,9 @@ void log_tensor(std::ostringstream& os, const char* name, const at::Tensor& t) {
   os << "\n";
 }
 
-void log_launch(std::ostringstream& os, const KernelLaunch& l) {
-  if (l.kernel.empty()) return;
-  os << "  kernel=" << l.kernel << " grid=(" << l.grid[0] << "," << l.grid[1] << "," << l.grid[2] << ") threads=("
-     << l.threads[0] << "," << l.threads[1] << "," << l.threads[2] << ")\n";
+void log_launch(std::ostringstream& os, LaunchRole role, const KernelLaunch& l) {
+  os << "  " << launch_role_name(role) << ": kernel=" << l.kernel << " grid=(" << l.grid[0] << "," << l.grid[1] << ","
+     << l.grid[2] << ") threads=(" << l.threads[0] << "," << l.threads[1] << "," << l.threads[2] << ")\n";
 }
 
 void log_dispatch(const char* op, const TrellisPlan& plan, std::initializer_list<std::pair<const char*, at::Tensor>> ts) {
@@ -52,9 +51,7 @@ void log_dispatch(const char* op, const TrellisPlan& plan, std::initializer_list
   os << "[torch_marlin] " << op << " family=" << family_name(plan.family) << " M=" << plan.params.M
      << " K=" << plan.params.K << " N=" << plan.params.N << " bits=" << plan.params.bits
      << " group_size=" << plan.params.group_size << "\n";
-  log_launch(os, plan.main);
-  log_launch(os, plan.down);
-  log_launch(os, plan.combine);
+  for (const auto& [role, launch] : plan.launches) log_launch(os, role, launch);
   for (const auto& kv : ts) log_tensor(os, kv.first, kv.second);
   std::cerr << os.str() << std::flush;
 }
@@ -248,7 +245,7 @@ TrellisMoeCall prepare_trellis_moe(const at::Tensor& x, const TrellisMoeWeights&
   a.probs = expert_probs.to(at::kFloat).contiguous();
   c.plan = std::make_shared<const TrellisPlan>(
       plan_trellis_moe(T, H, intermediate, E, top_k, bits, group_size, a.dtype, caps));
-  if (c.plan->route.kernel.empty() && !c.plan->moe_row_slots) trellis_route(expert_ids, E, a);
+  if (c.plan->launches.find(LaunchRole::Route) == nullptr && !c.plan->moe_row_slots) trellis_route(expert_ids, E, a);
   else a.expert_ids = expert_ids.contiguous();  // the backend routes (one launch) or needs no routing
   if (debug_enabled()) {
     log_dispatch(op, *c.plan, {{"x", a.x}, {"gate_scales", a.gate.scales}, {"gate_grid", a.gate.grid},

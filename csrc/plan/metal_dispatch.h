@@ -1,6 +1,7 @@
 // The Metal dispatch description: the ordered dispatches every op of the Metal backend encodes
-// for a plan, each a KernelLaunch of the plan (kernel, grid, threadgroup size) with the buffers in
-// the kernel's [[buffer(i)]] order and the bytes of its params struct (the last buffer slot).
+// for a plan, one per launch of the plan's LaunchList in its order (kernel, grid, threadgroup size),
+// with the buffers of the launch's role in the kernel's [[buffer(i)]] order and the bytes of its
+// params struct (the last buffer slot).
 //
 // csrc/mps/*.mm encodes this list on the MPS stream; the Metal-on-CPU harness
 // (csrc/metal_emu/*bindings.cpp) runs the same list on its CPU executor. Both go through the
@@ -128,6 +129,10 @@ struct RansDecodeBuffers {
 
 namespace metal_dispatch_detail {
 
+[[noreturn]] inline void unexpected_launch(LaunchRole role, const char* op) {
+  throw std::logic_error(std::string("Metal dispatch: ") + op + " has no " + launch_role_name(role) + " stage");
+}
+
 template <class Buffer, class Params>
 MetalDispatch<Buffer> make(const KernelLaunch& l, std::vector<Buffer> buffers, const char* params_type,
                            const Params& params) {
@@ -156,7 +161,7 @@ template <class Buffer>
 MetalDispatch<Buffer> make(const RansPlan& plan, std::vector<Buffer> buffers, uint32_t n_words) {
   RansParams p = plan.params;
   p.n_words = n_words;
-  return make<Buffer>(plan.decode, std::move(buffers), "RansParams", p);
+  return make<Buffer>(plan.launches.at(LaunchRole::Decode), std::move(buffers), "RansParams", p);
 }
 
 }  // namespace metal_dispatch_detail
@@ -168,17 +173,22 @@ template <class Buffer>
 MetalDispatches<Buffer> quant_gemm_dispatches(const GemmPlan& plan, const QuantGemmBuffers<Buffer>& b) {
   using metal_dispatch_detail::make;
   const QuantGemmParams& p = plan.params;
-  const bool split_k = p.k_parallel > 1u || !plan.reduce.kernel.empty();
+  const bool split_k = p.k_parallel > 1u || plan.launches.find(LaunchRole::Reduce) != nullptr;
   if (split_k && !b.workspace) throw std::logic_error("Metal dispatch: K-parallel plan without a workspace");
   const Buffer zeros_or_offsets = b.zeros_or_offsets ? *b.zeros_or_offsets : b.scales;
   const Buffer bias = b.bias ? *b.bias : b.C;
   const Buffer workspace = b.workspace ? *b.workspace : b.C;
+  const QuantReduceParams rp{p.M, p.N, p.k_parallel, p.has_bias};
   MetalDispatches<Buffer> out;
-  out.push_back(make<Buffer>(plan.main, {b.A, b.B, b.scales, zeros_or_offsets, bias, b.C, workspace},
-                             "QuantGemmParams", p));
-  if (!plan.reduce.kernel.empty()) {
-    const QuantReduceParams rp{p.M, p.N, p.k_parallel, p.has_bias};
-    out.push_back(make<Buffer>(plan.reduce, {workspace, bias, b.C}, "QuantReduceParams", rp));
+  for (const auto& [role, l] : plan.launches) {
+    if (role == LaunchRole::Main) {
+      out.push_back(
+          make<Buffer>(l, {b.A, b.B, b.scales, zeros_or_offsets, bias, b.C, workspace}, "QuantGemmParams", p));
+    } else if (role == LaunchRole::Reduce) {
+      out.push_back(make<Buffer>(l, {workspace, bias, b.C}, "QuantReduceParams", rp));
+    } else {
+      metal_dispatch_detail::unexpected_launch(role, "quant_gemm");
+    }
   }
   return out;
 }
@@ -188,7 +198,8 @@ template <class Buffer>
 MetalDispatches<Buffer> quant_dequant_dispatches(const GemmPlan& plan, const QuantDequantBuffers<Buffer>& b) {
   using metal_dispatch_detail::make;
   const Buffer zeros_or_offsets = b.zeros_or_offsets ? *b.zeros_or_offsets : b.scales;
-  return {make<Buffer>(plan.main, {b.B, b.scales, zeros_or_offsets, b.W}, "QuantGemmParams", plan.params)};
+  return {make<Buffer>(plan.launches.at(LaunchRole::Main), {b.B, b.scales, zeros_or_offsets, b.W}, "QuantGemmParams",
+                       plan.params)};
 }
 
 // C = A @ W (plan_trellis_gemm): gemm_trellis_packed_decode_* or gemm_trellis_packed_*.
@@ -196,7 +207,8 @@ template <class Buffer>
 MetalDispatches<Buffer> trellis_gemm_dispatches(const TrellisPlan& plan, const TrellisGemmBuffers<Buffer>& b) {
   using metal_dispatch_detail::make;
   const TrellisWeightBuffers<Buffer>& w = b.w;
-  return {make<Buffer>(plan.main, {b.A, w.packed, w.scales, w.grid, w.su, w.sv, b.C}, plan.params)};
+  return {make<Buffer>(plan.launches.at(LaunchRole::Main), {b.A, w.packed, w.scales, w.grid, w.su, w.sv, b.C},
+                       plan.params)};
 }
 
 // W = dequant(packed) (plan_trellis_dequant): dequant_trellis.
@@ -204,11 +216,11 @@ template <class Buffer>
 MetalDispatches<Buffer> trellis_dequant_dispatches(const TrellisPlan& plan, const TrellisDequantBuffers<Buffer>& b) {
   using metal_dispatch_detail::make;
   const TrellisWeightBuffers<Buffer>& w = b.w;
-  return {make<Buffer>(plan.main, {w.packed, w.scales, w.grid, w.su, w.sv, b.W}, plan.params)};
+  return {make<Buffer>(plan.launches.at(LaunchRole::Main), {w.packed, w.scales, w.grid, w.su, w.sv, b.W}, plan.params)};
 }
 
-// The MoE (plan_trellis_moe), in encoder order: gate/up + SwiGLU for experts with <= 16 rows,
-// the tiled gate and up (with SwiGLU) for larger experts when planned, the down projection
+// The MoE (plan_trellis_moe), in the plan's order: gate/up + SwiGLU for experts with <= 16 rows
+// (Main), the tiled gate and up (with SwiGLU) for larger experts when planned, the down projection
 // (GEMV, then tiled when planned), and the probability-weighted combine. One serial encoder:
 // each dispatch sees the previous ones' writes (tiled_up reads the g that tiled_gate wrote).
 template <class Buffer>
@@ -218,20 +230,29 @@ MetalDispatches<Buffer> trellis_moe_dispatches(const TrellisPlan& plan, const Tr
   const TrellisWeightBuffers<Buffer>& g = b.gate;
   const TrellisWeightBuffers<Buffer>& u = b.up;
   const TrellisWeightBuffers<Buffer>& d = b.down;
-  MetalDispatches<Buffer> out;
   auto tiled = [&](const KernelLaunch& l, const Buffer& X, const TrellisWeightBuffers<Buffer>& w, const Buffer& o) {
-    if (l.kernel.empty()) return;
-    out.push_back(make<Buffer>(l, {X, b.sorted_token, b.expert_offsets, w.packed, w.scales, w.grid, w.su, w.sv, o}, p));
+    return make<Buffer>(l, {X, b.sorted_token, b.expert_offsets, w.packed, w.scales, w.grid, w.su, w.sv, o}, p);
   };
-  out.push_back(make<Buffer>(plan.main,
-                     {b.x, b.sorted_token, b.expert_offsets, g.packed, g.scales, g.grid, g.su, g.sv, u.packed,
-                      u.scales, u.grid, u.su, u.sv, b.rows_h},
-                     p));
-  tiled(plan.tiled_gate, b.x, g, b.rows_h);
-  tiled(plan.tiled_up, b.x, u, b.rows_h);
-  out.push_back(make<Buffer>(plan.down, {b.rows_h, b.expert_offsets, d.packed, d.scales, d.grid, d.su, d.sv, b.rows_y}, p));
-  tiled(plan.tiled_down, b.rows_h, d, b.rows_y);
-  out.push_back(make<Buffer>(plan.combine, {b.rows_y, b.slot_row, b.probs, b.y}, p));
+  MetalDispatches<Buffer> out;
+  for (const auto& [role, l] : plan.launches) {
+    switch (role) {
+      case LaunchRole::Main:
+        out.push_back(make<Buffer>(l,
+                                   {b.x, b.sorted_token, b.expert_offsets, g.packed, g.scales, g.grid, g.su, g.sv,
+                                    u.packed, u.scales, u.grid, u.su, u.sv, b.rows_h},
+                                   p));
+        break;
+      case LaunchRole::TiledGate: out.push_back(tiled(l, b.x, g, b.rows_h)); break;
+      case LaunchRole::TiledUp: out.push_back(tiled(l, b.x, u, b.rows_h)); break;
+      case LaunchRole::Down:
+        out.push_back(
+            make<Buffer>(l, {b.rows_h, b.expert_offsets, d.packed, d.scales, d.grid, d.su, d.sv, b.rows_y}, p));
+        break;
+      case LaunchRole::TiledDown: out.push_back(tiled(l, b.rows_h, d, b.rows_y)); break;
+      case LaunchRole::Combine: out.push_back(make<Buffer>(l, {b.rows_y, b.slot_row, b.probs, b.y}, p)); break;
+      default: metal_dispatch_detail::unexpected_launch(role, "moe_trellis");
+    }
+  }
   return out;
 }
 

@@ -35,6 +35,34 @@ const char* reduce_name(ReduceKind r) {
   return "?";
 }
 
+const char* launch_role_name(LaunchRole r) {
+  switch (r) {
+    case LaunchRole::Route: return "route";
+    case LaunchRole::Activations: return "activations";
+    case LaunchRole::Decode: return "decode";
+    case LaunchRole::Main: return "main";
+    case LaunchRole::Tail: return "tail";
+    case LaunchRole::TiledGate: return "tiled_gate";
+    case LaunchRole::TiledUp: return "tiled_up";
+    case LaunchRole::Down: return "down";
+    case LaunchRole::TiledDown: return "tiled_down";
+    case LaunchRole::Reduce: return "reduce";
+    case LaunchRole::Combine: return "combine";
+  }
+  return "?";
+}
+
+const KernelLaunch* LaunchList::find(LaunchRole role) const {
+  const auto it = launches_.find(role);
+  return it == launches_.end() ? nullptr : &it->second;
+}
+
+const KernelLaunch& LaunchList::at(LaunchRole role) const {
+  const KernelLaunch* l = find(role);
+  if (l == nullptr) throw std::logic_error(std::string("the plan has no ") + launch_role_name(role) + " launch");
+  return *l;
+}
+
 const char* backend_name(Backend b) {
   switch (b) {
     case Backend::CPU: return "cpu";
@@ -223,7 +251,10 @@ GemmPlan plan_quant_gemm(QuantFormat format, int64_t M, int64_t K, int64_t N, in
     case Backend::CUDA: plan_cuda(p, M, K, N, caps); break;
     case Backend::CPU: plan_cpu(p, M, K, N, caps); break;
   }
-  p.main.kernel = kernel_name(p.desc);
+  // The backend planned the grids; the kernel is the desc's (a Tail launch runs it on the last tiles).
+  const std::string kernel = kernel_name(p.desc);
+  p.launches[LaunchRole::Main].kernel = kernel;
+  if (p.launches.find(LaunchRole::Tail) != nullptr) p.launches[LaunchRole::Tail].kernel = kernel;
   return p;
 }
 

@@ -8,13 +8,15 @@
 // Every op family plans the same way: <family>_plan.cpp (plan.cpp for the FP4 / INT4 GEMM) holds the
 // entries, the validation and the policy's choice of family; <family>_plan_<backend>.cpp
 // (plan_<backend>.cpp for the GEMM) each backend's geometry and tuning constants; plan_common.cpp
-// the tile and K-slice arithmetic they share. Every plan names its kernels as KernelLaunch values,
-// which the Metal dispatch description (metal_dispatch.h) turns into its ordered dispatches.
+// the tile and K-slice arithmetic they share. Every plan carries its kernels the same way: a
+// LaunchList, the launches in execution order, each with its role (the GEMM, the reduction, ...);
+// the Metal dispatch description (metal_dispatch.h) binds buffers to that list in its order.
 // plan_cache.cpp is the ops' cache of plans.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <string>
 
 #include "torch_marlin/quant_gemm_params.h"
@@ -108,8 +110,8 @@ const char* format_name(QuantFormat f);  // "fp4", "u4", "affine"
 std::string kernel_name(const KernelDesc& k);
 
 // One kernel launch of a plan, the same for every op family and backend: the kernel's name (the
-// Metal function, the CUDA instantiation's tag or the CPU routine; empty: not planned), its grid
-// (threadgroups on Metal, blocks on CUDA, tasks on the CPU) and threads per threadgroup / block.
+// Metal function, the CUDA instantiation's tag or the CPU routine), its grid (threadgroups on Metal,
+// blocks on CUDA, tasks on the CPU) and threads per threadgroup / block.
 struct KernelLaunch {
   std::string kernel;
   uint32_t grid[3] = {1, 1, 1};
@@ -126,11 +128,46 @@ struct KernelLaunch {
   bool dependent_launch = false;
 };
 
+// What a launch does in its plan. The declaration order is the execution order: a plan runs its
+// launches in this order whatever order the planner added them in.
+enum class LaunchRole : int {
+  Route,        // CUDA MoE: the routing of the rows to their experts, in one launch
+  Activations,  // CUDA trellis wgmma: the activations rewritten for the kernel's TMA
+  Decode,       // rANS: the codes decoded, fused with the GEMM (Fused) or into B_packed (Staged)
+  Main,         // the GEMM or the dequant; MoE: the gate/up + SwiGLU stage
+  Tail,         // CUDA wgmma_ws: the last column tiles, in K slices summed through a cluster
+  TiledGate,    // Metal MoE: 64x64-tile gate projection of the experts with more than 16 rows
+  TiledUp,      // ... their up projection (with SwiGLU)
+  Down,         // MoE: the down projection of the routed rows
+  TiledDown,    // Metal MoE: the tiled down projection
+  Reduce,       // the sum of the K slices' fp32 partials, in slice order
+  Combine,      // MoE: the probability-weighted sum of each token's top_k rows
+};
+
+const char* launch_role_name(LaunchRole r);  // "route", "activations", "decode", "main", ...
+
+// A plan's launches in execution order, at most one per role. operator[] adds a role's launch in its
+// place (LaunchRole order); a reference to a launch stays valid while others are added.
+class LaunchList {
+ public:
+  using Entries = std::map<LaunchRole, KernelLaunch>;
+  KernelLaunch& operator[](LaunchRole role) { return launches_[role]; }
+  const KernelLaunch* find(LaunchRole role) const;  // nullptr: the plan has no such launch
+  const KernelLaunch& at(LaunchRole role) const;    // throws std::logic_error naming the role if absent
+  Entries::const_iterator begin() const { return launches_.begin(); }
+  Entries::const_iterator end() const { return launches_.end(); }
+  size_t size() const { return launches_.size(); }
+
+ private:
+  Entries launches_;
+};
+
 struct GemmPlan {
   KernelDesc desc;
-  DeviceCaps caps;      // what the plan was made for
-  KernelLaunch main;    // the GEMM: kernel_name(desc)
-  KernelLaunch reduce;  // Metal SecondDispatch: the reduction of the K slices; empty kernel otherwise
+  DeviceCaps caps;  // what the plan was made for
+  // Main: the GEMM, kernel_name(desc) (plan_quant_dequant_metal: the dequant); Tail: CUDA wgmma_ws's
+  // second launch of that kernel; Reduce: Metal SecondDispatch, the reduction of the K slices.
+  LaunchList launches;
   size_t workspace_bytes = 0;       // fp32 partials [k_parallel][M][N] when k_parallel > 1 (CUDA
                                     // wgmma_ws: whole tiles in fragment order); dequant_blas: the panel
   // CUDA ReduceKind::LastBlock: byte offset in the workspace of the m_tiles * n_tiles int32 arrival
@@ -140,14 +177,12 @@ struct GemmPlan {
   // CUDA fp16/bf16 kernels: N rounded up to 16, the column count of the weights, scales and zero
   // points the kernels read (the launcher pads them when it differs from N). 0 elsewhere.
   uint32_t padded_n = 0;
-  // CUDA wgmma_ws only: the last tail_n_tiles column tiles (all row tiles of them) are left out of
-  // grid (grid[1] = n_tiles - tail_n_tiles, k_parallel 1) and run as a second launch split into
-  // tail_k_parallel K slices of tail_k_slice_len rows, summed through a cluster, so that the main
-  // grid's last, mostly empty wave becomes a short full one. 0: one launch.
-  uint32_t tail_n_tiles = 0;
-  uint32_t tail_k_parallel = 1;
+  // CUDA wgmma_ws with a Tail launch: the last column tiles (all row tiles of them) are left out of
+  // the Main grid (its grid[1] = n_tiles - the tail's grid[1], k_parallel 1) and run as the Tail
+  // launch, grid (m_tiles, tail column tiles, K slices), its K slices of tail_k_slice_len rows summed
+  // through a cluster, so that the main grid's last, mostly empty wave becomes a short full one.
   uint32_t tail_k_slice_len = 0;
-  // main.dependent_launch: CUDA decode and wgmma_ws on sm_90.
+  // Main's dependent_launch: CUDA decode and wgmma_ws on sm_90.
 };
 
 // The FP4 / INT4 / affine group-size rule (docs/formats.md): group_size a positive multiple of 8 that

@@ -45,9 +45,10 @@ void set_second_dispatch_reduction(GemmPlan& p, const char* reduce_kernel, uint3
   if (q.k_parallel <= 1) return;
   set_partials_workspace(p, size_t(q.M) * q.N);
   p.desc.reduce = ReduceKind::SecondDispatch;
-  p.reduce.kernel = reduce_kernel;
-  p.reduce.threads[0] = threads;
-  p.reduce.grid[0] = ceil_div(int64_t(q.M) * q.N, threads);
+  KernelLaunch& reduce = p.launches[LaunchRole::Reduce];
+  reduce.kernel = reduce_kernel;
+  reduce.threads[0] = threads;
+  reduce.grid[0] = ceil_div(int64_t(q.M) * q.N, threads);
 }
 
 uint32_t k_split_for(int64_t tiles, int64_t K, uint32_t k_step, int compute_units, int waves,

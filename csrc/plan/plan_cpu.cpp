@@ -27,7 +27,7 @@ void plan_cpu(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps& ca
     set_tiles(p, M, N, uint32_t(std::max<int64_t>(M, 1)), 128);
   }
   set_k_parallel(p, K, 1, TM_PACK_FACTOR);
-  p.main.grid[0] = p.params.n_tiles;
+  p.launches[LaunchRole::Main].grid[0] = p.params.n_tiles;
 }
 
 }  // namespace torch_marlin

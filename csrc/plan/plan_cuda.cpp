@@ -11,7 +11,7 @@
 //    TMA producer warpgroup and 2 or 3 consumer warpgroups over 64 x 128/192 .. 256 x 128
 //    (activation rows x weight columns) tiles, the weights dequantized into wgmma's register A
 //    operand; up to 4 K slices (2, or 3 of 256-row tiles, through a cluster; 3..4 through global
-//    memory); a partial last wave of tiles as a second launch in K slices (tail_n_tiles).
+//    memory); a partial last wave of tiles as a second launch in K slices (the Tail launch).
 //  - wgmma, sm_90a (cuda_wgmma_pays; group sizes wgmma_ws does not take): 2 warpgroups over
 //    128 x 256, 128 x 128 or 256 x 128 tiles; each stage's weight tile is dequantized once into
 //    shared memory and both operands feed wgmma from there; up to 4 K slices through a cluster.
@@ -140,7 +140,7 @@ int64_t cuda_wgmma_ws_slices(int64_t tiles, int64_t K, int64_t slots) {
 //    27.0 / 27.4 (10752 x 4096: 44.1 / 46.0 against 48.3 / 47.8).
 constexpr int64_t kCudaWgmmaWsMaxClusterSlices = 2;
 // The wgmma_ws launch geometry: consumer warpgroups (64 weight columns each), K slices, and the
-// column tiles split off into a second launch (GemmPlan::tail_n_tiles).
+// column tiles split off into a second launch (LaunchRole::Tail).
 struct WsGeometry {
   uint32_t consumers;
   int64_t tiles, k_parallel, tail_cols, tail_k_parallel;
@@ -201,9 +201,10 @@ constexpr int64_t kCudaWgmmaWsSmallMMaxK = 8192;
 // The tile kernels' grid = (row tiles, column tiles, K slices).
 void set_cuda_tile_grid(GemmPlan& p, int64_t K, int64_t k_parallel, uint32_t k_step) {
   set_k_parallel(p, K, uint32_t(k_parallel), k_step);
-  p.main.grid[0] = p.params.m_tiles;
-  p.main.grid[1] = p.params.n_tiles;
-  p.main.grid[2] = p.params.k_parallel;
+  KernelLaunch& main = p.launches[LaunchRole::Main];
+  main.grid[0] = p.params.m_tiles;
+  main.grid[1] = p.params.n_tiles;
+  main.grid[2] = p.params.k_parallel;
 }
 int64_t cuda_tiles(const GemmPlan& p) { return int64_t(p.params.m_tiles) * p.params.n_tiles; }
 
@@ -239,9 +240,10 @@ void plan_simt(GemmPlan& p, int64_t M, int64_t K, int64_t N) {
   constexpr uint32_t kRows = 8, kCols = 128;
   set_tiles(p, M, N, kRows, kCols);
   set_k_parallel(p, K, 1, TM_PACK_FACTOR);
-  p.main.grid[0] = p.params.n_tiles;
-  p.main.grid[1] = p.params.m_tiles;
-  p.main.threads[0] = kCols;
+  KernelLaunch& main = p.launches[LaunchRole::Main];
+  main.grid[0] = p.params.n_tiles;
+  main.grid[1] = p.params.m_tiles;
+  main.threads[0] = kCols;
 }
 
 // Warps a decode block: every block's warps split its K slice, and each warp pays the latency of
@@ -285,12 +287,13 @@ void plan_decode(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps&
   const CudaSliceRule& slices = p.desc.tma_weights ? kCudaDecodeTmaSlices : kCudaDecodeSlices;
   set_cuda_tile_grid(p, K, cuda_tile_slices(cuda_tiles(p), K, int64_t(caps.compute_units) * blocks_per_sm, slices),
                      slices.k_step);
-  p.main.threads[0] = uint32_t(32 * warps);
+  KernelLaunch& main = p.launches[LaunchRole::Main];
+  main.threads[0] = uint32_t(32 * warps);
   set_in_kernel_reduction(p, caps.thread_block_clusters && p.params.k_parallel <= TM_CUDA_DECODE_MAX_CLUSTER_SLICES,
                           size_t(M) * N);
   // PDL needs sm_90 and kernels from sm_90 PTX: the devices that run clusters (benchmarks/notes/cuda-tuning.md
   // CUDA-PDL).
-  p.main.dependent_launch = caps.thread_block_clusters != 0;
+  main.dependent_launch = caps.thread_block_clusters != 0;
 }
 
 // 2 warpgroups over 128 or 256 columns x 128 or 256 rows, 1 block per SM. K slices (of at least 8
@@ -300,7 +303,7 @@ void plan_wgmma(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps& 
   set_tiles(p, M, N, cuda_wgmma_tile_m(M), cuda_wgmma_tile_n(M, K, N, caps.compute_units));
   set_cuda_tile_grid(p, K, cuda_tile_slices(cuda_tiles(p), K, caps.compute_units, kCudaWgmmaSlices),
                      kCudaWgmmaSlices.k_step);
-  p.main.threads[0] = TM_CUDA_WGMMA_THREADS;
+  p.launches[LaunchRole::Main].threads[0] = TM_CUDA_WGMMA_THREADS;
   set_in_kernel_reduction(p, true, 0);
 }
 
@@ -312,19 +315,22 @@ void plan_wgmma_ws(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCap
   set_tiles(p, M, N, cuda_wgmma_ws_tile_m(M), 64 * g.consumers);
   p.desc.consumers = g.consumers;
   set_cuda_tile_grid(p, K, g.k_parallel, kCudaWgmmaWsSlices.k_step);
-  if (g.tail_cols > 0) {  // the tail's K slices are always summed through a cluster
+  KernelLaunch& main = p.launches[LaunchRole::Main];
+  main.threads[0] = 128 * (g.consumers + 1);
+  main.dependent_launch = true;  // sm_90a only (require_wgmma; benchmarks/notes/cuda-tuning.md CUDA-PDL)
+  if (g.tail_cols > 0) {  // the tail: the same kernel on the last column tiles, its K slices summed through a cluster
     QuantGemmParams tail = p.params;
     set_k_slices(tail, K, uint32_t(g.tail_k_parallel), kCudaWgmmaWsSlices.k_step);
-    p.main.grid[1] -= uint32_t(g.tail_cols);
-    p.tail_n_tiles = uint32_t(g.tail_cols);
-    p.tail_k_parallel = tail.k_parallel;
+    main.grid[1] -= uint32_t(g.tail_cols);
+    KernelLaunch& t = p.launches[LaunchRole::Tail];
+    t = main;
+    t.grid[1] = uint32_t(g.tail_cols);
+    t.grid[2] = tail.k_parallel;
     p.tail_k_slice_len = tail.k_slice_len;
   }
-  p.main.threads[0] = 128 * (g.consumers + 1);
   // Its partials stay in fragment order, whole tiles.
   set_in_kernel_reduction(p, !g.global_reduce,
                           size_t(p.params.m_tiles) * p.params.n_tiles * p.params.tile_m * p.params.tile_n);
-  p.main.dependent_launch = true;  // sm_90a only (require_wgmma; benchmarks/notes/cuda-tuning.md CUDA-PDL)
 }
 
 // Column panels of B are dequantized into a [K, tile_n] workspace in the activation dtype and

@@ -55,6 +55,7 @@ bool metal_striped_pays(int64_t M, int64_t K, int64_t N, const DeviceCaps& caps)
 }
 
 void plan_metal(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps& caps) {
+  KernelLaunch& main = p.launches[LaunchRole::Main];
   switch (p.desc.family) {
     case KernelFamily::Decode: {
       // A lane owns 4 adjacent columns for all rows of the kernel's row count (1, 2, 4, 8 or 16:
@@ -75,9 +76,9 @@ void plan_metal(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps& 
       const uint32_t k_step = gs * ceil_div(kDecodeMinKStep, gs);
       const uint32_t min_steps = ceil_div(kDecodeMinSliceRows, k_step);
       set_k_parallel(p, K, k_split_for(p.params.n_tiles, K, k_step, caps.compute_units, 4, min_steps), k_step);
-      p.main.grid[0] = p.params.n_tiles;
-      p.main.grid[1] = p.params.k_parallel;
-      p.main.threads[0] = TM_METAL_DECODE_THREADS;
+      main.grid[0] = p.params.n_tiles;
+      main.grid[1] = p.params.k_parallel;
+      main.threads[0] = TM_METAL_DECODE_THREADS;
       break;
     }
     case KernelFamily::FusedTiles:
@@ -85,9 +86,9 @@ void plan_metal(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps& 
       set_tiles(p, M, N, p.desc.family == KernelFamily::FusedTiles ? prefill_tile_m(M) : kTile, kTile);
       p.desc.tile_k = prefill_k_step(p.desc.family, p.desc.dtype);
       set_k_parallel(p, K, 1, p.desc.tile_k);
-      p.main.grid[0] = p.params.n_tiles;
-      p.main.grid[1] = p.params.m_tiles;
-      p.main.threads[0] = kThreads;
+      main.grid[0] = p.params.n_tiles;
+      main.grid[1] = p.params.m_tiles;
+      main.threads[0] = kThreads;
       break;
     }
     case KernelFamily::Striped: {
@@ -102,8 +103,8 @@ void plan_metal(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps& 
       // work items: 2 per core, 4 for large outputs.
       const int64_t target = int64_t(caps.compute_units) * (M * N > (1 << 20) ? 4 : 2);
       p.params.num_groups = uint32_t(std::max<int64_t>(1, std::min(work, target)));
-      p.main.grid[0] = p.params.num_groups;
-      p.main.threads[0] = kThreads;
+      main.grid[0] = p.params.num_groups;
+      main.threads[0] = kThreads;
       break;
     }
     default:
@@ -137,9 +138,10 @@ GemmPlan plan_quant_dequant_metal(QuantFormat format, int64_t K, int64_t N, int6
   p.params.group_size = uint32_t(group_size);
   p.params.k_parallel = 1;
   p.params.k_slice_len = uint32_t(K);
-  p.main.kernel = std::string("dequant_") + format_name(format) + "_" + dtype_name(dtype);
-  p.main.grid[0] = ceil_div((K / TM_PACK_FACTOR) * N, kDequantThreads);
-  p.main.threads[0] = kDequantThreads;
+  KernelLaunch& dequant = p.launches[LaunchRole::Main];
+  dequant.kernel = std::string("dequant_") + format_name(format) + "_" + dtype_name(dtype);
+  dequant.grid[0] = ceil_div((K / TM_PACK_FACTOR) * N, kDequantThreads);
+  dequant.threads[0] = kDequantThreads;
   return p;
 }
 

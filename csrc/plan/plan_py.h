@@ -117,20 +117,49 @@ inline void add_caps(py::dict& d, const DeviceCaps& c) {
 
 inline py::tuple dims(const uint32_t v[3]) { return py::make_tuple(v[0], v[1], v[2]); }
 
-// Every field of a GemmPlan a backend branches on, and the caps it was made for.
+inline py::dict launch_to_dict(const KernelLaunch& l) {
+  py::dict d;
+  d["kernel"] = l.kernel;
+  d["grid"] = dims(l.grid);
+  d["threads"] = dims(l.threads);
+  d["k_parallel"] = l.k_parallel;
+  d["k_slice_tiles"] = l.k_slice_tiles;
+  d["dependent_launch"] = l.dependent_launch;
+  return d;
+}
+
+// The plan's launches in execution order, each a launch_to_dict with its "role".
+inline py::list launches_to_list(const LaunchList& launches) {
+  py::list out;
+  for (const auto& [role, launch] : launches) {
+    py::dict d;
+    d["role"] = launch_role_name(role);
+    for (const auto& kv : launch_to_dict(launch)) d[kv.first] = kv.second;
+    out.append(d);
+  }
+  return out;
+}
+
+// Every field of a GemmPlan a backend branches on, and the caps it was made for: the Main launch at
+// the top level, the Reduce launch as reduce_*, the Tail launch as tail_*; all of them under
+// "launches".
 inline py::dict plan_to_dict(const GemmPlan& p) {
   const QuantGemmParams& q = p.params;
+  const KernelLaunch& main = p.launches.at(LaunchRole::Main);
+  const KernelLaunch none;  // a launch the plan lacks reads as an empty one
+  const KernelLaunch& reduce = p.launches.find(LaunchRole::Reduce) ? p.launches.at(LaunchRole::Reduce) : none;
+  const KernelLaunch* tail = p.launches.find(LaunchRole::Tail);
   py::dict d;
   d["family"] = family_name(p.desc.family);
-  d["kernel"] = p.main.kernel;
+  d["kernel"] = main.kernel;
   d["format"] = format_name(p.desc.format);
   d["dtype"] = dtype_arg_name(p.desc.dtype);
   d["reduce"] = reduce_name(p.desc.reduce);
-  d["reduce_kernel"] = p.reduce.kernel;
-  d["grid"] = dims(p.main.grid);
-  d["threads"] = dims(p.main.threads);
-  d["reduce_grid"] = dims(p.reduce.grid);
-  d["reduce_threads"] = dims(p.reduce.threads);
+  d["reduce_kernel"] = reduce.kernel;
+  d["grid"] = dims(main.grid);
+  d["threads"] = dims(main.threads);
+  d["reduce_grid"] = dims(reduce.grid);
+  d["reduce_threads"] = dims(reduce.threads);
   d["workspace_bytes"] = p.workspace_bytes;
   d["counters_offset"] = p.counters_offset;
   d["tile_m"] = q.tile_m;
@@ -146,28 +175,19 @@ inline py::dict plan_to_dict(const GemmPlan& p) {
   d["vector_loads"] = p.desc.vector_loads;
   d["tma_weights"] = p.desc.tma_weights;
   d["padded_n"] = p.padded_n;
-  d["tail_n_tiles"] = p.tail_n_tiles;
-  d["tail_k_parallel"] = p.tail_k_parallel;
+  d["tail_n_tiles"] = tail ? tail->grid[1] : 0u;     // the Tail launch's column tiles
+  d["tail_k_parallel"] = tail ? tail->grid[2] : 1u;  // and K slices
   d["tail_k_slice_len"] = p.tail_k_slice_len;
-  d["dependent_launch"] = p.main.dependent_launch;
+  d["dependent_launch"] = main.dependent_launch;
+  d["launches"] = launches_to_list(p.launches);
   add_caps(d, p.caps);
   return d;
 }
 
-inline py::dict launch_to_dict(const KernelLaunch& l) {
-  py::dict d;
-  d["kernel"] = l.kernel;
-  d["grid"] = dims(l.grid);
-  d["threads"] = dims(l.threads);
-  d["k_parallel"] = l.k_parallel;
-  d["k_slice_tiles"] = l.k_slice_tiles;
-  d["dependent_launch"] = l.dependent_launch;
-  return d;
-}
-
-// The main launch's keys at the top level; the MoE's other stages as sub-dicts when planned.
+// The Main launch's keys at the top level, every other launch as a sub-dict under its role's name
+// ("reduce", "down", "combine", ...), and all of them under "launches".
 inline py::dict trellis_plan_to_dict(const TrellisPlan& p) {
-  py::dict d = launch_to_dict(p.main);
+  py::dict d = launch_to_dict(p.launches.at(LaunchRole::Main));
   d["family"] = family_name(p.family);
   d["tile_m"] = p.params.tile_m;
   d["tile_n"] = p.params.tile_n;
@@ -185,25 +205,24 @@ inline py::dict trellis_plan_to_dict(const TrellisPlan& p) {
     d["down_k_vec4"] = p.params.down_k_vec4 != 0;
     d["moe_row_slots"] = p.moe_row_slots;
   }
-  const std::pair<const char*, const KernelLaunch*> stages[] = {
-      {"down", &p.down},           {"combine", &p.combine},   {"route", &p.route},
-      {"activations", &p.activations}, {"tiled_gate", &p.tiled_gate}, {"tiled_up", &p.tiled_up},
-      {"tiled_down", &p.tiled_down}};
-  for (const auto& s : stages) {
-    if (!s.second->kernel.empty()) d[s.first] = launch_to_dict(*s.second);
+  for (const auto& [role, launch] : p.launches) {
+    if (role != LaunchRole::Main) d[launch_role_name(role)] = launch_to_dict(launch);
   }
+  d["launches"] = launches_to_list(p.launches);
   add_caps(d, p.caps);
   return d;
 }
 
-// Every field of a RansPlan a backend branches on: the family, the per-tile launch, the layer
-// geometry and, for the staged family, the dense GEMM's own plan under "gemm".
+// Every field of a RansPlan a backend branches on: the family, the per-tile Decode launch, the layer
+// geometry and, for the staged family, the dense GEMM's own plan under "gemm"; "launches" lists the
+// Decode launch and then the staged GEMM's.
 inline py::dict rans_plan_to_dict(const RansPlan& p) {
+  const KernelLaunch& decode = p.launches.at(LaunchRole::Decode);
   py::dict d;
   d["family"] = rans_family_name(p.family);
-  d["kernel"] = p.decode.kernel;
-  d["grid"] = dims(p.decode.grid);
-  d["threads"] = dims(p.decode.threads);
+  d["kernel"] = decode.kernel;
+  d["grid"] = dims(decode.grid);
+  d["threads"] = dims(decode.threads);
   d["cpu_avx2"] = p.cpu_avx2;
   d["channels_per_tile"] = p.params.channels_per_tile;
   d["tiles"] = p.params.tiles;
@@ -213,7 +232,12 @@ inline py::dict rans_plan_to_dict(const RansPlan& p) {
   d["has_bias"] = p.params.has_bias != 0;
   d["fused_max_m"] = TM_RANS_FUSED_MAX_M;
   d["tile_m"] = p.tile_m;
-  if (p.family == RansFamily::Staged) d["gemm"] = plan_to_dict(p.gemm);
+  py::list launches = launches_to_list(p.launches);
+  if (p.family == RansFamily::Staged && p.gemm.launches.size() > 0) {  // rans_decode plans have no GEMM
+    d["gemm"] = plan_to_dict(p.gemm);
+    for (const auto& l : launches_to_list(p.gemm.launches)) launches.append(l);
+  }
+  d["launches"] = launches;
   add_caps(d, p.caps);
   return d;
 }

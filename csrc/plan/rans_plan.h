@@ -18,10 +18,12 @@ const char* rans_family_name(RansFamily f);  // "decode" (fused), "staged"
 
 struct RansPlan {
   RansFamily family = RansFamily::Fused;
-  DeviceCaps caps;     // what the plan was made for
-  KernelLaunch decode;   // the fused GEMM, or the decode to B_packed (staged, rans_decode)
+  DeviceCaps caps;  // what the plan was made for
+  LaunchList launches;  // Decode: the fused GEMM, or the decode to B_packed (staged, rans_decode)
   bool cpu_avx2 = false;  // CPU: the AVX2 lane kernel (caps.avx2), else the portable one
-  GemmPlan gemm;       // Staged: the dense GEMM on the decoded B_packed (empty kernel otherwise)
+  // Staged gemm_rans: the dense GEMM on the decoded B_packed, which runs its own launches after
+  // Decode (no launches otherwise).
+  GemmPlan gemm;
   RansParams params{};
   uint32_t tile_m = 0;  // CUDA fused: rows of A per kernel (1, 2, 4, 8, 16; M rounded up)
 };

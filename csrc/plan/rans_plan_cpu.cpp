@@ -6,14 +6,15 @@ namespace torch_marlin {
 
 void plan_rans_gemm_cpu(RansPlan& p, const DeviceCaps& caps) {
   p.cpu_avx2 = caps.avx2 != 0;
-  p.decode = rans_tile_launch(std::string(p.family == RansFamily::Fused ? "cpu_rans_gemm" : "cpu_rans_decode") +
-                                  (p.cpu_avx2 ? "_avx2" : ""),
-                              p.params, Backend::CPU);
+  const std::string kernel = std::string(p.family == RansFamily::Fused ? "cpu_rans_gemm" : "cpu_rans_decode") +
+                             (p.cpu_avx2 ? "_avx2" : "");
+  p.launches[LaunchRole::Decode] = rans_tile_launch(kernel, p.params, Backend::CPU);
 }
 
 void plan_rans_decode_cpu(RansPlan& p, const DeviceCaps& caps) {
   p.cpu_avx2 = caps.avx2 != 0;
-  p.decode = rans_tile_launch(p.cpu_avx2 ? "cpu_rans_decode_avx2" : "cpu_rans_decode", p.params, Backend::CPU);
+  p.launches[LaunchRole::Decode] =
+      rans_tile_launch(p.cpu_avx2 ? "cpu_rans_decode_avx2" : "cpu_rans_decode", p.params, Backend::CPU);
 }
 
 }  // namespace torch_marlin

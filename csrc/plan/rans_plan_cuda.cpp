@@ -18,14 +18,14 @@ KernelLaunch cuda_launch(const std::string& kernel, const RansParams& p) {
 void plan_rans_gemm_cuda(RansPlan& p, int64_t M, QuantFormat format, DType dtype) {
   if (p.family == RansFamily::Fused) {
     p.tile_m = rans_fused_rows(M);
-    p.decode = cuda_launch(std::string("gemm_rans_") + format_name(format) + "_" + dtype_name(dtype) + "_m" +
-                               std::to_string(p.tile_m),
-                           p.params);
+    const std::string kernel = std::string("gemm_rans_") + format_name(format) + "_" + dtype_name(dtype) + "_m" +
+                               std::to_string(p.tile_m);
+    p.launches[LaunchRole::Decode] = cuda_launch(kernel, p.params);
   } else {
-    p.decode = cuda_launch("rans_decode", p.params);
+    p.launches[LaunchRole::Decode] = cuda_launch("rans_decode", p.params);
   }
 }
 
-void plan_rans_decode_cuda(RansPlan& p) { p.decode = cuda_launch("rans_decode", p.params); }
+void plan_rans_decode_cuda(RansPlan& p) { p.launches[LaunchRole::Decode] = cuda_launch("rans_decode", p.params); }
 
 }  // namespace torch_marlin

@@ -18,17 +18,17 @@ void plan_rans_gemm_metal(RansPlan& p, int64_t M, int64_t K, int64_t N, QuantFor
   check_indices(M, K, N);
   if (p.family == RansFamily::Fused) {
     p.tile_m = rans_fused_rows(M);
-    p.decode = rans_tile_launch("rans_gemv_m" + std::to_string(p.tile_m) + "_" + format_name(format) + "_" +
-                                    dtype_name(dtype),
-                                p.params, Backend::Metal);
+    const std::string kernel =
+        "rans_gemv_m" + std::to_string(p.tile_m) + "_" + format_name(format) + "_" + dtype_name(dtype);
+    p.launches[LaunchRole::Decode] = rans_tile_launch(kernel, p.params, Backend::Metal);
   } else {
-    p.decode = rans_tile_launch("rans_decode_packed", p.params, Backend::Metal);
+    p.launches[LaunchRole::Decode] = rans_tile_launch("rans_decode_packed", p.params, Backend::Metal);
   }
 }
 
 void plan_rans_decode_metal(RansPlan& p, int64_t K, int64_t N) {
   check_indices(0, K, N);
-  p.decode = rans_tile_launch("rans_decode_packed", p.params, Backend::Metal);
+  p.launches[LaunchRole::Decode] = rans_tile_launch("rans_decode_packed", p.params, Backend::Metal);
 }
 
 }  // namespace torch_marlin

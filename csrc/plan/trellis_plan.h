@@ -22,24 +22,19 @@ struct TrellisPlan {
   // count fits one decode chunk in the worst case (tokens * top_k <= 16), else the prefill family
   // (experts past 16 routed rows take it). Dequant plans: Auto (no GEMM).
   KernelFamily family = KernelFamily::Decode;
-  DeviceCaps caps;       // what the plan was made for
-  KernelLaunch main;     // the GEMM, or the MoE gate/up + SwiGLU stage
-  KernelLaunch down;     // MoE: down projection of the routed rows (empty kernel otherwise)
-  KernelLaunch combine;  // MoE: probability-weighted sum of the top_k rows per token
-  // CUDA MoE: the routing in one launch (tokens * top_k <= TM_TRELLIS_CUDA_ROUTE_MAX_ROWS); empty
-  // kernel name: routed with ATen ops (trellis_route in csrc/ops/trellis.h), as on every backend.
-  KernelLaunch route;
-  // CUDA wgmma prefill: the launch that rewrites the activations for the kernel's TMA (times su,
-  // k-permuted to the lane layout's order, K padded to whole lane chunks); empty otherwise.
-  KernelLaunch activations;
+  DeviceCaps caps;  // what the plan was made for
+  // Main: the GEMM or the dequant. CUDA: Reduce sums a GEMM's K slices (Main's k_parallel > 1);
+  // Activations (wgmma prefill) rewrites the activations for the kernel's TMA (times su, k-permuted
+  // to the lane layout's order, K padded to whole lane chunks). The MoE: Main the gate/up + SwiGLU
+  // stage, Down, Combine; CUDA Route where the routing runs in one launch (tokens * top_k <=
+  // TM_TRELLIS_CUDA_ROUTE_MAX_ROWS; else ATen ops route, trellis_route in csrc/ops/trellis.h, as on
+  // every backend); Metal, only when tokens * top_k > 16, TiledGate, TiledUp, TiledDown: 64x64-tile
+  // kernels for experts with more than 16 routed rows (the GEMV stages skip those).
+  LaunchList launches;
   // CUDA MoE decode at one token: one expert slot per routed row (t * top_k + j), whose expert the
   // kernels read from expert_ids, so neither the routing launch nor its indirections run (a
   // token's top_k experts are distinct, so no expert's weights are read twice).
   bool moe_row_slots = false;
-  // Metal MoE, only when tokens * top_k > 16: 64x64-tile kernels for experts with more than 16
-  // routed rows (the GEMV stages skip those). Order on the encoder: main, tiled_gate, tiled_up,
-  // down, tiled_down, combine. Empty kernel names when not planned.
-  KernelLaunch tiled_gate, tiled_up, tiled_down;
   uint32_t k_chunk = 0;   // CPU: K rows dequantized per panel (bounded cache footprint)
   // CPU decode: the AVX-512 kernel (caps.avx512), else the AVX2 one (caps.avx2), else the portable
   // one; at most one of the two is set.

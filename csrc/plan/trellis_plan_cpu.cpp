@@ -26,6 +26,7 @@ void set_decode_kernel(TrellisPlan& p, const DeviceCaps& caps) {
 }  // namespace
 
 void plan_trellis_gemm_cpu(TrellisPlan& p, int64_t M, int64_t N, const DeviceCaps& caps) {
+  KernelLaunch& main = p.launches[LaunchRole::Main];
   if (p.family == KernelFamily::Decode) {
     const int64_t threads = std::max(1, caps.compute_units);
     const int64_t max_cols = std::max<int64_t>(TM_TRELLIS_TILE, kCpuDecodeAccFloats / std::max<int64_t>(M, 1) /
@@ -34,20 +35,21 @@ void plan_trellis_gemm_cpu(TrellisPlan& p, int64_t M, int64_t N, const DeviceCap
     const int64_t tile_n = (N + tasks - 1) / tasks;
     set_trellis_tiles(p.params, M, N, uint32_t(kDecodeMaxM), ceil_div(tile_n, TM_TRELLIS_TILE) * TM_TRELLIS_TILE);
     set_decode_kernel(p, caps);
-    p.main.kernel = p.cpu_avx512 ? "cpu_trellis_decode_avx512"
-                    : p.cpu_avx2 ? "cpu_trellis_decode_avx2"
-                                 : "cpu_trellis_decode";
+    main.kernel = p.cpu_avx512 ? "cpu_trellis_decode_avx512"
+                  : p.cpu_avx2 ? "cpu_trellis_decode_avx2"
+                               : "cpu_trellis_decode";
   } else {
     set_trellis_tiles(p.params, M, N, uint32_t(std::max<int64_t>(M, 1)), kCpuPrefillTileN);
-    p.main.kernel = "cpu_trellis_prefill";
+    main.kernel = "cpu_trellis_prefill";
   }
-  p.main.grid[0] = p.params.n_tiles;
+  main.grid[0] = p.params.n_tiles;
   p.k_chunk = kCpuKChunk;
 }
 
 void plan_trellis_dequant_cpu(TrellisPlan& p) {
-  p.main.kernel = "cpu_trellis_dequant";
-  p.main.grid[0] = p.params.tiles_k;
+  KernelLaunch& dequant = p.launches[LaunchRole::Main];
+  dequant.kernel = "cpu_trellis_dequant";
+  dequant.grid[0] = p.params.tiles_k;
 }
 
 void plan_trellis_moe_cpu(TrellisPlan& p, int64_t tokens, int64_t hidden, int64_t intermediate,
@@ -55,14 +57,17 @@ void plan_trellis_moe_cpu(TrellisPlan& p, int64_t tokens, int64_t hidden, int64_
   const uint32_t E = p.params.num_experts;
   set_trellis_tiles(p.params, kDecodeMaxM, intermediate, uint32_t(kDecodeMaxM), kCpuMoeTileN);
   set_decode_kernel(p, caps);  // the decode stages' kernel, as for the GEMM
-  p.main.kernel = "cpu_trellis_moe_gate_up";
-  p.main.grid[0] = p.params.n_tiles;
-  p.main.grid[1] = E;
-  p.down.kernel = "cpu_trellis_moe_down";
-  p.down.grid[0] = ceil_div(hidden, kCpuMoeTileN);
-  p.down.grid[1] = E;
-  p.combine.kernel = "cpu_trellis_moe_combine";
-  p.combine.grid[0] = uint32_t(tokens);
+  KernelLaunch& gate_up = p.launches[LaunchRole::Main];
+  gate_up.kernel = "cpu_trellis_moe_gate_up";
+  gate_up.grid[0] = p.params.n_tiles;
+  gate_up.grid[1] = E;
+  KernelLaunch& down = p.launches[LaunchRole::Down];
+  down.kernel = "cpu_trellis_moe_down";
+  down.grid[0] = ceil_div(hidden, kCpuMoeTileN);
+  down.grid[1] = E;
+  KernelLaunch& combine = p.launches[LaunchRole::Combine];
+  combine.kernel = "cpu_trellis_moe_combine";
+  combine.grid[0] = uint32_t(tokens);
   p.k_chunk = kCpuKChunk;
 }
 

@@ -101,21 +101,23 @@ uint32_t cuda_gemm_kernel_rows(TrellisPlan& p, bool decode, bool stream, int64_t
 // tile column), grid (column chunks of 8 tile columns, lane chunks along K).
 void set_lanes_dequant(TrellisPlan& p, const std::string& kernel, const char* who) {
   p.index_layout = TrellisIndexLayout::Lanes;
-  p.main.kernel = kernel;
-  p.main.grid[0] = ceil_div(p.params.tiles_n, TM_TRELLIS_CUDA_WARPS);
-  p.main.grid[1] = ceil_div(p.params.tiles_k, TM_TRELLIS_LANE_CHUNK_TILES);
-  p.main.threads[0] = kCudaThreads;
-  check_cuda_grid(p.main, who);
+  KernelLaunch& dequant = p.launches[LaunchRole::Main];
+  dequant.kernel = kernel;
+  dequant.grid[0] = ceil_div(p.params.tiles_n, TM_TRELLIS_CUDA_WARPS);
+  dequant.grid[1] = ceil_div(p.params.tiles_k, TM_TRELLIS_LANE_CHUNK_TILES);
+  dequant.threads[0] = kCudaThreads;
+  check_cuda_grid(dequant, who);
 }
 
 // The launch of the canonical-layout dequant kernel (dequant_trellis, and the dequant_blas GEMM's
 // dense weight): TM_TRELLIS_CUDA_DEQUANT_TILES tile columns per block, a block row per tile row.
 void set_tiles_dequant(TrellisPlan& p, const std::string& kernel, const char* who) {
-  p.main.kernel = kernel;
-  p.main.grid[0] = ceil_div(p.params.tiles_n, TM_TRELLIS_CUDA_DEQUANT_TILES);
-  p.main.grid[1] = p.params.tiles_k;
-  p.main.threads[0] = TM_TRELLIS_CUDA_DEQUANT_TILES * TM_TRELLIS_TILE;
-  check_cuda_grid(p.main, who);
+  KernelLaunch& dequant = p.launches[LaunchRole::Main];
+  dequant.kernel = kernel;
+  dequant.grid[0] = ceil_div(p.params.tiles_n, TM_TRELLIS_CUDA_DEQUANT_TILES);
+  dequant.grid[1] = p.params.tiles_k;
+  dequant.threads[0] = TM_TRELLIS_CUDA_DEQUANT_TILES * TM_TRELLIS_TILE;
+  check_cuda_grid(dequant, who);
 }
 
 // The launch of a CUDA block-per-128-columns kernel (streaming decode, tensor-core kernel): grid
@@ -125,25 +127,27 @@ void set_tiles_dequant(TrellisPlan& p, const std::string& kernel, const char* wh
 // between them (benchmarks/notes/cuda-tuning.md TRELLIS-CUDA-PDL).
 void set_cuda_sliced_launch(TrellisPlan& p, int64_t M, int64_t N, const std::string& kernel, const std::string& suffix,
                             const DeviceCaps& caps, uint32_t stage_tiles) {
-  p.main.kernel = kernel + suffix;
-  p.main.grid[0] = p.params.n_tiles;
-  p.main.grid[1] = p.params.m_tiles;
-  p.main.threads[0] = kCudaThreads;
+  KernelLaunch& main = p.launches[LaunchRole::Main];
+  main.kernel = kernel + suffix;
+  main.grid[0] = p.params.n_tiles;
+  main.grid[1] = p.params.m_tiles;
+  main.threads[0] = kCudaThreads;
   // The streaming decode itself launches behind the previous kernel too: its blocks warm L2 with
   // their first indices and wait for that kernel before they read (benchmarks/notes/cuda-tuning.md
   // TRELLIS-CUDA-PDL).
-  p.main.dependent_launch = p.cuda_stream_decode && caps.thread_block_clusters != 0;
+  main.dependent_launch = p.cuda_stream_decode && caps.thread_block_clusters != 0;
   // The streaming decode converts a slice's activations into shared memory once: bounded slices.
-  cuda_k_split(p.main, p.params.tiles_k, uint64_t(p.params.n_tiles) * p.params.m_tiles, caps.compute_units,
+  cuda_k_split(main, p.params.tiles_k, uint64_t(p.params.n_tiles) * p.params.m_tiles, caps.compute_units,
                stage_tiles, p.cuda_stream_decode ? TM_TRELLIS_CUDA_STREAM_MAX_SLICE_TILES(p.params.tile_m) : 0u, 0u,
                p.cuda_stream_decode ? cuda_stream_min_slice_stages(p.params.tile_m, p.params.bits) : 1u);
-  if (p.main.k_parallel > 1) {
-    p.combine.kernel = "gemm_trellis_reduce" + suffix;
-    p.combine.grid[0] = ceil_div(int64_t(M) * N, kCudaElemThreads);
-    p.combine.threads[0] = kCudaElemThreads;
-    p.combine.dependent_launch = caps.thread_block_clusters != 0;
+  if (main.k_parallel > 1) {
+    KernelLaunch& reduce = p.launches[LaunchRole::Reduce];
+    reduce.kernel = "gemm_trellis_reduce" + suffix;
+    reduce.grid[0] = ceil_div(int64_t(M) * N, kCudaElemThreads);
+    reduce.threads[0] = kCudaElemThreads;
+    reduce.dependent_launch = caps.thread_block_clusters != 0;
   }
-  check_cuda_grid(p.main, "plan_trellis_gemm");
+  check_cuda_grid(main, "plan_trellis_gemm");
 }
 
 // Rows of A a wgmma prefill block takes: 256 unless 128-row blocks take less time counted in waves
@@ -186,16 +190,18 @@ void set_lanes_wgmma(TrellisPlan& p, int64_t M, int64_t N, const std::string& su
   const uint32_t n_tiles = ceil_div(N, kCudaTileN);
   set_trellis_tiles(p.params, M, N, trellis_wgmma_tile_m(M, n_tiles, caps.compute_units), kCudaTileN);
   p.params.tile_k = TM_TRELLIS_LANE_CHUNK_TILES * TM_TRELLIS_TILE;
-  p.main.kernel = "gemm_trellis_wgmma_lanes" + suffix;
-  p.main.grid[0] = p.params.m_tiles;
-  p.main.grid[1] = p.params.n_tiles;
-  p.main.threads[0] = TM_TRELLIS_CUDA_WGMMA_THREADS;
+  KernelLaunch& main = p.launches[LaunchRole::Main];
+  main.kernel = "gemm_trellis_wgmma_lanes" + suffix;
+  main.grid[0] = p.params.m_tiles;
+  main.grid[1] = p.params.n_tiles;
+  main.threads[0] = TM_TRELLIS_CUDA_WGMMA_THREADS;
   // A thread per 16 k of each row, K padded to whole lane chunks.
   const uint64_t runs = uint64_t(M) * (trellis_lane_padded_k(p.params.tiles_k) / TM_TRELLIS_TILE);
-  p.activations.kernel = "trellis_wgmma_activations" + suffix;
-  p.activations.grid[0] = ceil_div(int64_t(runs), kCudaElemThreads);
-  p.activations.threads[0] = kCudaElemThreads;
-  check_cuda_grid(p.main, "plan_trellis_gemm");
+  KernelLaunch& activations = p.launches[LaunchRole::Activations];
+  activations.kernel = "trellis_wgmma_activations" + suffix;
+  activations.grid[0] = ceil_div(int64_t(runs), kCudaElemThreads);
+  activations.threads[0] = kCudaElemThreads;
+  check_cuda_grid(main, "plan_trellis_gemm");
 }
 
 }  // namespace
@@ -227,11 +233,12 @@ void plan_trellis_gemm_cuda(TrellisPlan& p, int64_t M, int64_t K, int64_t N, int
     // fp32 activations keep exact fp32 products: the CUDA-core kernel at every M.
     p.family = KernelFamily::Simt;
     set_trellis_tiles(p.params, M, N, TM_TRELLIS_CUDA_SIMT_M, kCudaSimtThreads);
-    p.main.kernel = "gemm_trellis_simt_float";
-    p.main.grid[0] = p.params.n_tiles;
-    p.main.grid[1] = p.params.m_tiles;
-    p.main.threads[0] = kCudaSimtThreads;
-    return check_cuda_grid(p.main, "plan_trellis_gemm");
+    KernelLaunch& main = p.launches[LaunchRole::Main];
+    main.kernel = "gemm_trellis_simt_float";
+    main.grid[0] = p.params.n_tiles;
+    main.grid[1] = p.params.m_tiles;
+    main.threads[0] = kCudaSimtThreads;
+    return check_cuda_grid(main, "plan_trellis_gemm");
   }
   if (p.family == KernelFamily::DequantBlas) {
     // The dequant kernel writes W [K, N] in the activation dtype; at::mm then runs cuBLAS.
@@ -275,28 +282,32 @@ void set_moe_stages(TrellisPlan& p, uint64_t rows, uint64_t active, int64_t hidd
   const uint32_t one_wave = p.cuda_stream_decode ? TM_TRELLIS_CUDA_STREAM_EXPERT_BLOCKS_PER_SM : 0u;
   set_trellis_tiles(p.params, tile_m, intermediate, tile_m, kCudaTileN);
   const char* kind = p.cuda_stream_decode ? "_decode" : decode ? "_decode_mma" : "_tiles";
-  p.main.kernel = std::string("moe_trellis_gate_up") + kind + suffix;
-  p.down.kernel = std::string("moe_trellis_down") + kind + suffix;
-  p.main.threads[0] = p.down.threads[0] = kCudaThreads;
-  p.main.grid[0] = ceil_div(intermediate, kCudaTileN);
-  p.down.grid[0] = ceil_div(hidden, kCudaTileN);
-  cuda_k_split(p.main, p.params.tiles_k, uint64_t(p.main.grid[0]) * 2 * active, caps.compute_units, stage_tiles,
+  KernelLaunch& gate_up = p.launches[LaunchRole::Main];
+  KernelLaunch& down = p.launches[LaunchRole::Down];
+  gate_up.kernel = std::string("moe_trellis_gate_up") + kind + suffix;
+  down.kernel = std::string("moe_trellis_down") + kind + suffix;
+  gate_up.threads[0] = down.threads[0] = kCudaThreads;
+  gate_up.grid[0] = ceil_div(intermediate, kCudaTileN);
+  down.grid[0] = ceil_div(hidden, kCudaTileN);
+  cuda_k_split(gate_up, p.params.tiles_k, uint64_t(gate_up.grid[0]) * 2 * active, caps.compute_units, stage_tiles,
                max_slice, one_wave);
-  cuda_k_split(p.down, p.params.down_tiles_k, uint64_t(p.down.grid[0]) * active, caps.compute_units, stage_tiles,
+  cuda_k_split(down, p.params.down_tiles_k, uint64_t(down.grid[0]) * active, caps.compute_units, stage_tiles,
                max_slice, one_wave);
-  p.down.dependent_launch = p.cuda_stream_decode && caps.thread_block_clusters != 0;
-  p.combine.dependent_launch = p.down.dependent_launch;
+  down.dependent_launch = p.cuda_stream_decode && caps.thread_block_clusters != 0;
+  p.launches[LaunchRole::Combine].dependent_launch = down.dependent_launch;
 }
 
 // The fp32 stages: the CUDA-core kernel.
 void set_moe_simt_stages(TrellisPlan& p, int64_t hidden, int64_t intermediate) {
   p.family = KernelFamily::Simt;
   set_trellis_tiles(p.params, TM_TRELLIS_CUDA_SIMT_M, intermediate, TM_TRELLIS_CUDA_SIMT_M, kCudaSimtThreads);
-  p.main.kernel = "moe_trellis_gate_up_simt_float";
-  p.down.kernel = "moe_trellis_down_simt_float";
-  p.main.threads[0] = p.down.threads[0] = kCudaSimtThreads;
-  p.main.grid[0] = ceil_div(intermediate, kCudaSimtThreads);
-  p.down.grid[0] = ceil_div(hidden, kCudaSimtThreads);
+  KernelLaunch& gate_up = p.launches[LaunchRole::Main];
+  KernelLaunch& down = p.launches[LaunchRole::Down];
+  gate_up.kernel = "moe_trellis_gate_up_simt_float";
+  down.kernel = "moe_trellis_down_simt_float";
+  gate_up.threads[0] = down.threads[0] = kCudaSimtThreads;
+  gate_up.grid[0] = ceil_div(intermediate, kCudaSimtThreads);
+  down.grid[0] = ceil_div(hidden, kCudaSimtThreads);
 }
 
 // Expert slots of the GEMM grids and how rows find their expert: one slot per routed row at one
@@ -310,8 +321,9 @@ uint32_t set_moe_routing(TrellisPlan& p, int64_t tokens, uint64_t rows, uint64_t
   if (rows <= TM_TRELLIS_CUDA_ROUTE_MAX_ROWS && E <= TM_TRELLIS_CUDA_ROUTE_MAX_EXPERTS) {
     // One block instead of a dozen ATen launches (sort, counts, scans): at decode batches the
     // launches, not the routing work, would dominate the expert GEMVs.
-    p.route.kernel = "moe_trellis_route";
-    p.route.threads[0] = TM_TRELLIS_CUDA_ROUTE_THREADS;
+    KernelLaunch& route = p.launches[LaunchRole::Route];
+    route.kernel = "moe_trellis_route";
+    route.threads[0] = TM_TRELLIS_CUDA_ROUTE_THREADS;
     return uint32_t(active);
   }
   return E;
@@ -332,13 +344,16 @@ void plan_trellis_moe_cuda(TrellisPlan& p, int64_t tokens, int64_t hidden, int64
     set_moe_stages(p, R, active, hidden, intermediate, suffix, caps);
   }
   const uint32_t slots = set_moe_routing(p, tokens, R, active);
-  p.main.grid[2] = 2 * slots;
-  p.down.grid[2] = slots;
-  p.combine.kernel = "moe_trellis_combine" + suffix;
-  p.combine.grid[0] = ceil_div(int64_t(tokens) * hidden, kCudaElemThreads);
-  p.combine.threads[0] = kCudaElemThreads;
-  check_cuda_grid(p.main, "plan_trellis_moe");
-  check_cuda_grid(p.down, "plan_trellis_moe");
+  KernelLaunch& gate_up = p.launches[LaunchRole::Main];
+  KernelLaunch& down = p.launches[LaunchRole::Down];
+  KernelLaunch& combine = p.launches[LaunchRole::Combine];
+  gate_up.grid[2] = 2 * slots;
+  down.grid[2] = slots;
+  combine.kernel = "moe_trellis_combine" + suffix;
+  combine.grid[0] = ceil_div(int64_t(tokens) * hidden, kCudaElemThreads);
+  combine.threads[0] = kCudaElemThreads;
+  check_cuda_grid(gate_up, "plan_trellis_moe");
+  check_cuda_grid(down, "plan_trellis_moe");
 }
 
 }  // namespace torch_marlin

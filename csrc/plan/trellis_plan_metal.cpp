@@ -25,7 +25,9 @@ constexpr uint32_t kMetalDecodeTileK = TM_TRELLIS_DECODE_K_TILES * TM_TRELLIS_TI
 constexpr uint32_t kMetalDequantThreads = TM_TRELLIS_DEQUANT_THREADS;
 constexpr uint32_t kMetalCombineThreads = TM_TRELLIS_COMBINE_THREADS;
 
-void set_launch(KernelLaunch& l, const std::string& kernel, uint32_t x, uint32_t y, uint32_t z, uint32_t threads) {
+void set_launch(TrellisPlan& p, LaunchRole role, const std::string& kernel, uint32_t x, uint32_t y, uint32_t z,
+                uint32_t threads) {
+  KernelLaunch& l = p.launches[role];
   l.kernel = kernel;
   l.grid[0] = x;
   l.grid[1] = y;
@@ -41,12 +43,12 @@ void set_moe_tiled_stages(TrellisPlan& p, uint64_t rows, int64_t hidden, int64_t
                           const std::string& suffix) {
   const uint32_t row_tiles = ceil_div(int64_t(rows), kMetalPrefillTile);
   const uint32_t slots = uint32_t(std::min<uint64_t>(p.params.num_experts, rows / (kDecodeMaxM + 1)));
-  set_launch(p.tiled_gate, "moe_trellis_tiled_gate" + suffix, ceil_div(intermediate, kMetalPrefillTile), row_tiles,
-             slots, kMetalThreads);
-  set_launch(p.tiled_up, "moe_trellis_tiled_up" + suffix, ceil_div(intermediate, kMetalPrefillTile), row_tiles,
-             slots, kMetalThreads);
-  set_launch(p.tiled_down, "moe_trellis_tiled_down" + suffix, ceil_div(hidden, kMetalPrefillTile), row_tiles, slots,
+  const uint32_t gate_up_blocks = ceil_div(intermediate, kMetalPrefillTile);
+  const uint32_t down_blocks = ceil_div(hidden, kMetalPrefillTile);
+  set_launch(p, LaunchRole::TiledGate, "moe_trellis_tiled_gate" + suffix, gate_up_blocks, row_tiles, slots,
              kMetalThreads);
+  set_launch(p, LaunchRole::TiledUp, "moe_trellis_tiled_up" + suffix, gate_up_blocks, row_tiles, slots, kMetalThreads);
+  set_launch(p, LaunchRole::TiledDown, "moe_trellis_tiled_down" + suffix, down_blocks, row_tiles, slots, kMetalThreads);
 }
 
 }  // namespace
@@ -56,26 +58,24 @@ void plan_trellis_gemm_metal(TrellisPlan& p, int64_t M, int64_t K, int64_t N, DT
                        uint64_t(p.params.tiles_k) * p.params.tiles_n * p.params.packed_bytes},
                       "plan_trellis_gemm");
   const std::string suffix = std::string("_") + dtype_name(dtype);
-  if (p.family == KernelFamily::Decode) {
+  const bool decode = p.family == KernelFamily::Decode;
+  if (decode) {
     set_trellis_tiles(p.params, M, N, uint32_t(kDecodeMaxM), kMetalDecodeTileN);
     p.params.tile_k = kMetalDecodeTileK;
-    p.main.kernel = "gemm_trellis_packed_decode" + suffix;
   } else {
     set_trellis_tiles(p.params, M, N, kMetalPrefillTile, kMetalPrefillTile);
     p.params.tile_k = kMetalPrefillTileK;
-    p.main.kernel = "gemm_trellis_packed" + suffix;
   }
   p.params.k_vec4 = K % 4 == 0 ? 1u : 0u;
-  p.main.grid[0] = p.params.n_tiles;
-  p.main.grid[1] = p.params.m_tiles;
-  p.main.threads[0] = kMetalThreads;
+  set_launch(p, LaunchRole::Main, (decode ? "gemm_trellis_packed_decode" : "gemm_trellis_packed") + suffix,
+             p.params.n_tiles, p.params.m_tiles, 1, kMetalThreads);
 }
 
 void plan_trellis_dequant_metal(TrellisPlan& p, int64_t K, int64_t N) {
   const TrellisParams& q = p.params;
   check_metal_indices({uint64_t(K) * uint64_t(N), uint64_t(q.tiles_k) * q.tiles_n * q.packed_bytes},
                       "plan_trellis_dequant");
-  set_launch(p.main, "dequant_trellis", p.params.tiles_n, p.params.tiles_k, 1, kMetalDequantThreads);
+  set_launch(p, LaunchRole::Main, "dequant_trellis", p.params.tiles_n, p.params.tiles_k, 1, kMetalDequantThreads);
 }
 
 // Grid (column blocks, expert slots): a threadgroup owns one expert's column block and walks that
@@ -95,11 +95,12 @@ void plan_trellis_moe_metal(TrellisPlan& p, int64_t tokens, int64_t hidden, int6
   p.params.tile_k = kMetalDecodeTileK;
   p.params.k_vec4 = hidden % 4 == 0 ? 1u : 0u;
   p.params.down_k_vec4 = intermediate % 4 == 0 ? 1u : 0u;
-  set_launch(p.main, "moe_trellis_gate_up" + suffix, p.params.n_tiles, slots, 1, kMetalThreads);
-  set_launch(p.down, "moe_trellis_down" + suffix, ceil_div(hidden, kMetalDecodeTileN), slots, 1, kMetalThreads);
+  set_launch(p, LaunchRole::Main, "moe_trellis_gate_up" + suffix, p.params.n_tiles, slots, 1, kMetalThreads);
+  set_launch(p, LaunchRole::Down, "moe_trellis_down" + suffix, ceil_div(hidden, kMetalDecodeTileN), slots, 1,
+             kMetalThreads);
   if (R > uint64_t(kDecodeMaxM)) set_moe_tiled_stages(p, R, hidden, intermediate, suffix);
-  set_launch(p.combine, "moe_trellis_combine" + suffix, ceil_div(int64_t(tokens) * hidden, kMetalCombineThreads), 1,
-             1, kMetalCombineThreads);
+  set_launch(p, LaunchRole::Combine, "moe_trellis_combine" + suffix,
+             ceil_div(int64_t(tokens) * hidden, kMetalCombineThreads), 1, 1, kMetalCombineThreads);
 }
 
 }  // namespace torch_marlin
