@@ -20,7 +20,7 @@ M1 = dict(compute_units=8, max_shared_memory=32768)
 PLAN_KEYS = {
     "family", "kernel", "format", "dtype", "reduce", "reduce_kernel", "grid", "threads", "reduce_grid",
     "reduce_threads", "workspace_bytes", "counters_offset", "tile_m", "tile_n", "tile_k", "m_tiles", "n_tiles", "k_parallel",
-    "k_slice_len", "num_groups", "consumers", "vector_loads", "scale_group_sums", "tma_weights", "padded_n", "tail_n_tiles",
+    "k_slice_len", "num_groups", "consumers", "vector_loads", "scale_group_sums", "padded_n", "tail_n_tiles",
     "tail_k_parallel", "tail_k_slice_len", "launches",
     "dependent_launch", "backend", "compute_units", "max_shared_memory", "wgmma", "thread_block_clusters", "avx2",
     "avx512",
@@ -221,8 +221,7 @@ def test_policy_cuda_wgmma():
 
 
 def test_policy_cuda_decode_block_warps_and_slices():
-    # The register-ring decode kernel (here: affine, which scales every weight) has fewer warps a
-    # block up to 16 rows when the tiles outnumber the 264 slots of 8-warp blocks (132 SMs x 16
+    # The decode kernel has fewer warps a block up to 16 rows when the tiles outnumber the 264 slots of 8-warp blocks (132 SMs x 16
     # warps): the fewest blocks that fit one wave, 2-warp blocks beyond it. K slices fill the slots
     # of that block size; up to 4 sum through a cluster, more through global memory (and every
     # count through global memory without clusters).
@@ -230,7 +229,7 @@ def test_policy_cuda_decode_block_warps_and_slices():
         return torch_marlin.plan_gemm(fmt, M, K, N, 128, dtype=torch.float16, device="cuda", caps=caps)
 
     def geometry(p):
-        assert not p["tma_weights"] and p["kernel"].startswith("decode_affine"), p
+        assert p["kernel"].startswith("decode_affine"), p
         return p["threads"][0] // 32, p["grid"], p["reduce"]
     assert geometry(plan(1, 4096, 4096)) == (8, (1, 128, 2), "cluster")
     assert geometry(plan(1, 4096, 6144)) == (8, (1, 192, 1), "none")
@@ -246,31 +245,9 @@ def test_policy_cuda_decode_block_warps_and_slices():
     assert geometry(plan(1, 8192, 1024)) == (8, (1, 32, 8), "last_block")
     two_warps = plan(1, 14336, 57344)  # 1792 tiles: 2-warp blocks, whose slices are still whole chunks
     assert geometry(two_warps) == (2, (1, 1792, 1), "none") and two_warps["k_slice_len"] == 14336
-    # FP4 / U4 without clusters (no TMA) follow the same rule.
-    assert plan(1, 4096, 28672, SM132_PORTABLE, "fp4")["threads"] == (64, 1, 1)
-
-
-def test_policy_cuda_decode_tma_weights():
-    # On sm_90 (the caps that run clusters) FP4 / U4 decode with scaled group sums takes its weights
-    # through the TMA-fed shared-memory ring: 8 warps, slices of whole 1024-row stages; group sizes
-    # 32, 64 or multiples of 128 (a warp's 128-row run holds whole groups or lies in one), K % 32 == 0.
-    def plan(M, K, N, group_size=128, fmt="fp4", caps=H100, dtype=torch.float16):
-        return torch_marlin.plan_gemm(fmt, M, K, N, group_size, dtype=dtype, device="cuda", caps=caps)
-    for fmt, dtype, M, group_size in [("fp4", torch.float16, 1, 128), ("u4", torch.bfloat16, 16, 32),
-                                      ("fp4", torch.bfloat16, 9, 64), ("u4", torch.float16, 1, 256)]:
-        p = plan(M, 4096, 28672, group_size, fmt, dtype=dtype)
-        assert p["tma_weights"] and p["kernel"] == f"decode_tma_{fmt}_{'half' if dtype == torch.float16 else 'bfloat'}"
-        assert p["threads"] == (256, 1, 1) and p["grid"] == (1, 896, 1), p
-    small = plan(1, 4096, 1024)
-    assert small["tma_weights"] and small["grid"] == (1, 32, 4) and small["k_slice_len"] == 1024
-    assert small["reduce"] == "cluster"
-    down = plan(1, 14336, 4096)  # slices of whole stages: 7 of 14
-    assert down["tma_weights"] and down["grid"] == (1, 128, 2) and down["k_slice_len"] == 7168
-    assert not plan(1, 6144, 4096, group_size=96)["tma_weights"]      # a run would straddle groups
-    assert not plan(1, 4096 + 16, 4096, group_size=16)["tma_weights"]  # no scaled group sums
-    assert not plan(17, 4096, 4096, caps=dict(H100, wgmma=False))["tma_weights"]  # 32-row tiles
-    assert not plan(1, 4096, 4096, fmt="affine")["tma_weights"]
-    assert not plan(1, 4096, 4096, caps=SM132_PORTABLE)["tma_weights"]
+    # FP4 / U4 (scaled group sums) follow the same rule.
+    assert plan(1, 4096, 28672, fmt="fp4")["threads"] == (64, 1, 1)
+    assert plan(16, 4096, 14336, fmt="u4")["threads"] == (128, 1, 1)
 
 
 def test_policy_cuda_wgmma_ws():
@@ -283,7 +260,7 @@ def test_policy_cuda_wgmma_ws():
     def plan(M, K=4096, N=12288, group_size=128, wgmma=True, **kw):
         caps = dict(compute_units=132, wgmma=wgmma, thread_block_clusters=True)
         return torch_marlin.plan_gemm("fp4", M, K, N, group_size, device="cuda", caps=caps, **kw)
-    assert plan(16)["kernel"] == "decode_tma_fp4_half"  # sm_90: weights through the TMA ring
+    assert plan(16)["kernel"] == "decode_fp4_half"
     for M in (17, 32):  # 4096 x 12288: 64 tiles x 2 slices; the others keep decode up to 32 rows
         assert plan(M)["kernel"] == "wgmma_ws_fp4_half" and plan(M)["k_parallel"] == 2
         assert plan(M, N=21504)["kernel"] == "wgmma_ws_fp4_half"
@@ -462,8 +439,7 @@ def test_forced_family_the_backend_lacks_is_refused(device, caps, dtype, family,
     ("metal", M1, "fused_tiles", "marlin_gemm_fused_m32_u4_half"),  # 8 rows: the 32-row tile
     ("metal", M1, "staged_tiles", "marlin_gemm_u4_half"),
     ("metal", M1, "striped", "marlin_gemm_striped_m32_u4_half"),  # 8 rows: the 32-row tile
-    ("cuda", H100, "decode", "decode_tma_u4_half"),  # sm_90: the TMA-fed decode kernel
-    ("cuda", SM132_PORTABLE, "decode", "decode_u4_half"),
+    ("cuda", H100, "decode", "decode_u4_half"),
     ("cuda", H100, "dequant_blas", "dequant_blas_u4_half"),
     ("cuda", H100, "wgmma", "wgmma_u4_half"),
     ("cuda", H100, "wgmma_ws", "wgmma_ws_u4_half"),
@@ -885,9 +861,6 @@ def test_affine_plans_as_u4(device, caps):
                               (4096, 14336, 4096, 128, torch.float16), (40, 2048, 200, 32, torch.float32)]:
         u4 = torch_marlin.plan_gemm("u4", M, K, N, g, dtype=dtype, device=device, caps=caps)
         affine = torch_marlin.plan_gemm("affine", M, K, N, g, dtype=dtype, device=device, caps=caps)
-        if u4["tma_weights"]:  # sm_90 decode: u4's scaled group sums take the TMA kernel, affine the register ring
-            assert affine["family"] == u4["family"] == "decode" and not affine["tma_weights"]
-            continue
         assert affine["format"] == "affine" and affine["kernel"] == u4["kernel"].replace("_u4", "_affine")
         # CUDA decode does not scale group sums for affine (plan_cuda.cpp plan_decode says why).
         differ = ("format", "kernel", "scale_group_sums", "launches")

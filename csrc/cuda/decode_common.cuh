@@ -1,6 +1,5 @@
-// Device code shared by the two decode kernels (decode.cu: weights streamed through a register
-// ring; decode_tma.cu: through a shared-memory ring that TMA fills): the scale-free dequant of
-// scaled group sums, the activation fragments, the coherent loads and the fixed-order epilogue
+// The decode kernel's (decode.cu) building blocks: the scale-free dequant of scaled group sums,
+// the activation fragments and mmas of a chunk, the coherent loads and the fixed-order epilogue
 // that sums the warps' partial tiles and the K slices.
 #pragma once
 

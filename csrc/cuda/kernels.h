@@ -54,8 +54,6 @@ struct GemmOperands {
 template <typename T, uint32_t FMT>
 void launch_decode(const GemmPlan& plan, const GemmOperands<T>& o);
 template <typename T, uint32_t FMT>
-void launch_decode_tma(const GemmPlan& plan, const GemmOperands<T>& o);
-template <typename T, uint32_t FMT>
 void launch_wgmma(const GemmPlan& plan, const GemmOperands<T>& o);
 template <typename T, uint32_t FMT>
 void launch_wgmma_ws(const GemmPlan& plan, const GemmOperands<T>& o);

@@ -91,8 +91,7 @@ void launch_fast(const GemmPlan& plan, const QuantGemmArgs& a, at::Tensor& C, at
     o.counters = zeroed_tile_counters(plan, ws, stream);
   }
   switch (family) {
-    case KernelFamily::Decode:
-      return plan.desc.tma_weights ? launch_decode_tma<T, FMT>(plan, o) : launch_decode<T, FMT>(plan, o);
+    case KernelFamily::Decode: return launch_decode<T, FMT>(plan, o);
     case KernelFamily::Wgmma: return launch_wgmma<T, FMT>(plan, o);
     case KernelFamily::WgmmaWs: return launch_wgmma_ws<T, FMT>(plan, o);
     default: return;  // excluded above

@@ -122,8 +122,7 @@ std::string kernel_name(const KernelDesc& k) {
       // The fused and striped families' 32-row tile: <stem>_m32_<fmt>_<dtype>.
       return stem + std::string(k.tile_m == TM_METAL_SMALL_TILE_M ? "_m32" : "") + suffix;
     }
-    case Backend::CUDA:  // decode_fp4_half, decode_tma_u4_half, wgmma_ws_u4_bfloat, ...
-      return family_name(k.family) + std::string(k.tma_weights ? "_tma" : "") + suffix;
+    case Backend::CUDA: return family_name(k.family) + suffix;  // decode_fp4_half, wgmma_ws_u4_bfloat, ...
   }
   return std::string();
 }

@@ -92,9 +92,6 @@ struct KernelDesc {
   // groups), not affine: the mmas of a group sum unscaled weights in fp32 and the group's scales
   // multiply those sums once, instead of every weight.
   bool scale_group_sums = false;
-  // CUDA decode on sm_90 with scale_group_sums, K % 32 == 0 and group sizes of 32, 64 or a multiple
-  // of 128: the packed weights arrive through a shared-memory ring that TMA fills (decode_tma).
-  bool tma_weights = false;
   ReduceKind reduce = ReduceKind::None;
 };
 

@@ -51,8 +51,6 @@ struct CudaSliceRule {
 // Decode: a slice is whole rounds of the 8 warps' 32-row chunks (benchmarks/notes/cuda-tuning.md
 // CUDA-DECODE-SLICES).
 constexpr CudaSliceRule kCudaDecodeSlices{1024, 16, 32 * TM_CUDA_DECODE_MAX_WARPS};
-// TMA-fed decode: slices of whole stages (the last one ends at K).
-constexpr CudaSliceRule kCudaDecodeTmaSlices{TM_CUDA_DECODE_TMA_STAGE_K, 16, TM_CUDA_DECODE_TMA_STAGE_K};
 constexpr CudaSliceRule kCudaWgmmaSlices{8 * TM_CUDA_WGMMA_K_STEP, TM_CUDA_WGMMA_MAX_SLICES, TM_CUDA_WGMMA_K_STEP};
 // wgmma_ws: at most 4 slices, 3 or 4 through global memory (cuda_wgmma_ws_geometry_for), at most 3
 // through a cluster (cuda_wgmma_ws_slices).
@@ -277,16 +275,11 @@ void plan_decode(GemmPlan& p, int64_t M, int64_t K, int64_t N, const DeviceCaps&
   // layout does not hold, so affine dequantizes every chunk in full (fused multiply-add) instead.
   p.desc.scale_group_sums = tile_m <= kCudaDecodeGroupSumsMaxTileM && p.params.group_size % 32 == 0 &&
                 p.desc.format != QuantFormat::Affine;
-  // TMA-fed weights (sm_90: the devices that run clusters) where a warp's 128-row run holds whole
-  // groups or lies inside one (benchmarks/notes/cuda-tuning.md CUDA-DECODE-TMA).
-  p.desc.tma_weights = caps.thread_block_clusters && p.desc.scale_group_sums && K % 32 == 0 &&
-                       (p.params.group_size <= 64 || p.params.group_size % 128 == 0);
-  const int64_t warps =
-      p.desc.tma_weights ? int64_t(TM_CUDA_DECODE_MAX_WARPS) : cuda_decode_block_warps(cuda_tiles(p), tile_m, caps);
+  const int64_t warps = cuda_decode_block_warps(cuda_tiles(p), tile_m, caps);
   const int64_t blocks_per_sm = TM_CUDA_DECODE_WARPS_PER_SM(tile_m) / warps;
-  const CudaSliceRule& slices = p.desc.tma_weights ? kCudaDecodeTmaSlices : kCudaDecodeSlices;
-  set_cuda_tile_grid(p, K, cuda_tile_slices(cuda_tiles(p), K, int64_t(caps.compute_units) * blocks_per_sm, slices),
-                     slices.k_step);
+  set_cuda_tile_grid(p, K,
+                     cuda_tile_slices(cuda_tiles(p), K, int64_t(caps.compute_units) * blocks_per_sm, kCudaDecodeSlices),
+                     kCudaDecodeSlices.k_step);
   KernelLaunch& main = p.launches[LaunchRole::Main];
   main.threads[0] = uint32_t(32 * warps);
   set_in_kernel_reduction(p, caps.thread_block_clusters && p.params.k_parallel <= TM_CUDA_DECODE_MAX_CLUSTER_SLICES,

@@ -173,7 +173,6 @@ inline py::dict plan_to_dict(const GemmPlan& p) {
   d["consumers"] = p.desc.consumers;
   d["scale_group_sums"] = p.desc.scale_group_sums;
   d["vector_loads"] = p.desc.vector_loads;
-  d["tma_weights"] = p.desc.tma_weights;
   d["padded_n"] = p.padded_n;
   d["tail_n_tiles"] = tail ? tail->grid[1] : 0u;     // the Tail launch's column tiles
   d["tail_k_parallel"] = tail ? tail->grid[2] : 1u;  // and K slices

@@ -36,10 +36,6 @@ TM_NAMESPACE_BEGIN
 // the H200 (4096 x 1024, M = 1, 4 slices: 4.3 against 7.5 us); 8-block clusters lose to it
 // (benchmarks/notes/cuda-tuning.md CUDA-DECODE-CLUSTER).
 #define TM_CUDA_DECODE_MAX_CLUSTER_SLICES 4u
-// The decode kernel fed by TMA (csrc/cuda/decode_tma.cu): a ring of TM_CUDA_DECODE_TMA_STAGES
-// shared-memory stages of TM_CUDA_DECODE_TMA_STAGE_K rows x 32 columns (16 KB), 8 warps a block.
-#define TM_CUDA_DECODE_TMA_STAGES 4u
-#define TM_CUDA_DECODE_TMA_STAGE_K 1024u
 // ---- CUDA wgmma kernel geometry (sm_90a) -------------------------------------------------------
 // Two warpgroups per block over TM_CUDA_WGMMA_TILE_N columns and 128 or 256 rows (or, with 128
 // rows, TM_CUDA_WGMMA_WIDE_TILE_N columns), K in stages of TM_CUDA_WGMMA_K_STEP rows (K and every K
