@@ -155,6 +155,21 @@ def test_k_parallel(fmt, dtype, M, K, k_parallel):
     case(fmt, M, K, N, group_size, dtype, True)
 
 
+@pytest.mark.parametrize("fmt", ["fp4", "u4", "affine"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("M", [1, 16])
+@pytest.mark.parametrize("N", [8480, 17024])
+def test_decode_block_warps(fmt, dtype, M, N):
+    # Up to 16 rows the planner gives a decode block 4 or 2 warps when its tiles outnumber the
+    # slots of 8-warp blocks (16 warps an SM): 265 / 532 tiles of 32 columns on 132 SMs.
+    plan = torch_marlin.plan_gemm(fmt, M, 1024, N, 128, dtype=dtype, device="cuda")
+    sm_warps = 16 * torch.cuda.get_device_properties(0).multi_processor_count
+    tiles = -(-N // 32)
+    warps = 8 if tiles * 8 <= sm_warps else 4 if tiles * 4 <= sm_warps else 2
+    assert plan["kernel"].startswith("decode_") and plan["threads"] == (32 * warps, 1, 1), plan
+    case(fmt, M, 1024, N, 128, dtype, True)
+
+
 def launched(fn, name):
     """Names of the kernels fn launches whose name contains `name` (CUDA profiler)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
