@@ -351,6 +351,7 @@ GemmPlan wgmma_ws_tail_plan(const GemmPlan& plan, const KernelLaunch& tail) {
   t.params.k_parallel = tail.grid[2];
   t.params.k_slice_len = plan.tail_k_slice_len;
   t.launches[LaunchRole::Main] = tail;
+  t.launches.erase(LaunchRole::Tail);
   t.desc.reduce = ReduceKind::Cluster;
   return t;
 }

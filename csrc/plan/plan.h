@@ -151,6 +151,7 @@ class LaunchList {
   KernelLaunch& operator[](LaunchRole role) { return launches_[role]; }
   const KernelLaunch* find(LaunchRole role) const;  // nullptr: the plan has no such launch
   const KernelLaunch& at(LaunchRole role) const;    // throws std::logic_error naming the role if absent
+  void erase(LaunchRole role) { launches_.erase(role); }
   Entries::const_iterator begin() const { return launches_.begin(); }
   Entries::const_iterator end() const { return launches_.end(); }
   size_t size() const { return launches_.size(); }
