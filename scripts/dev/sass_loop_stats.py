@@ -54,10 +54,12 @@ def main():
         cond, uncond, mma = found
         nt = int(re.search(r"Li(\d)E", name).group(1))
         chunks = mma / (4 * nt)  # 4 mmas per chunk and n8 tile
-        m = re.search(r"decode_kernelI(\w+?)Lj(\d)ELi(\d)ELb(\d)E", name)
+        # decode_kernel<T, FMT, NT, kScaleGroupSums, WARPS, kCluster>
+        m = re.search(r"decode_kernelI(\w+?)Lj(\d)ELi(\d)ELb(\d)ELi(\d)ELb(\d)E", name)
         dtype = "bf16" if "bfloat16" in m.group(1) else "fp16"
-        fmt = "fp4" if m.group(2) == "0" else "u4"
-        short = f"decode_kernel<{dtype}, {fmt}, NT={nt}, fold={m.group(4)}>"
+        fmt = ("fp4", "u4", "affine")[int(m.group(2))]
+        short = (f"decode_kernel<{dtype}, {fmt}, NT={nt}, group_sums={m.group(4)}, warps={m.group(5)}, "
+                 f"cluster={m.group(6)}>")
         print(f"{short}: {uncond / chunks:5.0f} per chunk + {cond / chunks:4.0f} under a branch")
 
 
