@@ -146,6 +146,27 @@ def test_patch_model_trellis(tmp_path):
             assert torch.equal(a, b)
 
 
+
+@pytest.mark.parametrize("fmt,options", [("fp4", {}), ("affine", {}), ("trellis", {"bits": 3, "dtype": torch.float32}),
+                                         ("u4", {"entropy_coding": True})], ids=["fp4", "affine", "trellis", "rans"])
+def test_patched_model_pickles(tmp_path, fmt, options):
+    # torch.save(model) pickles the whole module tree, its load_state_dict hooks included; the
+    # loaded copy answers as the original and still checks what load_state_dict gives it.
+    m = toy()
+    patch_model(m, format=fmt, group_size=32, progress=False, **options)
+    path = tmp_path / "model.pt"
+    torch.save(m, path)
+    back = torch.load(path, weights_only=False)
+    assert type(back.up) is type(m.up) and type(back.up) is not nn.Linear
+    with torch.no_grad():
+        for a, b in zip(m(IDS), back(IDS)):
+            assert torch.equal(a, b)
+    if isinstance(back.up, MarlinLinear) and back.up.zeros is not None:
+        bad = {k: v.clone() for k, v in back.up.state_dict().items()}
+        bad["zeros"].fill_(16)
+        with pytest.raises(ValueError, match="zeros must be in 0..15"):
+            back.up.load_state_dict(bad)
+
 def test_import_does_not_need_transformers():
     code = "import sys, torch_marlin; assert 'transformers' not in sys.modules, 'transformers imported'"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

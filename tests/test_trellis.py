@@ -8,6 +8,7 @@ dtype (half an ulp: 2^-11 fp16, 2^-8 bf16), so the check is
 i.e. ~2x the rounding bound plus an absolute floor for entries near zero after cancellation.
 """
 
+import io
 import os
 import subprocess
 import sys
@@ -216,6 +217,10 @@ def test_trellis_moe_module():
     m2 = tm.TrellisMoE(H, I, E, top_k=2, bits=4, group_size=32, dtype=torch.float32)
     m2.load_state_dict(moe.state_dict())
     assert torch.equal(m2(x), y)
+    buf = io.BytesIO()  # torch.save(module) pickles it, load_state_dict hooks included
+    torch.save(moe, buf)
+    buf.seek(0)
+    assert torch.equal(torch.load(buf, weights_only=False)(x), y)
 
 
 # ---- quantizer quality (SQNR report) --------------------------------------------------------------

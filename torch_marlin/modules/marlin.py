@@ -26,6 +26,12 @@ def _flatten(x: torch.Tensor, in_features: int, name: str) -> torch.Tensor:
     return x.reshape(-1, in_features)
 
 
+def validate_loaded(module: nn.Module, incompatible_keys) -> None:
+    """load_state_dict post-hook of the quantized modules: checks what was loaded. A module-level
+    function, not a lambda, so that a patched model pickles (torch.save(model))."""
+    module.validate()
+
+
 class MarlinLinear(nn.Module):
     """``y = x @ W^T + b`` with ``W`` stored as 4-bit codes, per-group scales (and zero points or
     offsets).
@@ -78,7 +84,7 @@ class MarlinLinear(nn.Module):
             self.register_buffer("input_perm", torch.arange(K, dtype=torch.int64, device=device))
         else:
             self.input_perm = None
-        self.register_load_state_dict_post_hook(lambda module, keys: module.validate())
+        self.register_load_state_dict_post_hook(validate_loaded)
 
     def validate(self) -> None:
         """Zero points must be 0..15: the kernels read a byte's low 4 bits (docs/formats.md), so a

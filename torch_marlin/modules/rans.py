@@ -9,7 +9,7 @@ from torch import nn
 from .. import ops
 from ..metal_fallback import run as _run
 from ..formats import rans as rans_format
-from .marlin import MarlinLinear, _flatten
+from .marlin import MarlinLinear, _flatten, validate_loaded
 
 _GEMM_RANS = torch.ops.marlin.gemm_rans.default
 _CODE_BUFFERS = ("rans_words", "rans_word_offsets", "rans_states", "rans_freqs")
@@ -74,7 +74,7 @@ class RansLinear(nn.Module):
             self.bias.zero_()
         if self.input_perm is not None:
             self.input_perm.copy_(torch.arange(in_features, device=device))
-        self.register_load_state_dict_post_hook(lambda module, keys: module.validate())
+        self.register_load_state_dict_post_hook(validate_loaded)
 
     # ---- conversion -------------------------------------------------------------------------
 

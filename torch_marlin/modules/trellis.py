@@ -27,6 +27,7 @@ from .. import ops, planner
 from ..dtypes import check_float_dtype
 from ..formats import trellis as fmt
 from ..formats.gptq_solver import progress_default
+from .marlin import validate_loaded
 
 _PARTS = ("packed_indices", "scales", "grid", "su", "sv")
 
@@ -48,6 +49,12 @@ def _as_weight(w, name: str) -> torch.Tensor:
     if not isinstance(w, torch.Tensor) or w.dim() != 2:
         raise TypeError(f"{name} must be nn.Linear or a 2-D [out_features, in_features] tensor")
     return w.detach().to(torch.float32)
+
+
+def prepare_loaded(module: nn.Module, incompatible_keys) -> None:
+    """load_state_dict post-hook of TrellisLinear: checks what was loaded and moves the indices to the
+    device's layout (a module-level function, so that a patched model pickles)."""
+    module._validate_and_use_device_layout()
 
 
 class TrellisLinear(nn.Module):
@@ -85,7 +92,7 @@ class TrellisLinear(nn.Module):
         else:
             self.bias = None
         self._lanes_shape = fmt.lanes_shape(K, N, bits)
-        self.register_load_state_dict_post_hook(lambda module, keys: module._validate_and_use_device_layout())
+        self.register_load_state_dict_post_hook(prepare_loaded)
 
     @property
     def index_layout(self) -> str:
@@ -290,7 +297,7 @@ class TrellisMoE(nn.Module):
             self.register_buffer(f"{proj}_sv", torch.ones(E, N, device=device))
         self.register_buffer("rot_in", torch.ones(H, device=device))
         self.register_buffer("rot_out", torch.ones(H, device=device))
-        self.register_load_state_dict_post_hook(lambda module, keys: module.validate())
+        self.register_load_state_dict_post_hook(validate_loaded)
 
     def _proj(self, proj: str):
         return tuple(getattr(self, f"{proj}_{p}") for p in _PARTS)
