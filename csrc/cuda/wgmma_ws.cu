@@ -64,10 +64,10 @@ struct WsSmem {
   static constexpr int kTN = 64 * NC;                      // weight columns of a block
   static constexpr int kA = BN * kWgKStep * 2;             // activation box: BN rows of 128 bytes
   static constexpr int kW = (kWgKStep / 8) * kTN * 4;      // 8 packed rows x kTN columns
-  static constexpr int kS = kTN * 2;                       // one scale row
-  static constexpr int kZ = kTN * 2;                       // one zero-point row (U4: kTN bytes) or offset row
+  static constexpr int kScaleRow = kTN * 2;                // one scale row
+  static constexpr int kZeroRow = kTN * 2;                 // one zero-point row (U4: kTN bytes) or offset row
                                                            // (affine: kTN * 2 bytes, the scales' dtype)
-  static constexpr int kStage = (kA + kW + kS + kZ + 1023) / 1024 * 1024;  // 1024-aligned swizzle atoms
+  static constexpr int kStage = (kA + kW + kScaleRow + kZeroRow + 1023) / 1024 * 1024;  // 1024-aligned swizzle atoms
   // The TMA ring: as many stages as 200 KiB hold, at most 8 (benchmarks/notes/cuda-tuning.md WS-RING).
   static constexpr int kStages = (200 * 1024) / kStage < 8 ? (200 * 1024) / kStage : 8;
   static constexpr int kPart = BN * kTN * 4;               // fp32 partial tile of the K-slice epilogue
@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = WsSmem<BN, NC>;
   using T2 = typename Tr<T>::T2;
-  constexpr int kS = L::kStages, kTN = L::kTN, kConsumers = 128 * NC;
+  constexpr int kStages = L::kStages, kTN = L::kTN, kConsumers = 128 * NC;
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const u32 m0 = blockIdx.x * u32(BN), n0 = (blockIdx.y + n_tile0) * u32(kTN);  // n_tile0: where a Tail launch starts
@@ -122,11 +122,11 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
   const u32 align_pad = (1024u - (smem_raw & 1023u)) & 1023u;
   unsigned char* const sm = smem + align_pad;
   const u32 smem_base = smem_raw + align_pad;
-  __shared__ __align__(8) uint64_t full_bar[kS], empty_bar[kS];
+  __shared__ __align__(8) uint64_t full_bar[kStages], empty_bar[kStages];
   const u32 full_base = u32(__cvta_generic_to_shared(full_bar)), empty_base = u32(__cvta_generic_to_shared(empty_bar));
   if (tid == 0) {
 #pragma unroll
-    for (int i = 0; i < kS; ++i) {
+    for (int i = 0; i < kStages; ++i) {
       mbar_init(full_base + 8u * i, 1u);
       mbar_init(empty_base + 8u * i, u32(kConsumers / 32));  // every consumer warp
     }
@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
   // thread waits for it before any other global access (it may write A, the weights, bias or C).
   pdl_launch_dependents();
   if (tid == kConsumers) {
-    for (int s = 0; s < min(n_stages, kS); ++s) {
+    for (int s = 0; s < min(n_stages, kStages); ++s) {
       const u32 k0 = k_begin + u32(s) * u32(kWgKStep), grp = k0 / p.group_size;
       tma_prefetch_l2_2d(&tmap_b, n0, k0 / 8u);
       tma_prefetch_l2_2d(&tmap_s, n0, grp);
@@ -149,23 +149,23 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
   __syncthreads();
 
   if (tid >= kConsumers) {
-    // Producer warpgroup: one thread puts stage s into slot s % kS once the consumers released the
+    // Producer warpgroup: one thread puts stage s into slot s % kStages once the consumers released the
     // slot's previous stage.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
     if (tid == kConsumers) {
       // The zero-point row is kTN bytes, the offset row kTN values of T.
-      constexpr u32 kTx = u32(L::kA + L::kW + L::kS + (FMT == TM_FORMAT_U4 ? kTN : 0) +
+      constexpr u32 kTx = u32(L::kA + L::kW + L::kScaleRow + (FMT == TM_FORMAT_U4 ? kTN : 0) +
                               (FMT == TM_FORMAT_AFFINE ? kTN * int(sizeof(T)) : 0));
       for (int s = 0; s < n_stages; ++s) {
-        const int slot = s % kS;
-        if (s >= kS) mbar_wait(empty_base + 8u * slot, u32(s / kS - 1) & 1u);
+        const int slot = s % kStages;
+        if (s >= kStages) mbar_wait(empty_base + 8u * slot, u32(s / kStages - 1) & 1u);
         const u32 bar = full_base + 8u * slot, dst = smem_base + u32(slot * L::kStage);
         const u32 k0 = k_begin + u32(s) * u32(kWgKStep), grp = k0 / p.group_size;
         mbar_expect_tx(bar, kTx);
         tma_load_2d(dst, &tmap_a, k0, m0, bar);
         tma_load_2d(dst + L::kA, &tmap_b, n0, k0 / 8u, bar);
         tma_load_2d(dst + L::kA + L::kW, &tmap_s, n0, grp, bar);
-        if constexpr (FMT != TM_FORMAT_FP4) tma_load_2d(dst + L::kA + L::kW + L::kS, &tmap_z, n0, grp, bar);
+        if constexpr (FMT != TM_FORMAT_FP4) tma_load_2d(dst + L::kA + L::kW + L::kScaleRow, &tmap_z, n0, grp, bar);
       }
     }
     if constexpr (kCluster) {  // the two cluster barriers of the consumers' wgmma_cluster_reduce
@@ -185,8 +185,8 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     u32 frag[2][4][4];
     // Waits for stage s and dequantizes it into fragment set fr.
     auto load_stage = [&](int s, u32 (&fr)[4][4]) {
-      const int slot = s % kS;
-      mbar_wait(full_base + 8u * slot, u32(s / kS) & 1u);
+      const int slot = s % kStages;
+      mbar_wait(full_base + 8u * slot, u32(s / kStages) & 1u);
       const unsigned char* st = sm + slot * L::kStage;
       uint2 wd[8];
 #pragma unroll
@@ -195,13 +195,13 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
       const T2 s0 = as_t2<T2>(prmt(sp, sp, 0x1010)), s1 = as_t2<T2>(prmt(sp, sp, 0x3232));
       ColQ<T> qp;
       if constexpr (FMT == TM_FORMAT_U4) {
-        const u32 zp = *reinterpret_cast<const unsigned short*>(st + L::kA + L::kW + L::kS + col);
+        const u32 zp = *reinterpret_cast<const unsigned short*>(st + L::kA + L::kW + L::kScaleRow + col);
         qp.s2 = as_t2<T2>(sp);
         qp.z2.x = magic_zero<T>(zp);
         qp.z2.y = magic_zero<T>(zp >> 8);
       } else if constexpr (FMT == TM_FORMAT_AFFINE) {
         qp.s2 = as_t2<T2>(sp);
-        qp.z2 = as_t2<T2>(*reinterpret_cast<const u32*>(st + L::kA + L::kW + L::kS + col * 2));
+        qp.z2 = as_t2<T2>(*reinterpret_cast<const u32*>(st + L::kA + L::kW + L::kScaleRow + col * 2));
       }
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     // bytes into the 128-byte rows.
     const uint64_t desc0 = wg_desc(smem_base, 16u, 1024u) | (uint64_t(1) << 62);
     auto issue_stage = [&](int s, const u32 (&fr)[4][4]) {
-      const uint64_t ds = desc0 + ((u32(s % kS) * u32(L::kStage)) >> 4);
+      const uint64_t ds = desc0 + ((u32(s % kStages) * u32(L::kStage)) >> 4);
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) wg_pin(acc[i]);
       wg_fence();
@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     auto step = [&](int s, u32 (&cur)[4][4], u32 (&next)[4][4]) {
       issue_stage(s, cur);
       wg_wait<1>();  // stage s - 1 retired: its slot and fragment set are free
-      if (s > 0 && lane == 0) mbar_arrive(empty_base + 8u * u32((s - 1) % kS));
+      if (s > 0 && lane == 0) mbar_arrive(empty_base + 8u * u32((s - 1) % kStages));
       if (s + 1 < n_stages) load_stage(s + 1, next);
     };
     if (n_stages > 0) load_stage(0, frag[0]);
