@@ -15,7 +15,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import torch_marlin
-from torch_marlin.generation import StaticDecoder
+from torch_marlin.generation import GREEDY_CHUNK, StaticDecoder, greedy_tokens
 
 from tiny_models import tiny_model
 
@@ -60,6 +60,30 @@ def test_decode_step_compiles_once(device, fmt, fuse):
             assert err <= (1e-2 if cuda else 1e-5) * scale, (position, err / scale)
             token = expected
     assert not counters["stats"]["unique_graphs"] and not counters["recompiles"], dict(counters)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_greedy_tokens_is_argmax(device, dtype):
+    # The decoders' greedy choice (two reductions over chunks) picks argmax's index: the same first
+    # index among ties (within a chunk and across chunks), a padded last chunk (vocabularies that
+    # are not a multiple of the chunk), the first NaN, a row of -inf; eagerly and compiled.
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for vocab in (7, GREEDY_CHUNK, GREEDY_CHUNK + 1, 5000):
+        cases.append(torch.randn(3, vocab, generator=gen))
+        cases.append(torch.randint(0, 3, (3, vocab), generator=gen).float())  # ties in every chunk
+    nan = torch.randn(2, 5000, generator=gen)
+    nan[0, 4000] = nan[0, 10] = nan[1, 3000] = float("nan")
+    cases += [nan, torch.full((2, 3000), float("-inf"))]
+    options = {"fullgraph": True} if device == "cuda" else {"fullgraph": True, "backend": "aot_eager"}
+    torch._dynamo.reset()
+    compiled = torch.compile(greedy_tokens, dynamic=False, **options)
+    for logits in cases:
+        logits = logits.to(device, dtype)
+        expected = logits.argmax(-1)
+        assert torch.equal(greedy_tokens(logits), expected)
+        assert torch.equal(compiled(logits), expected)
 
 
 def test_bad_arguments():
