@@ -69,7 +69,7 @@ class StaticDecoder:
         self.device = next(model.parameters()).device
         if cuda_graph and self.device.type != "cuda":
             raise ValueError(f"cuda_graph needs a model on a CUDA device, this one is on {self.device}")
-        self.cuda_graph = cuda_graph
+        self.cuda_graph, self.compiled = cuda_graph, compile
         self._decode = (torch.compile(self._decode_step, dynamic=False, **(compile_options or {})) if compile
                         else self._decode_step)
         self.cache = StaticCache(config=model.config, max_cache_len=max_length)
@@ -97,11 +97,13 @@ class StaticDecoder:
         self.cache.reset()  # in place: a captured step keeps pointing at the same cache tensors
         positions = torch.arange(input_ids.shape[1], device=self.device)
         self.logits = self._forward(input_ids.to(self.device), positions)
-        return greedy_tokens(self.logits)
+        return self.logits.argmax(-1)
 
     def _decode_step(self, tokens: torch.Tensor, position: torch.Tensor):
         logits = self._forward(tokens, position)
-        return logits, greedy_tokens(logits)
+        # The chunks are for inductor, whose one-row argmax is one block's work; uncompiled, aten's
+        # argmax is one kernel that splits a long row over blocks itself.
+        return logits, (greedy_tokens(logits) if self.compiled else logits.argmax(-1))
 
     def _step_body(self) -> None:
         self.logits, self._next = self._decode(self._tokens, self._position)
