@@ -96,3 +96,27 @@ def test_bad_arguments():
         StaticDecoder(model, 1, 1)
     with pytest.raises(TypeError, match="model must be a Hugging Face causal LM"):
         StaticDecoder(torch.nn.Linear(2, 2), 1, 8)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_decoder_matches_full_forward(family):
+    # The decoder's cache (full-attention layers after the first write at the decoder's positions)
+    # against the model's own forward over the whole sequence without a cache: the same logits at
+    # every step, and every layer reports the sequence's length. gemma2 mixes sliding-window layers
+    # (left as transformers builds them) with full ones.
+    model = tiny_model(family, layers=4)
+    ids = prompt(5)
+    fed = prompt(6, seed=2)
+    options = {"fullgraph": True, "backend": "aot_eager"}
+    for dec in (StaticDecoder(model, 2, 24), StaticDecoder(model, 2, 24, compile=True, compile_options=options)):
+        torch._dynamo.reset()
+        dec.prefill(ids)
+        seq = ids
+        for i in range(fed.shape[1]):
+            dec.step(fed[:, i], seq.shape[1])
+            seq = torch.cat([seq, fed[:, i:i + 1]], dim=1)
+            with torch.no_grad():
+                expected = model(input_ids=seq, use_cache=False).logits[:, -1]
+            torch.testing.assert_close(dec.logits, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+        lengths = {dec.cache.get_seq_length(i) for i in range(len(dec.cache.layers))}
+        assert {int(n) for n in lengths} == {seq.shape[1]}, lengths

@@ -15,6 +15,13 @@ which also allocates the cache, so every step sees the same cache objects in the
 step's inputs are the same static tensors every time (the position is a tensor, not a Python int).
 So one graph serves every layer and every step: no recompiles.
 
+The cache is transformers' ``StaticCache``, except that its full-attention layers after the first
+write each forward's keys and values at the positions the decoder hands the model: transformers'
+layer builds its positions from its own length counter and advances that counter, work repeated
+in every layer of every step (docs/benchmarks.md "End to end" has the measured gain). The first
+such layer keeps its counter, which the others report as their length; sliding-window layers are
+left as they are.
+
     dec = StaticDecoder(model, batch_size=1, max_length=256, cuda_graph=True, compile=True)
     tokens = dec.generate(input_ids, new_tokens=64)
 """
@@ -44,6 +51,40 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return (chunk * GREEDY_CHUNK + where.gather(-1, chunk)).squeeze(-1)
 
 
+def _decoder_cache(config, max_length: int):
+    """transformers' StaticCache whose full-attention layers after the first write at
+    ``cache.write_positions`` (set by StaticDecoder before each forward)."""
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+
+    class PositionedLayer(StaticLayer):
+        def __init__(self, max_cache_len: int, cache, counter: StaticLayer):
+            super().__init__(max_cache_len)
+            self.cache, self.counter = cache, counter
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            positions = self.cache.write_positions
+            try:
+                self.keys.index_copy_(2, positions, key_states)
+                self.values.index_copy_(2, positions, value_states)
+            except NotImplementedError:  # as StaticLayer: devices without index_copy_ (MPS)
+                self.keys[:, :, positions] = key_states
+                self.values[:, :, positions] = value_states
+            return self.keys, self.values
+
+        def get_seq_length(self):
+            return self.counter.get_seq_length()
+
+    cache = StaticCache(config=config, max_cache_len=max_length)
+    cache.write_positions = None
+    full = [i for i, layer in enumerate(cache.layers) if type(layer) is StaticLayer]
+    for i in full[1:]:
+        cache.layers[i] = PositionedLayer(max_length, cache, cache.layers[full[0]])
+    return cache
+
+
 class StaticDecoder:
     """Greedy decoding of ``model`` for ``batch_size`` sequences of up to ``max_length`` tokens
     (prompt included). ``cuda_graph``: capture the decode step (CUDA only) at its first call;
@@ -54,8 +95,6 @@ class StaticDecoder:
 
     def __init__(self, model: nn.Module, batch_size: int, max_length: int, cuda_graph: bool = False,
                  compile: bool = False, compile_options: Optional[dict] = None):
-        from transformers import StaticCache
-
         if not isinstance(model, nn.Module) or not hasattr(model, "config"):
             raise TypeError(f"model must be a Hugging Face causal LM (an nn.Module with a config), got "
                             f"{type(model).__name__}")
@@ -72,7 +111,7 @@ class StaticDecoder:
         self.cuda_graph, self.compiled = cuda_graph, compile
         self._decode = (torch.compile(self._decode_step, dynamic=False, **(compile_options or {})) if compile
                         else self._decode_step)
-        self.cache = StaticCache(config=model.config, max_cache_len=max_length)
+        self.cache = _decoder_cache(model.config, max_length)
         self._tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)
         self._position = torch.zeros(1, dtype=torch.long, device=self.device)
         self._graph: Optional[torch.cuda.CUDAGraph] = None
@@ -81,6 +120,7 @@ class StaticDecoder:
         self._next: Optional[torch.Tensor] = None
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.cache.write_positions = positions
         out = self.model(input_ids=input_ids, past_key_values=self.cache, cache_position=positions,
                          position_ids=positions.unsqueeze(0).expand(input_ids.shape[0], -1), use_cache=True,
                          logits_to_keep=1)
