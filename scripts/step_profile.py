@@ -4,8 +4,9 @@ A few decode steps of a StaticDecoder run under torch.profiler, as the benchmark
 replayed CUDA graph, compiled). The step's kernels are split into
   - each linear layer's GEMM, grouped by layer and shape (``qkv_proj fp4 4096x6144``), next to the
     same layer's time measured alone in the same process: the model's own layers of that shape
-    called back to back in turn (each one's weights cold when its turn comes, as in the model;
-    lm_head alone), so in/alone > 1 is time the model loses around that GEMM;
+    called in turn, a small kernel after each call as in the model (each one's weights cold when
+    its turn comes, as in the model; lm_head alone), so in/alone > 1 is time the model loses
+    around that GEMM;
   - the other kernels (norms, rotary embeddings, attention, residual adds, argmax, casts, copies),
     the largest by name;
   - idle: the step's time in the benchmark minus the sum of its kernels' times, i.e. the gaps
@@ -155,15 +156,23 @@ def isolated_signature(modules: List[nn.Module], M: int, device: torch.device, d
                        reps: int) -> Signature:
     """Each module of one layer shape called in turn ``reps`` times on one input."""
     x = torch.randn(M, modules[0].in_features, device=device, dtype=dtype)
+    # A GEMM kernel that lets its successor launch early (programmatic dependent launch, as the
+    # decode kernels do) would overlap the next call's kernel when they run back to back, and the
+    # trace would count that kernel's wait for it as its time. A small kernel between calls keeps
+    # them apart, as the model's norms and activations do; its kernels are left out.
+    spacer = torch.zeros(1, device=device) if device.type == "cuda" else None
+    spacer_kernels = {e.name for e in profiled(spacer.zero_, device)} if spacer is not None else set()
 
     def run():
         with torch.inference_mode():
             for _ in range(reps):
                 for m in modules:
                     m(x)
+                    if spacer is not None:
+                        spacer.zero_()
 
     run()  # warm-up: plans, lazy initializations
-    events = [e for e in profiled(run, device) if is_gemm_event(e.name, device)]
+    events = [e for e in profiled(run, device) if is_gemm_event(e.name, device) and e.name not in spacer_kernels]
     calls = reps * len(modules)
     per_name = defaultdict(float)
     for e in events:
