@@ -1,10 +1,10 @@
 // What bounds the M = 1 decode kernel: its weight stream (each warp a run of 4-row x 128-byte chunks
 // through a 4-deep register ring, the layout and access order of csrc/cuda/decode.cu) with a
 // synthetic per-chunk workload in place of the dequant, timed over a grid of
-//   - ALU instructions a chunk (lop3 chains from the chunk's words to the 16 mma operand registers,
-//     as the unpack does: 0, 32, 64, 80 or 96; with 64 the loop is 85 SASS instructions a chunk,
-//     the decode kernel's 86),
-//   - tensor-core steps a chunk (0, or the 4 m16n8k16 mmas of one n8 tile),
+//   - ALU instructions a chunk: lop3 chains from the chunk's words to the 16 mma operand registers,
+//     as the unpack does, then the 4 m16n8k16 mmas of one n8 tile (32, 64, 80 or 96; with 64 the
+//     loop is 85 SASS instructions a chunk, the decode kernel's 86); with 0 the chunk is only
+//     folded into a checksum (the stream alone),
 //   - warps a block (the block's K split: 2, 4 or 8) and resident warps per SM, capped by dynamic
 //     shared memory at 16 (what the decode kernel's 128-register bound allows), 24 or 32.
 // The synthetic kernels are compiled to at most 64 registers (no spills), so the cap is the only
@@ -54,8 +54,11 @@ __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// ALU: lop3 instructions a chunk (16 chains of ALU / 16, one per mma operand register); MMAS: 0 or 4.
-template <int DEPTH, int ALU, int MMAS>
+constexpr int kDepth = 4;  // the decode kernel's ring (kDecDepth)
+
+// ALU: lop3 instructions a chunk (16 chains of ALU / 16, one per mma operand register), then 4 mmas;
+// ALU = 0: the stream alone.
+template <int ALU>
 __global__ void stream_decode(const u32* B, u32 rows, u32 Np, u32 salt, u32* out) {
   extern __shared__ unsigned char cap[];  // occupancy cap only
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -63,14 +66,14 @@ __global__ void stream_decode(const u32* B, u32 rows, u32 Np, u32 salt, u32* out
   const u32 chunks = rows / 4, per_warp = (chunks + warps - 1) / warps, c0 = warp * per_warp;
   const int n = c0 < chunks ? int(min(per_warp, chunks - c0)) : 0;
   const uint4* p = reinterpret_cast<const uint4*>(B + size_t(4 * c0 + t) * Np + blockIdx.x * 32 + 4 * g);
-  uint4 ring[DEPTH];
+  uint4 ring[kDepth];
 #pragma unroll
-  for (int d = 0; d < DEPTH; ++d) ring[d] = d < n ? ldg_stream(p + size_t(d) * Np) : make_uint4(0, 0, 0, 0);
-  const uint4* q = p + size_t(DEPTH) * Np;
+  for (int d = 0; d < kDepth; ++d) ring[d] = d < n ? ldg_stream(p + size_t(d) * Np) : make_uint4(0, 0, 0, 0);
+  const uint4* q = p + size_t(kDepth) * Np;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   u32 x = 0;
   auto work = [&](const uint4& w) {
-    if constexpr (ALU == 0 && MMAS == 0) {
+    if constexpr (ALU == 0) {
       x ^= w.x + w.y * 3 + w.z * 5 + w.w * 7;
     } else {
       const u32 src[4] = {w.x, w.y, w.z, w.w};
@@ -81,34 +84,29 @@ __global__ void stream_decode(const u32* B, u32 rows, u32 Np, u32 salt, u32* out
 #pragma unroll
         for (int s = 0; s < ALU / 16; ++s) b[r] = lop3(b[r], salt + r, src[(r + s + 1) & 3]);
       }
-      if constexpr (MMAS == 0) {
 #pragma unroll
-        for (int r = 0; r < 16; ++r) x ^= b[r];
-      } else {
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          const u32 a[4] = {b[4 * s], b[4 * s + 1], b[4 * s + 2], b[4 * s + 3]};
-          mma(acc, a, salt, salt + s);
-        }
+      for (int s = 0; s < 4; ++s) {
+        const u32 a[4] = {b[4 * s], b[4 * s + 1], b[4 * s + 2], b[4 * s + 3]};
+        mma(acc, a, salt, salt + s);
       }
     }
   };
   int i0 = 0;
-  for (; i0 + 2 * DEPTH <= n; i0 += DEPTH) {
+  for (; i0 + 2 * kDepth <= n; i0 += kDepth) {
 #pragma unroll
-    for (int u = 0; u < DEPTH; ++u) {
+    for (int u = 0; u < kDepth; ++u) {
       const uint4 w = ring[u];
       ring[u] = ldg_stream(q);
       q += Np;
       work(w);
     }
   }
-  for (; i0 < n; i0 += DEPTH) {
+  for (; i0 < n; i0 += kDepth) {
 #pragma unroll
-    for (int u = 0; u < DEPTH; ++u) {
+    for (int u = 0; u < kDepth; ++u) {
       if (i0 + u >= n) break;
       const uint4 w = ring[u];
-      if (i0 + u + DEPTH < n) ring[u] = ldg_stream(q);
+      if (i0 + u + kDepth < n) ring[u] = ldg_stream(q);
       q += Np;
       work(w);
     }
@@ -162,9 +160,9 @@ struct Bench {
   }
 };
 
-template <int DEPTH, int ALU, int MMAS>
+template <int ALU>
 float row(Bench& b, u32 rows, u32 Np, int warps, int cap_warps, int sms, float stream_us) {
-  auto kernel = stream_decode<DEPTH, ALU, MMAS>;
+  auto kernel = stream_decode<ALU>;
   int smem_per_sm = 0;
   CHECK(cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 0));
   const int blocks_per_sm = cap_warps / warps;
@@ -180,16 +178,16 @@ float row(Bench& b, u32 rows, u32 Np, int warps, int cap_warps, int sms, float s
   cudaFuncAttributes fa;
   CHECK(cudaFuncGetAttributes(&fa, kernel));
   if (stream_us <= 0.f) stream_us = us;
-  printf("alu %2d  mma %d  warps/block %d  cap %2d (resident %2d, grid %5.1f/SM, %2d regs)  %7.2f us  %5.2fx the stream\n",
-         ALU, MMAS, warps, cap_warps, resident * warps, double(grid) * warps / sms, fa.numRegs, us, us / stream_us);
+  printf("alu %2d  warps/block %d  cap %2d (resident %2d, grid %5.1f/SM, %2d regs)  %7.2f us  %5.2fx the stream\n",
+         ALU, warps, cap_warps, resident * warps, double(grid) * warps / sms, fa.numRegs, us, us / stream_us);
   return us;
 }
 
-template <int DEPTH, int ALU, int MMAS>
+template <int ALU>
 float sweep(Bench& b, u32 rows, u32 Np, int sms, float stream_us) {
   for (int warps : {2, 4, 8})
     for (int cap : {16, 24, 32}) {
-      const float us = row<DEPTH, ALU, MMAS>(b, rows, Np, warps, cap, sms, stream_us);
+      const float us = row<ALU>(b, rows, Np, warps, cap, sms, stream_us);
       if (stream_us <= 0.f) stream_us = us;
     }
   return stream_us;
@@ -203,10 +201,10 @@ int main(int argc, char** argv) {
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   Bench b(bytes);
   printf("K %u x N %u at 4 bits: %.1f MB, ring 4 deep\n", K, N, bytes / 1e6);
-  const float stream_us = sweep<4, 0, 0>(b, rows, N, sms, 0.f);
-  sweep<4, 32, 4>(b, rows, N, sms, stream_us);
-  sweep<4, 64, 4>(b, rows, N, sms, stream_us);
-  sweep<4, 80, 4>(b, rows, N, sms, stream_us);
-  sweep<4, 96, 4>(b, rows, N, sms, stream_us);
+  const float stream_us = sweep<0>(b, rows, N, sms, 0.f);
+  sweep<32>(b, rows, N, sms, stream_us);
+  sweep<64>(b, rows, N, sms, stream_us);
+  sweep<80>(b, rows, N, sms, stream_us);
+  sweep<96>(b, rows, N, sms, stream_us);
   return 0;
 }
