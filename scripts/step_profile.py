@@ -10,7 +10,10 @@ replayed CUDA graph, compiled). The step's kernels are split into
   - the other kernels (norms, rotary embeddings, attention, residual adds, argmax, casts, copies),
     the largest by name;
   - idle: the step's time in the benchmark minus the sum of its kernels' times, i.e. the gaps
-    between kernels (launch latency, host work the device waits for).
+    between kernels (launch latency, host work the device waits for). Below zero where kernels
+    overlap: a kernel launched dependent on the previous one (programmatic dependent launch: the
+    library's kernels, and inductor's in StaticDecoder's compiled step) starts before that one
+    ends, and its time in the trace includes its wait for it.
 On CUDA the times are the kernels' device times from the trace (CUPTI; kernels inside a replayed
 CUDA graph included). On the CPU the "kernels" are the outermost aten / marlin ops (their CPU
 time); the work of inductor's generated C++ and Python between ops count as idle there.
@@ -285,7 +288,7 @@ def format_profile(label: str, p: StepProfile, top: int = 6) -> str:
     for name, n, t in p.other[:top]:
         lines.append(f"|   {short(name, 32):<32} | {'':>12} | {n:>5} | {t / max(n, 1):>11.2f} | {'':>8} | {'':>8} | "
                      f"{t:>9.1f} |")
-    lines.append(f"| {'idle (step - kernels)':<34} | {'':>12} | {'':>5} | {'':>11} | {'':>8} | {'':>8} | "
+    lines.append(f"| {'idle, < 0 overlap (step - kernels)':<34} | {'':>12} | {'':>5} | {'':>11} | {'':>8} | {'':>8} | "
                  f"{idle:>9.1f} |")
     if p.note:
         lines.append(f"note: {p.note}")

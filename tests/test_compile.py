@@ -86,6 +86,24 @@ def test_greedy_tokens_is_argmax(device, dtype):
         assert torch.equal(compiled(logits), expected)
 
 
+def test_compile_options_dependent_launch():
+    # Inductor's dependent launch is on unless the caller picks another backend or a mode (which
+    # torch.compile takes instead of options) or sets it; the caller's other options are kept.
+    from torch._inductor import config as inductor_config
+
+    from torch_marlin.generation import _compile_options
+
+    if not hasattr(inductor_config.triton, "enable_pdl"):
+        assert _compile_options(None) == {}
+        return
+    assert _compile_options(None) == {"options": {"triton.enable_pdl": True}}
+    assert _compile_options({"fullgraph": True, "options": {"max_autotune": True}}) == {
+        "fullgraph": True, "options": {"triton.enable_pdl": True, "max_autotune": True}}
+    assert _compile_options({"options": {"triton.enable_pdl": False}}) == {"options": {"triton.enable_pdl": False}}
+    assert _compile_options({"backend": "aot_eager"}) == {"backend": "aot_eager"}
+    assert _compile_options({"mode": "reduce-overhead"}) == {"mode": "reduce-overhead"}
+
+
 def test_bad_arguments():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="compile_options is given but compile=False"):

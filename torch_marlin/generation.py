@@ -13,7 +13,11 @@ Works for any model whose forward takes ``past_key_values``, ``cache_position`` 
 first step: the prompt runs eagerly first (a prompt of another length would be another graph),
 which also allocates the cache, so every step sees the same cache objects in the same state; the
 step's inputs are the same static tensors every time (the position is a tensor, not a Python int).
-So one graph serves every layer and every step: no recompiles.
+So one graph serves every layer and every step: no recompiles. With inductor (the default backend,
+no ``mode``) the step's kernels launch behind the previous kernel (inductor's
+``triton.enable_pdl``; on GPUs of compute capability 9.0 and up, ignored elsewhere), as the
+library's kernels do: each kernel's launch overlaps the previous kernel's end
+(docs/benchmarks.md "End to end" has the measured gain). ``compile_options`` may set it otherwise.
 
 The cache is transformers' ``StaticCache``, except that its full-attention layers after the first
 write each forward's keys and values at the positions the decoder hands the model: transformers'
@@ -85,6 +89,19 @@ def _decoder_cache(config, max_length: int):
     return cache
 
 
+def _compile_options(user: Optional[dict]) -> dict:
+    """``user``'s torch.compile arguments with inductor's dependent launch on (module docstring),
+    unless they choose another backend or a ``mode`` (torch.compile takes a mode or options, not
+    both) or set it themselves."""
+    from torch._inductor import config as inductor_config  # not at import: torch_marlin imports without it
+
+    opts = dict(user or {})
+    if (opts.get("backend", "inductor") == "inductor" and "mode" not in opts
+            and hasattr(inductor_config.triton, "enable_pdl")):  # torch >= 2.8
+        opts["options"] = {"triton.enable_pdl": True, **opts.get("options", {})}
+    return opts
+
+
 class StaticDecoder:
     """Greedy decoding of ``model`` for ``batch_size`` sequences of up to ``max_length`` tokens
     (prompt included). ``cuda_graph``: capture the decode step (CUDA only) at its first call;
@@ -109,8 +126,8 @@ class StaticDecoder:
         if cuda_graph and self.device.type != "cuda":
             raise ValueError(f"cuda_graph needs a model on a CUDA device, this one is on {self.device}")
         self.cuda_graph, self.compiled = cuda_graph, compile
-        self._decode = (torch.compile(self._decode_step, dynamic=False, **(compile_options or {})) if compile
-                        else self._decode_step)
+        self._decode = (torch.compile(self._decode_step, dynamic=False, **_compile_options(compile_options))
+                        if compile else self._decode_step)
         self.cache = _decoder_cache(model.config, max_length)
         self._tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)
         self._position = torch.zeros(1, dtype=torch.long, device=self.device)

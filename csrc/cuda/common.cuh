@@ -256,8 +256,19 @@ __device__ __forceinline__ float dequant_scalar(u32 code, float s, float z) {
 // Programmatic dependent launch (PDL; GemmPlan::dependent_launch, which the planner sets for
 // decode on the devices that run clusters and for wgmma_ws; benchmarks/notes/cuda-tuning.md CUDA-PDL): a
 // kernel launched with it may start while the previous kernel on the stream still runs, once
-// every block of that kernel has called pdl_launch_dependents(); pdl_wait() then blocks until that
-// kernel has finished and its writes are visible. Both are no-ops for a kernel launched without it.
+// every block of that kernel has called pdl_launch_dependents() (the first thread of a block to
+// call it counts for the block) or exited; pdl_wait() then blocks until that kernel has finished
+// and its writes are visible. pdl_wait() is a no-op for a kernel launched without PDL.
+// The protocol every kernel here keeps, because the next kernel need not be ours:
+//  - pdl_launch_dependents() comes after the kernel's own pdl_wait() (launched without PDL, the
+//    kernels before it have finished: anywhere);
+//  - the last kernel of an op's call calls it only once it no longer touches the call's workspace
+//    (a kernel followed by another of its call, which waits before it reads, may call it earlier).
+// Inductor's kernels launched with PDL (torch._inductor.config.triton.enable_pdl; StaticDecoder's
+// compiled step) read, before their wait, buffers that the previous kernel neither reads nor
+// writes, and may write there. After a trigger kept to the protocol every kernel before the
+// triggering one has finished, and the workspace, freed when the op returns and so the next
+// kernel's to take, is no longer used.
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");

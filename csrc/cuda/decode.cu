@@ -339,7 +339,6 @@ __global__ void __launch_bounds__(WARPS * 32, TM_CUDA_DECODE_WARPS_PER_SM(8u * N
   // L2 while that kernel finishes, then waits for it before it reads anything (the previous kernel
   // may write A, the weights or C). A prefetch only warms L2, the point of coherence, so a
   // weight written by that kernel is still read fresh after the wait.
-  pdl_launch_dependents();
 #pragma unroll
   for (int d = 0; d < kDecDepth; ++d)
     if (d < n_full) prefetch_l2(bp + size_t(d) * Np);
@@ -474,6 +473,10 @@ __global__ void __launch_bounds__(WARPS * 32, TM_CUDA_DECODE_WARPS_PER_SM(8u * N
     if (left != cpg) flush();
   }
 
+  // The next kernel may launch once every block is past its wait (common.cuh, PDL protocol), unless
+  // the epilogue still uses this call's workspace (the last-block K-slice reduction), which the
+  // allocator may already have handed to the next kernel: then at exit.
+  if (kCluster || p.k_parallel == 1) pdl_launch_dependents();
   decode_epilogue<T, NT, WARPS, kCluster>(p, acc, smem, slice, m0, n0, bias, C, ws, counters);
 }
 

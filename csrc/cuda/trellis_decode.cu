@@ -110,8 +110,10 @@ __global__ void __launch_bounds__(kThreads, EXPERTS ? TM_TRELLIS_CUDA_STREAM_EXP
   unsigned char* ring = smem + L::kRingOffset;
   T* x_s = reinterpret_cast<T*>(smem + L::kXOffset);
 
-  // The K-slice reduction may launch now and wait for this grid (KernelLaunch::dependent_launch).
-  pdl_launch_dependents();
+  // The experts' stages let their dependents launch now (common.cuh, PDL protocol): gate/up launches
+  // without PDL, so the kernels before it have finished, and down is followed by the combine,
+  // which waits for it before it reads.
+  if constexpr (EXPERTS) pdl_launch_dependents();
   const u32 tid = threadIdx.x, warp = tid / 32u, lane = tid % 32u, g = lane / 4u, t = lane % 4u;
   // The block's rows: [0, M) of A, or its expert's routed rows [row0, row0 + m) of the sorted row
   // space (at most the tile's; the planner checks tokens * top_k against it).
@@ -181,6 +183,8 @@ __global__ void __launch_bounds__(kThreads, EXPERTS ? TM_TRELLIS_CUDA_STREAM_EXP
       for (u32 q = 0; q < L::kBCopies; ++q)
         if (s < n_stages && s * kStageTiles < b_rows_left[q]) prefetch_l2(b_src[q] + s * b_step);
     pdl_wait();
+    // The K-slice reduction (which waits for this grid) or the next op's kernel may launch now.
+    pdl_launch_dependents();
   }
 
   // Unrolled, so a thread's grid loads are all in flight at once.

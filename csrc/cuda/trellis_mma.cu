@@ -62,7 +62,8 @@ __global__ void __launch_bounds__(kThreads) trellis_mma_kernel(const TrellisKern
   T* a_s = reinterpret_cast<T*>(smem + L::kAOffset);
   unsigned char* b_s = smem + L::kBOffset;
 
-  // The K-slice reduction may launch now and wait for this grid (KernelLaunch::dependent_launch).
+  // Launched without PDL (the kernels before it have finished), it lets the K-slice reduction, which
+  // waits for it, or the next op's kernel launch now (common.cuh, PDL protocol).
   pdl_launch_dependents();
   const u32 tid = threadIdx.x, warp = tid / 32u, lane = tid % 32u, g = lane / 4u, t = lane % 4u;
   const TrellisBlockOperand op = trellis_block_operand(a);

@@ -14,9 +14,9 @@ namespace {
 template <typename T>
 __global__ void __launch_bounds__(TM_TRELLIS_CUDA_ELEMWISE_THREADS)
     trellis_reduce_kernel(const float* ws, u32 parts, uint64_t count, T* C) {
-  // The next GEMM may launch now (it waits for this grid before it reads); this one launched behind
-  // the GEMM kernel that writes ws (KernelLaunch::dependent_launch).
-  pdl_launch_dependents();
+  // Launched behind the GEMM kernel that writes ws (KernelLaunch::dependent_launch). No early trigger:
+  // ws is read to the end and may be the next kernel's memory once the op returns (common.cuh, PDL
+  // protocol).
   pdl_wait();
   const uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= count) return;

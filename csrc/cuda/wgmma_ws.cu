@@ -136,7 +136,6 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
   // scales and zero points into L2 while that kernel finishes (they are usually the layer's own;
   // a prefetch only warms L2, so a weight that kernel writes is still read fresh), and every
   // thread waits for it before any other global access (it may write A, the weights, bias or C).
-  pdl_launch_dependents();
   if (tid == kConsumers) {
     for (int s = 0; s < min(n_stages, kStages); ++s) {
       const u32 k0 = k_begin + u32(s) * u32(kWgKStep), grp = k0 / p.group_size;
@@ -146,6 +145,9 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     }
   }
   pdl_wait();
+  // The next kernel may launch now unless the last-block K-slice reduction will still use this
+  // call's workspace (common.cuh, PDL protocol): then at exit.
+  if (kCluster || p.k_parallel == 1) pdl_launch_dependents();
   __syncthreads();
 
   if (tid >= kConsumers) {
