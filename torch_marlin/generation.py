@@ -93,11 +93,11 @@ def _compile_options(user: Optional[dict]) -> dict:
     """``user``'s torch.compile arguments with inductor's dependent launch on (module docstring),
     unless they choose another backend or a ``mode`` (torch.compile takes a mode or options, not
     both) or set it themselves."""
-    from torch._inductor import config as inductor_config  # not at import: torch_marlin imports without it
+    from torch._inductor import config as inductor_config  # loaded on first use, not with torch_marlin
 
     opts = dict(user or {})
     if (opts.get("backend", "inductor") == "inductor" and "mode" not in opts
-            and hasattr(inductor_config.triton, "enable_pdl")):  # torch >= 2.8
+            and hasattr(inductor_config.triton, "enable_pdl")):  # older torch has no such option
         opts["options"] = {"triton.enable_pdl": True, **opts.get("options", {})}
     return opts
 

@@ -473,9 +473,11 @@ __global__ void __launch_bounds__(WARPS * 32, TM_CUDA_DECODE_WARPS_PER_SM(8u * N
     if (left != cpg) flush();
   }
 
-  // The next kernel may launch once every block is past its wait (common.cuh, PDL protocol), unless
-  // the epilogue still uses this call's workspace (the last-block K-slice reduction), which the
-  // allocator may already have handed to the next kernel: then at exit.
+  // The next kernel may launch once every block is past its wait (common.cuh, PDL protocol); here,
+  // past the loop, it measured faster in a model's step than right after the wait
+  // (benchmarks/notes/cuda-tuning.md CUDA-PDL-TRIGGER). With the last-block K-slice reduction the
+  // epilogue still uses this call's workspace, which the allocator may already have handed to the
+  // next kernel: then at exit.
   if (kCluster || p.k_parallel == 1) pdl_launch_dependents();
   decode_epilogue<T, NT, WARPS, kCluster>(p, acc, smem, slice, m0, n0, bias, C, ws, counters);
 }
