@@ -267,7 +267,10 @@ static_assert(TM_CUDA_DECODE_TILE_N == 32u, "a warp's 8 lane groups x 4 columns"
 // H200 (benchmarks/notes/cuda-tuning.md CUDA-DECODE-RING): deeper rings, 3 blocks per SM, 12-warp blocks, a
 // cp.async shared-memory ring, L2 prefetches and (for 4 / 8 n8 tiles) 128-column blocks sharing A
 // chunks were all as fast or slower; 1 block per SM is faster for 8 tiles (128 registers spilled)
-// and slower for 4.
+// and slower for 4. Every load of the loop shares one dependency barrier, so a use of any loaded
+// register also waits for the refills issued before it; per-warp cp.async rings and two register
+// sets taking turns avoid that and still ran slower (benchmarks/notes/cuda-tuning.md
+// CUDA-DECODE-CPASYNC-RING, CUDA-DECODE-SETS).
 constexpr int kDecDepth = 4;
 
 // The decode kernel's global loads. On sm_90 it may run beside the previous kernel on the stream
