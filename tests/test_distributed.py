@@ -151,6 +151,17 @@ def test_act_order_rows_regrouped_per_rank():
         shard_layer(ordered, "rowwise", 0, WORLD, name="mlp.down_proj")
 
 
+def test_save_quantized_refuses_a_sharded_model(tmp_path):
+    from torch_marlin.distributed import shard_in_place
+
+    model = random_model("fp4")
+    name = "model.layers.1.self_attn.q_proj"
+    shard_in_place(model.get_submodule(name), "colwise", 1, WORLD, name=name)
+    with pytest.raises(ValueError, match=rf"{name} is a tensor-parallel shard \(colwise, rank 1 of 2\).*one-process"):
+        torch_marlin.save_quantized(model, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
 def test_refusals_name_layer_dimension_and_world_size():
     gen = torch.Generator().manual_seed(4)
     with pytest.raises(ShardError, match=r"q_proj: out_features=200 does not split over world size 3"):
@@ -249,6 +260,14 @@ def _worker(rank, world, port, workdir):
             raise AssertionError("transformers' tp_plan cut quantization groups")
         assert_logits_close(logits_of(model, ids), ref["float_u4"], f"u4 on load rank {rank} (transformers)")
         assert torch.equal(greedy(model, ids, 4), ref["float_u4_tokens"]), f"rank {rank}: greedy tokens differ"
+        out = os.path.join(workdir, f"saved_by_rank_{rank}")
+        try:  # each rank holds its shards only
+            torch_marlin.save_quantized(model, out)
+        except ValueError as e:
+            assert "is a tensor-parallel shard" in str(e) and f"rank {rank} of {world}" in str(e), str(e)
+        else:
+            raise AssertionError("save_quantized wrote one rank's shards as a model")
+        assert not os.path.exists(out)
         # scripts/bench_e2e.py --tp: each rank's part of the comparison, on these ranks.
         import sys
 

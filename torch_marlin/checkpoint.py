@@ -68,7 +68,16 @@ def save_quantized(model: nn.Module, directory: str, tokenizer=None) -> str:
     """
     from safetensors.torch import save_file
 
+    from .distributed.rules import SHARDED_ATTR
     from .fusion import unfused_members
+
+    # A rank's layers hold its shards only: written as they are, they would load as a smaller model.
+    for name, mod in model.named_modules():
+        shard = getattr(mod, SHARDED_ATTR, None)
+        if shard is not None:
+            style, rank, world = shard
+            raise ValueError(f"{name} is a tensor-parallel shard ({style}, rank {rank} of {world}): save_quantized "
+                             "writes whole layers; save from a one-process model (docs/distributed.md)")
 
     # Fused projections are written as their members, so the checkpoint loads fused or not.
     members = unfused_members(model)

@@ -28,8 +28,8 @@ from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES, replace
 from transformers.distributed.tensor_parallel import ColwiseParallel, RowwiseParallel
 
 from .layers import rule_of
-from .rules import LOCAL_FLOAT, ShardError
-from .styles import SHARDED_ATTR, install_local_forward
+from .rules import LOCAL_FLOAT, SHARDED_ATTR, ShardError
+from .styles import install_local_forward
 
 PENDING_ATTR = "_torch_marlin_tp_pending"  # (style, mesh, layouts) until the layer is built after loading
 

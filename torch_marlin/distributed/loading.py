@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .layers import rule_of
-from .rules import Split, read_pieces
-from .styles import SHARDED_ATTR, _style_for, auto_plan, check_plan, parallelize
+from .rules import SHARDED_ATTR, Split, read_pieces
+from .styles import _style_for, auto_plan, check_plan, parallelize
 
 
 def init_tp_mesh(device: Optional[torch.device] = None):

@@ -32,6 +32,10 @@ from torch import nn
 from ..formats import trellis as trellis_fmt
 from ..modules import MarlinLinear, RansLinear, TrellisLinear
 
+#: Set on a sharded layer: (style, rank, world). A layer loaded already sharded carries it too, so a
+#: style applied to it later only installs the hooks, and save_quantized refuses the model.
+SHARDED_ATTR = "tp_shard"
+
 STYLES = ("colwise", "rowwise")
 
 

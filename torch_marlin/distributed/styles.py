@@ -22,11 +22,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from .layers import rule_of, shard_layer
-from .rules import become
-
-#: Set on a sharded layer: (style, rank, world). A layer loaded already sharded carries it too, so a
-#: style applied to it later only installs the hooks.
-SHARDED_ATTR = "tp_shard"
+from .rules import SHARDED_ATTR, become
 
 
 def _rank_world(mesh) -> tuple:
