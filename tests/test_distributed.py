@@ -268,6 +268,17 @@ def _worker(rank, world, port, workdir):
         else:
             raise AssertionError("save_quantized wrote one rank's shards as a model")
         assert not os.path.exists(out)
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                model.save_pretrained(out)
+            except ValueError as e:
+                assert "not serializable" in str(e), str(e)
+            else:
+                raise AssertionError("save_pretrained wrote one rank's shards as a model")
+        assert any("loaded tensor-parallel" in str(w.message) for w in caught), [str(w.message) for w in caught]
         # scripts/bench_e2e.py --tp: each rank's part of the comparison, on these ranks.
         import sys
 

@@ -111,7 +111,9 @@ class TorchMarlinHfQuantizer(HfQuantizer):
 
         cfg = self.quantization_config
         linears = {}
-        if _tensor_parallel(model):
+        # This quantizer belongs to the one model it loads: whether that model's layers are shards.
+        self.loaded_tensor_parallel = _tensor_parallel(model)
+        if self.loaded_tensor_parallel:
             from .distributed import hf as tp_hf
 
             linears = tp_hf.localize(model)
@@ -129,6 +131,11 @@ class TorchMarlinHfQuantizer(HfQuantizer):
         return model
 
     def is_serializable(self):
+        if getattr(self, "loaded_tensor_parallel", False):
+            warnings.warn("TorchMarlinConfig: this model was loaded tensor-parallel (tp_plan): each rank's quantized "
+                          "layers hold its shards only, which save_pretrained would write as a smaller model; save "
+                          "from a one-process model (docs/distributed.md)", stacklevel=2)
+            return False
         return True
 
     @property
