@@ -63,6 +63,8 @@ class TorchMarlinHfQuantizer(HfQuantizer):
     quantizes a float model's Linears after its weights are loaded."""
 
     requires_calibration = False
+    #: Whether the model this quantizer loaded was loaded tensor-parallel (set after loading).
+    loaded_tensor_parallel = False
 
     def validate_environment(self, *args, **kwargs):
         device_map = kwargs.get("device_map")
@@ -111,7 +113,6 @@ class TorchMarlinHfQuantizer(HfQuantizer):
 
         cfg = self.quantization_config
         linears = {}
-        # This quantizer belongs to the one model it loads: whether that model's layers are shards.
         self.loaded_tensor_parallel = _tensor_parallel(model)
         if self.loaded_tensor_parallel:
             from .distributed import hf as tp_hf
@@ -131,7 +132,7 @@ class TorchMarlinHfQuantizer(HfQuantizer):
         return model
 
     def is_serializable(self):
-        if getattr(self, "loaded_tensor_parallel", False):
+        if self.loaded_tensor_parallel:
             warnings.warn("TorchMarlinConfig: this model was loaded tensor-parallel (tp_plan): each rank's quantized "
                           "layers hold its shards only, which save_pretrained would write as a smaller model; save "
                           "from a one-process model (docs/distributed.md)", stacklevel=2)
