@@ -266,29 +266,37 @@ def assign(events: List[Event], calls: List[Call], signatures, steps: int):
     return out, None
 
 
-def format_profile(label: str, p: StepProfile, top: int = 6) -> str:
+def format_profile(label: str, p: StepProfile, top: int = 6, name_width: int = 90) -> str:
+    """The profile as a markdown table. The part column is as wide as the longest label, the other
+    kernels' names at most ``name_width`` characters (inductor's and cuDNN's kernel names say which
+    part of the model each is, so they are not cut short where they fit)."""
     idle = p.step_us - p.kernel_us
     lines = [f"\nstep profile: {label}: {p.step_us:.1f} us a step (timed run), kernels {p.kernel_us:.1f} us "
              f"({p.kernel_us / p.step_us:.1%}), idle {idle:.1f} us ({p.steps} steps profiled)"]
-    head = f"| {'part':<34} | {'K x N':>12} | {'calls':>5} | {'in model us':>11} | {'alone us':>8} | " \
+    gemm_rows = sorted(p.groups, key=lambda g: -g[1] * g[2])
+    gemm_labels = [short(f"{role} {kind}".strip(), name_width) for (role, kind, *_), *_ in gemm_rows]
+    other_labels = ["  " + short(name, name_width - 2) for name, _, _ in p.other[:top]]
+    fixed = ["GEMMs (all linear layers)", "other kernels", "idle, < 0 overlap (step - kernels)"]
+    w = max(len(x) for x in gemm_labels + other_labels + fixed + ["part"])
+    head = f"| {'part':<{w}} | {'K x N':>12} | {'calls':>5} | {'in model us':>11} | {'alone us':>8} | " \
            f"{'in/alone':>8} | {'us a step':>9} |"
     lines += [head, "|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|"]
     gemm = 0.0
-    for (role, kind, M, K, N), n, in_model, alone in sorted(p.groups, key=lambda g: -g[1] * g[2]):
+    for ((role, kind, M, K, N), n, in_model, alone), part in zip(gemm_rows, gemm_labels):
         gemm += n * in_model
         shape = f"{K}x{N}" if K else ""
         ratio = in_model / alone if alone == alone and alone > 0 else float("nan")
-        lines.append(f"| {short(f'{role} {kind}'.strip(), 34):<34} | {shape:>12} | {n:>5} | {in_model:>11.2f} | "
+        lines.append(f"| {part:<{w}} | {shape:>12} | {n:>5} | {in_model:>11.2f} | "
                      f"{alone:>8.2f} | {ratio:>8.2f} | {n * in_model:>9.1f} |")
     others = sum(t for _, _, t in p.other)
-    lines.append(f"| {'GEMMs (all linear layers)':<34} | {'':>12} | {sum(g[1] for g in p.groups):>5} | {'':>11} | "
+    lines.append(f"| {fixed[0]:<{w}} | {'':>12} | {sum(g[1] for g in p.groups):>5} | {'':>11} | "
                  f"{'':>8} | {'':>8} | {gemm:>9.1f} |")
-    lines.append(f"| {'other kernels':<34} | {'':>12} | {sum(c for _, c, _ in p.other):>5} | {'':>11} | {'':>8} | "
+    lines.append(f"| {fixed[1]:<{w}} | {'':>12} | {sum(c for _, c, _ in p.other):>5} | {'':>11} | {'':>8} | "
                  f"{'':>8} | {others:>9.1f} |")
-    for name, n, t in p.other[:top]:
-        lines.append(f"|   {short(name, 32):<32} | {'':>12} | {n:>5} | {t / max(n, 1):>11.2f} | {'':>8} | {'':>8} | "
+    for (name, n, t), part in zip(p.other[:top], other_labels):
+        lines.append(f"| {part:<{w}} | {'':>12} | {n:>5} | {t / max(n, 1):>11.2f} | {'':>8} | {'':>8} | "
                      f"{t:>9.1f} |")
-    lines.append(f"| {'idle, < 0 overlap (step - kernels)':<34} | {'':>12} | {'':>5} | {'':>11} | {'':>8} | {'':>8} | "
+    lines.append(f"| {fixed[2]:<{w}} | {'':>12} | {'':>5} | {'':>11} | {'':>8} | {'':>8} | "
                  f"{idle:>9.1f} |")
     if p.note:
         lines.append(f"note: {p.note}")

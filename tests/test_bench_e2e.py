@@ -98,3 +98,21 @@ def test_gemm_kernels_are_matched_to_calls_in_order_with_their_helpers():
     swapped = [Event(n, t, 1.0) for t, n in enumerate(["gemm_b", "gemm_a", "gemm_b", "gemm_a"])]
     assigned, note = assign(swapped, calls, sigs, steps=2)
     assert assigned is None and "call 0 (l.q_proj) ran gemm_b" in note
+
+
+def test_profile_table_names_the_other_kernels_in_full():
+    from step_profile import StepProfile, format_profile
+
+    attention = "triton_poi_fused__scaled_dot_product_flash_attention_for_cpu_repeat_kv_0"
+    templated = "void at::native::elementwise_kernel<128, 2, " + "x" * 200 + ">"
+    p = StepProfile(steps=2, step_us=30.0, kernel_us=27.0,
+                    groups=[(("qkv_proj", "fp4", 1, 4096, 6144), 32, 0.5, 0.5)],
+                    other=[(attention, 2, 8.0), (templated, 4, 3.0)])
+    lines = format_profile("fp4 compile batch 1", p).splitlines()
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in lines if line.startswith("| ")]
+    parts = [r[0] for r in rows]
+    assert attention in parts  # in full: 73 characters, past the 34 a GEMM label needs
+    long_row = next(x for x in parts if x.startswith("void at::native::elementwise_kernel"))
+    assert long_row.endswith("...") and len(long_row) == 88  # capped with the indent at 90
+    assert len({len(line) for line in lines if line.startswith("|")}) == 1  # one column width
+    assert rows[-1][0] == "idle, < 0 overlap (step - kernels)" and float(rows[-1][6]) == 3.0
