@@ -276,8 +276,8 @@ def format_profile(label: str, p: StepProfile, top: int = 6, name_width: int = 9
     gemm_rows = sorted(p.groups, key=lambda g: -g[1] * g[2])
     gemm_labels = [short(f"{role} {kind}".strip(), name_width) for (role, kind, *_), *_ in gemm_rows]
     other_labels = ["  " + short(name, name_width - 2) for name, _, _ in p.other[:top]]
-    fixed = ["GEMMs (all linear layers)", "other kernels", "idle, < 0 overlap (step - kernels)"]
-    w = max(len(x) for x in gemm_labels + other_labels + fixed + ["part"])
+    gemms_total, others_total, idle_row = "GEMMs (all linear layers)", "other kernels", "idle, < 0 overlap (step - kernels)"
+    w = max(len(x) for x in gemm_labels + other_labels + [gemms_total, others_total, idle_row, "part"])
     head = f"| {'part':<{w}} | {'K x N':>12} | {'calls':>5} | {'in model us':>11} | {'alone us':>8} | " \
            f"{'in/alone':>8} | {'us a step':>9} |"
     lines += [head, "|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|"]
@@ -289,14 +289,14 @@ def format_profile(label: str, p: StepProfile, top: int = 6, name_width: int = 9
         lines.append(f"| {part:<{w}} | {shape:>12} | {n:>5} | {in_model:>11.2f} | "
                      f"{alone:>8.2f} | {ratio:>8.2f} | {n * in_model:>9.1f} |")
     others = sum(t for _, _, t in p.other)
-    lines.append(f"| {fixed[0]:<{w}} | {'':>12} | {sum(g[1] for g in p.groups):>5} | {'':>11} | "
+    lines.append(f"| {gemms_total:<{w}} | {'':>12} | {sum(g[1] for g in p.groups):>5} | {'':>11} | "
                  f"{'':>8} | {'':>8} | {gemm:>9.1f} |")
-    lines.append(f"| {fixed[1]:<{w}} | {'':>12} | {sum(c for _, c, _ in p.other):>5} | {'':>11} | {'':>8} | "
+    lines.append(f"| {others_total:<{w}} | {'':>12} | {sum(c for _, c, _ in p.other):>5} | {'':>11} | {'':>8} | "
                  f"{'':>8} | {others:>9.1f} |")
     for (name, n, t), part in zip(p.other[:top], other_labels):
         lines.append(f"| {part:<{w}} | {'':>12} | {n:>5} | {t / max(n, 1):>11.2f} | {'':>8} | {'':>8} | "
                      f"{t:>9.1f} |")
-    lines.append(f"| {fixed[2]:<{w}} | {'':>12} | {'':>5} | {'':>11} | {'':>8} | {'':>8} | "
+    lines.append(f"| {idle_row:<{w}} | {'':>12} | {'':>5} | {'':>11} | {'':>8} | {'':>8} | "
                  f"{idle:>9.1f} |")
     if p.note:
         lines.append(f"note: {p.note}")
