@@ -276,7 +276,8 @@ def format_profile(label: str, p: StepProfile, top: int = 6, name_width: int = 9
     gemm_rows = sorted(p.groups, key=lambda g: -g[1] * g[2])
     gemm_labels = [short(f"{role} {kind}".strip(), name_width) for (role, kind, *_), *_ in gemm_rows]
     other_labels = ["  " + short(name, name_width - 2) for name, _, _ in p.other[:top]]
-    gemms_total, others_total, idle_row = "GEMMs (all linear layers)", "other kernels", "idle, < 0 overlap (step - kernels)"
+    gemms_total, others_total = "GEMMs (all linear layers)", "other kernels"
+    idle_row = "idle, < 0 overlap (step - kernels)"
     w = max(len(x) for x in gemm_labels + other_labels + [gemms_total, others_total, idle_row, "part"])
     head = f"| {'part':<{w}} | {'K x N':>12} | {'calls':>5} | {'in model us':>11} | {'alone us':>8} | " \
            f"{'in/alone':>8} | {'us a step':>9} |"
