@@ -265,8 +265,8 @@ static_assert(TM_CUDA_DECODE_TILE_N == 32u, "a warp's 8 lane groups x 4 columns"
 // Resident warps per SM: 16 (128 registers a thread), 8 for 8 n8 tiles (up to 255, no spills);
 // TM_CUDA_DECODE_WARPS_PER_SM, shared with the planner. The ring is 4 chunks deep. Measured on an
 // H200 (benchmarks/notes/cuda-tuning.md CUDA-DECODE-RING): deeper rings, 3 blocks per SM, 12-warp blocks, a
-// cp.async shared-memory ring, L2 prefetches and (for 4 / 8 n8 tiles) 128-column blocks sharing A
-// chunks were all as fast or slower; 1 block per SM is faster for 8 tiles (128 registers spilled)
+// cp.async shared-memory ring, L2 or L1 prefetches (CUDA-DECODE-L1-PREFETCH) and (for 4 / 8 n8 tiles)
+// 128-column blocks sharing A chunks were all as fast or slower; 1 block per SM is faster for 8 tiles (128 registers spilled)
 // and slower for 4. Every load of the loop shares one dependency barrier, so a use of any loaded
 // register also waits for the refills issued before it; per-warp cp.async rings and two register
 // sets taking turns avoid that and still ran slower (benchmarks/notes/cuda-tuning.md
