@@ -249,7 +249,9 @@ __device__ __forceinline__ void decode_epilogue(const QuantGemmParams& p, const 
 // ---------------------------------------------------------------------------------------------
 // Streams the packed weights once; the loop spends as few instructions per 16-byte chunk as it can
 // (scripts/dev/sass_loop_stats.py: about 95 for FP4/fp16 with M <= 8 and scaled group sums). On an
-// H200 it is latency-bound rather than issue-bound.
+// H200 it is neither issue- nor stream-bound: without its unpack and mma it streams at about the copy
+// rate, and each part of its work adds its latency to every warp's chunk rather than hiding under the
+// loads (benchmarks/notes/cuda-tuning.md CUDA-DECODE-ABLATION).
 //  - Weights are the mma's A operand and activations its B operand (C^T = W^T A^T): a lane's 4
 //    words (4 columns x 8 k) fill 4 m16n8k16 mmas per 8 activation rows, and M <= 8 wastes no
 //    mma rows on zero padding (M is padded to 8, 16, 32 or 64: NT = 1, 2, 4 or 8 n8 tiles).
@@ -264,13 +266,14 @@ __device__ __forceinline__ void decode_epilogue(const QuantGemmParams& p, const 
 static_assert(TM_CUDA_DECODE_TILE_N == 32u, "a warp's 8 lane groups x 4 columns");
 // Resident warps per SM: 16 (128 registers a thread), 8 for 8 n8 tiles (up to 255, no spills);
 // TM_CUDA_DECODE_WARPS_PER_SM, shared with the planner. The ring is 4 chunks deep. Measured on an
-// H200 (benchmarks/notes/cuda-tuning.md CUDA-DECODE-RING): deeper rings, 3 blocks per SM, 12-warp blocks, a
-// cp.async shared-memory ring, L2 or L1 prefetches (CUDA-DECODE-L1-PREFETCH) and (for 4 / 8 n8 tiles)
-// 128-column blocks sharing A chunks were all as fast or slower; 1 block per SM is faster for 8 tiles (128 registers spilled)
-// and slower for 4. Every load of the loop shares one dependency barrier, so a use of any loaded
-// register also waits for the refills issued before it; per-warp cp.async rings and two register
-// sets taking turns avoid that and still ran slower (benchmarks/notes/cuda-tuning.md
-// CUDA-DECODE-CPASYNC-RING, CUDA-DECODE-SETS).
+// H200 (benchmarks/notes/cuda-tuning.md CUDA-DECODE-RING): deeper rings, 3 blocks per SM, 12-warp
+// blocks, a cp.async shared-memory ring, L2 or L1 prefetches (CUDA-DECODE-L1-PREFETCH) and (for
+// 4 / 8 n8 tiles) 128-column blocks sharing A chunks were all as fast or slower; 1 block per SM is
+// faster for 8 tiles (128 registers spilled) and slower for 4. Every load of the loop shares one
+// dependency barrier, so a use of any loaded register also waits for the refills issued before it;
+// per-warp cp.async rings and two register sets taking turns avoid that and still ran slower, as
+// did a per-warp TMA ring (benchmarks/notes/cuda-tuning.md CUDA-DECODE-CPASYNC-RING,
+// CUDA-DECODE-SETS, CUDA-DECODE-TMA-WARP).
 constexpr int kDecDepth = 4;
 
 // The decode kernel's global loads. On sm_90 it may run beside the previous kernel on the stream
