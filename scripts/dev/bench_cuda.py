@@ -51,20 +51,25 @@ MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 GS = 128
 
 
+def capture_graph(fn):
+    """A CUDA graph of fn (and fn's result at capture), warmed on its capture stream first."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm the per-stream state (K-slice counters) outside capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=side):
+        out = fn()
+    return g, out
+
+
 def timer(fn, reps, flush, graph=False):
     """fn timed alone after a flush (flush None: no flush), median in us."""
     for _ in range(3):
         fn()
     if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm the per-stream state (K-slice counters) outside capture
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=side):
-            fn()
-        fn = g.replay
+        fn = capture_graph(fn)[0].replay
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):

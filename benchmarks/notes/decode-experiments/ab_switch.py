@@ -6,7 +6,8 @@
 Only for a build with one of the patches beside this file applied: the tree's kernels read no such
 variable. For each K x N it makes rotated copies of random FP4 weights (group size 128) totalling
 about 400 MB, and for each M captures one CUDA graph per switch value (every copy called once,
-back to back) plus one graph copying the same bytes device to device. It replays the graphs in
+back to back) plus one graph copying the same bytes device to device, as
+scripts/dev/bench_cuda.py captures its graphs. It replays the graphs in
 turn, 7 rounds of 10 replays, and prints the median time per call, each value's ratio to the
 first, the largest difference of its outputs from the first value's, and the copy's time.
 """
@@ -19,14 +20,8 @@ import torch
 
 import torch_marlin  # noqa: F401  (registers torch.ops.marlin)
 
-
-def capture(body):
-    body()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = body()
-    return graph, out
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "scripts", "dev"))
+from bench_cuda import GS, capture_graph, fp4_bytes  # noqa: E402
 
 
 def main():
@@ -38,16 +33,16 @@ def main():
     for K, N in shapes:
         n = max(4, int(400e6 // (K * N // 2)))
         weights = [(torch.randint(-2**31, 2**31 - 1, (K // 8, N), device="cuda", dtype=torch.int32),
-                    torch.rand(K // 128, N, device="cuda", dtype=torch.float16) * 0.01) for _ in range(n)]
-        nbytes = K * N // 2 + (K // 128) * N * 2
+                    torch.rand(K // GS, N, device="cuda", dtype=torch.float16) * 0.01) for _ in range(n)]
+        nbytes = fp4_bytes(K, N)
         copies = [torch.empty(2, nbytes // 2, dtype=torch.uint8, device="cuda") for _ in range(n)]
         for M in ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.float16)
             graphs, outs = {}, {}
             for v in values:
                 os.environ[var] = v  # read by the patched launcher at every launch, so at capture
-                graphs[v], outs[v] = capture(lambda: [gemm(x, b, s, 128, None) for b, s in weights])
-            graphs["copy"], _ = capture(lambda: [c[1].copy_(c[0]) for c in copies])
+                graphs[v], outs[v] = capture_graph(lambda: [gemm(x, b, s, GS, None) for b, s in weights])
+            graphs["copy"], _ = capture_graph(lambda: [c[1].copy_(c[0]) for c in copies])
             times = {v: [] for v in graphs}
             for _ in range(7):
                 for v, graph in graphs.items():
